@@ -1,0 +1,191 @@
+"""The ``kvgraft`` command: one subcommand per entry-point function, no logic of its own.
+
+User errors (bad paths, bad values, corrupt checkpoints) print one line ``kvgraft: error: ...``
+and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvgraft.errors import KvgraftError
+
+
+def _add_train_args(p: argparse.ArgumentParser, defaults) -> None:
+    """Expose every TrainConfig field as --field-name (defaults from the recipe)."""
+    from kvgraft.train.config import TrainConfig
+
+    for f in dataclasses.fields(TrainConfig):
+        default = getattr(defaults, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool",) or isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], float)
+            if f.name == "max_time_s":
+                kind = float
+            p.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+
+
+def _train_config(args: argparse.Namespace):
+    from kvgraft.train.config import TrainConfig
+
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from kvgraft.data import prepare_data
+
+    summary = prepare_data(args.out, sources=args.sources, vocab_size=args.vocab_size, seed=args.seed,
+                           files=args.files)
+    for split, s in summary["splits"].items():
+        print(f"{split:>10}: {s['documents']:>6} documents, {s['tokens']:>9,} tokens")
+    return 0
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from kvgraft.train.pretrain import pretrain
+
+    result = pretrain(args.data, args.out, model=args.model, train_config=_train_config(args), seq_len=args.seq_len)
+    print(json.dumps({"step": result.step, "tokens": result.tokens, "train_loss": result.train_loss,
+                      "val_loss": result.val_loss, "stopped_early": result.stopped_early}))
+    return 0
+
+
+def cmd_ship(args: argparse.Namespace) -> int:
+    from kvgraft.train.ship import ship_reference
+
+    command = args.command_line or "(not recorded)"
+    out = ship_reference(args.run, args.data, args.out, command=command, overwrite=args.overwrite)
+    print(f"shipped {out}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kvgraft.eval import compare_table, evaluate, format_report
+    from kvgraft.reference import resolve_model
+
+    results = []
+    models = args.model or [None]
+    for i, name in enumerate(models):
+        path = resolve_model(name)
+        json_out = None
+        if args.json:
+            json_out = args.json if len(models) == 1 else Path(args.json).with_suffix(f".{i}.json")
+        results.append(evaluate(
+            model_path=path, text_file=args.text, seq_len=args.seq_len, contexts=tuple(args.contexts),
+            batch_sizes=tuple(args.batch_sizes), new_tokens=args.new_tokens, json_out=json_out,
+            max_tokens=args.max_tokens,
+        ))
+        print(format_report(results[-1]))
+    if len(results) > 1:
+        print(compare_table(results))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvgraft.hf import load_pretrained, load_tokenizer_dir
+    from kvgraft.model import generate
+    from kvgraft.reference import resolve_model
+
+    path = resolve_model(args.model)
+    model = load_pretrained(path)
+    tok = load_tokenizer_dir(path)
+    if tok is None:
+        raise FileNotFoundError(f"{path} has no tokenizer.json; generation needs one")
+    ids = torch.tensor([tok.encode(args.prompt)])
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty after tokenization; give a non-empty --prompt")
+    out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   seed=args.seed, eos_token_id=model.config.eos_token_id)
+    print(tok.decode(out[0].tolist(), skip_special_tokens=True))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvgraft.demo import demo
+
+    demo(args.model, out_dir=args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvgraft.data.corpus import DEFAULT_SOURCES, SOURCES
+    from kvgraft.model.presets import PRESETS
+    from kvgraft.train.config import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="kvgraft", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("prepare-data", help="build the corpus, train the BPE tokenizer, tokenize the splits")
+    p.add_argument("--out", required=True, help="output directory (corpus/, tokenizer/, tokens/)")
+    p.add_argument("--sources", nargs="*", default=list(DEFAULT_SOURCES), choices=sorted(SOURCES),
+                   help="corpus sources (Debian packages, installed with apt-get when missing)")
+    p.add_argument("--files", nargs="*", default=[], help="extra text files, one document each")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_prepare_data)
+
+    p = sub.add_parser("pretrain", help="pretrain a model from scratch on prepared data (resumable)")
+    p.add_argument("--data", required=True, help="directory made by `kvgraft prepare-data`")
+    p.add_argument("--out", required=True, help="run directory; rerun the same command to resume")
+    p.add_argument("--model", default="llama-8m", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--seq-len", type=int, default=None, help="training sequence length (default: model context)")
+    _add_train_args(p, TrainConfig(max_steps=1000))
+    p.set_defaults(func=cmd_pretrain)
+
+    model_help = "model directory (Hugging Face format) or shipped reference model name (default: kvgraft-llama-8m)"
+    p = sub.add_parser("eval", help="perplexity, KV bytes per token (formula and measured), decode speed")
+    p.add_argument("model", nargs="*", help=model_help + "; several are compared side by side")
+    p.add_argument("--text", default=None, help="text file to score (default: the model's eval/heldout.npy)")
+    p.add_argument("--seq-len", type=int, default=None, help="perplexity window (default: model context)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048], help="decode context lengths")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per point")
+    p.add_argument("--json", default=None, help="write the report as JSON here")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help="sample text from a model (greedy, temperature, top-p)")
+    p.add_argument("model", nargs="?", default=None, help=model_help)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="the `make demo` job: evaluate the reference model and sample from it")
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--out", default="runs/demo", help="where report.json goes")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("ship", help="package a finished pretraining run as a reference model with its card")
+    p.add_argument("run", help="pretraining run directory")
+    p.add_argument("--data", required=True, help="the data directory the run trained on")
+    p.add_argument("--out", required=True, help="output model directory, e.g. models/kvgraft-llama-8m")
+    p.add_argument("--command-line", default=None, help="the exact pretrain command, recorded in the card")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_ship)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (KvgraftError, ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"kvgraft: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

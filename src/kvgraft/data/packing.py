@@ -1,0 +1,125 @@
+"""Tokenize corpus splits into flat token streams and serve fixed-length windows.
+
+A token stream is a 1-D ``.npy`` array: the concatenation of every document's tokens,
+each followed by ``<|endoftext|>`` (id 0). dtype is ``uint16`` when every id fits
+(vocabulary of at most 65536 entries), else ``uint32``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from kvgraft.atomic import atomic_open
+from kvgraft.data.corpus import iter_documents
+from kvgraft.data.tokenizer import eos_token_id, load_tokenizer
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype holding ids ``0 .. vocab_size - 1`` (uint16 or uint32)."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    while batch := list(islice(items, size)):
+        yield batch
+
+
+def _save_npy(array: np.ndarray, out_file: str | Path) -> None:
+    with atomic_open(out_file, "wb") as handle:
+        np.save(handle, array, allow_pickle=False)
+
+
+def tokenize_split(
+    text_file: str | Path,
+    tokenizer_path: str | Path,
+    out_file: str | Path,
+    append_eos: bool = True,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> int:
+    """Tokenize every document of a corpus split file into one ``.npy`` stream.
+
+    Documents are batch-encoded (no special tokens added by the tokenizer); with
+    ``append_eos`` the EOS id follows each document. The file is written atomically.
+    Returns the number of tokens written.
+    """
+    tok = load_tokenizer(tokenizer_path)
+    eos = eos_token_id(tok)
+    dtype = token_dtype(tok.get_vocab_size(with_added_tokens=True))
+    chunks: list[np.ndarray] = []
+    docs = iter_documents(text_file)
+    with tqdm(desc=f"tokenize {Path(text_file).name}", unit="doc", disable=not progress) as bar:
+        for batch in _batches(docs, batch_size):
+            for enc in tok.encode_batch(batch, add_special_tokens=False):
+                ids = enc.ids + [eos] if append_eos else enc.ids
+                chunks.append(np.asarray(ids, dtype=dtype))
+            bar.update(len(batch))
+    stream = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+    _save_npy(stream, out_file)
+    return int(stream.size)
+
+
+def load_tokens(path: str | Path) -> np.ndarray:
+    """Memory-map a 1-D token ``.npy`` file (read-only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"token file not found: {path}")
+    tokens = np.load(path, mmap_mode="r")
+    if tokens.ndim != 1:
+        raise ValueError(f"token file {path} must hold a 1-D array, got shape {tokens.shape}")
+    return tokens
+
+
+def slice_tokens(npy_in: str | Path, n_tokens: int, npy_out: str | Path) -> int:
+    """Write the first ``n_tokens`` tokens of ``npy_in`` to ``npy_out`` (same dtype).
+
+    For small calibration/eval slices. Raises ValueError if ``n_tokens`` is not
+    positive or exceeds the stream length. Returns ``n_tokens``.
+    """
+    tokens = load_tokens(npy_in)
+    if n_tokens <= 0 or n_tokens > tokens.size:
+        raise ValueError(f"n_tokens={n_tokens} must be in [1, {tokens.size}] (length of {npy_in})")
+    _save_npy(np.array(tokens[:n_tokens]), npy_out)
+    return n_tokens
+
+
+class PackedDataset(Dataset):
+    """Non-overlapping next-token windows over a token stream.
+
+    Item ``i`` reads ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` (one token of
+    overlap with the next window) and returns ``{"input_ids": x[:-1], "labels": x[1:]}``
+    as int64 tensors of length ``seq_len``. ``len = (n_tokens - 1) // seq_len``.
+    ``tokens`` is a ``.npy`` path (memory-mapped) or a 1-D array.
+    """
+
+    def __init__(self, tokens: str | Path | np.ndarray, seq_len: int) -> None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        self.tokens = load_tokens(tokens) if isinstance(tokens, (str, Path)) else np.asarray(tokens)
+        if self.tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {self.tokens.shape}")
+        if self.tokens.size < seq_len + 1:
+            raise ValueError(
+                f"token stream has {self.tokens.size} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+            )
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (self.tokens.size - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"index {index} out of range for {n} windows")
+        start = index * self.seq_len
+        window = torch.from_numpy(np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        return {"input_ids": window[:-1], "labels": window[1:]}

@@ -1,0 +1,119 @@
+"""End-to-end data preparation: corpus -> tokenizer -> token streams.
+
+Usage::
+
+    python -m kvgraft.data.prepare --out runs/data --vocab-size 8192
+
+Layout under ``out``::
+
+    corpus/{train,validation,test}.txt, corpus/corpus.json, corpus/documents.tsv
+    tokenizer/tokenizer.json, tokenizer/tokenizer_config.json
+    tokens/{train,validation,test}.npy
+    prepare.json     the summary returned by :func:`prepare_data`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvgraft.atomic import atomic_write_text
+from kvgraft.data.corpus import DEFAULT_SOURCES, SOURCES, SPLITS, CorpusError, build_corpus, iter_documents
+from kvgraft.data.packing import tokenize_split
+from kvgraft.data.tokenizer import train_tokenizer
+
+
+def prepare_data(
+    out_dir: str | Path,
+    sources: Sequence[str] = DEFAULT_SOURCES,
+    vocab_size: int = 8192,
+    seed: int = 0,
+    *,
+    files: Sequence[str | Path] = (),
+    val_fraction: float = 0.02,
+    test_fraction: float = 0.02,
+    min_frequency: int = 2,
+    progress: bool = True,
+) -> dict:
+    """Build the corpus, train the tokenizer on its train split, tokenize all splits.
+
+    Returns (and writes to ``out_dir/prepare.json``) a summary with paths and, per
+    split, documents, text bytes (UTF-8 of the documents, separators excluded), tokens
+    (EOS included), and bytes per token (EOS excluded).
+    """
+    out = Path(out_dir).resolve()
+    manifest = build_corpus(
+        out / "corpus", sources=sources, files=files, val_fraction=val_fraction,
+        test_fraction=test_fraction, seed=seed,
+    )
+    tok_dir = train_tokenizer(
+        manifest.path("train"), vocab_size, out_dir=out / "tokenizer", min_frequency=min_frequency,
+        show_progress=progress,
+    )
+    splits: dict[str, dict] = {}
+    for split in SPLITS:
+        text_file = manifest.path(split)
+        token_file = out / "tokens" / f"{split}.npy"
+        n_tokens = tokenize_split(text_file, tok_dir, token_file, progress=progress)
+        docs = list(iter_documents(text_file))
+        text_bytes = sum(len(doc.encode("utf-8")) for doc in docs)
+        content_tokens = n_tokens - len(docs)
+        splits[split] = {
+            "documents": len(docs),
+            "documents_by_source": manifest.splits[split].documents_by_source,
+            "text_bytes": text_bytes,
+            "file_bytes": manifest.splits[split].bytes,
+            "tokens": n_tokens,
+            "bytes_per_token": round(text_bytes / content_tokens, 4) if content_tokens else None,
+            "text_file": str(text_file),
+            "token_file": str(token_file),
+        }
+    summary = {
+        "out_dir": str(out),
+        "sources": manifest.sources,
+        "packages": manifest.packages,
+        "seed": seed,
+        "val_fraction": val_fraction,
+        "test_fraction": test_fraction,
+        "vocab_size": vocab_size,
+        "corpus_dir": str(out / "corpus"),
+        "tokenizer_dir": str(tok_dir),
+        "splits": splits,
+    }
+    atomic_write_text(out / "prepare.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvgraft.data.prepare", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="output directory (e.g. runs/data)")
+    parser.add_argument(
+        "--sources", nargs="*", default=list(DEFAULT_SOURCES),
+        help=f"corpus sources (default: {' '.join(DEFAULT_SOURCES)}; known: {' '.join(sorted(SOURCES))})",
+    )
+    parser.add_argument("--files", nargs="*", default=[], help="extra user text files, one document each")
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--min-frequency", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--val-fraction", type=float, default=0.02)
+    parser.add_argument("--test-fraction", type=float, default=0.02)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    try:
+        summary = prepare_data(
+            args.out, args.sources, args.vocab_size, args.seed, files=args.files,
+            val_fraction=args.val_fraction, test_fraction=args.test_fraction,
+            min_frequency=args.min_frequency, progress=not args.quiet,
+        )
+    except (CorpusError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

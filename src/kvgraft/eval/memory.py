@@ -1,0 +1,60 @@
+"""KV-cache bytes per token: the config's formula checked against a cache actually allocated."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+CONTEXTS: tuple[int, ...] = (1024, 4096, 8192, 32768)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class KVMemory:
+    bytes_per_token_formula: int  # config.kv_bytes_per_token(itemsize): all layers, one sequence
+    bytes_per_token_measured: float  # allocated cache nbytes / max_len at batch 1
+    agree: bool  # formula * max_len == allocated nbytes
+    dtype: str  # e.g. "bfloat16"
+    per_context: dict[int, int] = field(default_factory=dict)  # context tokens -> bytes (formula)
+    max_len: int = 0  # tokens of the cache that was allocated to measure
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``per_context`` keys become strings (JSON object keys are strings)."""
+        d = asdict(self)
+        d["per_context"] = {str(k): v for k, v in self.per_context.items()}
+        return d
+
+
+def kv_memory(
+    model: torch.nn.Module,
+    dtype: torch.dtype = torch.bfloat16,
+    max_len: int = 4096,
+    contexts: tuple[int, ...] = CONTEXTS,
+) -> KVMemory:
+    """Cache bytes per token of context for one sequence, from the formula and from a real allocation.
+
+    The formula is ``model.config.kv_bytes_per_token(itemsize of dtype)``; the measurement allocates
+    ``model.new_cache(1, max_len, dtype)`` (on the model's device) and divides its ``nbytes`` by
+    ``max_len``. ``agree`` reports whether they match exactly; a mismatch is reported, not raised.
+    """
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    formula = int(model.config.kv_bytes_per_token(itemsize))
+    cache = model.new_cache(1, max_len, dtype)
+    nbytes = int(cache.nbytes)
+    del cache
+    return KVMemory(
+        bytes_per_token_formula=formula,
+        bytes_per_token_measured=nbytes / max_len,
+        agree=nbytes == formula * max_len,
+        dtype=dtype_name(dtype),
+        per_context={int(c): formula * int(c) for c in contexts},
+        max_len=max_len,
+    )

@@ -1,0 +1,132 @@
+"""Decode throughput: prefill a random prompt into a preallocated cache, then time single-token steps.
+
+A measuring function only: it never asserts on timings. For every (context, batch) and repeat it
+allocates a cache of ``context + new_tokens``, times the prefill, then runs ``new_tokens`` greedy
+decode steps, timing each with ``time.perf_counter`` (synchronising the GPU when there is one). The
+first ``warmup`` steps of each repeat are run but not counted. Per repeat the median step latency is
+taken; the point reports the median over repeats (and the median prefill time).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SpeedPoint:
+    context: int  # prompt tokens already in the cache when decoding starts
+    batch_size: int
+    tokens_per_s: float  # batch_size / median step latency
+    ms_per_token_median: float  # median latency of one decode step (all rows), milliseconds
+    prefill_s: float  # median prefill time of the prompt, seconds
+    beyond_max_positions: bool = False  # context + new_tokens > config.max_position_embeddings
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _check_positive(name: str, values: tuple[int, ...]) -> None:
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise ValueError(f"{name} must be a non-empty sequence of positive ints, got {values!r}")
+
+
+def decode_speed(
+    model: torch.nn.Module,
+    contexts: tuple[int, ...] = (128, 512, 2048),
+    batch_sizes: tuple[int, ...] = (1, 8),
+    new_tokens: int = 32,
+    warmup: int = 4,
+    repeats: int = 3,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> list[SpeedPoint]:
+    """One :class:`SpeedPoint` per (context, batch size), contexts outer, batch sizes inner.
+
+    ``dtype`` (default: the model's) is the compute and cache dtype; if it differs from the model's,
+    a converted copy of the model is measured and the model itself is left untouched. Prompts are
+    random ids from a generator seeded with ``seed``. Warns once when some context plus
+    ``new_tokens`` runs past ``config.max_position_embeddings`` (speed is still meaningful there,
+    output quality is not).
+    """
+    contexts, batch_sizes = tuple(contexts), tuple(batch_sizes)
+    _check_positive("contexts", contexts)
+    _check_positive("batch_sizes", batch_sizes)
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"new_tokens must be a positive int, got {new_tokens!r}")
+    if not 0 <= warmup < new_tokens:
+        raise ValueError(f"warmup ({warmup}) must be in [0, new_tokens) = [0, {new_tokens})")
+    if repeats < 1:
+        raise ValueError(f"repeats ({repeats}) must be >= 1")
+
+    config = model.config
+    param = next(model.parameters())
+    device = param.device
+    if dtype is not None and dtype != param.dtype:
+        model = copy.deepcopy(model).to(dtype)
+    dtype = dtype or param.dtype
+    max_pos = config.max_position_embeddings
+    beyond = [c for c in contexts if c + new_tokens > max_pos]
+    if beyond:
+        warnings.warn(
+            f"decode_speed: contexts {beyond} plus {new_tokens} new tokens run past max_position_embeddings "
+            f"({max_pos}); speed is still measured, output quality there is meaningless",
+            stacklevel=2,
+        )
+
+    generator = torch.Generator().manual_seed(seed)
+    points: list[SpeedPoint] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for context in contexts:
+                for batch in batch_sizes:
+                    prompt = torch.randint(0, config.vocab_size, (batch, context), generator=generator).to(device)
+                    step_medians: list[float] = []
+                    prefills: list[float] = []
+                    for _ in range(repeats):
+                        cache = model.new_cache(batch, context + new_tokens, dtype)
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        logits = model(prompt, cache=cache, last_only=True)
+                        _sync(device)
+                        prefills.append(time.perf_counter() - t0)
+                        steps: list[float] = []
+                        for step in range(new_tokens):
+                            nxt = logits[:, -1].argmax(dim=-1, keepdim=True)
+                            _sync(device)
+                            t0 = time.perf_counter()
+                            logits = model(nxt, cache=cache)
+                            _sync(device)
+                            if step >= warmup:
+                                steps.append(time.perf_counter() - t0)
+                        step_medians.append(statistics.median(steps))
+                        del cache
+                    latency = statistics.median(step_medians)
+                    points.append(
+                        SpeedPoint(
+                            context=context,
+                            batch_size=batch,
+                            tokens_per_s=batch / latency,
+                            ms_per_token_median=latency * 1e3,
+                            prefill_s=statistics.median(prefills),
+                            beyond_max_positions=context + new_tokens > max_pos,
+                        )
+                    )
+    finally:
+        model.train(was_training)
+    return points

@@ -1,0 +1,190 @@
+"""Typed, validated configuration of kvgraft's decoder-only transformer.
+
+One dataclass per component; every check raises ``ValueError`` naming the field and the value.
+The config is the single source of truth for shapes, RoPE, attention kind per layer and the
+``layer -> cache slot`` map that cross-layer KV sharing builds on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_KINDS = ("gqa",)  # the MLA graft adds "mla"
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding and its context-extension scaling (the transformers families' kinds)."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float | None = None  # linear, dynamic, llama3, yarn
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float | None = None  # yarn (default 32)
+    beta_slow: float | None = None  # yarn (default 1)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
+        if self.theta <= 0:
+            raise ValueError(f"rope theta ({self.theta}) must be > 0")
+        if self.rope_type in ("linear", "dynamic", "llama3") and (self.factor is None or self.factor <= 0):
+            raise ValueError(f"rope_type {self.rope_type!r} needs factor > 0, got {self.factor}")
+        if self.rope_type == "llama3":
+            for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"rope_type 'llama3' needs {name}")
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise ValueError(
+                    f"llama3 rope: high_freq_factor ({self.high_freq_factor}) must exceed "
+                    f"low_freq_factor ({self.low_freq_factor})"
+                )
+        if self.rope_type == "yarn" and self.factor is None and self.original_max_position_embeddings is None:
+            raise ValueError("rope_type 'yarn' needs factor or original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder: Llama, Mistral, Qwen2, Qwen3 (and the grafts built on them).
+
+    ``kv_slots[l]`` is the cache slot layer ``l`` reads. The first layer mapping to a slot writes it;
+    later layers mapping to the same slot only read it (cross-layer KV sharing). Default: identity.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: int | None = None  # default hidden_size // num_heads
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    qkv_bias: bool = False  # Qwen2 (and Llama attention_bias)
+    o_bias: bool = False  # Llama/Qwen3 attention_bias also biases o_proj
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # per layer: full_attention | sliding_attention
+    attention_kinds: tuple[str, ...] | None = None  # per layer: gqa (| mla)
+    kv_slots: tuple[int, ...] | None = None  # per layer cache slot
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}) "
+                    "unless head_dim is given"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be a positive even number (RoPE rotates pairs)")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps ({self.rms_norm_eps}) must be > 0")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window ({self.sliding_window}) must be a positive integer or None")
+        if isinstance(self.rope, dict):
+            object.__setattr__(self, "rope", RopeConfig(**self.rope))
+        L = self.num_layers
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
+            object.__setattr__(self, "layer_types", (kind,) * L)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != L or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"layer_types {self.layer_types} must list one of {LAYER_TYPES} for each of {L} layers")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        if self.attention_kinds is None:
+            object.__setattr__(self, "attention_kinds", ("gqa",) * L)
+        object.__setattr__(self, "attention_kinds", tuple(self.attention_kinds))
+        if len(self.attention_kinds) != L or any(k not in ATTENTION_KINDS for k in self.attention_kinds):
+            raise ValueError(
+                f"attention_kinds {self.attention_kinds} must list one of {ATTENTION_KINDS} for each of {L} layers"
+            )
+        if self.kv_slots is None:
+            object.__setattr__(self, "kv_slots", tuple(range(L)))
+        object.__setattr__(self, "kv_slots", tuple(int(s) for s in self.kv_slots))
+        if len(self.kv_slots) != L:
+            raise ValueError(f"kv_slots has {len(self.kv_slots)} entries, expected one per layer ({L})")
+        for layer, slot in enumerate(self.kv_slots):
+            writer = self.kv_slots.index(slot)
+            if slot < 0 or writer > layer:
+                raise ValueError(f"kv_slots[{layer}] = {slot} is invalid: slots must be >= 0")
+            if self.layer_types[writer] != self.layer_types[layer]:
+                raise ValueError(
+                    f"layer {layer} reads slot {slot} written by layer {writer}, but their layer_types differ"
+                )
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def kv_width(self) -> int:
+        """Values cached per token per writing layer: keys plus values."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def is_kv_writer(self, layer: int) -> bool:
+        return self.kv_slots.index(self.kv_slots[layer]) == layer
+
+    @property
+    def num_slots(self) -> int:
+        return len(set(self.kv_slots))
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """Cache bytes per token of context (all layers), at ``bytes_per_value`` (2 for bf16/fp16)."""
+        return self.num_slots * self.kv_width * bytes_per_value
+
+    def num_parameters(self) -> int:
+        h, hd, H, K, f, L = (self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+                             self.intermediate_size, self.num_layers)
+        attn = h * H * hd + 2 * h * K * hd + H * hd * h
+        attn += (H * hd + 2 * K * hd) * self.qkv_bias + h * self.o_bias + 2 * hd * self.qk_norm
+        mlp = 3 * h * f + (2 * f + h) * self.mlp_bias
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return L * per_layer + emb + h
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {unknown}")
+        d = dict(d)
+        if isinstance(d.get("rope"), dict):
+            d["rope"] = RopeConfig(**d["rope"])
+        for name in ("layer_types", "attention_kinds", "kv_slots"):
+            if d.get(name) is not None:
+                d[name] = tuple(d[name])
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,60 @@
+"""Training checkpoints, written atomically: a checkpoint directory either exists complete or not at all.
+
+Layout: ``out_dir/checkpoints/step_{N:08d}/`` with ``model.safetensors`` (shared tensors such as tied
+embeddings stored once), ``optimizer.pt`` (tensors and numbers only; loaded with ``weights_only=True``)
+and ``state.json``. The newest complete directory is the one resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from kvgraft.atomic import atomic_dir
+
+PREFIX = "step_"
+
+
+def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").exists()]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def find_latest(out_dir: str | Path) -> Path | None:
+    dirs = checkpoint_dirs(out_dir)
+    return dirs[-1] if dirs else None
+
+
+def save_checkpoint(
+    out_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int, tokens: int,
+    elapsed_s: float, keep: int, extra: dict[str, Any] | None = None,
+) -> Path:
+    target = Path(out_dir) / "checkpoints" / f"{PREFIX}{step:08d}"
+    with atomic_dir(target, overwrite=True) as tmp:
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        state = {"step": step, "tokens": tokens, "elapsed_s": elapsed_s, **(extra or {})}
+        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+    for old in checkpoint_dirs(out_dir)[:-keep]:
+        shutil.rmtree(old)
+    return target
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load weights (strict) and optimizer state from a checkpoint directory; return its state.json."""
+    path = Path(path)
+    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    return json.loads((path / "state.json").read_text())

@@ -1,0 +1,291 @@
+"""The one training loop, shared by pretrain, heal and adapt.
+
+Built on Accelerate, so the same code runs on one CPU or under ``accelerate launch`` on many GPUs
+(DDP/FSDP/DeepSpeed). Deliberately explicit: no trainer, no callbacks.
+
+Exact resume: the data order and the learning rate are pure functions of (seed, step), and a
+checkpoint holds the model, the optimizer state and the step. A run killed at any moment (SIGKILL
+included) and restarted with the same arguments reproduces the uninterrupted run's losses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from torch import nn
+
+from kvgraft.train.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from kvgraft.train.config import TrainConfig
+from kvgraft.train.logging import RunLog
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
+
+
+def lm_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean next-token cross-entropy. ``labels`` are the inputs shifted by one; -100 is ignored."""
+    logits = model(batch["input_ids"])  # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
+    return loss, {}
+
+
+def autocast(precision: str, device: torch.device | str):
+    """bf16 autocast (weights and gradients stay fp32) or nothing for fp32."""
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+def default_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay on matrices (dim >= 2), none on norms and biases; frozen params skipped."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+@dataclass
+class TrainResult:
+    step: int
+    tokens: int
+    train_loss: float | None
+    val_loss: float | None
+    stopped_early: bool
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _StopRequested:
+    """SIGTERM/SIGINT set a flag; the loop checkpoints at the end of the current step and exits."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopRequested":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handler)
+            except ValueError:  # not in the main thread
+                pass
+        return self
+
+    def _handler(self, signum, frame) -> None:
+        if self.flag:  # second signal: give up immediately
+            raise KeyboardInterrupt
+        self.flag = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def batch_indices(n_items: int, seed: int, micro_index: int, batch_size: int) -> list[int]:
+    """Indices of global micro-batch ``micro_index``: epochs are seeded permutations, drawn in order."""
+    out: list[int] = []
+    start = micro_index * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), n_items)
+        perm = _permutation(n_items, seed, epoch)
+        take = min(batch_size - len(out), n_items - offset)
+        out.extend(perm[offset:offset + take])
+    return out
+
+
+_PERM_CACHE: dict[tuple[int, int, int], list[int]] = {}
+
+
+def _permutation(n: int, seed: int, epoch: int) -> list[int]:
+    key = (n, seed, epoch)
+    if key not in _PERM_CACHE:
+        _PERM_CACHE.clear()
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        _PERM_CACHE[key] = torch.randperm(n, generator=g).tolist()
+    return _PERM_CACHE[key]
+
+
+def collate(dataset: Sequence[Batch], indices: list[int]) -> Batch:
+    items = [dataset[i] for i in indices]
+    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, dataset: Sequence[Batch], loss_fn: LossFn, batch_size: int, max_batches: int,
+    device: torch.device | str | None = None, precision: str = "fp32",
+) -> float:
+    """Token-weighted mean loss over the first ``max_batches`` micro-batches (fixed, in order)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    n = min(len(dataset), batch_size * max_batches)
+    device = device or next(model.parameters()).device
+    for start in range(0, n, batch_size):
+        batch = collate(dataset, list(range(start, min(n, start + batch_size))))
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast(precision, device):
+            loss, _ = loss_fn(model, batch)
+        tokens = int((batch["labels"] != -100).sum())
+        total += float(loss) * tokens
+        count += tokens
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def train(
+    model: nn.Module,
+    train_data: Sequence[Batch],
+    cfg: TrainConfig,
+    out_dir: str | Path,
+    val_data: Sequence[Batch] | None = None,
+    loss_fn: LossFn = lm_loss,
+    param_groups: list[dict[str, Any]] | None = None,
+    extra_state: dict[str, Any] | None = None,
+    accelerator: Accelerator | None = None,
+) -> TrainResult:
+    """Train ``model`` in place; checkpoints, ``log.jsonl`` and ``loss.png`` go to ``out_dir``.
+
+    Resumes from the newest checkpoint in ``out_dir/checkpoints`` when one exists (the run's
+    ``train_config.json`` must then match ``cfg`` except for ``max_time_s`` and ``progress``).
+    ``param_groups`` override the default AdamW groups (each group may carry ``lr_scale``).
+    ``extra_state`` (JSON-able) is stored in every checkpoint, e.g. the model config.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if len(train_data) == 0:
+        raise ValueError("train_data is empty")
+    # Mixed precision is ours (torch.autocast), not Accelerate's: its process-wide state cannot change
+    # between runs in one process (pretrain then heal, tests), and the fp32-master rule is explicit here.
+    accelerator = accelerator or Accelerator()
+    groups = param_groups if param_groups is not None else default_param_groups(model, cfg.weight_decay)
+    for g in groups:
+        g.setdefault("lr_scale", 1.0)
+    if not any(p.requires_grad for g in groups for p in g["params"]):
+        raise ValueError("no trainable parameters: every parameter has requires_grad=False")
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+    step, tokens, elapsed_before = 0, 0, 0.0
+    latest = find_latest(out_dir)
+    _check_config(out_dir, cfg)
+    if latest is not None:
+        state = load_checkpoint(latest, model, optimizer)
+        step, tokens, elapsed_before = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    log = RunLog(out_dir, enabled=accelerator.is_main_process)
+    log.truncate_after(step)
+
+    world = accelerator.num_processes
+    rank = accelerator.process_index
+    trainable = [p for g in optimizer.param_groups for p in g["params"]]
+    model.train()
+    t_start = time.perf_counter()
+    last_loss: float | None = None
+    val_loss: float | None = None
+    stopped_early = False
+    progress = None
+    if cfg.progress and accelerator.is_local_main_process:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+
+    def checkpoint_now() -> None:
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            save_checkpoint(
+                out_dir, accelerator.unwrap_model(model), optimizer, step=step, tokens=tokens,
+                elapsed_s=elapsed_before + time.perf_counter() - t_start, keep=cfg.keep_checkpoints,
+                extra=extra_state,
+            )
+            log.plot()
+
+    with _StopRequested() as stop:
+        t_window, tok_window = time.perf_counter(), 0
+        while step < cfg.max_steps:
+            lr = cfg.lr_at(step)
+            for g in optimizer.param_groups:
+                g["lr"] = lr * g["lr_scale"]
+            step_loss, step_metrics = 0.0, {}
+            for micro in range(cfg.grad_accum):
+                micro_index = (step * cfg.grad_accum + micro) * world + rank
+                idx = batch_indices(len(train_data), cfg.seed, micro_index, cfg.micro_batch_size)
+                batch = {k: v.to(accelerator.device) for k, v in collate(train_data, idx).items()}
+                sync = micro == cfg.grad_accum - 1
+                with (nullcontext() if sync else accelerator.no_sync(model)), autocast(cfg.precision, accelerator.device):
+                    loss, metrics = loss_fn(model, batch)
+                    accelerator.backward(loss / cfg.grad_accum)
+                step_loss += float(loss.detach()) / cfg.grad_accum
+                for k, v in metrics.items():
+                    step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.grad_accum
+                n_tok = batch["input_ids"].numel() * world
+                tokens += n_tok
+                tok_window += n_tok
+            grad_norm = None
+            if cfg.grad_clip > 0:
+                grad_norm = float(accelerator.clip_grad_norm_(trainable, cfg.grad_clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if not math.isfinite(step_loss):
+                raise FloatingPointError(f"loss is {step_loss} at step {step}; lower the learning rate")
+            last_loss = step_loss
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                now = time.perf_counter()
+                rate = tok_window / max(now - t_window, 1e-9)
+                t_window, tok_window = now, 0
+                log.write({"step": step, "loss": step_loss, "lr": lr, "tokens": tokens, "grad_norm": grad_norm,
+                           "tokens_per_s": rate, "elapsed_s": elapsed_before + now - t_start, **step_metrics})
+                if progress is not None:
+                    progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{rate:,.0f}", lr=f"{lr:.2e}")
+            if progress is not None:
+                progress.update(1)
+            if val_data is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                val_loss = evaluate(model, val_data, loss_fn, cfg.micro_batch_size, cfg.eval_batches,
+                                    accelerator.device, cfg.precision)
+                log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
+                           "tokens": tokens})
+                if progress is not None:
+                    progress.write(f"step {step}: val loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})")
+            out_of_time = cfg.max_time_s is not None and time.perf_counter() - t_start >= cfg.max_time_s
+            if step % cfg.save_every == 0 or step == cfg.max_steps or stop.flag or out_of_time:
+                checkpoint_now()
+            if stop.flag or out_of_time:
+                stopped_early = step < cfg.max_steps
+                break
+    if progress is not None:
+        progress.close()
+    return TrainResult(step=step, tokens=tokens, train_loss=last_loss, val_loss=val_loss,
+                       stopped_early=stopped_early, history=log.read())
+
+
+_RESUME_FREE_FIELDS = ("max_time_s", "progress")
+
+
+def _check_config(out_dir: Path, cfg: TrainConfig) -> None:
+    """First run: write train_config.json. Later runs: refuse to resume under a different config."""
+    from kvgraft.atomic import atomic_write_text
+
+    path = out_dir / "train_config.json"
+    mine = cfg.to_dict()
+    if path.exists():
+        theirs = json.loads(path.read_text())
+        diff = {k: (theirs.get(k), v) for k, v in mine.items()
+                if k not in _RESUME_FREE_FIELDS and theirs.get(k) != v}
+        if diff and find_latest(out_dir) is not None:
+            details = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(
+                f"{out_dir} holds a run with a different training config ({details}); "
+                "resume with the same settings or choose another output directory"
+            )
+    atomic_write_text(path, json.dumps(mine, indent=2) + "\n")

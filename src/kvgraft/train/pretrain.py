@@ -1,0 +1,63 @@
+"""Pretraining recipe: a model config + packed token files + the shared loop -> a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from kvgraft.data import PackedDataset
+from kvgraft.model import ModelConfig, Transformer
+from kvgraft.model.presets import get_preset
+from kvgraft.train.checkpoint import find_latest, load_checkpoint
+from kvgraft.train.config import TrainConfig
+from kvgraft.train.loop import TrainResult, train
+
+
+def pretrain(
+    data_dir: str | Path,
+    out_dir: str | Path,
+    model: str | ModelConfig = "llama-8m",
+    train_config: TrainConfig | None = None,
+    seq_len: int | None = None,
+    export: bool = True,
+) -> TrainResult:
+    """Pretrain a model from scratch on ``data_dir`` (made by ``kvgraft prepare-data``).
+
+    ``data_dir`` holds ``tokens/train.npy``, ``tokens/validation.npy`` and ``tokenizer/``.
+    Checkpoints and logs go to ``out_dir``; rerunning the same command resumes. When training
+    finishes (or stops early on ``max_time_s``), the final weights are exported in Hugging Face
+    format to ``out_dir/final`` together with the tokenizer.
+    """
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    config = get_preset(model) if isinstance(model, str) else model
+    train_config = train_config or TrainConfig(max_steps=1000)
+    seq_len = seq_len or config.max_position_embeddings
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(f"seq_len ({seq_len}) exceeds max_position_embeddings ({config.max_position_embeddings})")
+    for name in ("tokens/train.npy", "tokens/validation.npy"):
+        if not (data_dir / name).exists():
+            raise FileNotFoundError(f"{data_dir / name} is missing; run `kvgraft prepare-data --out {data_dir}` first")
+    train_ds = PackedDataset(data_dir / "tokens" / "train.npy", seq_len)
+    val_ds = PackedDataset(data_dir / "tokens" / "validation.npy", seq_len)
+
+    net = Transformer(config)
+    net.init_weights(seed=train_config.seed)
+    result = train(
+        net, train_ds, train_config, out_dir, val_data=val_ds,
+        extra_state={"model_config": config.to_dict(), "seq_len": seq_len},
+    )
+    if export:
+        latest = find_latest(out_dir)
+        if latest is not None:
+            load_checkpoint(latest, net)
+        from kvgraft.hf import save_pretrained
+
+        save_pretrained(net, out_dir / "final", tokenizer_dir=data_dir / "tokenizer", overwrite=True)
+        summary = {
+            "steps": result.step, "tokens": result.tokens, "train_loss": result.train_loss,
+            "val_loss": result.val_loss, "val_ppl": math.exp(result.val_loss) if result.val_loss else None,
+            "seq_len": seq_len, "stopped_early": result.stopped_early,
+        }
+        (out_dir / "final" / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return result

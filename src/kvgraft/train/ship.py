@@ -1,0 +1,166 @@
+"""Package a finished pretraining run as a shipped reference model with its card.
+
+The result is a plain Hugging Face model directory (config.json, model.safetensors, tokenizer files,
+generation_config.json) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads without
+kvgraft, plus ``eval/calibration.npy`` (a slice of the train split, for calibrating conversions),
+``eval/heldout.npy`` (a slice of the test split, never trained on), ``loss.png``, ``training.json``
+and ``README.md`` (the card).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+from kvgraft.atomic import atomic_dir
+from kvgraft.data import slice_tokens
+
+
+def ship_reference(
+    run_dir: str | Path,
+    data_dir: str | Path,
+    out_dir: str | Path,
+    command: str,
+    calibration_tokens: int = 65536,
+    heldout_tokens: int = 131072,
+    overwrite: bool = False,
+) -> Path:
+    """Copy ``run_dir/final`` to ``out_dir`` with eval slices, the loss curve and a model card."""
+    run_dir, data_dir, out_dir = Path(run_dir), Path(data_dir), Path(out_dir)
+    final = run_dir / "final"
+    if not (final / "config.json").is_file():
+        raise FileNotFoundError(f"{final} has no exported model; finish the run with `kvgraft pretrain` first")
+    from kvgraft.eval import perplexity
+    from kvgraft.hf import load_pretrained
+
+    log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    summary = json.loads((final / "training_summary.json").read_text())
+    train_cfg = json.loads((run_dir / "train_config.json").read_text())
+    prepare = json.loads((data_dir / "prepare.json").read_text())
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        for f in final.iterdir():
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+        (tmp / "eval").mkdir()
+        n_cal = slice_tokens(data_dir / "tokens" / "train.npy", calibration_tokens, tmp / "eval" / "calibration.npy")
+        n_held = slice_tokens(data_dir / "tokens" / "test.npy", heldout_tokens, tmp / "eval" / "heldout.npy")
+        if (run_dir / "loss.png").exists():
+            shutil.copy2(run_dir / "loss.png", tmp / "loss.png")
+        model = load_pretrained(tmp)
+        held = perplexity(model, tmp / "eval" / "heldout.npy", seq_len=summary["seq_len"], progress=False)
+        val_rows = [r for r in log if "val_loss" in r]
+        train_rows = [r for r in log if "loss" in r]
+        tail = train_rows[-10:]
+        record = {
+            "command": command,
+            "steps": summary["steps"],
+            "tokens_seen": summary["tokens"],
+            "seq_len": summary["seq_len"],
+            "final_train_loss_mean_last_10_logged": sum(r["loss"] for r in tail) / max(len(tail), 1),
+            "final_val_loss": val_rows[-1]["val_loss"] if val_rows else None,
+            "final_val_ppl": math.exp(val_rows[-1]["val_loss"]) if val_rows else None,
+            "heldout_loss": held.loss,
+            "heldout_ppl": held.ppl,
+            "heldout_tokens_scored": held.tokens_scored,
+            "calibration_tokens": n_cal,
+            "heldout_tokens": n_held,
+            "train_config": train_cfg,
+            "data": {k: prepare[k] for k in ("sources", "packages", "seed", "val_fraction", "test_fraction",
+                                             "vocab_size")},
+            "splits": {s: {k: v[k] for k in ("documents", "documents_by_source", "tokens", "bytes_per_token")}
+                       for s, v in prepare["splits"].items()},
+            "wall_time_s": train_rows[-1]["elapsed_s"] if train_rows else None,
+        }
+        (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+        config = json.loads((tmp / "config.json").read_text())
+        (tmp / "README.md").write_text(model_card(out_dir.name, config, record))
+    return out_dir
+
+
+def model_card(name: str, config: dict, r: dict) -> str:
+    tc = r["train_config"]
+    splits = "\n".join(
+        f"| {s} | {v['documents']:,} | {v['tokens']:,} | {v['bytes_per_token']:.2f} | "
+        + ", ".join(f"{k} {n}" for k, n in v["documents_by_source"].items()) + " |"
+        for s, v in r["splits"].items()
+    )
+    params = _count_params(config)
+    return f"""# {name}
+
+A small {config['model_type']}-architecture causal LM trained from scratch by kvgraft on public-domain and
+freely licensed text, shipped as kvgraft's embedded default model. It loads with plain
+`transformers.AutoModelForCausalLM.from_pretrained` (no kvgraft import needed).
+
+## Config
+| field | value |
+|---|---|
+| parameters | {params:,} (tied input/output embeddings) |
+| layers | {config['num_hidden_layers']} |
+| hidden size | {config['hidden_size']} |
+| attention | {config['num_attention_heads']} query heads x {config.get('head_dim')} dims, {config['num_key_value_heads']} KV heads (GQA {config['num_attention_heads'] // config['num_key_value_heads']}:1) |
+| MLP | SwiGLU, intermediate {config['intermediate_size']} |
+| vocabulary | {config['vocab_size']} (byte-level BPE, `tokenizer.json`) |
+| context | {config['max_position_embeddings']} tokens, RoPE theta {config.get('rope_theta', (config.get('rope_parameters') or {}).get('rope_theta'))} |
+| norm | RMSNorm, eps {config['rms_norm_eps']} |
+| weights | fp32 safetensors |
+
+## Data
+Debian packages, extracted by `kvgraft prepare-data` (split by document with a seeded hash; the KJV and
+WEB versions of one Bible chapter always fall in the same split): sources {', '.join(r['data']['sources'])}
+(packages {', '.join(r['data']['packages'])}). Bibles (KJV, World English Bible) and The Devil's
+Dictionary are public domain; the Python documentation is under the PSF licence; the fortunes are from
+the BSD-licensed `fortunes` package.
+
+| split | documents | tokens | bytes/token | documents by source |
+|---|---|---|---|---|
+{splits}
+
+Tokenizer: byte-level BPE, {r['data']['vocab_size']} entries, trained on the train split only;
+`<|endoftext|>` (id 0) ends every document and serves as BOS/EOS/pad.
+
+## Training
+| | |
+|---|---|
+| optimizer | AdamW (beta {tc['beta1']}, {tc['beta2']}), weight decay {tc['weight_decay']}, clip {tc['grad_clip']} |
+| learning rate | peak {tc['lr']}, {tc['warmup_steps']} warmup steps, cosine to {tc['min_lr_ratio']}x over {tc['max_steps']} steps |
+| batch | {tc['micro_batch_size']} x {r['seq_len']} tokens x {tc['grad_accum']} accumulation |
+| precision | {tc['precision']} autocast, fp32 master weights |
+| steps taken | {r['steps']:,} |
+| tokens seen | {r['tokens_seen']:,} |
+| wall time | {(r['wall_time_s'] or 0) / 3600:.2f} h on 2 CPU cores |
+
+## Results
+| measure | value |
+|---|---|
+| final train loss (mean of last 10 logged steps) | {r['final_train_loss_mean_last_10_logged']:.4f} |
+| final validation loss / perplexity | {r['final_val_loss']:.4f} / {r['final_val_ppl']:.2f} |
+| held-out (test split) loss / perplexity, `eval/heldout.npy` | {r['heldout_loss']:.4f} / {r['heldout_ppl']:.2f} ({r['heldout_tokens_scored']:,} tokens, windows of {r['seq_len']}) |
+
+![loss curve](loss.png)
+
+## Files
+- `config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json`, `tokenizer_config.json`
+- `eval/calibration.npy`: the first {r['calibration_tokens']:,} tokens of the train split (uint16), for calibrating conversions
+- `eval/heldout.npy`: the first {r['heldout_tokens']:,} tokens of the test split (uint16), never trained on
+- `training.json`: everything in this card, machine-readable
+
+## Reproduce
+```
+make install
+.venv/bin/python -m kvgraft prepare-data --out runs/data --sources {' '.join(r['data']['sources'])}
+{r['command']}
+.venv/bin/python -m kvgraft ship runs/pretrain-llama-8m --data runs/data --out models/{name}
+```
+Training is deterministic for a given machine and thread count; a rerun on other hardware gives close,
+not bit-identical, losses.
+"""
+
+
+def _count_params(config: dict) -> int:
+    h, L, f, V = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
+    H, K = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config.get("head_dim") or h // H
+    per_layer = h * H * d * 2 + h * K * d * 2 + 3 * h * f + 2 * h
+    return L * per_layer + V * h * (1 if config.get("tie_word_embeddings") else 2) + h
