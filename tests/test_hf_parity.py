@@ -8,6 +8,7 @@ kvgraft.hf.load_pretrained and compares logits; then decode, generation, cache s
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -52,7 +53,19 @@ CASES: dict[str, tuple[str, dict, int]] = {
     "rope_yarn_mscale": ("llama", dict(hidden_size=64, max_position_embeddings=64, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
         "mscale_all_dim": 1.0, "rope_theta": 10000.0}), 24),
+    "rope_yarn_options": ("llama", dict(hidden_size=64, max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0,
+        "beta_slow": 2.0, "truncate": False, "attention_factor": 1.3, "rope_theta": 500.0}), 24),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread avoids OpenMP spin contention on a busy machine (~100x faster)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def build_hf(model_type: str, overrides: dict, seed: int = 0):
@@ -125,14 +138,15 @@ def test_incremental_decode_matches_full_forward(converted, case):
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("case", ["llama_gqa2", "qwen3"])
+@pytest.mark.parametrize("case", ["llama_gqa2", "qwen3", "mistral_sw", "rope_dynamic"])
 def test_greedy_generate_matches_transformers(converted, case):
+    """6 + 14 tokens: past the sliding window (8) and past rope_dynamic's max_position_embeddings (16)."""
     hf, _, kv = converted(case)
     ids = tokens(2, 6, seed=3)
     with torch.no_grad():
-        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                               min_new_tokens=8, pad_token_id=0)
-    got = generate(kv, ids, max_new_tokens=8, temperature=0)
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=14,
+                               min_new_tokens=14, pad_token_id=0)
+    got = generate(kv, ids, max_new_tokens=14, temperature=0)
     assert torch.equal(got, expected)
 
 
@@ -147,7 +161,8 @@ def test_cache_bytes_per_token(converted, case):
 
 
 @pytest.mark.parametrize(
-    "case", ["llama_tied", "llama_bias", "qwen2_mixed", "qwen3_bias", "mistral_sw", "rope_yarn_mscale"]
+    "case",
+    ["llama_tied", "llama_bias", "qwen2_mixed", "qwen3_bias", "mistral_sw", "rope_llama3", "rope_yarn_options"],
 )
 def test_round_trip_through_transformers(converted, case, tmp_path):
     hf, _, kv = converted(case)
@@ -175,5 +190,6 @@ def test_saved_checkpoint_loads_in_plain_transformers(converted, tmp_path):
         "assert 'kvgraft' not in sys.modules\n"
         "assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -83,9 +83,9 @@ def _rope_from_hf(d: dict[str, Any], source: str, max_pos: int, layer_types: lis
             f"{source}: unknown {rope_type!r} rope parameters {unknown}; expected only {sorted(_ROPE_FIELDS)}"
         )
     fields = {_ROPE_FIELDS[k]: v for k, v in params.items() if v is not None}
-    if rope_type in ("llama3", "yarn") and "original_max_position_embeddings" not in fields:
-        # transformers: a top-level original_max_position_embeddings, else max_position_embeddings
-        fields["original_max_position_embeddings"] = d.get("original_max_position_embeddings") or max_pos
+    if rope_type in ("llama3", "yarn"):  # transformers: a top-level value wins, max_position_embeddings is last
+        top = d.get("original_max_position_embeddings")
+        fields["original_max_position_embeddings"] = top or fields.get("original_max_position_embeddings") or max_pos
     try:
         return RopeConfig(rope_type=rope_type, theta=float(theta), **fields)
     except (TypeError, ValueError) as exc:

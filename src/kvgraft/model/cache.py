@@ -29,14 +29,13 @@ class KVCache:
         self.batch_size = batch_size
         self.max_len = max_len
         self.length = 0  # tokens already committed, identical for every row
-        shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
         self.slots: dict[int, tuple[torch.Tensor, ...]] = {}
         for layer, slot in enumerate(config.kv_slots):
             if slot not in self.slots:
-                # keys, values: (B, n_kv, max_len, hd)
-                self.slots[slot] = (
-                    torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, device=device),
+                # GQA: keys, values (B, K, max_len, d); MLA: latent + RoPE key (B, 1, max_len, d_c + d_rope)
+                self.slots[slot] = tuple(
+                    torch.zeros((batch_size, heads, max_len, width), dtype=dtype, device=device)
+                    for heads, width in config.cache_entry_shapes(layer)
                 )
 
     # ---- per-layer access ---------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ATTENTION_KINDS = ("gqa",)  # the MLA graft adds "mla"
+ATTENTION_KINDS = ("gqa", "mla")
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,15 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None  # per layer: full_attention | sliding_attention
     attention_kinds: tuple[str, ...] | None = None  # per layer: gqa (| mla)
     kv_slots: tuple[int, ...] | None = None  # per layer cache slot
+    # Multi-head latent attention (layers whose attention_kinds entry is "mla"), DeepSeek's names:
+    kv_lora_rank: int | None = None  # d_c, the cached latent width
+    qk_rope_head_dim: int | None = None  # d_rope, the shared RoPE key width (cached too)
+    qk_nope_head_dim: int | None = None  # per-head no-RoPE query/key width
+    v_head_dim: int | None = None  # per-head value width
+    # per layer, per RoPE pair of d_rope: which of the head_dim/2 base frequencies it rotates at
+    # (None: every (head_dim/d_rope)-th frequency, DeepSeek's layout); entries of GQA layers are ()
+    rope_freq_index: tuple[tuple[int, ...], ...] | None = None
+    mla_latent_norm: bool = False  # RMSNorm on the latent before caching (DeepSeek's kv_a_layernorm)
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     bos_token_id: int | None = None
@@ -125,6 +134,8 @@ class ModelConfig:
             raise ValueError(
                 f"attention_kinds {self.attention_kinds} must list one of {ATTENTION_KINDS} for each of {L} layers"
             )
+        if "mla" in self.attention_kinds:
+            self._check_mla()
         if self.kv_slots is None:
             object.__setattr__(self, "kv_slots", tuple(range(L)))
         object.__setattr__(self, "kv_slots", tuple(int(s) for s in self.kv_slots))
@@ -139,11 +150,51 @@ class ModelConfig:
                     f"layer {layer} reads slot {slot} written by layer {writer}, but their layer_types differ"
                 )
 
+    def _check_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0 or (value == 0 and name != "qk_nope_head_dim"):
+                raise ValueError(f"{name} ({value!r}) must be a positive integer for MLA layers")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even (RoPE rotates pairs)")
+        half = self.head_dim // 2
+        mla_layers = [i for i, k in enumerate(self.attention_kinds) if k == "mla"]
+        if self.rope_freq_index is None:
+            if self.head_dim % self.qk_rope_head_dim:
+                raise ValueError(
+                    f"qk_rope_head_dim ({self.qk_rope_head_dim}) must divide head_dim ({self.head_dim}) "
+                    "unless rope_freq_index is given"
+                )
+            stride = tuple(range(0, half, self.head_dim // self.qk_rope_head_dim))
+            object.__setattr__(self, "rope_freq_index", tuple(
+                stride if i in mla_layers else () for i in range(self.num_layers)))
+        index = tuple(tuple(int(f) for f in layer) for layer in self.rope_freq_index)
+        object.__setattr__(self, "rope_freq_index", index)
+        if len(index) != self.num_layers:
+            raise ValueError(f"rope_freq_index has {len(index)} entries, expected one per layer ({self.num_layers})")
+        for layer in mla_layers:
+            idx = index[layer]
+            if len(idx) != self.qk_rope_head_dim // 2 or any(not 0 <= f < half for f in idx):
+                raise ValueError(
+                    f"rope_freq_index[{layer}] = {idx} must hold qk_rope_head_dim/2 = "
+                    f"{self.qk_rope_head_dim // 2} frequency indices in [0, {half})"
+                )
+
     # ---- derived quantities -------------------------------------------------------------------
     @property
     def kv_width(self) -> int:
-        """Values cached per token per writing layer: keys plus values."""
+        """Values cached per token by a GQA layer: keys plus values."""
         return 2 * self.num_kv_heads * self.head_dim
+
+    def cache_entry_shapes(self, layer: int) -> tuple[tuple[int, int], ...]:
+        """Per stored tensor, its (heads, width) per token; the cache stores (B, heads, T, width).
+
+        GQA: keys and values, (K, d) each. MLA: one tensor (1, d_c + d_rope), latent then RoPE key,
+        so absorbed decode attends over it as a single key/value head (MQA).
+        """
+        if self.attention_kinds[layer] == "mla":
+            return ((1, self.kv_lora_rank + self.qk_rope_head_dim),)
+        return ((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim))
 
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
@@ -157,17 +208,26 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """Cache bytes per token of context (all layers), at ``bytes_per_value`` (2 for bf16/fp16)."""
-        return self.num_slots * self.kv_width * bytes_per_value
+        writers = [layer for layer in range(self.num_layers) if self.is_kv_writer(layer)]
+        values = sum(h * w for layer in writers for h, w in self.cache_entry_shapes(layer))
+        return values * bytes_per_value
 
     def num_parameters(self) -> int:
-        h, hd, H, K, f, L = (self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                             self.intermediate_size, self.num_layers)
-        attn = h * H * hd + 2 * h * K * hd + H * hd * h
-        attn += (H * hd + 2 * K * hd) * self.qkv_bias + h * self.o_bias + 2 * hd * self.qk_norm
-        mlp = 3 * h * f + (2 * f + h) * self.mlp_bias
-        per_layer = attn + mlp + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return L * per_layer + emb + h
+        h, hd, H, K, f = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, self.intermediate_size
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for layer in range(self.num_layers):
+            total += 3 * h * f + (2 * f + h) * self.mlp_bias + 2 * h
+            if self.attention_kinds[layer] == "mla":
+                dc, dr, dn, dv = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
+                total += h * H * (dn + dr) + H * (dn + dr) * self.qkv_bias  # q_proj
+                total += h * (dc + dr) + (dc + dr) * self.qkv_bias + dc * self.mla_latent_norm  # kv_a
+                total += dc * H * (dn + dv) + H * (dn + dv) * self.qkv_bias  # kv_b
+                total += H * dv * h + h * self.o_bias
+                continue
+            total += h * H * hd + H * hd * h + H * hd * self.qkv_bias + h * self.o_bias + hd * self.qk_norm
+            if self.is_kv_writer(layer):
+                total += 2 * h * K * hd + 2 * K * hd * self.qkv_bias + hd * self.qk_norm
+        return total
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -184,6 +244,8 @@ class ModelConfig:
         for name in ("layer_types", "attention_kinds", "kv_slots"):
             if d.get(name) is not None:
                 d[name] = tuple(d[name])
+        if d.get("rope_freq_index") is not None:
+            d["rope_freq_index"] = tuple(tuple(x) for x in d["rope_freq_index"])
         return cls(**d)
 
     def replace(self, **changes: Any) -> "ModelConfig":

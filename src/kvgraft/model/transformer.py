@@ -16,22 +16,9 @@ from torch.utils.checkpoint import checkpoint
 
 from kvgraft.model.cache import EphemeralKV, KVCache
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.mla import MLAttention
+from kvgraft.model.norm import RMSNorm
 from kvgraft.model.rope import RotaryEmbedding, apply_rope
-
-
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm: normalise in fp32, cast back, then scale (bit-compatible with transformers)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class MLP(nn.Module):
@@ -97,7 +84,7 @@ class GQAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
-ATTENTION_CLASSES: dict[str, type[nn.Module]] = {"gqa": GQAttention}
+ATTENTION_CLASSES: dict[str, type[nn.Module]] = {"gqa": GQAttention, "mla": MLAttention}
 
 
 class Block(nn.Module):

@@ -1,0 +1,207 @@
+"""Graft MLA onto a loaded Llama-family model: calibration, per-layer conversion, the new model.
+
+``graft_mla(model, GraftConfig(...), calibration_tokens)`` returns a new ``Transformer`` whose chosen
+layers use latent attention (``attention_kinds[l] == "mla"``); everything else (embeddings, MLP, norms,
+unconverted layers) is copied unchanged. Per-layer math lives in ``mla_math``.
+
+Layer-wise calibration (default): layer l is calibrated on the attention inputs that the already
+converted layers 0..l-1 produce, so each layer corrects for the error of those below it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from kvgraft.graft.mla_math import GQAWeights, convert_layer
+from kvgraft.model import ModelConfig, Transformer
+from kvgraft.model.cache import EphemeralKV
+
+OBJECTIVES = ("weights", "activations", "attention")
+ROPE_SELECTIONS = ("stride", "norm")
+
+
+@dataclass(frozen=True)
+class GraftConfig:
+    """How to convert. ``kv_lora_rank`` is d_c; ``qk_rope_head_dim`` the shared RoPE key width."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    objective: str = "activations"  # weights | activations | attention
+    rope_selection: str = "stride"  # stride (stock DeepSeek-V3 exportable) | norm (kvgraft format)
+    layerwise: bool = True  # calibrate each layer on the converted layers' activations
+    balance_kv: bool = True
+    layers: tuple[int, ...] | None = None  # progressive grafting: convert only these (default all)
+
+    def __post_init__(self) -> None:
+        if self.kv_lora_rank <= 0:
+            raise ValueError(f"kv_lora_rank ({self.kv_lora_rank}) must be a positive integer")
+        if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be a positive even integer")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
+        if self.rope_selection not in ROPE_SELECTIONS:
+            raise ValueError(f"rope_selection {self.rope_selection!r} is not one of {', '.join(ROPE_SELECTIONS)}")
+
+    def check_against(self, config: ModelConfig) -> None:
+        """Raise ValueError naming the value when this graft cannot apply to ``config``."""
+        layers = self.layers if self.layers is not None else tuple(range(config.num_layers))
+        bad = [layer for layer in layers if not 0 <= layer < config.num_layers]
+        if bad:
+            raise ValueError(f"layers {bad} out of range for a {config.num_layers}-layer model")
+        if any(config.attention_kinds[layer] != "gqa" for layer in layers):
+            raise ValueError("only GQA/MHA layers can be grafted; some chosen layers are already MLA")
+        full_rope = config.num_kv_heads * config.head_dim
+        if self.qk_rope_head_dim > full_rope:
+            raise ValueError(
+                f"qk_rope_head_dim ({self.qk_rope_head_dim}) exceeds the model's RoPE key width "
+                f"num_kv_heads x head_dim = {full_rope}"
+            )
+        if self.kv_lora_rank > 2 * config.num_kv_heads * config.head_dim:
+            raise ValueError(
+                f"kv_lora_rank ({self.kv_lora_rank}) exceeds the model's KV width "
+                f"2 x num_kv_heads x head_dim = {config.kv_width}"
+            )
+        if config.qk_norm:
+            raise ValueError("models with per-head q/k RMSNorm (Qwen3) are not supported by the MLA graft yet")
+        if config.num_slots != config.num_layers:
+            raise ValueError("models with cross-layer KV sharing cannot be grafted")
+
+
+def mla_model_config(config: ModelConfig, g: GraftConfig, rope_index: dict[int, tuple[int, ...]]) -> ModelConfig:
+    layers = g.layers if g.layers is not None else tuple(range(config.num_layers))
+    kinds = tuple("mla" if i in layers else k for i, k in enumerate(config.attention_kinds))
+    return config.replace(
+        attention_kinds=kinds, kv_lora_rank=g.kv_lora_rank, qk_rope_head_dim=g.qk_rope_head_dim,
+        qk_nope_head_dim=config.head_dim, v_head_dim=config.head_dim,
+        rope_freq_index=tuple(rope_index.get(i, ()) for i in range(config.num_layers)),
+    )
+
+
+def _gqa_weights(attn) -> GQAWeights:
+    def b(lin):
+        return None if lin.bias is None else lin.bias.detach()
+
+    return GQAWeights(
+        attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach(),
+        attn.o_proj.weight.detach(), b(attn.q_proj), b(attn.k_proj), b(attn.v_proj), b(attn.o_proj),
+    )
+
+
+@torch.no_grad()
+def graft_mla(
+    model: Transformer,
+    g: GraftConfig,
+    calibration: torch.Tensor | None = None,  # (N, T) token ids; needed unless objective == "weights"
+    batch_size: int = 8,
+    progress: bool = True,
+) -> Transformer:
+    """Return a new model with the chosen layers converted to MLA (``model`` is left untouched)."""
+    config = model.config
+    g.check_against(config)
+    if g.objective != "weights" and calibration is None:
+        raise ValueError(f"objective {g.objective!r} needs calibration tokens (or use objective='weights')")
+    layers = set(g.layers if g.layers is not None else range(config.num_layers))
+    device = model.embed_tokens.weight.device
+    converted: dict[int, object] = {}
+    rope_index: dict[int, tuple[int, ...]] = {}
+
+    # Activations flow layer by layer through the original (x_orig) and converted (x_new) stacks.
+    x_new = x_orig = None
+    if calibration is not None:
+        calibration = calibration.to(device)
+        x_orig = model.embed_tokens(calibration).float()
+        x_new = x_orig.clone()
+        positions = torch.arange(calibration.shape[1], device=device).expand_as(calibration)
+        cos, sin = model.rotary(positions, torch.float32)
+
+    new_blocks = []
+    bar = tqdm(range(config.num_layers), desc="graft MLA", unit="layer", disable=not progress)
+    for layer in bar:
+        block = model.layers[layer]
+        C = None
+        if calibration is not None:
+            source = x_new if g.layerwise else x_orig
+            C = _second_moment(block.input_layernorm, source, batch_size)
+        if layer in layers:
+            mla = convert_layer(
+                _gqa_weights(block.self_attn), num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim, kv_lora_rank=g.kv_lora_rank, d_rope=g.qk_rope_head_dim, C=C,
+                objective=g.objective, rope_selection=g.rope_selection, balance_kv=g.balance_kv,
+            )
+            converted[layer] = mla
+            rope_index[layer] = mla.rope_freq_index
+        if calibration is not None:
+            # advance both streams one layer; the converted stream uses a one-layer MLA stand-in
+            x_orig_next = _run_block(block, x_orig, cos, sin, config, layer, batch_size)
+            if g.layerwise and layer in layers:
+                tmp_cfg = mla_model_config(config, GraftConfig(
+                    g.kv_lora_rank, g.qk_rope_head_dim, layers=(layer,)), {layer: converted[layer].rope_freq_index})
+                tmp = _build_block(tmp_cfg, layer, block, converted[layer], device)
+                x_new = _run_block(tmp, x_new, cos, sin, tmp_cfg, layer, batch_size)
+            elif g.layerwise:
+                x_new = _run_block(block, x_new, cos, sin, config, layer, batch_size)
+            else:
+                x_new = x_orig_next
+            x_orig = x_orig_next
+    new_config = mla_model_config(config, g, rope_index)
+    new = Transformer(new_config).to(device)
+    state = {k: v for k, v in model.state_dict().items()}
+    new_state = new.state_dict()
+    for key in new_state:
+        layer = int(key.split(".")[1]) if key.startswith("layers.") else None
+        if layer in converted and ".self_attn." in key:
+            continue
+        new_state[key] = state[key]
+    new.load_state_dict(new_state)
+    for layer, mla in converted.items():
+        _load_mla(new.layers[layer].self_attn, mla)
+    return new
+
+
+def _second_moment(norm, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """E[x x^T] (fp64) of the attention input ``norm(x)`` over every calibration token."""
+    h = x.shape[-1]
+    C = torch.zeros(h, h, dtype=torch.float64, device=x.device)
+    n = 0
+    for start in range(0, x.shape[0], batch_size):
+        a = norm(x[start:start + batch_size]).reshape(-1, h).double()
+        C += a.T @ a
+        n += a.shape[0]
+    return (C / n).cpu()
+
+
+def _run_block(block, x, cos, sin, config, layer, batch_size) -> torch.Tensor:
+    out = []
+    for start in range(0, x.shape[0], batch_size):
+        sl = slice(start, start + batch_size)
+        out.append(block(x[sl], cos[sl], sin[sl], None, EphemeralKV(config)))
+    return torch.cat(out)
+
+
+def _build_block(config: ModelConfig, layer: int, original_block, mla, device):
+    from kvgraft.model.transformer import Block
+
+    blk = Block(config, layer).to(device)
+    state = {k: v for k, v in original_block.state_dict().items() if not k.startswith("self_attn.")}
+    blk.load_state_dict(state, strict=False)
+    _load_mla(blk.self_attn, mla)
+    return blk
+
+
+def _load_mla(attn, mla) -> None:
+    dtype = attn.q_proj.weight.dtype
+
+    def put(lin, weight, bias):
+        lin.weight.copy_(weight.to(dtype))
+        if lin.bias is not None:
+            lin.bias.copy_(bias.to(dtype) if bias is not None else torch.zeros_like(lin.bias))
+        elif bias is not None and bias.abs().max() > 0:
+            raise RuntimeError("converted layer has a bias the target module cannot hold")
+
+    put(attn.q_proj, mla.q_proj, mla.q_bias)
+    put(attn.kv_a_proj, mla.kv_a_proj, mla.kv_a_bias)
+    put(attn.kv_b_proj, mla.kv_b_proj, mla.kv_b_bias)
+    put(attn.o_proj, mla.o_proj, mla.o_bias)

@@ -1,0 +1,259 @@
+"""The MLA graft's math for one layer, as pure functions of weights and calibration statistics.
+
+Original GQA layer (rotate-half RoPE, head dim d, K kv heads, H query heads, group g(i) = i // (H/K)):
+  q_i = RoPE(W_q,i x),  k_j = RoPE(W_k,j x),  v_j = W_v,j x,  logit_i = q_i . k_g(i) / sqrt(d).
+
+1. RoPE decoupling. For a frequency f, the pair components k_{j,f} of the K heads rotate by the same
+   angle, so any orthogonal K x K mix U_f across heads commutes with RoPE ("RoRoPE"). With
+   k'_{m,f} = sum_j U_f[m, j] k_{j,f}:  q_{i,f} . k_{g,f} = sum_m U_f[m, g] q_{i,f} . k'_{m,f}.
+   U_f is the PCA of the heads' frequency-f key components (energy packs into m = 0). The kept set P
+   of (m, f) pairs becomes the shared RoPE key (d_rope = 2|P| values); each query head's RoPE part
+   carries the coefficient U_f[m, g(i)]. What is not kept, the residual key of group g at frequency f,
+   k~_{g,f} = k_{g,f} - sum_{(m,f) in P} U_f[m, g] k'_{m,f}, loses RoPE and joins the latent.
+2. Joint K/V latent. The no-RoPE targets y = [k~ ; v] (2Kd values, linear in x) are factorised as
+   y ~ M^-1 U U^T M W_y x: latent c = U^T M W_y x (d_c values), up-projection M^-1 U. U holds the top
+   d_c eigenvectors of M W_y C W_y^T M^T, C = E[x x^T] on calibration text (C = I: weights only).
+   M balances K against V energy, and for the attention-aware objective also weights key errors by
+   the queries' second moments (what the logits see) and value errors by W_O^T W_O (what the
+   residual stream sees).
+3. The softmax scale 1/sqrt(d) becomes 1/sqrt(d + d_rope): the ratio is folded into the queries.
+
+Everything is exact when P holds every (m, f) and d_c >= rank of the targets (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class GQAWeights:
+    """One attention layer's weights in fp32/fp64 (biases may be None)."""
+
+    q: Tensor  # (H*d, h)
+    k: Tensor  # (K*d, h)
+    v: Tensor  # (K*d, h)
+    o: Tensor  # (h, H*d)
+    q_bias: Tensor | None = None
+    k_bias: Tensor | None = None
+    v_bias: Tensor | None = None
+    o_bias: Tensor | None = None
+
+
+@dataclass
+class MLAWeights:
+    q_proj: Tensor  # (H*(dn+dr), h)
+    kv_a_proj: Tensor  # (dc+dr, h)
+    kv_b_proj: Tensor  # (H*(dn+dv), dc)
+    o_proj: Tensor  # (h, H*dv)
+    rope_freq_index: tuple[int, ...]
+    q_bias: Tensor | None = None
+    kv_a_bias: Tensor | None = None
+    kv_b_bias: Tensor | None = None
+    o_bias: Tensor | None = None
+
+
+def _pair_rows(head: int, f: int, d: int) -> list[int]:
+    """Rows of a (heads*d, h) projection holding frequency f of ``head`` (rotate-half layout)."""
+    return [head * d + f, head * d + f + d // 2]
+
+
+def head_rotations(w_k: Tensor, C: Tensor, num_kv_heads: int, d: int) -> Tensor:
+    """(d/2, K, K) orthogonal U_f, rows sorted by decreasing key energy at frequency f.
+
+    Energy of a head combination u at frequency f: sum over the pair's two coordinates of
+    E[(u . k_f)^2] = u^T G_f u with G_f[j, j'] = sum_c W_{j,f,c} C W_{j',f,c}^T.
+    """
+    K = num_kv_heads
+    U = torch.empty(d // 2, K, K, dtype=w_k.dtype)
+    for f in range(d // 2):
+        first = w_k[[j * d + f for j in range(K)]]  # (K, h)
+        second = w_k[[j * d + f + d // 2 for j in range(K)]]
+        G = first @ C @ first.T + second @ C @ second.T  # (K, K)
+        evals, evecs = torch.linalg.eigh(G)
+        U[f] = evecs[:, evals.argsort(descending=True)].T
+    return U
+
+
+def pair_scores(w: GQAWeights, C: Tensor, U: Tensor, num_heads: int, num_kv_heads: int, d: int) -> Tensor:
+    """(K, d/2) contribution of each rotated (m, f) pair: sqrt E|q'|^2 * sqrt E|k'|^2 summed over heads.
+
+    The 2-norm criterion of MHA2MLA, applied after the head rotation.
+    """
+    K, H = num_kv_heads, num_heads
+    group = H // K
+    score = torch.zeros(K, d // 2, dtype=w.k.dtype)
+    for f in range(d // 2):
+        rows_k = torch.stack([w.k[_pair_rows(j, f, d)] for j in range(K)])  # (K, 2, h)
+        rot_k = torch.einsum("mj,jch->mch", U[f], rows_k)  # (K, 2, h)
+        k_energy = torch.einsum("mch,hg,mcg->m", rot_k, C, rot_k).clamp_min(0).sqrt()  # (K,)
+        for i in range(H):
+            rows_q = w.q[_pair_rows(i, f, d)]  # (2, h)
+            q_energy = torch.einsum("ch,hg,cg->", rows_q, C, rows_q).clamp_min(0).sqrt()
+            score[:, f] += U[f][:, i // group].abs() * q_energy * k_energy
+    return score
+
+
+def choose_rope_pairs(kind: str, d_rope: int, num_kv_heads: int, d: int, scores: Tensor | None) -> list[tuple[int, int]]:
+    """The kept (m, f) pairs, ordered as the RoPE key's pairs.
+
+    "stride": the principal rotated head at every (d/d_rope)-th frequency -- DeepSeek's own frequency
+    layout, so the result exports to stock DeepSeek-V3 (d_rope <= d). "norm": the d_rope/2 pairs with
+    the largest measured contribution, from any rotated head (kvgraft format).
+    """
+    n = d_rope // 2
+    if kind == "stride":
+        if d_rope > d or d % d_rope:
+            raise ValueError(f"rope selection 'stride' needs d_rope ({d_rope}) to divide head_dim ({d})")
+        return [(0, f) for f in range(0, d // 2, d // d_rope)]
+    if kind == "norm":
+        if scores is None:
+            raise ValueError("rope selection 'norm' needs pair scores")
+        if n > num_kv_heads * d // 2:
+            raise ValueError(f"d_rope ({d_rope}) exceeds the model's total RoPE width ({num_kv_heads * d})")
+        flat = scores.flatten().argsort(descending=True)[:n]
+        pairs = [(int(i) // (d // 2), int(i) % (d // 2)) for i in flat]
+        return sorted(pairs, key=lambda p: (p[1], p[0]))
+    raise ValueError(f"unknown rope selection {kind!r}; expected 'stride' or 'norm'")
+
+
+def _sqrtm_psd(A: Tensor, ridge: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """(A^1/2, A^-1/2) of a symmetric PSD matrix, with a relative ridge for invertibility."""
+    evals, evecs = torch.linalg.eigh(A)
+    evals = evals.clamp_min(0) + ridge * evals.abs().max().clamp_min(1e-30)
+    return (evecs * evals.sqrt()) @ evecs.T, (evecs * evals.rsqrt()) @ evecs.T
+
+
+def convert_layer(
+    w: GQAWeights,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_lora_rank: int,
+    d_rope: int,
+    C: Tensor | None,
+    objective: str = "activations",
+    rope_selection: str = "stride",
+    balance_kv: bool = True,
+) -> MLAWeights:
+    """Convert one GQA layer to MLA (kvgraft layout: d_nope = d_v = head_dim).
+
+    ``C``: E[x x^T] of the layer's attention input on calibration text, or None for weights only.
+    ``objective``: "weights" | "activations" | "attention" (see module docstring).
+    """
+    H, K, d = num_heads, num_kv_heads, head_dim
+    h = w.q.shape[1]
+    group = H // K
+    dtype = torch.float64
+    w = GQAWeights(*(None if t is None else t.to(dtype) for t in (
+        w.q, w.k, w.v, w.o, w.q_bias, w.k_bias, w.v_bias, w.o_bias)))
+    if objective not in ("weights", "activations", "attention"):
+        raise ValueError(f"unknown objective {objective!r}; expected weights, activations or attention")
+    if objective == "weights" or C is None:
+        if objective != "weights":
+            raise ValueError(f"objective {objective!r} needs calibration statistics")
+        C = torch.eye(h, dtype=dtype)
+    C = C.to(dtype)
+
+    # ---- 1. RoPE decoupling ------------------------------------------------------------------
+    U = head_rotations(w.k, C, K, d)  # (d/2, K, K)
+    scores = pair_scores(w, C, U, H, K, d) if rope_selection == "norm" else None
+    pairs = choose_rope_pairs(rope_selection, d_rope, K, d, scores)
+    n = len(pairs)
+    # shared RoPE key rows: pair j -> rows j and j + n (rotate-half over d_rope)
+    def rotated_k_rows(m: int, f: int, wk: Tensor) -> Tensor:  # (2, ...) rows of k'_{m,f}
+        return torch.einsum("j,jc...->c...", U[f][m], torch.stack([wk[_pair_rows(j, f, d)] for j in range(K)]))
+
+    k_rope = torch.empty(2 * n, h, dtype=dtype)
+    k_rope_b = torch.zeros(2 * n, dtype=dtype) if w.k_bias is not None else None
+    for j, (m, f) in enumerate(pairs):
+        rows = rotated_k_rows(m, f, w.k)
+        k_rope[j], k_rope[j + n] = rows[0], rows[1]
+        if k_rope_b is not None:
+            b = rotated_k_rows(m, f, w.k_bias[:, None])[:, 0]
+            k_rope_b[j], k_rope_b[j + n] = b[0], b[1]
+    # residual (no-RoPE) keys per group: k - sum_{kept} U_f[m, g] k'_{m,f}
+    k_res = w.k.clone()
+    k_res_b = None if w.k_bias is None else w.k_bias.clone()
+    for m, f in pairs:
+        rows = rotated_k_rows(m, f, w.k)
+        brow = None if w.k_bias is None else rotated_k_rows(m, f, w.k_bias[:, None])[:, 0]
+        for g in range(K):
+            k_res[_pair_rows(g, f, d)] -= U[f][m, g] * rows
+            if k_res_b is not None:
+                k_res_b[_pair_rows(g, f, d)] -= U[f][m, g] * brow
+
+    # ---- 2. joint K/V latent -----------------------------------------------------------------
+    W_y = torch.cat([k_res, w.v])  # (2Kd, h)
+    b_y = None
+    if w.k_bias is not None or w.v_bias is not None:
+        zeros = torch.zeros(K * d, dtype=dtype)
+        b_y = torch.cat([k_res_b if k_res_b is not None else zeros, w.v_bias if w.v_bias is not None else zeros])
+    M = torch.eye(2 * K * d, dtype=dtype)
+    M_inv = torch.eye(2 * K * d, dtype=dtype)
+    if objective == "attention":
+        for g in range(K):
+            rows = slice(g * d, (g + 1) * d)
+            # keys: logit error q^T (k - k_hat) summed over the group's query heads
+            Wq = w.q[group * g * d:(group * g + group) * d].view(group, d, h)
+            Sq = sum(Wq[i] @ C @ Wq[i].T for i in range(group))
+            s, s_inv = _sqrtm_psd(Sq)
+            M[rows, rows], M_inv[rows, rows] = s, s_inv
+            # values: output error W_O,i (v - v_hat) summed over the group's heads
+            Wo = w.o[:, group * g * d:(group * g + group) * d].view(h, group, d)
+            So = sum(Wo[:, i].T @ Wo[:, i] for i in range(group))
+            s, s_inv = _sqrtm_psd(So)
+            vr = slice(K * d + g * d, K * d + (g + 1) * d)
+            M[vr, vr], M_inv[vr, vr] = s, s_inv
+    if balance_kv:
+        S = M @ W_y @ C @ W_y.T @ M.T
+        e_k, e_v = torch.diagonal(S)[: K * d].sum(), torch.diagonal(S)[K * d:].sum()
+        if e_k > 0 and e_v > 0:
+            alpha = (e_v / e_k).sqrt()
+            M[: K * d] *= alpha
+            M_inv[:, : K * d] /= alpha
+    S = M @ W_y @ C @ W_y.T @ M.T
+    evals, evecs = torch.linalg.eigh((S + S.T) / 2)
+    top = evecs[:, evals.argsort(descending=True)[:kv_lora_rank]]  # (2Kd, dc)
+    A = top.T @ M @ W_y  # (dc, h): the latent down-projection
+    B = M_inv @ top  # (2Kd, dc): up-projection back to [k_res; v]
+
+    # ---- 3. assemble MLA weights (per query head; GQA groups replicated) -----------------------
+    scale = ((d + 2 * n) / d) ** 0.5  # new softmax scale 1/sqrt(d + d_rope) -> fold the ratio into q
+    q_nope = w.q.view(H, d, h) * scale
+    q_rope = torch.empty(H, 2 * n, h, dtype=dtype)
+    qb_nope = None if w.q_bias is None else w.q_bias.view(H, d) * scale
+    qb_rope = None if w.q_bias is None else torch.empty(H, 2 * n, dtype=dtype)
+    for i in range(H):
+        g = i // group
+        for j, (m, f) in enumerate(pairs):
+            coef = U[f][m, g] * scale
+            rows = _pair_rows(i, f, d)
+            q_rope[i, j], q_rope[i, j + n] = coef * w.q[rows[0]], coef * w.q[rows[1]]
+            if qb_rope is not None:
+                qb_rope[i, j], qb_rope[i, j + n] = coef * w.q_bias[rows[0]], coef * w.q_bias[rows[1]]
+    q_proj = torch.cat([q_nope, q_rope], dim=1).reshape(H * (d + 2 * n), h)
+    q_bias = None if w.q_bias is None else torch.cat([qb_nope, qb_rope], dim=1).reshape(-1)
+
+    B_k, B_v = B[: K * d].view(K, d, -1), B[K * d:].view(K, d, -1)
+    heads = torch.arange(H) // group
+    kv_b = torch.cat([B_k[heads], B_v[heads]], dim=1).reshape(H * 2 * d, kv_lora_rank)
+    kv_b_bias = None
+    if b_y is not None:
+        bk, bv = b_y[: K * d].view(K, d), b_y[K * d:].view(K, d)
+        kv_b_bias = torch.cat([bk[heads], bv[heads]], dim=1).reshape(-1)
+    kv_a = torch.cat([A, k_rope])
+    kv_a_bias = None
+    if k_rope_b is not None:
+        kv_a_bias = torch.cat([torch.zeros(kv_lora_rank, dtype=dtype), k_rope_b])
+    elif w.q_bias is not None or w.v_bias is not None:
+        kv_a_bias = torch.zeros(kv_lora_rank + 2 * n, dtype=dtype)
+    return MLAWeights(
+        q_proj=q_proj, kv_a_proj=kv_a, kv_b_proj=kv_b, o_proj=w.o, rope_freq_index=tuple(f for _, f in pairs),
+        q_bias=q_bias, kv_a_bias=kv_a_bias, kv_b_bias=kv_b_bias, o_bias=w.o_bias,
+    )

@@ -1,0 +1,120 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) with a latent cache and absorbed decode.
+
+Per token a layer caches one vector: the latent ``c = kv_a(x)[:d_c]`` (optionally RMS-normalised)
+followed by the shared RoPE key ``k_r = RoPE(kv_a(x)[d_c:])``, d_c + d_rope values in all.
+Keys and values are recovered per head by the up-projection ``kv_b``:
+``k_i = [W_UK,i c ; k_r]``, ``v_i = W_UV,i c``.
+
+Two equivalent paths (tested to agree):
+- expanded: up-project the whole cache, then ordinary attention (cheap for long prefills);
+- absorbed: fold W_UK into the query (``q_lat,i = W_UK,i^T q_nope,i``) and apply W_UV after attention,
+  so the step attends over the latent cache directly, as multi-query attention with one key/value
+  head of width d_c + d_rope (values: the latent part). Cheap for decode: nothing is expanded.
+
+RoPE pairs use the rotate-half layout over d_rope; pair ``j`` rotates at the model's base frequency
+``rope_freq_index[j]`` (so a conversion can keep any subset of the original frequencies).
+Shapes: B batch, T new tokens, S cached + new tokens, H heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgraft.model.config import ModelConfig
+from kvgraft.model.norm import RMSNorm
+from kvgraft.model.rope import apply_rope
+
+ABSORB_MODES = ("auto", "always", "never")
+# "auto" absorbs when a step adds at most this many tokens to a KVCache (decode); longer steps
+# (prefill) expand, which costs less when the prompt is long.
+AUTO_ABSORB_MAX_NEW_TOKENS = 16
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.dc, self.dr = config.kv_lora_rank, config.qk_rope_head_dim
+        self.dn, self.dv = config.qk_nope_head_dim, config.v_head_dim
+        self.writes_kv = config.is_kv_writer(layer)
+        self.window = config.window(layer)
+        h, H = config.hidden_size, config.num_heads
+        self.q_proj = nn.Linear(h, H * (self.dn + self.dr), bias=config.qkv_bias)
+        if self.writes_kv:
+            self.kv_a_proj = nn.Linear(h, self.dc + self.dr, bias=config.qkv_bias)
+            self.kv_a_norm = RMSNorm(self.dc, config.rms_norm_eps) if config.mla_latent_norm else None
+        self.kv_b_proj = nn.Linear(self.dc, H * (self.dn + self.dv), bias=config.qkv_bias)
+        self.o_proj = nn.Linear(H * self.dv, h, bias=config.o_bias)
+        idx = torch.tensor(config.rope_freq_index[layer], dtype=torch.long)
+        # columns of the model's (B, T, head_dim) cos/sin tables that this layer's RoPE pairs use
+        self.register_buffer("rope_cols", torch.cat([idx, idx + config.head_dim // 2]), persistent=False)
+        self.scale = (self.dn + self.dr) ** -0.5
+        self.absorb = "auto"
+
+    def latent_entry(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(B, T, h) -> the cache entry (B, 1, T, d_c + d_rope): latent then rotated RoPE key."""
+        ckv = self.kv_a_proj(x)
+        c, k_rope = ckv.split([self.dc, self.dr], dim=-1)
+        if self.kv_a_norm is not None:
+            c = self.kv_a_norm(c)
+        k_rope = apply_rope(k_rope[:, None], cos, sin)  # (B, 1, T, dr)
+        return torch.cat([c[:, None], k_rope], dim=-1)
+
+    def forward(self, x, cos, sin, mask, kv) -> torch.Tensor:
+        B, T, _ = x.shape
+        H = self.num_heads
+        cos, sin = cos[..., self.rope_cols], sin[..., self.rope_cols]  # (B, T, dr)
+        q = self.q_proj(x).view(B, T, H, self.dn + self.dr).transpose(1, 2)  # (B, H, T, dn + dr)
+        q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin)
+        if self.writes_kv:
+            (entry,) = kv.write(self.layer, self.latent_entry(x, cos, sin))  # (B, 1, S, dc + dr)
+        else:
+            (entry,) = kv.read(self.layer, T)
+        if self._absorbed(T, kv):
+            y = self._attend_absorbed(q_nope, q_rope, entry, mask)
+        else:
+            y = self._attend_expanded(q_nope, q_rope, entry, mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.dv))
+
+    def _absorbed(self, t: int, kv) -> bool:
+        from kvgraft.model.cache import KVCache
+
+        if self.absorb == "always":
+            return True
+        if self.absorb == "never":
+            return False
+        return isinstance(kv, KVCache) and t <= AUTO_ABSORB_MAX_NEW_TOKENS
+
+    def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.dc)
+        b = self.kv_b_proj.bias
+        b_v = None if b is None else b.view(self.num_heads, self.dn + self.dv)[:, self.dn:]
+        return w[:, : self.dn], w[:, self.dn:], b_v  # W_UK (H, dn, dc), W_UV (H, dv, dc), b_v (H, dv)
+
+    def _attend_expanded(self, q_nope, q_rope, entry, mask) -> torch.Tensor:
+        B, H, T, _ = q_nope.shape
+        S = entry.shape[-2]
+        c, k_rope = entry[:, 0].split([self.dc, self.dr], dim=-1)  # (B, S, dc), (B, S, dr)
+        kv = self.kv_b_proj(c).view(B, S, H, self.dn + self.dv).transpose(1, 2)  # (B, H, S, dn + dv)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, None].expand(B, H, S, self.dr)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+
+    def _attend_absorbed(self, q_nope, q_rope, entry, mask) -> torch.Tensor:
+        w_uk, w_uv, b_v = self._split_kv_b()
+        # The key bias of kv_b adds q_nope . b_k to every key's logit alike: softmax ignores it.
+        q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, T, dc)
+        q = torch.cat([q_lat, q_rope], dim=-1)  # (B, H, T, dc + dr)
+        y_lat = F.scaled_dot_product_attention(
+            q, entry, entry[..., : self.dc], attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            enable_gqa=True,
+        )  # (B, H, T, dc): attention over the latent cache as one shared key/value head
+        y = torch.einsum("bhtc,hvc->bhtv", y_lat, w_uv)  # (B, H, T, dv)
+        if b_v is not None:  # softmax weights sum to one, so the value bias passes straight through
+            y = y + b_v[None, :, None, :]
+        return y
