@@ -1,0 +1,134 @@
+"""MLA graft and runtime: exactness at full budget, absorbed == expanded, error falls with rank, cache size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgraft.graft.mla import GraftConfig, graft_mla
+from kvgraft.model import ModelConfig, Transformer
+
+
+def _model(num_kv_heads: int, bias: bool = False, window: int | None = None, seed: int = 0) -> Transformer:
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=num_kv_heads, head_dim=16, max_position_embeddings=64, qkv_bias=bias,
+                      o_bias=bias, sliding_window=window)
+    model = Transformer(cfg).eval()
+    model.init_weights(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name:
+                p.normal_(0, 0.2)  # non-zero biases so their folding is really exercised
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _calibration(n: int = 8, t: int = 32, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 96, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+IDS = torch.randint(0, 96, (2, 28), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["MHA", "GQA2", "MQA"])
+@pytest.mark.parametrize("objective", ["weights", "activations", "attention"])
+@pytest.mark.parametrize("selection", ["norm", "stride"])
+def test_full_budget_is_exact(num_kv_heads, objective, selection):
+    """Latent rank = KV width and RoPE kept on every head's frequencies: the graft is exact."""
+    model = _model(num_kv_heads, bias=num_kv_heads == 2)
+    d_rope = num_kv_heads * 16 if selection == "norm" else 16
+    if selection == "stride" and num_kv_heads > 1:
+        pytest.skip("stride keeps one rotated head: exact only for MQA")
+    g = GraftConfig(kv_lora_rank=2 * num_kv_heads * 16, qk_rope_head_dim=d_rope, objective=objective,
+                    rope_selection=selection)
+    new = graft_mla(model, g, _calibration(), progress=False).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(new(IDS), model(IDS), atol=1e-4, rtol=0)
+    assert new.config.attention_kinds == ("mla", "mla")
+
+
+def test_full_budget_exact_with_sliding_window():
+    model = _model(2, window=8)
+    g = GraftConfig(kv_lora_rank=64, qk_rope_head_dim=32, objective="activations", rope_selection="norm")
+    new = graft_mla(model, g, _calibration(), progress=False).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(new(IDS), model(IDS), atol=1e-4, rtol=0)
+        cache = new.new_cache(2, 28)
+        steps = [new(IDS[:, :12], cache=cache)] + [new(IDS[:, t:t + 1], cache=cache) for t in range(12, 28)]
+        torch.testing.assert_close(torch.cat(steps, 1), model(IDS), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_absorbed_decode_equals_expanded(num_kv_heads):
+    model = _model(num_kv_heads, bias=True)
+    new = graft_mla(model, GraftConfig(kv_lora_rank=24, qk_rope_head_dim=16), _calibration(), progress=False).eval()
+    with torch.no_grad():
+        full = new(IDS)  # no cache: expanded path
+        for mode in ("always", "never"):
+            for layer in new.layers:
+                layer.self_attn.absorb = mode
+            cache = new.new_cache(2, 28)
+            steps = [new(IDS[:, :9], cache=cache)] + [new(IDS[:, t:t + 1], cache=cache) for t in range(9, 28)]
+            torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+
+
+def _calibration_error(model, new, ids) -> float:
+    with torch.no_grad():
+        return (new(ids) - model(ids)).pow(2).mean().item()
+
+
+@pytest.mark.parametrize("objective", ["activations", "attention"])
+def test_one_shot_error_does_not_grow_with_rank(objective):
+    model = _model(2)
+    calib = _calibration(16)
+    errors = []
+    for rank in (4, 8, 16, 32, 48, 64):
+        g = GraftConfig(kv_lora_rank=rank, qk_rope_head_dim=32, objective=objective, rope_selection="norm")
+        errors.append(_calibration_error(model, graft_mla(model, g, calib, progress=False).eval(), calib))
+    assert all(b <= a * 1.02 + 1e-9 for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] < 1e-8 < errors[0]
+
+
+def test_activation_aware_beats_weights_only_on_calibration_text():
+    model = _model(2)
+    calib = _calibration(16)
+    err = {}
+    for objective in ("weights", "activations"):
+        g = GraftConfig(kv_lora_rank=12, qk_rope_head_dim=16, objective=objective, layerwise=False)
+        err[objective] = _calibration_error(model, graft_mla(model, g, calib, progress=False).eval(), calib)
+    assert err["activations"] < err["weights"]
+
+
+def test_progressive_grafting_converts_only_chosen_layers():
+    model = _model(2)
+    g = GraftConfig(kv_lora_rank=16, qk_rope_head_dim=16, layers=(1,))
+    new = graft_mla(model, g, _calibration(), progress=False).eval()
+    assert new.config.attention_kinds == ("gqa", "mla")
+    for key, value in model.layers[0].state_dict().items():
+        torch.testing.assert_close(new.layers[0].state_dict()[key], value)
+
+
+@pytest.mark.parametrize("dtype,nbytes", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_latent_cache_bytes_equal_the_formula(dtype, nbytes):
+    model = _model(2)
+    new = graft_mla(model, GraftConfig(kv_lora_rank=24, qk_rope_head_dim=16), _calibration(), progress=False)
+    cache = new.new_cache(3, 50, dtype=dtype)
+    per_layer = 24 + 16  # d_c + d_rope values per token per layer
+    assert cache.bytes_per_token() == new.config.kv_bytes_per_token(nbytes) == 2 * per_layer * nbytes
+
+
+def test_bad_graft_configs_name_the_value():
+    model = _model(2)
+    with pytest.raises(ValueError, match=r"qk_rope_head_dim \(64\) exceeds"):
+        graft_mla(model, GraftConfig(kv_lora_rank=16, qk_rope_head_dim=64), _calibration(), progress=False)
+    with pytest.raises(ValueError, match=r"kv_lora_rank \(65\) exceeds"):
+        graft_mla(model, GraftConfig(kv_lora_rank=65, qk_rope_head_dim=16), _calibration(), progress=False)
+    with pytest.raises(ValueError, match=r"layers \[5\] out of range"):
+        graft_mla(model, GraftConfig(kv_lora_rank=16, qk_rope_head_dim=16, layers=(5,)), _calibration())
+    with pytest.raises(ValueError, match="needs calibration tokens"):
+        graft_mla(model, GraftConfig(kv_lora_rank=16, qk_rope_head_dim=16), None)
+    with pytest.raises(ValueError, match="objective 'svd'"):
+        GraftConfig(kv_lora_rank=16, qk_rope_head_dim=16, objective="svd")
+    with pytest.raises(ValueError, match=r"qk_rope_head_dim \(7\)"):
+        GraftConfig(kv_lora_rank=16, qk_rope_head_dim=7)
