@@ -63,6 +63,9 @@ def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
+        for f in tmp.rglob("*"):  # some writers (mkstemp, safetensors) create 0600 files
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, 0o666 & ~_umask())
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")

@@ -23,8 +23,9 @@ def demo(model: str | None = None, out_dir: str | Path = "runs/demo", max_new_to
     net = load_pretrained(path)
     tok = load_tokenizer_dir(path)
     print(f"model: {path}")
-    report = evaluate(model_path=path, model=net, contexts=(128, 512), batch_sizes=(1, 8), new_tokens=16,
-                      repeats=2)
+    ctx = net.config.max_position_embeddings
+    report = evaluate(model_path=path, model=net, contexts=(ctx // 4, ctx - 16), batch_sizes=(1, 8),
+                      new_tokens=16, repeats=2)
     print(format_report(report))
     samples = []
     if tok is not None:

@@ -121,9 +121,12 @@ def _sliding(
 def model_config_from_hf(d: dict[str, Any], source: str) -> ModelConfig:
     """Map a transformers config.json dict (``source`` names the file, for errors) to a ModelConfig."""
     model_type = d.get("model_type")
+    if model_type == KVGRAFT_MODEL_TYPE:
+        return _kvgraft_config(d, source)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"{source}: model_type {model_type!r} is not supported; expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{source}: model_type {model_type!r} is not supported; expected one of "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (or {KVGRAFT_MODEL_TYPE!r}, kvgraft's own format)"
         )
     missing = [k for k in _REQUIRED if d.get(k) is None]
     if missing:
@@ -186,6 +189,40 @@ def _rope_to_hf(rope: RopeConfig, max_position_embeddings: int) -> dict[str, Any
     return out
 
 
+KVGRAFT_MODEL_TYPE = "kvgraft"
+
+
+def _kvgraft_config(d: dict[str, Any], source: str) -> ModelConfig:
+    """kvgraft's own format: the full ModelConfig under the "kvgraft" key (see kvgraft_format.md)."""
+    body = d.get("kvgraft")
+    if not isinstance(body, dict):
+        raise CheckpointError(f"{source}: model_type 'kvgraft' needs a 'kvgraft' object holding the ModelConfig")
+    try:
+        return ModelConfig.from_dict(body)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{source}: invalid kvgraft config: {exc}") from exc
+
+
+def kvgraft_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """config.json of kvgraft's own format: the ModelConfig plus the common top-level fields tools read."""
+    return {
+        "architectures": ["KvgraftForCausalLM"],
+        "model_type": KVGRAFT_MODEL_TYPE,
+        "kvgraft_format_version": 1,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "kvgraft": cfg.to_dict(),
+    }
+
+
 def _check_representable(cfg: ModelConfig, model_type: str) -> None:
     def need(ok: bool, what: str) -> None:
         if not ok:
@@ -215,6 +252,8 @@ def _check_representable(cfg: ModelConfig, model_type: str) -> None:
 
 def hf_config_from_model(cfg: ModelConfig, model_type: str, dtype: str = "float32") -> dict[str, Any]:
     """A config.json dict for ``model_type`` that transformers loads into the same architecture."""
+    if model_type == KVGRAFT_MODEL_TYPE:
+        return kvgraft_config_dict(cfg, dtype)
     _check_representable(cfg, model_type)
     d: dict[str, Any] = {
         "architectures": [ARCHITECTURES[model_type]],

@@ -21,8 +21,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """kvgraft key -> shape, computed from the config (lm_head only when not tied)."""
-    if any(kind != "gqa" for kind in cfg.attention_kinds):
-        raise UnsupportedModelError(f"attention_kinds {cfg.attention_kinds}: only 'gqa' maps to transformers keys")
     h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {EMBED: (cfg.vocab_size, h), "norm.weight": (h,)}
@@ -31,9 +29,19 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         writer = cfg.is_kv_writer(i)
-        attn = {"q_proj": (q, h, cfg.qkv_bias), "o_proj": (h, q, cfg.o_bias)}
-        if writer:
-            attn |= {"k_proj": (kv, h, cfg.qkv_bias), "v_proj": (kv, h, cfg.qkv_bias)}
+        if cfg.attention_kinds[i] == "mla":  # kvgraft's own MLA layout (see kvgraft.hf.kvgraft_format)
+            dc, dr, dn, dv, H = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim,
+                                 cfg.num_heads)
+            attn = {"q_proj": (H * (dn + dr), h, cfg.qkv_bias), "kv_b_proj": (H * (dn + dv), dc, cfg.qkv_bias),
+                    "o_proj": (h, H * dv, cfg.o_bias)}
+            if writer:
+                attn["kv_a_proj"] = (dc + dr, h, cfg.qkv_bias)
+                if cfg.mla_latent_norm:
+                    shapes[f"{p}self_attn.kv_a_norm.weight"] = (dc,)
+        else:
+            attn = {"q_proj": (q, h, cfg.qkv_bias), "o_proj": (h, q, cfg.o_bias)}
+            if writer:
+                attn |= {"k_proj": (kv, h, cfg.qkv_bias), "v_proj": (kv, h, cfg.qkv_bias)}
         mlp = {"gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
         for name, (out_dim, in_dim, bias) in attn.items():
             shapes[f"{p}self_attn.{name}.weight"] = (out_dim, in_dim)
@@ -43,7 +51,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}mlp.{name}.weight"] = (out_dim, in_dim)
             if cfg.mlp_bias:
                 shapes[f"{p}mlp.{name}.bias"] = (out_dim,)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.attention_kinds[i] == "gqa":
             shapes[f"{p}self_attn.q_norm.weight"] = (d,)
             if writer:
                 shapes[f"{p}self_attn.k_norm.weight"] = (d,)

@@ -48,9 +48,10 @@ class MLAttention(nn.Module):
             self.kv_a_norm = RMSNorm(self.dc, config.rms_norm_eps) if config.mla_latent_norm else None
         self.kv_b_proj = nn.Linear(self.dc, H * (self.dn + self.dv), bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * self.dv, h, bias=config.o_bias)
-        idx = torch.tensor(config.rope_freq_index[layer], dtype=torch.long)
+        idx = list(config.rope_freq_index[layer])
         # columns of the model's (B, T, head_dim) cos/sin tables that this layer's RoPE pairs use
-        self.register_buffer("rope_cols", torch.cat([idx, idx + config.head_dim // 2]), persistent=False)
+        # (a plain list, not a buffer: it is config, and must survive meta-device construction)
+        self.rope_cols = idx + [i + config.head_dim // 2 for i in idx]
         self.scale = (self.dn + self.dr) ** -0.5
         self.absorb = "auto"
 

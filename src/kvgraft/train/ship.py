@@ -24,7 +24,7 @@ def ship_reference(
     out_dir: str | Path,
     command: str,
     calibration_tokens: int = 65536,
-    heldout_tokens: int = 131072,
+    heldout_tokens: int = 65536,
     overwrite: bool = False,
 ) -> Path:
     """Copy ``run_dir/final`` to ``out_dir`` with eval slices, the loss curve and a model card."""
@@ -134,8 +134,8 @@ Tokenizer: byte-level BPE, {r['data']['vocab_size']} entries, trained on the tra
 ## Results
 | measure | value |
 |---|---|
-| final train loss (mean of last 10 logged steps) | {r['final_train_loss_mean_last_10_logged']:.4f} |
-| final validation loss / perplexity | {r['final_val_loss']:.4f} / {r['final_val_ppl']:.2f} |
+| final train loss (mean of last 10 logged steps) | {_f(r['final_train_loss_mean_last_10_logged'])} |
+| final validation loss / perplexity | {_f(r['final_val_loss'])} / {_f(r['final_val_ppl'], '.2f')} |
 | held-out (test split) loss / perplexity, `eval/heldout.npy` | {r['heldout_loss']:.4f} / {r['heldout_ppl']:.2f} ({r['heldout_tokens_scored']:,} tokens, windows of {r['seq_len']}) |
 
 ![loss curve](loss.png)
@@ -156,6 +156,10 @@ make install
 Training is deterministic for a given machine and thread count; a rerun on other hardware gives close,
 not bit-identical, losses.
 """
+
+
+def _f(value: float | None, fmt: str = ".4f") -> str:
+    return "n/a" if value is None else format(value, fmt)
 
 
 def _count_params(config: dict) -> int:
