@@ -109,6 +109,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from kvgraft.graft.convert import convert
+
+    record = convert(
+        args.model, args.out, kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.rope_dim,
+        compression=args.compression, objective=args.objective, rope_selection=args.rope_selection,
+        layerwise=args.layerwise, layers=tuple(args.layers) if args.layers else None,
+        calibration=args.calibration, calibration_tokens=args.calibration_tokens, output_format=args.format,
+        overwrite=args.overwrite,
+    )
+    kv = record["kv_bytes_per_token_bf16"]
+    print(f"converted {record['source']} -> {args.out}: KV bytes/token (bf16) {kv['original']:,} -> "
+          f"{kv['converted']:,} ({record['compression']:.2f}x smaller) in {record['seconds']['convert']:.1f} s")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvgraft.demo import demo
 
@@ -161,6 +177,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("convert", help="graft multi-head latent attention (MLA) onto a Llama-family model")
+    p.add_argument("model", nargs="?", default=None, help=model_help)
+    p.add_argument("--out", required=True, help="output directory (refused if it exists, unless --overwrite)")
+    p.add_argument("--compression", type=float, default=4.0,
+                   help="KV cache reduction factor; sets the latent rank when --kv-lora-rank is not given")
+    p.add_argument("--kv-lora-rank", type=int, default=None, help="latent width d_c cached per token per layer")
+    p.add_argument("--rope-dim", type=int, default=None,
+                   help="width of the shared RoPE key d_rope (default: the model's head_dim)")
+    p.add_argument("--objective", choices=["weights", "activations", "attention"], default="activations",
+                   help="latent initialisation: joint SVD of the weights, PCA of K/V outputs on calibration "
+                        "text, or attention-aware (key error weighted by queries, value error by W_O)")
+    p.add_argument("--rope-selection", choices=["stride", "norm"], default="stride",
+                   help="which RoPE frequencies stay: every k-th (stock DeepSeek-V3 layout) or the largest "
+                        "measured |q|.|k| contributions (kvgraft format only)")
+    p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
+                   help="calibrate each layer on the converted layers' activations")
+    p.add_argument("--layers", type=int, nargs="+", default=None,
+                   help="convert only these layers (progressive grafting); the rest stay as they are")
+    p.add_argument("--calibration", default=None,
+                   help="calibration text (.txt) or token ids (.npy); default: the model's eval/calibration.npy")
+    p.add_argument("--calibration-tokens", type=int, default=32768)
+    p.add_argument("--format", choices=["kvgraft", "deepseek_v3", "both"], default="kvgraft",
+                   help="kvgraft's own format and/or a stock DeepSeek-V3 checkpoint (all layers converted)")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("demo", help="the `make demo` job: evaluate the reference model and sample from it")
     p.add_argument("--model", default=None, help=model_help)

@@ -104,17 +104,24 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_rope[:, None].expand(B, H, S, self.dr)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                              scale=self.scale)
 
     def _attend_absorbed(self, q_nope, q_rope, entry, mask) -> torch.Tensor:
         w_uk, w_uv, b_v = self._split_kv_b()
         # The key bias of kv_b adds q_nope . b_k to every key's logit alike: softmax ignores it.
         q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, T, dc)
         q = torch.cat([q_lat, q_rope], dim=-1)  # (B, H, T, dc + dr)
+        B, H, T, _ = q.shape
+        S = entry.shape[-2]
+        # One key/value head shared by all query heads: fold the heads into the query axis, so the
+        # latent cache is read once per step instead of being repeated per head.
+        if mask is None and T > 1:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         y_lat = F.scaled_dot_product_attention(
-            q, entry, entry[..., : self.dc], attn_mask=mask, is_causal=mask is None, scale=self.scale,
-            enable_gqa=True,
-        )  # (B, H, T, dc): attention over the latent cache as one shared key/value head
+            q.reshape(B, 1, H * T, -1), entry, entry[..., : self.dc],
+            attn_mask=None if mask is None else mask.repeat(H, 1), scale=self.scale,
+        ).view(B, H, T, self.dc)  # attention over the latent cache
         y = torch.einsum("bhtc,hvc->bhtv", y_lat, w_uv)  # (B, H, T, dv)
         if b_v is not None:  # softmax weights sum to one, so the value bias passes straight through
             y = y + b_v[None, :, None, :]

@@ -79,7 +79,7 @@ class GQAttention(nn.Module):
         else:
             k, v = kv.read(self.layer, T)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_kv_heads != self.num_heads
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=self.num_kv_heads != self.num_heads
         )  # (B, H, T, d)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
@@ -163,8 +163,11 @@ class Transformer(nn.Module):
         for layer in range(self.config.num_layers):
             w = self.config.window(layer)
             if w not in masks:
+                # None means "no mask needed": causal over T == S tokens, or one new token seeing
+                # every cached key (attention modules use is_causal only when T > 1)
                 plain_causal = cache is None and (w is None or w >= T)
-                masks[w] = None if plain_causal else attention_mask(start, T, w, x.device)
+                one_token_full = T == 1 and (w is None or w >= start + 1)
+                masks[w] = None if plain_causal or one_token_full else attention_mask(start, T, w, x.device)
         kv = cache if cache is not None else EphemeralKV(self.config)
         for layer, block in enumerate(self.layers):
             mask = masks[self.config.window(layer)]
