@@ -109,6 +109,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from kvgraft.graft.doctor import doctor
+
+    report = doctor(args.model, kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.rope_dim)
+    print(report.format())
+    if args.json:
+        from kvgraft.atomic import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from kvgraft.graft.convert import convert
 
@@ -137,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgraft.model.presets import PRESETS
     from kvgraft.train.config import TrainConfig
 
-    parser = argparse.ArgumentParser(prog="kvgraft", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvgraft",
+        description="kvgraft: graft MLA and shared KV caches onto pretrained transformer LMs, and measure them.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("prepare-data", help="build the corpus, train the BPE tokenizer, tokenize the splits")
@@ -177,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("doctor", help="check-up before an MLA graft: architecture, KV bytes now and after, blockers")
+    p.add_argument("model", nargs="?", default=None, help=model_help)
+    p.add_argument("--kv-lora-rank", type=int, default=None, help="latent width d_c (default: KV width / 4)")
+    p.add_argument("--rope-dim", type=int, default=None, help="shared RoPE key width d_rope (default: head_dim)")
+    p.add_argument("--json", default=None, help="also write the report as JSON here")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("convert", help="graft multi-head latent attention (MLA) onto a Llama-family model")
     p.add_argument("model", nargs="?", default=None, help=model_help)

@@ -1,11 +1,13 @@
 """transformers interop: load Llama/Mistral/Qwen2/Qwen3 checkpoints into kvgraft and save them back."""
 
 from kvgraft.hf.config_map import SUPPORTED_MODEL_TYPES, hf_config_from_model, model_config_from_hf
+from kvgraft.hf.deepseek import export_deepseek_v3
 from kvgraft.hf.load import load_config, load_pretrained, load_tokenizer_dir
 from kvgraft.hf.save import save_pretrained
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "export_deepseek_v3",
     "hf_config_from_model",
     "load_config",
     "load_pretrained",

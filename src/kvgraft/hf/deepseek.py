@@ -42,14 +42,12 @@ from safetensors.torch import save_file
 
 from kvgraft.atomic import atomic_dir
 from kvgraft.errors import CheckpointError, UnsupportedModelError
+from kvgraft.hf.load import CONFIG, WEIGHTS
+from kvgraft.hf.save import GENERATION_CONFIG, TOKENIZER_FILES, OutputExistsError
 from kvgraft.model.config import ModelConfig, RopeConfig
 from kvgraft.model.rope import rope_frequencies
 from kvgraft.model.transformer import Transformer
 
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 LATENT_NORM_STRATEGIES = ("fit", "scale")
 # transformers' DeepseekV3Attention builds kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
@@ -145,8 +143,8 @@ def _nonzero(t: torch.Tensor | None) -> bool:
     return t is not None and bool(t.detach().abs().max() > 0)
 
 
-def _stock_rope(config: ModelConfig) -> tuple[dict, float]:
-    """(rope_parameters for config.json, factor to fold into q_proj); raises when stock cannot match ours.
+def _stock_rope(config: ModelConfig) -> tuple[dict, float, list[str]]:
+    """(rope_parameters for config.json, factor to fold into q_proj, notes); raises when stock cannot match ours.
 
     Stock DeepSeek-V3 computes its frequencies with dim = qk_rope_head_dim; ours come from dim = head_dim at
     the stride indices. Equal for default/linear/llama3 (functions of each base frequency alone); dynamic NTK
@@ -171,9 +169,10 @@ def _stock_rope(config: ModelConfig) -> tuple[dict, float]:
             f"rope_type {kind!r} with these parameters cannot be exported exactly to stock DeepSeek-V3: stock "
             f"computes its frequencies for dim = qk_rope_head_dim = {dr}, kvgraft for dim = head_dim = {d} at every "
             f"{d // dr}-th frequency, and for {kind} they differ (max relative difference "
-            f"{float(((ours[idx] - stock) / stock).abs().max()):.3g}; yarn's correction range is measured in "
+            f"{float(((ours[idx] - stock) / stock).abs().max()):.3g}; yarn's correction range is truncated in "
             "units of dim). Graft with qk_rope_head_dim = head_dim to export it"
         )
+    notes = []
     params: dict = {"rope_type": kind, "rope_theta": float(rope.theta)}
     if kind in ("linear", "dynamic"):
         params["factor"] = float(rope.factor)
@@ -185,19 +184,40 @@ def _stock_rope(config: ModelConfig) -> tuple[dict, float]:
         original = rope.original_max_position_embeddings or max_pos
         params["original_max_position_embeddings"] = int(original)
         params["factor"] = float(rope.factor if rope.factor is not None else max_pos / original)
-        for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
-            if getattr(rope, name) is not None:
+        for name in ("beta_fast", "beta_slow"):
+            if getattr(rope, name):
                 params[name] = float(getattr(rope, name))
+        # Both mscales explicit, so that transformers and DeepSeek's own yarn (vLLM/SGLang: attention factor
+        # mscale(f, mscale) / mscale(f, mscale_all_dim), defaults 1 and 0) agree with kvgraft, which uses the
+        # ratio only when both are set and mscale(f, 1) otherwise.
+        if rope.mscale and rope.mscale_all_dim:
+            params["mscale"], params["mscale_all_dim"] = float(rope.mscale), float(rope.mscale_all_dim)
+        else:
+            params["mscale"], params["mscale_all_dim"] = 1.0, 0.0
+        if rope.attention_factor is not None:
+            params["attention_factor"] = float(rope.attention_factor)
         if not rope.truncate:
             params["truncate"] = False
-    # stock multiplies the softmax scale by mscale(factor, mscale_all_dim)^2 (yarn_apply_mscale); kvgraft
-    # does not: fold the inverse into the queries
+        if rope.attention_factor is not None or not rope.truncate:
+            notes.append(
+                "yarn attention_factor / truncate=false are honoured by transformers but not by DeepSeek's own yarn "
+                "(vLLM/SGLang 'deepseek_yarn'), which derives the attention factor from mscale/mscale_all_dim and "
+                "always truncates: serving stacks would run slightly different RoPE"
+            )
+    if kind not in ("default", "yarn"):
+        notes.append(
+            f"rope_type {kind!r} is exact in transformers, but vLLM's and SGLang's DeepSeek-V2/V3 code treat any "
+            "rope scaling as DeepSeek's yarn ('deepseek_yarn'): they would run this checkpoint with wrong RoPE "
+            "frequencies"
+        )
+    # stock multiplies the softmax scale by mscale(factor, mscale_all_dim)^2 (yarn_apply_mscale; vLLM and
+    # SGLang do the same); kvgraft does not: fold the inverse into the queries
     fold = 1.0
     if kind != "default" and params.get("mscale_all_dim"):
         factor = params["factor"]
         m = 1.0 if factor <= 1 else 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0
         fold = 1.0 / (m * m)
-    return params, fold
+    return params, fold, notes
 
 
 def deepseek_v3_fast_path(config: ModelConfig, original_kv_width: int | None = None) -> list[str]:
@@ -268,41 +288,50 @@ def _collect_latents(model: Transformer, ids: torch.Tensor, max_tokens: int, bat
     return out
 
 
-def fit_latent_metric(c: torch.Tensor, ridge: float = 1e-3, max_iter: int = 300, min_eig: float = 1e-3) -> torch.Tensor:
+def fit_latent_metric(c: torch.Tensor, ridge: float | None = None, max_iter: int = 150, min_eig: float = 1e-3) -> torch.Tensor:
     """PSD G (d x d) making c_t^T G c_t / d as close to 1 as possible over the rows c_t of ``c`` (N x d).
 
-    Least squares over symmetric G, sum_t (c_t^T G c_t / d - 1)^2 / N + ridge / d * ||G - G0||_F^2 with G0
-    the constant-scale solution (the ridge keeps it well posed when N < d(d+1)/2), solved matrix-free by
-    conjugate gradients from G0; then projected to PSD by clipping eigenvalues at ``min_eig`` x the largest
-    (so M = G^1/2 stays well conditioned).
+    Least squares over PSD G:  (1/N) sum_t (c_t^T G c_t / d - 1)^2 + (ridge / d) ||G - G0||_F^2, with G0 the
+    constant-scale solution (the ridge keeps the problem well posed when N < d(d+1)/2 or the latents span few
+    directions; default 4/N, clamped to [1e-4, 0.1], which held up best on held-out text). Convex: solved matrix-free (each step costs O(N d^2)) by accelerated projected gradient
+    (FISTA), the projection onto the PSD cone clipping eigenvalues; the result's eigenvalues are finally
+    clipped at ``min_eig`` x the largest, so M = G^1/2 stays well conditioned. Runs on ``c``'s device.
     """
     c = c.double()
     n, d = c.shape
+    if ridge is None:
+        ridge = min(max(4.0 / n, 1e-4), 0.1)
     rho2 = (c * c).mean()  # mean over tokens of ms(c)
-    x = c / rho2.sqrt()  # normalised: mean ms(x) = 1, G0 = I
+    x = c / rho2.sqrt()  # normalised: mean ms(x) = 1, so G0 = I
+    eye = torch.eye(d, dtype=torch.float64, device=c.device)
 
-    def op(G: torch.Tensor) -> torch.Tensor:
+    def hess(G: torch.Tensor) -> torch.Tensor:  # the objective's (half) Hessian applied to G
         v = ((x @ G) * x).sum(1)  # x_t^T G x_t
         return (x.T * v) @ x / (n * d * d) + ridge / d * G
 
-    eye = torch.eye(d, dtype=torch.float64)
     rhs = x.T @ x / (n * d) + ridge / d * eye
-    G = eye.clone()
-    r = rhs - op(G)
-    p = r.clone()
-    rr = (r * r).sum()
-    tol = 1e-20 * max(float((rhs * rhs).sum()), 1e-300)
+
+    def psd(G: torch.Tensor) -> torch.Tensor:
+        evals, evecs = torch.linalg.eigh((G + G.T) / 2)
+        return (evecs * evals.clamp_min(0)) @ evecs.T
+
+    # step 1/L, L the largest Hessian eigenvalue (power iteration from I, its dominant direction)
+    v = eye / d ** 0.5
+    for _ in range(10):
+        w = hess(v)
+        L = float((w * w).sum().sqrt())
+        v = w / L
+    step = 1.0 / (1.05 * L)
+    G = Y = eye
+    t = 1.0
     for _ in range(max_iter):
-        if rr <= tol:
+        G_next = psd(Y - step * (hess(Y) - rhs))
+        t_next = (1 + (1 + 4 * t * t) ** 0.5) / 2
+        Y = G_next + ((t - 1) / t_next) * (G_next - G)
+        done = float((G_next - G).norm()) <= 1e-7 * float(G_next.norm())
+        G, t = G_next, t_next
+        if done:
             break
-        Ap = op(p)
-        alpha = rr / (p * Ap).sum()
-        G = G + alpha * p
-        r = r - alpha * Ap
-        rr_new = (r * r).sum()
-        p = r + (rr_new / rr) * p
-        rr = rr_new
-    G = (G + G.T) / 2
     evals, evecs = torch.linalg.eigh(G)
     evals = evals.clamp_min(min_eig * float(evals.max().clamp_min(1e-12)))
     return (evecs * evals) @ evecs.T / rho2
@@ -333,10 +362,11 @@ def _approx_latent(attn, latents: torch.Tensor | None, strategy: str, input_norm
               + (0.0 if b_c is None else float(b_c.pow(2).sum()))) / dc
         rho = float(ms) ** 0.5
         rho = rho if rho > 0 else 1.0
-        return _Latent(M=eye / rho, B=eye * rho / rho, g=torch.full((dc,), rho, dtype=torch.float64), cv=float("nan"))
+        return _Latent(M=eye / rho, B=eye, g=torch.full((dc,), rho, dtype=torch.float64), cv=float("nan"))
     rho = float((latents * latents).mean().sqrt().clamp_min(1e-30))
     if strategy == "fit":
-        G = fit_latent_metric(latents)  # c^T G c / dc ~ 1
+        device = attn.kv_a_proj.weight.device  # fit where the model lives (a GPU makes it fast)
+        G = fit_latent_metric(latents.to(device)).cpu()  # c^T G c / dc ~ 1
         evals, evecs = torch.linalg.eigh(G)
         evals = evals.clamp_min(1e-30 * float(evals.max()))
         M = (evecs * evals.sqrt()) @ evecs.T  # symmetric square root: ms(M c) ~ 1
@@ -488,7 +518,7 @@ def export_deepseek_v3(
     *,
     dtype: torch.dtype | None = None,
     measure: bool = True,
-    max_fit_tokens: int = 16384,
+    max_fit_tokens: int = 8192,
 ) -> ExportReport:
     """Write ``model`` (every layer MLA) as a stock DeepSeek-V3 checkpoint at ``out_dir``.
 
@@ -498,20 +528,16 @@ def export_deepseek_v3(
     tensors (default: the model's). ``measure``: load the result with stock transformers and measure it.
     Raises UnsupportedModelError naming what stock DeepSeek-V3 cannot express.
     """
-    from kvgraft.hf.save import OutputExistsError
-
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"{out_dir} already exists; pass overwrite=True to replace it")
     if latent_norm not in LATENT_NORM_STRATEGIES:
         raise ValueError(f"latent_norm {latent_norm!r} is not one of {', '.join(LATENT_NORM_STRATEGIES)}")
     cfg = model.config
-    problems = _config_problems(cfg)
-    if not problems:
-        problems = _weight_problems(model)
+    problems = _config_problems(cfg) + _weight_problems(model)
     if problems:
         raise UnsupportedModelError("cannot export to stock DeepSeek-V3: " + "; ".join(problems))
-    rope_parameters, q_fold = _stock_rope(cfg)
+    rope_parameters, q_fold, rope_notes = _stock_rope(cfg)
     if calibration is not None and (calibration.dim() != 2 or calibration.numel() == 0):
         raise ValueError(f"calibration must be token ids of shape (N, T), got shape {tuple(calibration.shape)}")
     tokenizer_files: list[Path] = []
@@ -520,7 +546,9 @@ def export_deepseek_v3(
         if not tokenizer_files:
             raise CheckpointError(f"tokenizer directory {tokenizer_dir} has none of {', '.join(TOKENIZER_FILES)}")
 
-    notes = deepseek_v3_fast_path(cfg)
+    notes = deepseek_v3_fast_path(cfg) + rope_notes
+    for note in rope_notes:
+        warnings.warn(note, stacklevel=2)
     was_training = model.training
     model.eval()
     try:

@@ -1,0 +1,81 @@
+"""Conversion time per million parameters: the reference model and a random model of 1B-parameter shape.
+
+    .venv/bin/python bench/mla_convert_time.py [--big-layers 16]
+
+The 1B shape is Llama-3.2-1B-like (hidden 2048, 32 query / 8 KV heads of 64, SwiGLU 8192, vocab 32000)
+with random weights: conversion cost depends on shapes, not on what the weights learned. Each
+objective is timed on both models in one run; calibration is the same number of tokens for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kvgraft.graft.mla import GraftConfig, graft_mla
+from kvgraft.hf import load_pretrained
+from kvgraft.model import ModelConfig, Transformer
+from kvgraft.reference import resolve_model
+
+
+def one_b_config(layers: int) -> ModelConfig:
+    return ModelConfig(vocab_size=32000, hidden_size=2048, num_layers=layers, num_heads=32, num_kv_heads=8,
+                       head_dim=64, intermediate_size=8192, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True)
+
+
+def time_conversions(model: Transformer, calib: torch.Tensor, objectives: list[str], label: str) -> list[dict]:
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    d_rope = cfg.head_dim // 2
+    d_c = cfg.kv_width // 4 - d_rope  # 4x compression
+    rows = []
+    for objective in objectives:
+        g = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
+                        layerwise=objective != "weights")
+        t0 = time.perf_counter()
+        graft_mla(model, g, None if objective == "weights" else calib, progress=False)
+        seconds = time.perf_counter() - t0
+        rows.append({"model": label, "params": params, "objective": objective, "seconds": seconds,
+                     "seconds_per_million_params": seconds / (params / 1e6),
+                     "calibration_tokens": 0 if objective == "weights" else calib.numel()})
+        print(f"{label:<24} {params / 1e6:8.1f}M params  {objective:<12} {seconds:8.1f} s  "
+              f"{seconds / (params / 1e6) * 1e3:8.2f} ms per M params", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--big-layers", type=int, default=16, help="layers of the 1B-shape model (16 -> 1.2B)")
+    ap.add_argument("--calibration-tokens", type=int, default=1024)
+    ap.add_argument("--objectives", nargs="+", default=["weights", "activations", "attention"])
+    ap.add_argument("--out", default="runs/bench/mla_convert_time")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    ref = load_pretrained(resolve_model(args.model), dtype=torch.float32)
+    seq = 256
+    n = max(1, args.calibration_tokens // seq)
+    calib = torch.randint(0, ref.config.vocab_size, (n, seq))
+    rows += time_conversions(ref, calib, args.objectives, "reference")
+    del ref
+    with torch.device("meta"):
+        big = Transformer(one_b_config(args.big_layers))
+    big = big.to_empty(device="cpu")
+    big.rotary = type(big.rotary)(big.config)
+    big.init_weights(0)
+    calib = torch.randint(0, big.config.vocab_size, (n, seq))
+    rows += time_conversions(big, calib, args.objectives, f"random 1B-shape ({args.big_layers} layers)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"wrote {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Export of all-MLA kvgraft models as stock DeepSeek-V3 checkpoints (kvgraft.hf.deepseek).
+
+Tiny random Llama-like models are grafted to MLA (stride RoPE selection), exported, and loaded with stock
+transformers: a model with its own latent norm must match exactly (prefill, decode, RoPE scalings, biases);
+one without must come out close, "fit" closer than "scale"; what stock DeepSeek-V3 cannot express is refused.
+Run with ``-s`` to see the measured export errors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvgraft.errors import UnsupportedModelError
+from kvgraft.graft.mla import GraftConfig, graft_mla
+from kvgraft.hf.deepseek import (
+    deepseek_v3_fast_path,
+    export_deepseek_v3,
+    load_stock,
+    measure_export_error,
+)
+from kvgraft.model import ModelConfig, RopeConfig, Transformer, generate
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP  # noqa: E402
+
+CAL = torch.randint(0, 96, (8, 32), generator=torch.Generator().manual_seed(1))
+CAL_FIT = torch.randint(0, 96, (32, 32), generator=torch.Generator().manual_seed(5))  # 1024 tokens for "fit"
+HELD_OUT = torch.randint(0, 96, (16, 32), generator=torch.Generator().manual_seed(7))
+IDS = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
+
+
+def _base(num_kv_heads: int = 2, head_dim: int = 16, rope: RopeConfig | None = None, bias: bool = False,
+          q_bias: bool = False, window: int | None = None, eps: float = 1e-6, tie: bool = False,
+          seed: int = 0) -> Transformer:
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=64,
+                      rope=rope or RopeConfig(), qkv_bias=bias, o_bias=bias, sliding_window=window,
+                      rms_norm_eps=eps, tie_word_embeddings=tie)
+    model = Transformer(cfg).eval()
+    model.init_weights(seed)
+    gen = torch.Generator().manual_seed(seed + 100)  # seeded: the figures must not change from run to run
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif name.endswith("bias") and (q_bias or "q_proj" not in name):
+                # k/v/o biases non-zero (q bias zero unless asked: stock cannot hold it)
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _graft(model: Transformer, kv_lora_rank: int, selection: str = "stride", layers=None) -> Transformer:
+    g = GraftConfig(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=16, objective="activations",
+                    rope_selection=selection, layers=layers)
+    return graft_mla(model, g, CAL, progress=False).eval()
+
+
+def _with_latent_norm(model: Transformer, seed: int = 3) -> Transformer:
+    """The same MLA model with a latent RMSNorm (random weight), DeepSeek's kv_a_layernorm."""
+    new = Transformer(model.config.replace(mla_latent_norm=True)).eval()
+    missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all("kv_a_norm" in k for k in missing)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in new.layers:
+            w = block.self_attn.kv_a_norm.weight
+            w.copy_(torch.rand(w.shape, generator=gen) + 0.5)
+    return new
+
+
+@pytest.fixture(scope="module")
+def norm_model() -> Transformer:
+    return _with_latent_norm(_graft(_base(2), kv_lora_rank=24))
+
+
+def test_exact_export_of_a_latent_norm_model(norm_model, tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text("{}", encoding="utf-8")
+    out = tmp_path / "ds"
+    report = export_deepseek_v3(norm_model, out, tokenizer_dir=tok, calibration=CAL)
+    assert report.latent_norm == "exact" and report.path == out
+    assert report.max_abs_logit_diff <= 1e-4 and report.mean_kl <= 1e-8
+    assert {p.name for p in out.iterdir()} == {
+        "config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json"}
+
+    stock, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
+    stock.eval()
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    cfg = stock.config
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["model_type"] == "deepseek_v3" and "auto_map" not in raw
+    assert type(stock).__name__ == "DeepseekV3ForCausalLM" and type(stock).__module__.startswith("transformers.")
+    assert cfg.first_k_dense_replace >= cfg.num_hidden_layers == 2
+    assert all(type(layer.mlp) is DeepseekV3MLP for layer in stock.model.layers)
+    assert cfg.rope_interleave is True and cfg.q_lora_rank is None
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim) == (24, 16, 16, 16)
+    assert cfg.num_attention_heads == cfg.num_key_value_heads == 4
+    assert cfg.num_nextn_predict_layers == 0
+
+    with torch.no_grad():
+        ours = norm_model(IDS)
+        torch.testing.assert_close(stock(IDS).logits, ours, atol=1e-4, rtol=0)
+        # incremental decode with stock transformers' latent cache vs kvgraft's
+        prompt = IDS[:, :12]
+        gen = stock.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+        mine = generate(norm_model, prompt, max_new_tokens=6)
+        assert torch.equal(gen.sequences, mine)
+        full = norm_model(mine)
+        for step, logits in enumerate(gen.logits):
+            torch.testing.assert_close(logits, full[:, 11 + step], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["llama3_stride2", "yarn_mscale", "eps_1e-3", "biases", "tied"])
+def test_exact_export_parity_variants(case, tmp_path):
+    """RoPE scalings (with a stride > 1 frequency selection), yarn's softmax mscale, a non-default norm eps and
+    k/v/o biases (kv_b's bias folded into o_proj's) all export exactly for a latent-norm model."""
+    if case == "llama3_stride2":
+        rope = RopeConfig(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=16)
+        base = _base(2, head_dim=32, rope=rope)  # d_rope 16 of head_dim 32: every other frequency
+    elif case == "yarn_mscale":
+        rope = RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.707,
+                          mscale_all_dim=1.0)
+        base = _base(2, rope=rope)
+    elif case == "eps_1e-3":  # stock's kv_a_layernorm has eps 1e-6: the latent is rescaled to match
+        base = _base(2, eps=1e-3)
+    elif case == "tied":  # written untied (lm_head = a copy of the embedding), as vLLM's DeepSeek expects
+        base = _base(2, tie=True)
+    else:
+        base = _base(2, bias=True)
+    model = _with_latent_norm(_graft(base, kv_lora_rank=24))
+    if case == "llama3_stride2":  # exact in transformers; vLLM/SGLang's DeepSeek code would read it as yarn
+        with pytest.warns(UserWarning, match="deepseek_yarn"):
+            report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    else:
+        report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    assert report.latent_norm == "exact"
+    assert report.max_abs_logit_diff <= 1e-4, report
+    raw = json.loads((tmp_path / "ds" / "config.json").read_text())
+    if case == "biases":
+        assert raw["attention_bias"] is True
+    if case in ("llama3_stride2", "yarn_mscale"):
+        assert raw["rope_parameters"]["rope_type"] == raw["rope_scaling"]["type"] == base.config.rope.rope_type
+    if case == "yarn_mscale":  # stock's softmax mscale^2 is folded into q_proj
+        assert raw["rope_parameters"]["mscale_all_dim"] == 1.0
+    assert raw["tie_word_embeddings"] is False
+
+
+def test_fit_beats_scale_and_the_reported_errors(tmp_path):
+    """Without a latent norm the export approximates it; "fit" must beat "scale". The printed figures (max |logit
+    diff|, mean KL in nats, on calibration and held-out text) are the ones the project reports."""
+    base = _base(4)
+    width = 2 * 4 * 16  # the original per-layer KV cache width
+    results = {}
+    for budget, rank in (("full budget", width), ("4x compression", width // 4 - 16)):
+        model = _graft(base, kv_lora_rank=rank)
+        with torch.no_grad():
+            graft_err = float((model(HELD_OUT) - base(HELD_OUT)).abs().max())
+        for strategy in ("scale", "fit"):
+            out = tmp_path / f"{rank}-{strategy}"
+            report = export_deepseek_v3(model, out, latent_norm=strategy, calibration=CAL_FIT)
+            assert report.latent_norm == strategy and report.measured_on == "calibration"
+            held = measure_export_error(model, out, HELD_OUT)
+            results[budget, strategy] = (report.max_abs_logit_diff, report.mean_kl, *held)
+            assert all(math.isfinite(x) for x in results[budget, strategy])
+            print(f"\n[deepseek export] {budget} (d_c={rank}, d_rope=16; graft error vs original {graft_err:.3g}) "
+                  f"{strategy}: calibration max|dlogit|={report.max_abs_logit_diff:.3g} KL={report.mean_kl:.3g}; "
+                  f"held-out max|dlogit|={held[0]:.3g} KL={held[1]:.3g}; latent rms cv={report.latent_rms_cv}")
+        fit, scale = results[budget, "fit"], results[budget, "scale"]
+        assert fit[1] < scale[1] and fit[0] < scale[0]  # on calibration text
+        assert fit[3] < scale[3]  # and on held-out text
+
+
+def test_fit_without_calibration_falls_back_to_scale(tmp_path):
+    model = _graft(_base(2), kv_lora_rank=24)
+    with pytest.warns(UserWarning, match="falling back to 'scale'"):
+        report = export_deepseek_v3(model, tmp_path / "ds")
+    assert report.latent_norm == "scale" and report.measured_on == "random"
+    assert math.isfinite(report.max_abs_logit_diff) and math.isfinite(report.mean_kl)
+    assert report.max_abs_logit_diff < 1.0
+    load_stock(tmp_path / "ds")  # loads cleanly
+
+
+def _mla_config(**changes) -> ModelConfig:
+    """An all-MLA config built directly (stride RoPE layout derived from head_dim and d_rope)."""
+    fields = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, max_position_embeddings=64, attention_kinds=("mla", "mla"), kv_lora_rank=24,
+                  qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+    return ModelConfig(**(fields | changes))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("progressive", r"layers \[1\] use GQA.*convert all layers"),
+    ("sliding_window", "sliding window"),
+    ("norm_rope_selection", "rope_selection='stride'"),
+    ("q_bias", "q_proj of layers .* non-zero bias"),
+    ("qk_norm", "qk_norm"),
+    ("kv_sharing", "kv_slots"),
+    ("yarn_stride2", "yarn"),
+    ("dynamic_stride2", "dynamic"),
+])
+def test_refusals_name_the_problem(case, match, tmp_path):
+    if case == "progressive":
+        model = _graft(_base(2), 24, layers=(0,))
+    elif case == "sliding_window":
+        model = _graft(_base(2, window=8), 24)
+    elif case == "norm_rope_selection":
+        model = _graft(_base(2), 24, selection="norm")
+    elif case == "q_bias":
+        model = _graft(_base(2, bias=True, q_bias=True), 24)
+    elif case == "qk_norm":
+        model = Transformer(_mla_config(qk_norm=True))
+    elif case == "kv_sharing":
+        model = Transformer(_mla_config(kv_slots=(0, 0)))
+    elif case == "yarn_stride2":  # the correction range is truncated in units of dim: 32 and 16 disagree here
+        model = Transformer(_mla_config(head_dim=32, max_position_embeddings=256, rope=RopeConfig(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=64)))
+    else:
+        model = Transformer(_mla_config(head_dim=32, rope=RopeConfig(rope_type="dynamic", factor=2.0)))
+    with pytest.raises(UnsupportedModelError, match=match):
+        export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_existing_output_needs_overwrite(norm_model, tmp_path):
+    out = tmp_path / "ds"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_deepseek_v3(norm_model, out, measure=False)
+    assert (out / "keep.txt").exists()
+    with pytest.raises(ValueError, match="latent_norm"):
+        export_deepseek_v3(norm_model, tmp_path / "other", latent_norm="bogus")
+    report = export_deepseek_v3(norm_model, out, overwrite=True, measure=False)
+    assert report.max_abs_logit_diff is None and not (out / "keep.txt").exists()
+    assert (out / "model.safetensors").is_file()
+
+
+def test_fast_path_warnings():
+    small = deepseek_v3_fast_path(_mla_config())  # d_c 24, d_rope 16
+    assert len(small) == 2
+    assert any("kv_lora_rank" in w and "512" in w for w in small)
+    assert any("qk_rope_head_dim" in w and "64" in w for w in small)
+    wide = deepseek_v3_fast_path(_mla_config(kv_lora_rank=64))  # 64 + 16 > 2 * 2 * 16
+    assert any("larger than the original" in w and "80" in w for w in wide)
+    assert not any("larger" in w for w in small)
+    assert any("larger" in w for w in deepseek_v3_fast_path(_mla_config(), original_kv_width=32))
+    flash = deepseek_v3_fast_path(_mla_config(hidden_size=128, head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64,
+                                              qk_nope_head_dim=128, v_head_dim=128), original_kv_width=1024)
+    assert flash == []
