@@ -288,13 +288,16 @@ def _collect_latents(model: Transformer, ids: torch.Tensor, max_tokens: int, bat
     return out
 
 
-def fit_latent_metric(c: torch.Tensor, ridge: float | None = None, max_iter: int = 150, min_eig: float = 1e-3) -> torch.Tensor:
+def fit_latent_metric(
+    c: torch.Tensor, ridge: float | None = None, max_iter: int = 150, min_eig: float = 1e-3
+) -> torch.Tensor:
     """PSD G (d x d) making c_t^T G c_t / d as close to 1 as possible over the rows c_t of ``c`` (N x d).
 
     Least squares over PSD G:  (1/N) sum_t (c_t^T G c_t / d - 1)^2 + (ridge / d) ||G - G0||_F^2, with G0 the
     constant-scale solution (the ridge keeps the problem well posed when N < d(d+1)/2 or the latents span few
-    directions; default 4/N, clamped to [1e-4, 0.1], which held up best on held-out text). Convex: solved matrix-free (each step costs O(N d^2)) by accelerated projected gradient
-    (FISTA), the projection onto the PSD cone clipping eigenvalues; the result's eigenvalues are finally
+    directions; default 4/N, clamped to [1e-4, 0.1], which held up best on held-out text). Convex: solved
+    matrix-free (each step costs O(N d^2)) by accelerated projected gradient (FISTA), the projection onto the
+    PSD cone clipping eigenvalues; the result's eigenvalues are finally
     clipped at ``min_eig`` x the largest, so M = G^1/2 stays well conditioned. Runs on ``c``'s device.
     """
     c = c.double()
@@ -395,7 +398,9 @@ def _interleave_perm(dr: int) -> torch.Tensor:
     return torch.stack([torch.arange(n), torch.arange(n) + n], dim=1).reshape(-1)
 
 
-def _stock_tensors(model: Transformer, latents: list[_Latent], q_fold: float, attention_bias: bool) -> dict[str, torch.Tensor]:
+def _stock_tensors(
+    model: Transformer, latents: list[_Latent], q_fold: float, attention_bias: bool
+) -> dict[str, torch.Tensor]:
     """fp64 CPU tensors under DeepSeek-V3's names."""
     cfg = model.config
     H, h = cfg.num_heads, cfg.hidden_size
@@ -523,7 +528,12 @@ def export_deepseek_v3(
     """Write ``model`` (every layer MLA) as a stock DeepSeek-V3 checkpoint at ``out_dir``.
 
     ``latent_norm`` applies only to models without their own latent norm (``mla_latent_norm=False``):
-    "fit" (needs ``calibration`` token ids (N, T); falls back to "scale" with a warning) or "scale".
+    "fit" (needs ``calibration`` token ids (N, T); falls back to "scale" with a warning) or "scale". "scale"
+    keeps the latent basis (normalised to unit mean rms) and sets the norm weight to the constant that best
+    restores the latent's magnitude on calibration tokens (about its mean rms; without calibration, estimated
+    from the weights for isotropic unit-rms attention inputs). "fit" also changes the latent basis,
+    c' = M c and kv_b' = kv_b M^-1, with M^T M = ``fit_latent_metric(latents)``, so that rms(c') is as
+    constant as possible.
     ``calibration`` also serves the error measurement (random ids without it). ``dtype``: of the written
     tensors (default: the model's). ``measure``: load the result with stock transformers and measure it.
     Raises UnsupportedModelError naming what stock DeepSeek-V3 cannot express.
@@ -571,13 +581,15 @@ def export_deepseek_v3(
                 strategy = "scale"
             raw = _collect_latents(model, calibration, max_fit_tokens) if calibration is not None else None
             latents = [
-                _approx_latent(b.self_attn, None if raw is None else raw[i], strategy, b.input_layernorm.weight.detach())
+                _approx_latent(b.self_attn, None if raw is None else raw[i], strategy,
+                               b.input_layernorm.weight.detach())
                 for i, b in enumerate(model.layers)
             ]
         attention_bias = _attention_bias_needed(model)
         dtype = dtype or model.embed_tokens.weight.dtype
         dtype_name = str(dtype).removeprefix("torch.")
-        tensors = {k: v.to(dtype).contiguous() for k, v in _stock_tensors(model, latents, q_fold, attention_bias).items()}
+        tensors = _stock_tensors(model, latents, q_fold, attention_bias)
+        tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
         config_json = deepseek_v3_config(cfg, rope_parameters, attention_bias, dtype_name)
         generation = {"_from_model_config": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
         if cfg.pad_token_id is not None:
