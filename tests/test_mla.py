@@ -15,12 +15,13 @@ def _model(num_kv_heads: int, bias: bool = False, window: int | None = None, see
                       o_bias=bias, sliding_window=window)
     model = Transformer(cfg).eval()
     model.init_weights(seed)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "bias" in name:
-                p.normal_(0, 0.2)  # non-zero biases so their folding is really exercised
+            if "bias" in name:  # non-zero biases so their folding is really exercised
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
             elif "norm" in name:
-                p.uniform_(0.5, 1.5)
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
     return model
 
 

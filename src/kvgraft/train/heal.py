@@ -1,0 +1,178 @@
+"""Healing recipe: continued pretraining of a grafted model on the shared loop, optionally distilled.
+
+The seed's recipe is the default (MISSION.md, Part A step 7): AdamW, weight decay 0.1, peak LR 1/10 of
+the original model's, warmup then cosine decay, gradient clipping at global norm 1.0, bf16 autocast
+with fp32 master weights, and the new latent down-projections (``kv_a_proj``) kept in fp32 even when
+the rest of the model is held in bf16 (their bf16 gradients underflow). Options: freeze everything
+outside attention; a KL-distillation loss from the original model (alone or mixed with the LM loss).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgraft.train.config import TrainConfig
+from kvgraft.train.loop import TrainResult, lm_loss, train
+
+LOSSES = ("lm", "kl", "mix")
+FP32_PARAMS = ("self_attn.kv_a_proj.",)  # the latent down-projections
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    """What the heal recipe adds to the loop's TrainConfig."""
+
+    loss: str = "lm"  # lm | kl | mix
+    kl_weight: float = 0.5  # weight of the KL term with loss="mix" (LM gets 1 - kl_weight)
+    temperature: float = 1.0  # distillation temperature
+    attention_only: bool = False  # freeze embeddings, MLPs and norms
+    tokens: int | None = None  # token budget (sets max_steps); or
+    fraction_of_pretraining: float | None = None  # a fraction of the original model's pretraining tokens
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
+        if not 0 <= self.kl_weight <= 1:
+            raise ValueError(f"kl_weight ({self.kl_weight}) must be in [0, 1]")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature ({self.temperature}) must be > 0")
+        if self.tokens is not None and self.fraction_of_pretraining is not None:
+            raise ValueError("give a token budget as tokens or as fraction_of_pretraining, not both")
+
+
+def keep_fp32(model: nn.Module, patterns: tuple[str, ...] = FP32_PARAMS) -> list[str]:
+    """Cast the parameters whose names contain ``patterns`` to fp32 in place; return their names."""
+    names = []
+    for name, module in model.named_modules():
+        if any(p.rstrip(".") == name.split("layers.")[-1].split(".", 1)[-1] or name.endswith(p.rstrip("."))
+               for p in patterns):
+            module.float()
+            names += [f"{name}.{n}" for n, _ in module.named_parameters()]
+    return names
+
+
+def freeze_outside_attention(model: nn.Module) -> int:
+    """requires_grad=False on everything but ``self_attn`` parameters; return the trainable count."""
+    trainable = 0
+    for name, p in model.named_parameters():
+        p.requires_grad = ".self_attn." in name
+        trainable += p.numel() if p.requires_grad else 0
+    return trainable
+
+
+def distillation_loss(teacher: nn.Module, cfg: HealConfig):
+    """LossFn: KL(teacher || student) on next-token distributions, optionally mixed with the LM loss."""
+    teacher.eval().requires_grad_(False)
+    tau = cfg.temperature
+
+    def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        logits = model(batch["input_ids"]).float()
+        with torch.no_grad():
+            t_logits = teacher(batch["input_ids"]).float()
+        mask = (batch["labels"] != -100).unsqueeze(-1)
+        log_p = F.log_softmax(logits / tau, dim=-1)
+        log_q = F.log_softmax(t_logits / tau, dim=-1)
+        kl_tok = (log_q.exp() * (log_q - log_p)).sum(-1, keepdim=True)  # per token
+        kl = (kl_tok * mask).sum() / mask.sum().clamp_min(1) * tau**2
+        ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        if cfg.loss == "kl":
+            return kl, {"kl": float(kl.detach()), "ce": float(ce.detach())}
+        loss = cfg.kl_weight * kl + (1 - cfg.kl_weight) * ce
+        return loss, {"kl": float(kl.detach()), "ce": float(ce.detach())}
+
+    return loss_fn
+
+
+def original_training(model_dir: Path) -> dict[str, Any] | None:
+    """The original model's training record (``training.json`` of a shipped card), if present."""
+    for candidate in (model_dir / "training.json", model_dir.parent / "training.json"):
+        if candidate.is_file():
+            return json.loads(candidate.read_text())
+    return None
+
+
+def heal(
+    model: str | Path,
+    out: str | Path,
+    data: str | Path,
+    *,
+    teacher: str | Path | None = None,
+    heal_config: HealConfig | None = None,
+    train_config: TrainConfig | None = None,
+    original_lr: float | None = None,
+    pretraining_tokens: int | None = None,
+    seq_len: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> TrainResult:
+    """Heal a converted model (``kvgraft convert`` output) by continued pretraining on ``data``.
+
+    ``data`` is a ``kvgraft prepare-data`` directory. ``teacher`` (the original model) is needed for
+    loss "kl" and "mix". The peak LR defaults to 1/10 of the original's (``original_lr``, else the
+    teacher's or the model's training record). The budget is ``heal_config.tokens``, or a fraction of
+    ``pretraining_tokens`` (else the record's tokens_seen), else ``train_config.max_steps``.
+    Rerunning the same command resumes. The healed model is written to ``out/final``.
+    """
+    from kvgraft.data import PackedDataset
+    from kvgraft.hf import load_pretrained, save_pretrained
+    from kvgraft.reference import resolve_model
+    from kvgraft.train.checkpoint import find_latest, load_checkpoint
+
+    hc = heal_config or HealConfig()
+    src = resolve_model(model)
+    out, data = Path(out), Path(data)
+    student = load_pretrained(src, dtype=dtype)
+    fp32 = keep_fp32(student)
+    teacher_model = None
+    if hc.loss in ("kl", "mix"):
+        if teacher is None:
+            raise ValueError(f"loss {hc.loss!r} needs a teacher model (the original, before conversion)")
+        teacher_model = load_pretrained(resolve_model(teacher), dtype=dtype)
+    record = original_training(resolve_model(teacher)) if teacher is not None else None
+    record = record or original_training(Path(json.loads((src / "conversion.json").read_text())["source"])
+                                         if (src / "conversion.json").is_file() else src)
+    if original_lr is None and record is not None:
+        original_lr = record["train_config"]["lr"]
+    if pretraining_tokens is None and record is not None:
+        pretraining_tokens = record["tokens_seen"]
+    seq_len = seq_len or student.config.max_position_embeddings
+    base = train_config or TrainConfig(max_steps=100, lr=(original_lr or 1e-3) / 10, weight_decay=0.1,
+                                       grad_clip=1.0, precision="bf16", warmup_steps=10)
+    budget = hc.tokens
+    if budget is None and hc.fraction_of_pretraining is not None:
+        if pretraining_tokens is None:
+            raise ValueError("fraction_of_pretraining needs the original's pretraining tokens (pass pretraining_tokens)")
+        budget = int(hc.fraction_of_pretraining * pretraining_tokens)
+    if budget is not None:
+        per_step = base.micro_batch_size * base.grad_accum * seq_len
+        steps = max(1, math.ceil(budget / per_step))
+        base = TrainConfig(**{**asdict(base), "max_steps": steps, "warmup_steps": min(base.warmup_steps, steps // 10)})
+    if hc.attention_only:
+        freeze_outside_attention(student)
+    for name in ("tokens/train.npy", "tokens/validation.npy"):
+        if not (data / name).exists():
+            raise FileNotFoundError(f"{data / name} is missing; run `kvgraft prepare-data --out {data}` first")
+    train_ds = PackedDataset(data / "tokens" / "train.npy", seq_len)
+    val_ds = PackedDataset(data / "tokens" / "validation.npy", seq_len)
+    loss_fn = lm_loss if hc.loss == "lm" else distillation_loss(teacher_model, hc)
+    extra = {"heal": asdict(hc), "source": str(src), "fp32_params": fp32, "original_lr": original_lr,
+             "pretraining_tokens": pretraining_tokens}
+    result = train(student, train_ds, base, out, val_data=val_ds, loss_fn=loss_fn, extra_state=extra)
+    latest = find_latest(out)
+    if latest is not None:
+        load_checkpoint(latest, student)
+    tok_dir = src if (src / "tokenizer.json").is_file() else None
+    save_pretrained(student.float(), out / "final", tokenizer_dir=tok_dir, model_type="kvgraft", overwrite=True,
+                    extra_files={"heal.json": json.dumps({
+                        **extra, "train_config": asdict(base), "steps": result.step, "tokens": result.tokens,
+                        "val_loss": result.val_loss,
+                        "fraction_of_pretraining": (result.tokens / pretraining_tokens) if pretraining_tokens else None,
+                    }, indent=2) + "\n"})
+    return result
