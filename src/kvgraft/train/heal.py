@@ -23,7 +23,7 @@ from kvgraft.train.config import TrainConfig
 from kvgraft.train.loop import TrainResult, lm_loss, train
 
 LOSSES = ("lm", "kl", "mix")
-FP32_PARAMS = ("self_attn.kv_a_proj.",)  # the latent down-projections
+FP32_MODULES = ("self_attn.kv_a_proj",)  # module-name suffixes: the latent down-projections
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,11 @@ class HealConfig:
             raise ValueError("give a token budget as tokens or as fraction_of_pretraining, not both")
 
 
-def keep_fp32(model: nn.Module, patterns: tuple[str, ...] = FP32_PARAMS) -> list[str]:
-    """Cast the parameters whose names contain ``patterns`` to fp32 in place; return their names."""
+def keep_fp32(model: nn.Module, suffixes: tuple[str, ...] = FP32_MODULES) -> list[str]:
+    """Cast the modules whose names end with ``suffixes`` to fp32 in place; return their parameter names."""
     names = []
     for name, module in model.named_modules():
-        if any(p.rstrip(".") == name.split("layers.")[-1].split(".", 1)[-1] or name.endswith(p.rstrip("."))
-               for p in patterns):
+        if name.endswith(suffixes):
             module.float()
             names += [f"{name}.{n}" for n, _ in module.named_parameters()]
     return names

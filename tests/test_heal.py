@@ -1,0 +1,176 @@
+"""Healing: the seed's recipe on the shared loop, distillation, attention-only, fp32 down-projections, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvgraft.graft.mla import GraftConfig, graft_mla
+from kvgraft.hf import load_pretrained, save_pretrained
+from kvgraft.model import ModelConfig, Transformer
+from kvgraft.train.config import TrainConfig
+from kvgraft.train.heal import HealConfig, heal
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@pytest.fixture()
+def setup(tmp_path):
+    """An original tiny model, its 4x MLA graft (kvgraft format) and a prepared-data-like directory."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      intermediate_size=64, max_position_embeddings=32, initializer_range=0.3)
+    original = Transformer(cfg)
+    original.init_weights(0)
+    orig_dir = save_pretrained(original, tmp_path / "original")
+    g = torch.Generator().manual_seed(0)
+    calib = torch.randint(0, 64, (4, 32), generator=g)
+    mla = graft_mla(original, GraftConfig(kv_lora_rank=4, qk_rope_head_dim=4), calib, progress=False)
+    mla_dir = save_pretrained(mla, tmp_path / "mla", model_type="kvgraft")
+    data = tmp_path / "data" / "tokens"
+    data.mkdir(parents=True)
+    stream = (np.arange(20000) * 7 % 61).astype(np.uint16)  # a learnable sequence
+    np.save(data / "train.npy", stream)
+    np.save(data / "validation.npy", stream[:2000])
+    return orig_dir, mla_dir, tmp_path / "data"
+
+
+def _tc(**kw) -> TrainConfig:
+    base = dict(max_steps=6, micro_batch_size=4, lr=3e-3, warmup_steps=1, eval_every=3, eval_batches=2,
+                save_every=2, log_every=1, precision="fp32", progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.parametrize("loss", ["lm", "kl", "mix"])
+def test_heal_runs_and_writes_a_loadable_model(setup, tmp_path, loss):
+    orig_dir, mla_dir, data = setup
+    out = tmp_path / f"heal-{loss}"
+    result = heal(mla_dir, out, data, teacher=orig_dir, heal_config=HealConfig(loss=loss), train_config=_tc())
+    assert result.step == 6
+    losses = _losses(out)
+    assert losses[6] < losses[1]
+    healed = load_pretrained(out / "final")
+    assert healed.config.attention_kinds == ("mla", "mla")
+    record = json.loads((out / "final" / "heal.json").read_text())
+    assert record["heal"]["loss"] == loss and record["tokens"] == 6 * 4 * 32
+
+
+def test_kl_needs_a_teacher(setup, tmp_path):
+    _, mla_dir, data = setup
+    with pytest.raises(ValueError, match="needs a teacher"):
+        heal(mla_dir, tmp_path / "x", data, heal_config=HealConfig(loss="kl"), train_config=_tc())
+
+
+def test_kl_of_a_model_against_itself_is_zero(setup):
+    from kvgraft.train.heal import distillation_loss
+
+    orig_dir, _, _ = setup
+    model = load_pretrained(orig_dir)
+    ids = torch.randint(0, 64, (2, 16))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    loss, metrics = distillation_loss(load_pretrained(orig_dir), HealConfig(loss="kl"))(model, batch)
+    assert abs(loss.item()) < 1e-6 and metrics["ce"] > 1.0
+
+
+def test_attention_only_freezes_everything_else(setup, tmp_path):
+    orig_dir, mla_dir, data = setup
+    before = load_pretrained(mla_dir).state_dict()
+    out = tmp_path / "attn"
+    heal(mla_dir, out, data, heal_config=HealConfig(attention_only=True), train_config=_tc(max_steps=3))
+    after = load_pretrained(out / "final").state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(".self_attn." in k for k in changed)
+    assert any("mlp" in k for k in before) and not any("mlp" in k for k in changed)
+
+
+def test_down_projections_stay_fp32_with_bf16_weights(setup, tmp_path, monkeypatch):
+    """Weights held in bf16 except the latent down-projections, whose weights and gradients stay fp32."""
+    import kvgraft.train.heal as heal_mod
+
+    seen: dict[str, torch.dtype] = {}
+    real_train = heal_mod.train
+
+    def spy(model, *args, **kwargs):
+        for name, p in model.named_parameters():
+            p.register_hook(lambda g, name=name: seen.__setitem__(name, g.dtype))
+        return real_train(model, *args, **kwargs)
+
+    monkeypatch.setattr(heal_mod, "train", spy)
+    _, mla_dir, data = setup
+    heal(mla_dir, tmp_path / "bf16", data, train_config=_tc(max_steps=2, precision="bf16"), dtype=torch.bfloat16)
+    down = [n for n in seen if "kv_a_proj" in n]
+    assert down and all(seen[n] == torch.float32 for n in down)
+    assert seen["layers.0.mlp.up_proj.weight"] == torch.bfloat16
+
+
+def test_token_budget_sets_the_steps(setup, tmp_path):
+    _, mla_dir, data = setup
+    result = heal(mla_dir, tmp_path / "budget", data, heal_config=HealConfig(tokens=5 * 4 * 32),
+                  train_config=_tc(max_steps=1000))
+    assert result.step == 5
+
+
+CHILD = textwrap.dedent(
+    """
+    import time, sys
+    from pathlib import Path
+    import kvgraft.train.heal as heal_mod
+    from kvgraft.train.config import TrainConfig
+    real = heal_mod.lm_loss
+    def slow(model, batch):
+        time.sleep({sleep})
+        return real(model, batch)
+    heal_mod.lm_loss = slow
+    tc = TrainConfig(max_steps=8, micro_batch_size=4, lr=3e-3, warmup_steps=1, eval_every=4, eval_batches=2,
+                     save_every=2, log_every=1, precision="fp32", progress=False)
+    heal_mod.heal(Path({mla!r}), Path({out!r}), Path({data!r}), train_config=tc)
+    """
+)
+
+
+def test_heal_resumes_exactly_after_sigkill(setup, tmp_path):
+    _, mla_dir, data = setup
+    straight = tmp_path / "straight"
+    heal(mla_dir, straight, data, train_config=_tc(max_steps=8, eval_every=4))
+    resumed = tmp_path / "resumed"
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+
+    def child(sleep: float) -> subprocess.Popen:
+        code = CHILD.format(sleep=sleep, mla=str(mla_dir), out=str(resumed), data=str(data))
+        return subprocess.Popen([sys.executable, "-c", code], env=env)
+
+    from kvgraft.train.checkpoint import find_latest
+
+    proc = child(0.3)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        latest = find_latest(resumed)
+        if latest is not None and latest.name >= "step_00000004":
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the heal finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert child(0.0).wait(timeout=300) == 0
+    a, b = _losses(straight), _losses(resumed)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], abs=1e-6)
+    ha = load_pretrained(straight / "final").state_dict()
+    hb = load_pretrained(resumed / "final").state_dict()
+    for k in ha:
+        torch.testing.assert_close(ha[k], hb[k], atol=1e-6, rtol=0)
