@@ -105,3 +105,38 @@ def test_generate_is_reproducible_with_a_seed(tiny_dir, capsys):
         for _ in range(8):
             seq = torch.cat([seq, model(seq)[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(greedy, seq)
+
+
+def test_convert_heal_checklist_and_compare_end_to_end(tiny_dir, tmp_path, capsys):
+    """convert -> heal -> doctor --after -> eval --compare, all through the CLI, on a tiny model."""
+    mla = tmp_path / "mla"
+    assert main(["convert", str(tiny_dir), "--out", str(mla), "--kv-lora-rank", "16", "--rope-dim", "16",
+                 "--calibration-tokens", "1024"]) == 0
+    data = tmp_path / "data" / "tokens"
+    data.mkdir(parents=True)
+    stream = (np.arange(8000) * 5 % 91).astype(np.uint16)
+    np.save(data / "train.npy", stream)
+    np.save(data / "validation.npy", stream[:1000])
+    healed = tmp_path / "healed"
+    assert main(["heal", str(mla), "--out", str(healed), "--data", str(tmp_path / "data"), "--teacher",
+                 str(tiny_dir), "--loss", "mix", "--original-lr", "1e-2", "--pretraining-tokens", "10000",
+                 "--tokens", "2048", "--micro-batch-size", "2", "--precision", "fp32", "--no-progress",
+                 "--eval-every", "0"]) == 0
+    record = json.loads((healed / "final" / "heal.json").read_text())
+    assert record["train_config"]["lr"] == pytest.approx(1e-3)  # 1/10 of the original's
+    assert record["train_config"]["max_steps"] == 16  # 2048 tokens / (2 x 64)
+    assert record["fraction_of_pretraining"] == pytest.approx(2048 / 10000)
+    capsys.readouterr()
+    assert main(["doctor", "--after", str(healed / "final"), "--original", str(tiny_dir)]) == 0
+    out = capsys.readouterr().out
+    for name in ("RoPE injection", "initialisation", "mixed precision", "healing budget", "up-projection",
+                 "KV cache allocation"):
+        assert name in out
+    assert "[PASS] RoPE injection" in out and "[PASS] KV cache allocation" in out
+    assert "[PASS] healing budget" in out and "[PASS] mixed precision" in out
+    report = tmp_path / "report"
+    assert main(["eval", "--compare", str(tiny_dir), str(mla), str(healed / "final"), "--contexts", "16",
+                 "--batch-sizes", "1", "--new-tokens", "6", "--out", str(report)]) == 0
+    for name in ("compare.md", "compare.json", "compare.png", "decode.png"):
+        assert (report / name).stat().st_size > 0
+    assert len(json.loads((report / "compare.json").read_text())) == 3

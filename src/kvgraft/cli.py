@@ -72,19 +72,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     results = []
     models = args.model or [None]
-    for i, name in enumerate(models):
-        path = resolve_model(name)
+    paths = [resolve_model(name) for name in models]
+    tokens = None
+    if args.text is None and len(paths) > 1:  # score every model on the same tokens
+        tokens = next((p / "eval" / "heldout.npy" for p in paths if (p / "eval" / "heldout.npy").is_file()), None)
+    for i, path in enumerate(paths):
         json_out = None
         if args.json:
             json_out = args.json if len(models) == 1 else Path(args.json).with_suffix(f".{i}.json")
         results.append(evaluate(
-            model_path=path, text_file=args.text, seq_len=args.seq_len, contexts=tuple(args.contexts),
+            model_path=path, text_file=args.text, tokens=tokens, seq_len=args.seq_len, contexts=tuple(args.contexts),
             batch_sizes=tuple(args.batch_sizes), new_tokens=args.new_tokens, json_out=json_out,
             max_tokens=args.max_tokens,
         ))
         print(format_report(results[-1]))
     if len(results) > 1:
         print(compare_table(results))
+    if args.out:
+        from kvgraft.eval.compare import write_compare_report
+
+        print(f"report: {write_compare_report(results, args.out) / 'compare.md'}")
     return 0
 
 
@@ -110,6 +117,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.after is not None:
+        from kvgraft.graft.checklist import checklist, format_checklist
+
+        if args.original is None:
+            raise ValueError("--after needs --original (the model before conversion)")
+        checks = checklist(args.after, args.original)
+        print(format_checklist(checks))
+        if args.json:
+            from kvgraft.atomic import atomic_write_text
+
+            atomic_write_text(args.json, json.dumps([c.to_dict() for c in checks], indent=2) + "\n")
+        return 0
     from kvgraft.graft.doctor import doctor
 
     report = doctor(args.model, kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.rope_dim)
@@ -134,6 +153,24 @@ def cmd_convert(args: argparse.Namespace) -> int:
     kv = record["kv_bytes_per_token_bf16"]
     print(f"converted {record['source']} -> {args.out}: KV bytes/token (bf16) {kv['original']:,} -> "
           f"{kv['converted']:,} ({record['compression']:.2f}x smaller) in {record['seconds']['convert']:.1f} s")
+    return 0
+
+
+def cmd_heal(args: argparse.Namespace) -> int:
+    from kvgraft.train.heal import HealConfig, heal
+
+    hc = HealConfig(loss=args.loss, kl_weight=args.kl_weight, temperature=args.temperature,
+                    attention_only=args.attention_only, tokens=args.tokens,
+                    fraction_of_pretraining=args.fraction)
+    from kvgraft.train.config import TrainConfig
+
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                 if getattr(args, f.name) is not None}
+    result = heal(args.model, args.out, args.data, teacher=args.teacher, heal_config=hc,
+                  train_overrides=overrides, original_lr=args.original_lr,
+                  pretraining_tokens=args.pretraining_tokens)
+    print(json.dumps({"step": result.step, "tokens": result.tokens, "train_loss": result.train_loss,
+                      "val_loss": result.val_loss, "final": str(Path(args.out) / "final")}))
     return 0
 
 
@@ -182,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per point")
     p.add_argument("--json", default=None, help="write the report as JSON here")
+    p.add_argument("--compare", action="store_true",
+                   help="side-by-side report of the models given (the first is the baseline); use with --out")
+    p.add_argument("--out", default=None, help="directory for compare.md, compare.json and PNG plots")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="sample text from a model (greedy, temperature, top-p)")
@@ -198,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lora-rank", type=int, default=None, help="latent width d_c (default: KV width / 4)")
     p.add_argument("--rope-dim", type=int, default=None, help="shared RoPE key width d_rope (default: head_dim)")
     p.add_argument("--json", default=None, help="also write the report as JSON here")
+    p.add_argument("--after", default=None,
+                   help="a converted or healed model: run the seed's troubleshooting checklist on it instead")
+    p.add_argument("--original", default=None, help="with --after: the model before conversion")
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("convert", help="graft multi-head latent attention (MLA) onto a Llama-family model")
@@ -225,6 +268,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvgraft's own format and/or a stock DeepSeek-V3 checkpoint (all layers converted)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("heal", help="heal a converted model by continued pretraining (optionally distilled)")
+    p.add_argument("model", help="the converted model (kvgraft convert output)")
+    p.add_argument("--out", required=True, help="run directory; rerun the same command to resume")
+    p.add_argument("--data", required=True, help="a `kvgraft prepare-data` directory")
+    p.add_argument("--teacher", default=None, help="the original model (needed for --loss kl or mix)")
+    p.add_argument("--loss", choices=["lm", "kl", "mix"], default="lm")
+    p.add_argument("--kl-weight", type=float, default=0.5, help="KL share of the loss with --loss mix")
+    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
+    p.add_argument("--attention-only", action="store_true", help="freeze embeddings, MLPs and norms")
+    p.add_argument("--tokens", type=int, default=None, help="token budget")
+    p.add_argument("--fraction", type=float, default=None, help="budget as a fraction of the original's tokens")
+    p.add_argument("--original-lr", type=float, default=None,
+                   help="the original's peak LR (default: from its card); healing uses 1/10 of it")
+    p.add_argument("--pretraining-tokens", type=int, default=None, help="the original's pretraining tokens")
+    heal_defaults = TrainConfig(max_steps=100, lr=1e-4, warmup_steps=10, precision="bf16")
+    _add_train_args(p, heal_defaults)
+    p.set_defaults(func=cmd_heal, lr=None)  # default LR: 1/10 of the original's
 
     p = sub.add_parser("demo", help="the `make demo` job: evaluate the reference model and sample from it")
     p.add_argument("--model", default=None, help=model_help)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvgraft.atomic import atomic_dir
 from kvgraft.train.config import TrainConfig
 from kvgraft.train.loop import TrainResult, lm_loss, train
 
@@ -106,6 +108,7 @@ def heal(
     teacher: str | Path | None = None,
     heal_config: HealConfig | None = None,
     train_config: TrainConfig | None = None,
+    train_overrides: dict[str, Any] | None = None,
     original_lr: float | None = None,
     pretraining_tokens: int | None = None,
     seq_len: int | None = None,
@@ -113,7 +116,8 @@ def heal(
 ) -> TrainResult:
     """Heal a converted model (``kvgraft convert`` output) by continued pretraining on ``data``.
 
-    ``data`` is a ``kvgraft prepare-data`` directory. ``teacher`` (the original model) is needed for
+    ``data`` is a ``kvgraft prepare-data`` directory. ``train_config`` replaces the recipe's loop
+    settings; ``train_overrides`` changes some of them (e.g. from the CLI). ``teacher`` (the original model) is needed for
     loss "kl" and "mix". The peak LR defaults to 1/10 of the original's (``original_lr``, else the
     teacher's or the model's training record). The budget is ``heal_config.tokens``, or a fraction of
     ``pretraining_tokens`` (else the record's tokens_seen), else ``train_config.max_steps``.
@@ -142,8 +146,14 @@ def heal(
     if pretraining_tokens is None and record is not None:
         pretraining_tokens = record["tokens_seen"]
     seq_len = seq_len or student.config.max_position_embeddings
-    base = train_config or TrainConfig(max_steps=100, lr=(original_lr or 1e-3) / 10, weight_decay=0.1,
-                                       grad_clip=1.0, precision="bf16", warmup_steps=10)
+    if train_config is None:
+        lr = (train_overrides or {}).get("lr") or (original_lr / 10 if original_lr else None)
+        if lr is None:
+            raise ValueError("no learning rate: give one, or the original's (original_lr), or use a model "
+                             "whose card records it")
+        recipe = dict(max_steps=100, lr=lr, weight_decay=0.1, grad_clip=1.0, precision="bf16", warmup_steps=10)
+        train_config = TrainConfig(**{**recipe, **(train_overrides or {}), "lr": lr})
+    base = train_config
     budget = hc.tokens
     if budget is None and hc.fraction_of_pretraining is not None:
         if pretraining_tokens is None:
@@ -168,10 +178,12 @@ def heal(
     if latest is not None:
         load_checkpoint(latest, student)
     tok_dir = src if (src / "tokenizer.json").is_file() else None
-    save_pretrained(student.float(), out / "final", tokenizer_dir=tok_dir, model_type="kvgraft", overwrite=True,
-                    extra_files={"heal.json": json.dumps({
-                        **extra, "train_config": asdict(base), "steps": result.step, "tokens": result.tokens,
-                        "val_loss": result.val_loss,
-                        "fraction_of_pretraining": (result.tokens / pretraining_tokens) if pretraining_tokens else None,
-                    }, indent=2) + "\n"})
+    summary = {**extra, "train_config": asdict(base), "steps": result.step, "tokens": result.tokens,
+               "val_loss": result.val_loss,
+               "fraction_of_pretraining": (result.tokens / pretraining_tokens) if pretraining_tokens else None}
+    with atomic_dir(out / "final", overwrite=True) as tmp:  # the healed model, complete or not at all
+        save_pretrained(student.float(), tmp, tokenizer_dir=tok_dir, model_type="kvgraft", overwrite=True,
+                        extra_files={"heal.json": json.dumps(summary, indent=2) + "\n"})
+        if (src / "eval").is_dir():
+            shutil.copytree(src / "eval", tmp / "eval")
     return result
