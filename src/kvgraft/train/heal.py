@@ -173,7 +173,8 @@ def heal(
     loss_fn = lm_loss if hc.loss == "lm" else distillation_loss(teacher_model, hc)
     extra = {"heal": asdict(hc), "source": str(src), "fp32_params": fp32, "original_lr": original_lr,
              "pretraining_tokens": pretraining_tokens}
-    result = train(student, train_ds, base, out, val_data=val_ds, loss_fn=loss_fn, extra_state=extra)
+    result = train(student, train_ds, base, out, val_data=val_ds, loss_fn=loss_fn, extra_state=extra,
+                   val_loss_fn=lm_loss)  # validation is always next-token perplexity
     latest = find_latest(out)
     if latest is not None:
         load_checkpoint(latest, student)

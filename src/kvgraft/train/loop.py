@@ -154,6 +154,7 @@ def train(
     param_groups: list[dict[str, Any]] | None = None,
     extra_state: dict[str, Any] | None = None,
     accelerator: Accelerator | None = None,
+    val_loss_fn: LossFn | None = None,
 ) -> TrainResult:
     """Train ``model`` in place; checkpoints, ``log.jsonl`` and ``loss.png`` go to ``out_dir``.
 
@@ -161,6 +162,7 @@ def train(
     ``train_config.json`` must then match ``cfg`` except for ``max_time_s`` and ``progress``).
     ``param_groups`` override the default AdamW groups (each group may carry ``lr_scale``).
     ``extra_state`` (JSON-able) is stored in every checkpoint, e.g. the model config.
+    ``val_loss_fn`` scores validation (default ``loss_fn``; distillation validates with ``lm_loss``).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -251,7 +253,7 @@ def train(
             if progress is not None:
                 progress.update(1)
             if val_data is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-                val_loss = evaluate(model, val_data, loss_fn, cfg.micro_batch_size, cfg.eval_batches,
+                val_loss = evaluate(model, val_data, val_loss_fn or loss_fn, cfg.micro_batch_size, cfg.eval_batches,
                                     accelerator.device, cfg.precision)
                 log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
                            "tokens": tokens})
