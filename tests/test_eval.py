@@ -12,7 +12,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvgraft.data import DOC_SEPARATOR
 from kvgraft.eval import (
@@ -32,14 +31,6 @@ from kvgraft.model import ModelConfig, Transformer
 
 V = 64
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread avoids stalls on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_config(**changes) -> ModelConfig:

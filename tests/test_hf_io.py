@@ -30,14 +30,6 @@ HF_BASE = dict(model_type="llama", vocab_size=50, hidden_size=16, num_hidden_lay
                num_key_value_heads=2, intermediate_size=32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin contention on a busy machine (~100x faster)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def tiny_model(cfg: ModelConfig = CFG) -> Transformer:
     model = Transformer(cfg)

@@ -59,14 +59,6 @@ CASES: dict[str, tuple[str, dict, int]] = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin contention on a busy machine (~100x faster)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def build_hf(model_type: str, overrides: dict, seed: int = 0):
     cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides})

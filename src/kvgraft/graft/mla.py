@@ -117,7 +117,6 @@ def graft_mla(
         positions = torch.arange(calibration.shape[1], device=device).expand_as(calibration)
         cos, sin = model.rotary(positions, torch.float32)
 
-    new_blocks = []
     bar = tqdm(range(config.num_layers), desc="graft MLA", unit="layer", disable=not progress)
     for layer in bar:
         block = model.layers[layer]

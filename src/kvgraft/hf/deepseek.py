@@ -30,20 +30,15 @@ log a warning and load it.
 from __future__ import annotations
 
 import copy
-import json
 import math
-import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from kvgraft.atomic import atomic_dir
 from kvgraft.errors import CheckpointError, UnsupportedModelError
-from kvgraft.hf.load import CONFIG, WEIGHTS
-from kvgraft.hf.save import GENERATION_CONFIG, TOKENIZER_FILES, OutputExistsError
+from kvgraft.hf.save import TOKENIZER_FILES, OutputExistsError, write_checkpoint_dir
 from kvgraft.model.config import ModelConfig, RopeConfig
 from kvgraft.model.rope import rope_frequencies
 from kvgraft.model.transformer import Transformer
@@ -509,10 +504,6 @@ def deepseek_v3_config(config: ModelConfig, rope_parameters: dict, attention_bia
 # ---- export ------------------------------------------------------------------------------------------
 
 
-def _json(obj: dict) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
-
-
 def export_deepseek_v3(
     model: Transformer,
     out_dir: str | Path,
@@ -591,15 +582,7 @@ def export_deepseek_v3(
         tensors = _stock_tensors(model, latents, q_fold, attention_bias)
         tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
         config_json = deepseek_v3_config(cfg, rope_parameters, attention_bias, dtype_name)
-        generation = {"_from_model_config": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
-        if cfg.pad_token_id is not None:
-            generation["pad_token_id"] = cfg.pad_token_id
-        with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-            (tmp / CONFIG).write_text(_json(config_json), encoding="utf-8")
-            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-            (tmp / GENERATION_CONFIG).write_text(_json(generation), encoding="utf-8")
-            for src in tokenizer_files:
-                shutil.copyfile(src, tmp / src.name)
+        write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files, {}, overwrite)
         report = ExportReport(path=out_dir, latent_norm=strategy, warnings=notes,
                               latent_rms_cv=tuple(lat.cv for lat in latents))
         if measure:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgraft.errors import CheckpointError, UnsupportedModelError
+from kvgraft.errors import CheckpointError
 from kvgraft.model.config import ModelConfig
 
 HF_PREFIX = "model."

@@ -80,15 +80,23 @@ def save_pretrained(
         if Path(name).name != name or name in reserved or name.startswith("."):
             raise ValueError(f"extra file name {name!r} must be a plain file name other than {sorted(reserved)}")
     tensors = _hf_tensors(model, dtype)
+    write_checkpoint_dir(out_dir, hf_config, tensors, cfg, tokenizer_files, extra_files, overwrite)
+    return out_dir
+
+
+def write_checkpoint_dir(
+    out_dir: Path, config_json: dict, tensors: dict[str, torch.Tensor], cfg, tokenizer_files: list[Path],
+    extra_files: dict[str, str], overwrite: bool,
+) -> None:
+    """Write config.json, model.safetensors, generation_config.json, tokenizer and extra files atomically."""
     generation = {"_from_model_config": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
     if cfg.pad_token_id is not None:
         generation["pad_token_id"] = cfg.pad_token_id
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        (tmp / CONFIG).write_text(_json(hf_config), encoding="utf-8")
+        (tmp / CONFIG).write_text(_json(config_json), encoding="utf-8")
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / GENERATION_CONFIG).write_text(_json(generation), encoding="utf-8")
         for src in tokenizer_files:
             shutil.copyfile(src, tmp / src.name)
         for name, text in extra_files.items():
             (tmp / name).write_text(text, encoding="utf-8")
-    return out_dir
