@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvgraft.graft.mla import GraftConfig, graft_mla
-from kvgraft.model import ModelConfig, Transformer
+from kvgraft.model import ModelConfig, RopeConfig, Transformer
 
 
 def _model(num_kv_heads: int, bias: bool = False, window: int | None = None, seed: int = 0) -> Transformer:
@@ -47,6 +47,22 @@ def test_full_budget_is_exact(num_kv_heads, objective, selection):
     with torch.no_grad():
         torch.testing.assert_close(new(IDS), model(IDS), atol=1e-4, rtol=0)
     assert new.config.attention_kinds == ("mla", "mla")
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16),
+    dict(rope_type="linear", factor=2.0),
+])
+def test_full_budget_exact_with_rope_scaling(rope):
+    model = _model(2)
+    cfg = model.config.replace(rope=RopeConfig(**rope), max_position_embeddings=64)
+    scaled = Transformer(cfg).eval()
+    scaled.load_state_dict(model.state_dict())
+    g = GraftConfig(kv_lora_rank=64, qk_rope_head_dim=32, objective="activations", rope_selection="norm")
+    new = graft_mla(scaled, g, _calibration(), progress=False).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(new(IDS), scaled(IDS), atol=1e-4, rtol=0)
 
 
 def test_full_budget_exact_with_sliding_window():

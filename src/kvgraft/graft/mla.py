@@ -129,6 +129,7 @@ def graft_mla(
                 _gqa_weights(block.self_attn), num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim, kv_lora_rank=g.kv_lora_rank, d_rope=g.qk_rope_head_dim, C=C,
                 objective=g.objective, rope_selection=g.rope_selection, balance_kv=g.balance_kv,
+                rope_attention_scaling=model.rotary.attention_scaling,
             )
             converted[layer] = mla
             rope_index[layer] = mla.rope_freq_index

@@ -140,8 +140,12 @@ def convert_layer(
     objective: str = "activations",
     rope_selection: str = "stride",
     balance_kv: bool = True,
+    rope_attention_scaling: float = 1.0,
 ) -> MLAWeights:
     """Convert one GQA layer to MLA (kvgraft layout: d_nope = d_v = head_dim).
+
+    ``rope_attention_scaling``: the factor RoPE multiplies cos/sin by (YaRN's attention factor). The
+    original logits carry its square on every dimension; the no-RoPE part must get it through q.
 
     ``C``: E[x x^T] of the layer's attention input on calibration text, or None for weights only.
     ``objective``: "weights" | "activations" | "attention" (see module docstring).
@@ -225,9 +229,10 @@ def convert_layer(
 
     # ---- 3. assemble MLA weights (per query head; GQA groups replicated) -----------------------
     scale = ((d + 2 * n) / d) ** 0.5  # new softmax scale 1/sqrt(d + d_rope) -> fold the ratio into q
-    q_nope = w.q.view(H, d, h) * scale
+    nope_scale = scale * rope_attention_scaling**2  # no-RoPE dims lose RoPE's cos/sin factor
+    q_nope = w.q.view(H, d, h) * nope_scale
     q_rope = torch.empty(H, 2 * n, h, dtype=dtype)
-    qb_nope = None if w.q_bias is None else w.q_bias.view(H, d) * scale
+    qb_nope = None if w.q_bias is None else w.q_bias.view(H, d) * nope_scale
     qb_rope = None if w.q_bias is None else torch.empty(H, 2 * n, dtype=dtype)
     for i in range(H):
         g = i // group
