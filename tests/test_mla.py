@@ -65,6 +65,25 @@ def test_full_budget_exact_with_rope_scaling(rope):
         torch.testing.assert_close(new(IDS), scaled(IDS), atol=1e-4, rtol=0)
 
 
+def test_yarn_attention_factor_is_folded_into_the_no_rope_query(monkeypatch):
+    """Dropping RoPE from some pairs must keep YaRN's factor on their logits: folding it lowers the error."""
+    import kvgraft.graft.mla as graft_module
+
+    model = _model(2)
+    cfg = model.config.replace(rope=RopeConfig(rope_type="yarn", factor=8.0, original_max_position_embeddings=8),
+                               max_position_embeddings=64)
+    scaled = Transformer(cfg).eval()
+    scaled.load_state_dict(model.state_dict())
+    assert scaled.rotary.attention_scaling > 1.2
+    g = GraftConfig(kv_lora_rank=64, qk_rope_head_dim=16, objective="activations")
+    folded = _calibration_error(scaled, graft_mla(scaled, g, _calibration(), progress=False).eval(), IDS)
+    real = graft_module.convert_layer
+    monkeypatch.setattr(graft_module, "convert_layer", lambda *a, **k: real(*a, **{**k, "rope_attention_scaling": 1.0}))
+    unfolded = _calibration_error(scaled, graft_mla(scaled, g, _calibration(), progress=False).eval(), IDS)
+    print(f"yarn fold: error {folded:.3e} folded vs {unfolded:.3e} unfolded")
+    assert folded < 0.8 * unfolded, (folded, unfolded)
+
+
 def test_full_budget_exact_with_sliding_window():
     model = _model(2, window=8)
     g = GraftConfig(kv_lora_rank=64, qk_rope_head_dim=32, objective="activations", rope_selection="norm")
