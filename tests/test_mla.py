@@ -176,3 +176,59 @@ def test_bad_graft_configs_name_the_value():
         GraftConfig(kv_lora_rank=16, qk_rope_head_dim=16, objective="svd")
     with pytest.raises(ValueError, match=r"qk_rope_head_dim \(7\)"):
         GraftConfig(kv_lora_rank=16, qk_rope_head_dim=7)
+
+
+def _qwen3_like(seed: int = 0) -> Transformer:
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=64, qk_norm=True)
+    model = Transformer(cfg).eval()
+    model.init_weights(seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif "q_proj" in name or "k_proj" in name:
+                p.mul_(8)  # sharp attention, so that key errors matter
+    return model
+
+
+def test_qwen3_query_norm_is_kept_and_key_norm_linearised():
+    """Qwen3 keys are k_norm(W_k x): not linear in x, so no latent reproduces them exactly. The graft keeps
+    the query norm exactly, fits the key norm by least squares, and beats ignoring the key norm."""
+    model = _qwen3_like()
+    calib = _calibration(16)
+    g = GraftConfig(kv_lora_rank=64, qk_rope_head_dim=32, objective="activations", rope_selection="norm")
+    new = graft_mla(model, g, calib, progress=False).eval()
+    assert new.config.qk_norm and all(hasattr(layer.self_attn, "q_mix") for layer in new.layers)
+    fitted = _calibration_error(model, new, IDS)
+
+    import kvgraft.graft.mla as graft_module
+
+    def identity_keys(block, x, C, batch_size):  # pretend the key norm were not there
+        return block.self_attn.k_proj.weight.detach().double()
+
+    original = graft_module._linearised_keys
+    graft_module._linearised_keys = identity_keys
+    try:
+        ignored = _calibration_error(model, graft_mla(model, g, calib, progress=False).eval(), IDS)
+    finally:
+        graft_module._linearised_keys = original
+    print(f"qwen3 graft error: fitted key norm {fitted:.3e}, ignored {ignored:.3e}")
+    assert fitted < 0.5 * ignored, (fitted, ignored)
+    weights_only = graft_mla(model, GraftConfig(kv_lora_rank=64, qk_rope_head_dim=32, objective="weights",
+                                                rope_selection="norm"), None, progress=False).eval()
+    assert _calibration_error(model, weights_only, IDS) < ignored
+
+
+def test_qwen3_graft_round_trips_in_kvgraft_format(tmp_path):
+    from kvgraft.hf import load_pretrained, save_pretrained
+
+    new = graft_mla(_qwen3_like(), GraftConfig(kv_lora_rank=24, qk_rope_head_dim=16), _calibration(),
+                    progress=False).eval()
+    back = load_pretrained(save_pretrained(new, tmp_path / "q3", model_type="kvgraft"))
+    with torch.no_grad():
+        torch.testing.assert_close(back(IDS), new(IDS), atol=0, rtol=0)
+        cache = back.new_cache(2, 28)
+        steps = [back(IDS[:, :9], cache=cache)] + [back(IDS[:, t:t + 1], cache=cache) for t in range(9, 28)]
+        torch.testing.assert_close(torch.cat(steps, 1), new(IDS), atol=1e-5, rtol=0)

@@ -333,10 +333,6 @@ def _blockers(config: ModelConfig, d_c: int, d_rope: int) -> list[Blocker]:
     if config.num_slots != L:
         out.append(Blocker("cross_layer_kv", f"cross-layer shared KV ({config.num_slots} cache slots for {L} "
                                              "layers): the graft converts one KV cache per layer"))
-    if config.qk_norm:
-        out.append(Blocker("qk_norm", "per-head q/k RMSNorm (Qwen3) is not supported by the MLA graft yet: the "
-                                      "norm sits between k_proj and RoPE, so keys are not linear in the input "
-                                      "and cannot be factorised into a latent"))
     if d_rope > K * hd:
         out.append(Blocker("d_rope_too_large", f"d_rope ({d_rope}) exceeds the model's RoPE key width "
                                                f"num_kv_heads x head_dim = {K} x {hd} = {K * hd}: the shared "
@@ -431,6 +427,10 @@ def doctor(
                      "DeepSeek-V3 q_proj/kv_b_proj have no bias, so stock DeepSeek-V3 export is refused")
     if config.o_bias:
         notes.append("the o_proj bias is kept in kvgraft's format")
+    if config.qk_norm:
+        notes.append("per-head q/k RMSNorm (Qwen3): the query norm is kept (kvgraft format); the key norm sits "
+                     "between k_proj and RoPE, so it is replaced by its least-squares linear fit on calibration "
+                     "text (not exact: heal afterwards); stock DeepSeek-V3 export is refused")
     if config.mlp_bias:
         notes.append("MLP biases are kept in kvgraft's format; stock DeepSeek-V3 MLPs have no bias")
     if config.rope.rope_type != "default":

@@ -64,8 +64,6 @@ class GraftConfig:
                 f"kv_lora_rank ({self.kv_lora_rank}) exceeds the model's KV width "
                 f"2 x num_kv_heads x head_dim = {config.kv_width}"
             )
-        if config.qk_norm:
-            raise ValueError("models with per-head q/k RMSNorm (Qwen3) are not supported by the MLA graft yet")
         if config.num_slots != config.num_layers:
             raise ValueError("models with cross-layer KV sharing cannot be grafted")
 
@@ -125,11 +123,18 @@ def graft_mla(
             source = x_new if g.layerwise else x_orig
             C = _second_moment(block.input_layernorm, source, batch_size)
         if layer in layers:
+            weights = _gqa_weights(block.self_attn)
+            q_norm = None
+            if config.qk_norm:  # Qwen3: keep the query norm, linearise the key norm
+                q_norm = block.self_attn.q_norm.weight.detach()
+                weights.k = _linearised_keys(block, source if calibration is not None else None, C, batch_size)
+                if weights.k_bias is not None:  # the fitted map already accounts for it (no intercept kept)
+                    weights.k_bias = torch.zeros_like(weights.k_bias)
             mla = convert_layer(
-                _gqa_weights(block.self_attn), num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim, kv_lora_rank=g.kv_lora_rank, d_rope=g.qk_rope_head_dim, C=C,
                 objective=g.objective, rope_selection=g.rope_selection, balance_kv=g.balance_kv,
-                rope_attention_scaling=model.rotary.attention_scaling,
+                rope_attention_scaling=model.rotary.attention_scaling, q_norm_weight=q_norm,
             )
             converted[layer] = mla
             rope_index[layer] = mla.rope_freq_index
@@ -173,6 +178,34 @@ def _second_moment(norm, x: torch.Tensor, batch_size: int) -> torch.Tensor:
     return (C / n).cpu()
 
 
+def _linearised_keys(block, x: torch.Tensor | None, C: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+    """A linear stand-in (K*d, h) for Qwen3's keys k = k_norm(W_k x), which MLA's latent must produce linearly.
+
+    With calibration: the least-squares map E[k x^T] E[x x^T]^-1 over the calibration tokens. Weights
+    only: each head's rows scaled by the key norm's weight over the head's typical RMS for isotropic x.
+    """
+    attn = block.self_attn
+    w_k = attn.k_proj.weight.detach().double()
+    gamma = attn.k_norm.weight.detach().double()
+    d = gamma.shape[0]
+    K = w_k.shape[0] // d
+    if x is None:
+        heads = w_k.view(K, d, -1)
+        rms = heads.pow(2).sum(dim=(1, 2)).div(d).sqrt()  # E||W_j x||^2 / d with E[x x^T] = I
+        return (heads * gamma[None, :, None] / rms[:, None, None]).reshape(K * d, -1).cpu()
+    h = x.shape[-1]
+    R = torch.zeros(K * d, h, dtype=torch.float64, device=x.device)
+    n = 0
+    for start in range(0, x.shape[0], batch_size):
+        a = block.input_layernorm(x[start:start + batch_size]).reshape(-1, h)
+        k = attn.k_norm(attn.k_proj(a).view(a.shape[0], K, d)).reshape(a.shape[0], K * d)
+        R += k.double().T @ a.double()
+        n += a.shape[0]
+    R = (R / n).cpu()
+    ridge = 1e-6 * torch.diagonal(C).mean()
+    return torch.linalg.solve(C + ridge * torch.eye(h, dtype=C.dtype), R.T).T
+
+
 def _run_block(block, x, cos, sin, config, layer, batch_size) -> torch.Tensor:
     out = []
     for start in range(0, x.shape[0], batch_size):
@@ -202,6 +235,9 @@ def _load_mla(attn, mla) -> None:
             raise RuntimeError("converted layer has a bias the target module cannot hold")
 
     put(attn.q_proj, mla.q_proj, mla.q_bias)
+    if mla.q_mix is not None:
+        attn.q_mix.copy_(mla.q_mix.to(dtype))
+        attn.q_norm.weight.copy_(mla.q_norm.to(dtype))
     put(attn.kv_a_proj, mla.kv_a_proj, mla.kv_a_bias)
     put(attn.kv_b_proj, mla.kv_b_proj, mla.kv_b_bias)
     put(attn.o_proj, mla.o_proj, mla.o_bias)

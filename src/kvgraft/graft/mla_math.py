@@ -46,7 +46,7 @@ class GQAWeights:
 
 @dataclass
 class MLAWeights:
-    q_proj: Tensor  # (H*(dn+dr), h)
+    q_proj: Tensor  # (H*(dn+dr), h); with q_mix: the original (H*d, h)
     kv_a_proj: Tensor  # (dc+dr, h)
     kv_b_proj: Tensor  # (H*(dn+dv), dc)
     o_proj: Tensor  # (h, H*dv)
@@ -55,6 +55,8 @@ class MLAWeights:
     kv_a_bias: Tensor | None = None
     kv_b_bias: Tensor | None = None
     o_bias: Tensor | None = None
+    q_mix: Tensor | None = None  # (H, dn+dr, d): per-head map after q_norm (Qwen3-style models)
+    q_norm: Tensor | None = None  # (d,)
 
 
 def _pair_rows(head: int, f: int, d: int) -> list[int]:
@@ -141,11 +143,15 @@ def convert_layer(
     rope_selection: str = "stride",
     balance_kv: bool = True,
     rope_attention_scaling: float = 1.0,
+    q_norm_weight: Tensor | None = None,
 ) -> MLAWeights:
     """Convert one GQA layer to MLA (kvgraft layout: d_nope = d_v = head_dim).
 
     ``rope_attention_scaling``: the factor RoPE multiplies cos/sin by (YaRN's attention factor). The
     original logits carry its square on every dimension; the no-RoPE part must get it through q.
+    ``q_norm_weight``: the per-head query RMSNorm of Qwen3-style models. Queries then stay in their
+    original basis (q_proj unchanged, q_norm kept) and the MLA query is a per-head map ``q_mix`` of the
+    normalised head. (Their key RMSNorm must already be linearised into ``w.k`` by the caller.)
 
     ``C``: E[x x^T] of the layer's attention input on calibration text, or None for weights only.
     ``objective``: "weights" | "activations" | "attention" (see module docstring).
@@ -244,6 +250,16 @@ def convert_layer(
                 qb_rope[i, j], qb_rope[i, j + n] = coef * w.q_bias[rows[0]], coef * w.q_bias[rows[1]]
     q_proj = torch.cat([q_nope, q_rope], dim=1).reshape(H * (d + 2 * n), h)
     q_bias = None if w.q_bias is None else torch.cat([qb_nope, qb_rope], dim=1).reshape(-1)
+    q_mix = None
+    if q_norm_weight is not None:  # the same per-head linear map, applied after the query norm
+        q_mix = torch.zeros(H, d + 2 * n, d, dtype=dtype)
+        q_mix[:, :d] = torch.eye(d, dtype=dtype) * nope_scale
+        for i in range(H):
+            for j, (m, f) in enumerate(pairs):
+                coef = U[f][m, i // group] * scale
+                q_mix[i, d + j, f] = coef
+                q_mix[i, d + n + j, f + d // 2] = coef
+        q_proj, q_bias = w.q, w.q_bias
 
     B_k, B_v = B[: K * d].view(K, d, -1), B[K * d:].view(K, d, -1)
     heads = torch.arange(H) // group
@@ -260,5 +276,6 @@ def convert_layer(
         kv_a_bias = torch.zeros(kv_lora_rank + 2 * n, dtype=dtype)
     return MLAWeights(
         q_proj=q_proj, kv_a_proj=kv_a, kv_b_proj=kv_b, o_proj=w.o, rope_freq_index=tuple(f for _, f in pairs),
-        q_bias=q_bias, kv_a_bias=kv_a_bias, kv_b_bias=kv_b_bias, o_bias=w.o_bias,
+        q_bias=q_bias, kv_a_bias=kv_a_bias, kv_b_bias=kv_b_bias, o_bias=w.o_bias, q_mix=q_mix,
+        q_norm=q_norm_weight,
     )

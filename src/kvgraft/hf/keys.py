@@ -34,6 +34,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                                  cfg.num_heads)
             attn = {"q_proj": (H * (dn + dr), h, cfg.qkv_bias), "kv_b_proj": (H * (dn + dv), dc, cfg.qkv_bias),
                     "o_proj": (h, H * dv, cfg.o_bias)}
+            if cfg.qk_norm:  # original-basis queries, per-head norm, then the per-head MLA query map
+                attn["q_proj"] = (H * d, h, cfg.qkv_bias)
+                shapes[f"{p}self_attn.q_norm.weight"] = (d,)
+                shapes[f"{p}self_attn.q_mix"] = (H, dn + dr, d)
             if writer:
                 attn["kv_a_proj"] = (dc + dr, h, cfg.qkv_bias)
                 if cfg.mla_latent_norm:

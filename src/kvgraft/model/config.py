@@ -219,7 +219,10 @@ class ModelConfig:
             total += 3 * h * f + (2 * f + h) * self.mlp_bias + 2 * h
             if self.attention_kinds[layer] == "mla":
                 dc, dr, dn, dv = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
-                total += h * H * (dn + dr) + H * (dn + dr) * self.qkv_bias  # q_proj
+                if self.qk_norm:  # q_proj in the original basis, q_norm, q_mix
+                    total += h * H * hd + H * hd * self.qkv_bias + hd + H * (dn + dr) * hd
+                else:
+                    total += h * H * (dn + dr) + H * (dn + dr) * self.qkv_bias  # q_proj
                 total += h * (dc + dr) + (dc + dr) * self.qkv_bias + dc * self.mla_latent_norm  # kv_a
                 total += dc * H * (dn + dv) + H * (dn + dv) * self.qkv_bias  # kv_b
                 total += H * dv * h + h * self.o_bias

@@ -42,7 +42,16 @@ class MLAttention(nn.Module):
         self.writes_kv = config.is_kv_writer(layer)
         self.window = config.window(layer)
         h, H = config.hidden_size, config.num_heads
-        self.q_proj = nn.Linear(h, H * (self.dn + self.dr), bias=config.qkv_bias)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            # Qwen3-style: q_proj keeps the original per-head queries (head_dim d), q_norm normalises
+            # each head, then a per-head map q_mix (H, d_nope + d_rope, d) forms the MLA query.
+            d = config.head_dim
+            self.q_proj = nn.Linear(h, H * d, bias=config.qkv_bias)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.q_mix = nn.Parameter(torch.empty(H, self.dn + self.dr, d))
+        else:
+            self.q_proj = nn.Linear(h, H * (self.dn + self.dr), bias=config.qkv_bias)
         if self.writes_kv:
             self.kv_a_proj = nn.Linear(h, self.dc + self.dr, bias=config.qkv_bias)
             self.kv_a_norm = RMSNorm(self.dc, config.rms_norm_eps) if config.mla_latent_norm else None
@@ -68,7 +77,11 @@ class MLAttention(nn.Module):
         B, T, _ = x.shape
         H = self.num_heads
         cos, sin = cos[..., self.rope_cols], sin[..., self.rope_cols]  # (B, T, dr)
-        q = self.q_proj(x).view(B, T, H, self.dn + self.dr).transpose(1, 2)  # (B, H, T, dn + dr)
+        if self.qk_norm:
+            q = self.q_norm(self.q_proj(x).view(B, T, H, -1))  # (B, T, H, d)
+            q = torch.einsum("bthd,hed->bhte", q, self.q_mix)  # (B, H, T, dn + dr)
+        else:
+            q = self.q_proj(x).view(B, T, H, self.dn + self.dr).transpose(1, 2)  # (B, H, T, dn + dr)
         q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin)
         if self.writes_kv:

@@ -139,6 +139,9 @@ class Transformer(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            if isinstance(module, MLAttention) and module.qk_norm:
+                d = module.q_mix.shape[-1]
+                module.q_mix.copy_(torch.empty(module.q_mix.shape).normal_(0.0, d**-0.5, generator=gen))
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         """Allocate the preallocated KV cache this model's layers write and read."""
