@@ -23,12 +23,15 @@ from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
 
 METHODS = {
-    # name: (objective, rope_selection, layerwise)
-    "weights-svd": ("weights", "stride", False),
-    "activations": ("activations", "stride", False),
-    "activations+layerwise": ("activations", "stride", True),
-    "attention+layerwise": ("attention", "stride", True),
-    "attention+layerwise+norm-rope": ("attention", "norm", True),
+    # name: (objective, rope_selection, layerwise, rope_expectation)
+    "weights-svd": ("weights", "stride", False, False),
+    "activations": ("activations", "stride", False, False),
+    "activations+layerwise": ("activations", "stride", True, False),
+    "attention+layerwise": ("attention", "stride", True, False),
+    "attention+layerwise+norm-rope": ("attention", "norm", True, False),
+    "activations+rope-expectation": ("activations", "stride", False, True),
+    "attention+layerwise+rope-expectation": ("attention", "stride", True, True),
+    "attention+layerwise+norm-rope+rope-expectation": ("attention", "norm", True, True),
 }
 
 
@@ -39,7 +42,11 @@ def main() -> None:
     ap.add_argument("--compressions", type=float, nargs="+", default=[2.0, 4.0, 8.0])
     ap.add_argument("--rope-dims", type=int, nargs="+", default=None,
                     help="shared RoPE key widths to try (default: head_dim/2)")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=["weights-svd", "activations", "attention+layerwise",
+                                                     "activations+rope-expectation",
+                                                     "attention+layerwise+rope-expectation",
+                                                     "attention+layerwise+norm-rope+rope-expectation"],
+                    choices=list(METHODS))
     ap.add_argument("--eval-tokens", type=int, default=32768)
     ap.add_argument("--calibration-tokens", type=int, default=32768)
     args = ap.parse_args()
@@ -63,9 +70,9 @@ def main() -> None:
                 print(f"skip {compression}x, d_rope {d_rope}: {exc}")
                 continue
             for name in args.methods:
-                objective, selection, layerwise = METHODS[name]
+                objective, selection, layerwise, expectation = METHODS[name]
                 g = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
-                                rope_selection=selection, layerwise=layerwise)
+                                rope_selection=selection, layerwise=layerwise, rope_expectation=expectation)
                 t0 = time.perf_counter()
                 new = graft_mla(model, g, calib, progress=False)
                 seconds = time.perf_counter() - t0

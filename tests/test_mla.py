@@ -79,7 +79,8 @@ def test_yarn_attention_factor_is_folded_into_the_no_rope_query(monkeypatch):
     scaled = Transformer(cfg).eval()
     scaled.load_state_dict(model.state_dict())
     assert scaled.rotary.attention_scaling > 1.2
-    g = GraftConfig(kv_lora_rank=64, qk_rope_head_dim=16, objective="activations")  # half the pairs lose RoPE
+    # half the pairs lose RoPE; no expected-rotation stand-in (it is measured at real positions)
+    g = GraftConfig(kv_lora_rank=64, qk_rope_head_dim=16, objective="activations", rope_expectation=False)
     zeros = torch.zeros_like(IDS)
 
     def error(new):
@@ -232,3 +233,39 @@ def test_qwen3_graft_round_trips_in_kvgraft_format(tmp_path):
         cache = back.new_cache(2, 28)
         steps = [back(IDS[:, :9], cache=cache)] + [back(IDS[:, t:t + 1], cache=cache) for t in range(9, 28)]
         torch.testing.assert_close(torch.cat(steps, 1), new(IDS), atol=1e-5, rtol=0)
+
+
+def test_rope_expectation_is_the_expected_logit_of_a_dropped_pair():
+    """For one query/key and a distance profile p, E_p[RoPE(q).RoPE(k)] == (M^T q) . k exactly."""
+    from kvgraft.graft.mla import rope_expectation
+    from kvgraft.model.rope import apply_rope
+
+    g = torch.Generator().manual_seed(0)
+    theta = torch.tensor([1.0, 0.3, 0.05, 0.001], dtype=torch.float64)
+    q, k = torch.randn(8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
+    profile = torch.rand(20, generator=g, dtype=torch.float64)
+    profile /= profile.sum()
+
+    def rope(x, pos):
+        ang = pos * theta
+        cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
+        return apply_rope(x[None, None, None], cos[None, None], sin[None, None])[0, 0, 0]
+
+    expected = sum(profile[delta] * (rope(q, 25) @ rope(k, 25 - delta)) for delta in range(20))
+    c, s = rope_expectation(profile, theta).unbind(-1)
+    folded = torch.cat([c * q[:4] - s * q[4:], s * q[:4] + c * q[4:]])
+    assert abs(float(folded @ k) - float(expected)) < 1e-12
+
+
+def test_rope_expectation_lowers_the_one_shot_error():
+    model = _model(2)
+    with torch.no_grad():  # sharp attention, so that position matters
+        for layer in model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    calib = _calibration(16)
+    err = {}
+    for on in (False, True):
+        g = GraftConfig(kv_lora_rank=64, qk_rope_head_dim=8, objective="activations", rope_expectation=on)
+        err[on] = _calibration_error(model, graft_mla(model, g, calib, progress=False).eval(), calib)
+    assert err[True] < err[False], err

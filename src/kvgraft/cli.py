@@ -146,7 +146,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     record = convert(
         args.model, args.out, kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.rope_dim,
         compression=args.compression, objective=args.objective, rope_selection=args.rope_selection,
-        layerwise=args.layerwise, layers=tuple(args.layers) if args.layers else None,
+        layerwise=args.layerwise, rope_expectation=args.rope_expectation,
+        layers=tuple(args.layers) if args.layers else None,
         calibration=args.calibration, calibration_tokens=args.calibration_tokens, output_format=args.format,
         overwrite=args.overwrite,
     )
@@ -259,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured |q|.|k| contributions (kvgraft format only)")
     p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
                    help="calibrate each layer on the converted layers' activations")
+    p.add_argument("--rope-expectation", action=argparse.BooleanOptionalAction, default=True,
+                   help="pairs that lose RoPE keep their expected rotation under the layer's measured attention "
+                        "distances (instead of none)")
     p.add_argument("--layers", type=int, nargs="+", default=None,
                    help="convert only these layers (progressive grafting); the rest stay as they are")
     p.add_argument("--calibration", default=None,

@@ -75,6 +75,7 @@ def convert(
     objective: str = "activations",
     rope_selection: str = "stride",
     layerwise: bool = True,
+    rope_expectation: bool = True,
     layers: tuple[int, ...] | None = None,
     calibration: str | Path | None = None,
     calibration_tokens: int = 32768,
@@ -105,7 +106,8 @@ def convert(
     d_rope = qk_rope_head_dim or config.head_dim
     d_c = kv_lora_rank or ranks_for_compression(config, compression, d_rope)
     graft = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
-                        rope_selection=rope_selection, layerwise=layerwise, layers=layers)
+                        rope_selection=rope_selection, layerwise=layerwise, layers=layers,
+                        rope_expectation=rope_expectation and objective != "weights")
     graft.check_against(config)
     tokenizer = load_tokenizer_dir(src)
     calib = None

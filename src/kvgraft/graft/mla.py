@@ -33,6 +33,9 @@ class GraftConfig:
     rope_selection: str = "stride"  # stride (stock DeepSeek-V3 exportable) | norm (kvgraft format)
     layerwise: bool = True  # calibrate each layer on the converted layers' activations
     balance_kv: bool = True
+    # Pairs that lose RoPE keep their expected rotation E[R(delta)] under the layer's measured
+    # attention-distance profile instead of none (identity); needs calibration text.
+    rope_expectation: bool = True
     layers: tuple[int, ...] | None = None  # progressive grafting: convert only these (default all)
 
     def __post_init__(self) -> None:
@@ -130,11 +133,16 @@ def graft_mla(
                 weights.k = _linearised_keys(block, source if calibration is not None else None, C, batch_size)
                 if weights.k_bias is not None:  # the fitted map already accounts for it (no intercept kept)
                     weights.k_bias = torch.zeros_like(weights.k_bias)
+            expectation = None
+            if g.rope_expectation and calibration is not None:
+                profile = _distance_profile(block, source, cos, sin, batch_size)
+                expectation = rope_expectation(profile, model.rotary.inv_freq.double().cpu())
             mla = convert_layer(
                 weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim, kv_lora_rank=g.kv_lora_rank, d_rope=g.qk_rope_head_dim, C=C,
                 objective=g.objective, rope_selection=g.rope_selection, balance_kv=g.balance_kv,
                 rope_attention_scaling=model.rotary.attention_scaling, q_norm_weight=q_norm,
+                rope_expectation=expectation,
             )
             converted[layer] = mla
             rope_index[layer] = mla.rope_freq_index
@@ -204,6 +212,45 @@ def _linearised_keys(block, x: torch.Tensor | None, C: torch.Tensor | None, batc
     R = (R / n).cpu()
     ridge = 1e-6 * torch.diagonal(C).mean()
     return torch.linalg.solve(C + ridge * torch.eye(h, dtype=C.dtype), R.T).T
+
+
+def _distance_profile(block, x: torch.Tensor, cos, sin, batch_size: int) -> torch.Tensor:
+    """(T,) how much attention the original layer pays at each distance delta = query pos - key pos.
+
+    Averaged over heads, queries and calibration sequences; each query's weights sum to one.
+    """
+    from kvgraft.model.rope import apply_rope
+
+    attn = block.self_attn
+    H, K, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    T = x.shape[1]
+    profile = torch.zeros(T, dtype=torch.float64, device=x.device)
+    delta = torch.arange(T, device=x.device)[:, None] - torch.arange(T, device=x.device)[None, :]  # (T, T)
+    allowed = delta >= 0
+    if attn.window is not None:
+        allowed &= delta < attn.window
+    n = 0
+    for start in range(0, x.shape[0], batch_size):
+        sl = slice(start, start + batch_size)
+        a = block.input_layernorm(x[sl])
+        B = a.shape[0]
+        q = attn.q_proj(a).view(B, T, H, d)
+        k = attn.k_proj(a).view(B, T, K, d)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos[sl], sin[sl])
+        k = apply_rope(k.transpose(1, 2), cos[sl], sin[sl]).repeat_interleave(H // K, dim=1)
+        logits = (q @ k.transpose(-1, -2)) * d**-0.5  # (B, H, T, T)
+        p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).double()
+        profile.index_add_(0, delta[allowed], p.sum(dim=(0, 1))[allowed])
+        n += B * H * T
+    return (profile / n).cpu()
+
+
+def rope_expectation(profile: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """(d/2, 2): per frequency, E[cos(delta theta)] and E[sin(delta theta)] under the distance profile."""
+    angles = torch.arange(len(profile), dtype=torch.float64)[:, None] * inv_freq[None, :]  # (T, d/2)
+    return torch.stack([(profile[:, None] * angles.cos()).sum(0), (profile[:, None] * angles.sin()).sum(0)], dim=-1)
 
 
 def _run_block(block, x, cos, sin, config, layer, batch_size) -> torch.Tensor:

@@ -144,6 +144,7 @@ def convert_layer(
     balance_kv: bool = True,
     rope_attention_scaling: float = 1.0,
     q_norm_weight: Tensor | None = None,
+    rope_expectation: Tensor | None = None,
 ) -> MLAWeights:
     """Convert one GQA layer to MLA (kvgraft layout: d_nope = d_v = head_dim).
 
@@ -152,6 +153,10 @@ def convert_layer(
     ``q_norm_weight``: the per-head query RMSNorm of Qwen3-style models. Queries then stay in their
     original basis (q_proj unchanged, q_norm kept) and the MLA query is a per-head map ``q_mix`` of the
     normalised head. (Their key RMSNorm must already be linearised into ``w.k`` by the caller.)
+    ``rope_expectation`` (d/2, 2): per frequency, E[cos] and E[sin] of the relative rotation under the
+    layer's attention-distance profile. A pair that loses RoPE contributes q^T R(-delta theta) k to the
+    logit; replacing R by its expectation M_f (instead of the identity) is the best fixed stand-in, and
+    it folds into the no-RoPE query as M_f^T q. None: the identity (plain dropping).
 
     ``C``: E[x x^T] of the layer's attention input on calibration text, or None for weights only.
     ``objective``: "weights" | "activations" | "attention" (see module docstring).
@@ -236,9 +241,19 @@ def convert_layer(
     # ---- 3. assemble MLA weights (per query head; GQA groups replicated) -----------------------
     scale = ((d + 2 * n) / d) ** 0.5  # new softmax scale 1/sqrt(d + d_rope) -> fold the ratio into q
     nope_scale = scale * rope_attention_scaling**2  # no-RoPE dims lose RoPE's cos/sin factor
-    q_nope = w.q.view(H, d, h) * nope_scale
+    nope_map = torch.eye(d, dtype=dtype)  # (d, d) applied to each head's query before the no-RoPE dot
+    if rope_expectation is not None:
+        # pair (f, f + d/2) <- M_f^T (q_f, q_{f+d/2}),  M_f^T = [[c, -s], [s, c]]
+        half = d // 2
+        c, s_ = rope_expectation[:, 0].to(dtype), rope_expectation[:, 1].to(dtype)
+        idx = torch.arange(half)
+        nope_map = torch.zeros(d, d, dtype=dtype)
+        nope_map[idx, idx], nope_map[idx, idx + half] = c, -s_
+        nope_map[idx + half, idx], nope_map[idx + half, idx + half] = s_, c
+    nope_map = nope_map * nope_scale
+    q_nope = torch.einsum("ed,kdh->keh", nope_map, w.q.view(H, d, h))
     q_rope = torch.empty(H, 2 * n, h, dtype=dtype)
-    qb_nope = None if w.q_bias is None else w.q_bias.view(H, d) * nope_scale
+    qb_nope = None if w.q_bias is None else w.q_bias.view(H, d) @ nope_map.T
     qb_rope = None if w.q_bias is None else torch.empty(H, 2 * n, dtype=dtype)
     for i in range(H):
         g = i // group
@@ -253,7 +268,7 @@ def convert_layer(
     q_mix = None
     if q_norm_weight is not None:  # the same per-head linear map, applied after the query norm
         q_mix = torch.zeros(H, d + 2 * n, d, dtype=dtype)
-        q_mix[:, :d] = torch.eye(d, dtype=dtype) * nope_scale
+        q_mix[:, :d] = nope_map
         for i in range(H):
             for j, (m, f) in enumerate(pairs):
                 coef = U[f][m, i // group] * scale
