@@ -81,10 +81,16 @@ def head_rotations(w_k: Tensor, C: Tensor, num_kv_heads: int, d: int) -> Tensor:
     return U
 
 
-def pair_scores(w: GQAWeights, C: Tensor, U: Tensor, num_heads: int, num_kv_heads: int, d: int) -> Tensor:
+def pair_scores(
+    w: GQAWeights, C: Tensor, U: Tensor, num_heads: int, num_kv_heads: int, d: int,
+    rope_expectation: Tensor | None = None,
+) -> Tensor:
     """(K, d/2) contribution of each rotated (m, f) pair: sqrt E|q'|^2 * sqrt E|k'|^2 summed over heads.
 
-    The 2-norm criterion of MHA2MLA, applied after the head rotation.
+    The 2-norm criterion of MHA2MLA, applied after the head rotation. With ``rope_expectation`` each
+    frequency is weighted by what replacing its rotation R by E[R] loses, sqrt(1 - c^2 - s^2)
+    (E||R - E[R]||_F^2 = 2 (1 - c^2 - s^2)): slow frequencies barely rotate over the distances
+    attention uses, so they can give up RoPE cheaply.
     """
     K, H = num_kv_heads, num_heads
     group = H // K
@@ -97,6 +103,9 @@ def pair_scores(w: GQAWeights, C: Tensor, U: Tensor, num_heads: int, num_kv_head
             rows_q = w.q[_pair_rows(i, f, d)]  # (2, h)
             q_energy = torch.einsum("ch,hg,cg->", rows_q, C, rows_q).clamp_min(0).sqrt()
             score[:, f] += U[f][:, i // group].abs() * q_energy * k_energy
+    if rope_expectation is not None:
+        spread = (1 - rope_expectation.to(score.dtype).pow(2).sum(-1)).clamp_min(0).sqrt()  # (d/2,)
+        score = score * spread[None, :]
     return score
 
 
@@ -177,7 +186,7 @@ def convert_layer(
 
     # ---- 1. RoPE decoupling ------------------------------------------------------------------
     U = head_rotations(w.k, C, K, d)  # (d/2, K, K)
-    scores = pair_scores(w, C, U, H, K, d) if rope_selection == "norm" else None
+    scores = pair_scores(w, C, U, H, K, d, rope_expectation) if rope_selection == "norm" else None
     pairs = choose_rope_pairs(rope_selection, d_rope, K, d, scores)
     n = len(pairs)
     # shared RoPE key rows: pair j -> rows j and j + n (rotate-half over d_rope)
