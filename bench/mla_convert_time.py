@@ -16,16 +16,13 @@ from pathlib import Path
 
 import torch
 
+from bench_shapes import random_model
 from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.hf import load_pretrained
-from kvgraft.model import ModelConfig, Transformer
+from kvgraft.model import Transformer
 from kvgraft.reference import resolve_model
 
 
-def one_b_config(layers: int) -> ModelConfig:
-    return ModelConfig(vocab_size=32000, hidden_size=2048, num_layers=layers, num_heads=32, num_kv_heads=8,
-                       head_dim=64, intermediate_size=8192, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                       tie_word_embeddings=True)
 
 
 def time_conversions(model: Transformer, calib: torch.Tensor, objectives: list[str], label: str) -> list[dict]:
@@ -64,11 +61,7 @@ def main() -> None:
     calib = torch.randint(0, ref.config.vocab_size, (n, seq))
     rows += time_conversions(ref, calib, args.objectives, "reference")
     del ref
-    with torch.device("meta"):
-        big = Transformer(one_b_config(args.big_layers))
-    big = big.to_empty(device="cpu")
-    big.rotary = type(big.rotary)(big.config)
-    big.init_weights(0)
+    big = random_model("cpu", layers=args.big_layers)
     calib = torch.randint(0, big.config.vocab_size, (n, seq))
     rows += time_conversions(big, calib, args.objectives, f"random 1B-shape ({args.big_layers} layers)")
     out = Path(args.out)

@@ -64,18 +64,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--random-1b", action="store_true",
+                    help="measure a randomly initialised 1B-shape Llama (16 layers, 32q/8kv x 64) instead")
     ap.add_argument("--out", default="runs/bench/mla_decode")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     warnings.filterwarnings("ignore", message="decode_speed: contexts")
 
-    path = resolve_model(args.model)
-    original = load_pretrained(path, dtype=torch.float32)
+    if args.random_1b:
+        from bench_shapes import random_model
+
+        path = Path("random-1b")
+        original = random_model(args.device)
+        args.skip_hf = True
+    else:
+        path = resolve_model(args.model)
+        original = load_pretrained(path, dtype=torch.float32, device=args.device)
     cfg = original.config
     d_rope = args.rope_dim or cfg.head_dim // 2
     d_c = ranks_for_compression(cfg, args.compression, d_rope)
-    mla = graft_mla(original, GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective="weights"),
-                    progress=False)
+    mla = graft_mla(original, GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective="weights",
+                                          rope_expectation=False), progress=False)
     original, mla = original.to(dtype), mla.to(dtype)
     nbytes = torch.finfo(dtype).bits // 8
     print(f"model {path}: GQA {cfg.num_heads}q/{cfg.num_kv_heads}kv x {cfg.head_dim}; MLA d_c={d_c} d_rope={d_rope}; "
