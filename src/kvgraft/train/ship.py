@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from kvgraft.atomic import atomic_dir
-from kvgraft.data import slice_tokens
+from kvgraft.data import spread_tokens
 
 
 def ship_reference(
@@ -44,8 +44,10 @@ def ship_reference(
             if f.is_file():
                 shutil.copy2(f, tmp / f.name)
         (tmp / "eval").mkdir()
-        n_cal = slice_tokens(data_dir / "tokens" / "train.npy", calibration_tokens, tmp / "eval" / "calibration.npy")
-        n_held = slice_tokens(data_dir / "tokens" / "test.npy", heldout_tokens, tmp / "eval" / "heldout.npy")
+        chunk = summary["seq_len"]
+        n_cal = spread_tokens(data_dir / "tokens" / "train.npy", calibration_tokens, chunk,
+                              tmp / "eval" / "calibration.npy")
+        n_held = spread_tokens(data_dir / "tokens" / "test.npy", heldout_tokens, chunk, tmp / "eval" / "heldout.npy")
         if (run_dir / "loss.png").exists():
             shutil.copy2(run_dir / "loss.png", tmp / "loss.png")
         model = load_pretrained(tmp)
@@ -129,7 +131,7 @@ Tokenizer: byte-level BPE, {r['data']['vocab_size']} entries, trained on the tra
 | precision | {tc['precision']} autocast, fp32 master weights |
 | steps taken | {r['steps']:,} |
 | tokens seen | {r['tokens_seen']:,} |
-| wall time | {(r['wall_time_s'] or 0) / 3600:.2f} h on 2 CPU cores |
+| wall time | {(r['wall_time_s'] or 0) / 3600:.2f} h on a 2-core CPU |
 
 ## Results
 | measure | value |
@@ -142,8 +144,8 @@ Tokenizer: byte-level BPE, {r['data']['vocab_size']} entries, trained on the tra
 
 ## Files
 - `config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json`, `tokenizer_config.json`
-- `eval/calibration.npy`: the first {r['calibration_tokens']:,} tokens of the train split (uint16), for calibrating conversions
-- `eval/heldout.npy`: the first {r['heldout_tokens']:,} tokens of the test split (uint16), never trained on
+- `eval/calibration.npy`: {r['calibration_tokens']:,} tokens of the train split (uint16) in {r['seq_len']}-token chunks spread evenly over it, for calibrating conversions
+- `eval/heldout.npy`: {r['heldout_tokens']:,} tokens of the test split (uint16) in {r['seq_len']}-token chunks spread evenly over it, never trained on
 - `training.json`: everything in this card, machine-readable
 
 ## Reproduce
