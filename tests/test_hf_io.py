@@ -295,3 +295,16 @@ def test_missing_and_invalid_fields():
         model_config_from_hf({k: v for k, v in HF_BASE.items() if k != "hidden_size"}, "c.json")
     with pytest.raises(CheckpointError, match="c.json: invalid model config: num_heads"):
         model_config_from_hf({**HF_BASE, "num_key_value_heads": 3}, "c.json")
+
+
+def test_config_replace_rederives_defaults():
+    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=32)
+    deeper = cfg.replace(num_layers=4)
+    assert deeper.layer_types == ("full_attention",) * 4 and deeper.kv_slots == (0, 1, 2, 3)
+    assert cfg.replace(hidden_size=32).head_dim == 8
+    explicit = ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                           intermediate_size=32, head_dim=8)
+    assert explicit.replace(hidden_size=32).head_dim == 8  # given fields stay as given
+    with pytest.raises(ValueError, match="kv_slots has 2 entries"):
+        ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                    intermediate_size=32, kv_slots=(0, 0)).replace(num_layers=3)

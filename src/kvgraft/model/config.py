@@ -94,7 +94,11 @@ class ModelConfig:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
 
+    # fields that __post_init__ fills in when left as None; replace() derives them again
+    _DERIVED = ("head_dim", "layer_types", "attention_kinds", "kv_slots", "rope_freq_index")
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_derived", tuple(n for n in self._DERIVED if getattr(self, n) is None))
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -252,4 +256,6 @@ class ModelConfig:
         return cls(**d)
 
     def replace(self, **changes: Any) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; fields that were derived (not given) are derived again."""
+        rederive = {name: None for name in getattr(self, "_derived", ()) if name not in changes}
+        return dataclasses.replace(self, **rederive, **changes)
