@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.norm import RMSNorm
 from kvgraft.model.rope import apply_rope
 
 ABSORB_MODES = ("auto", "always", "never")
-# "auto" absorbs when a step adds at most this many tokens to a KVCache (decode); longer steps
+# "auto" absorbs when a step adds at most DECODE_MAX_NEW_TOKENS to a KVCache (decode); longer steps
 # (prefill) expand, which costs less when the prompt is long.
-AUTO_ABSORB_MAX_NEW_TOKENS = 16
 
 
 class MLAttention(nn.Module):
@@ -101,7 +101,7 @@ class MLAttention(nn.Module):
             return True
         if self.absorb == "never":
             return False
-        return isinstance(kv, KVCache) and t <= AUTO_ABSORB_MAX_NEW_TOKENS
+        return isinstance(kv, KVCache) and t <= DECODE_MAX_NEW_TOKENS
 
     def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.dc)
@@ -125,16 +125,12 @@ class MLAttention(nn.Module):
         # The key bias of kv_b adds q_nope . b_k to every key's logit alike: softmax ignores it.
         q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, T, dc)
         q = torch.cat([q_lat, q_rope], dim=-1)  # (B, H, T, dc + dr)
-        B, H, T, _ = q.shape
-        S = entry.shape[-2]
-        # One key/value head shared by all query heads: fold the heads into the query axis, so the
-        # latent cache is read once per step instead of being repeated per head.
-        if mask is None and T > 1:
+        # One key/value head shared by all query heads (MQA over the latent cache): the values are the
+        # latent part of each entry, read in place.
+        if mask is None and q.shape[2] > 1:
+            T, S = q.shape[2], entry.shape[-2]
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        y_lat = F.scaled_dot_product_attention(
-            q.reshape(B, 1, H * T, -1), entry, entry[..., : self.dc],
-            attn_mask=None if mask is None else mask.repeat(H, 1), scale=self.scale,
-        ).view(B, H, T, self.dc)  # attention over the latent cache
+        y_lat = grouped_attention(q, entry, entry[..., : self.dc], mask, self.scale)  # (B, H, T, dc)
         y = torch.einsum("bhtc,hvc->bhtv", y_lat, w_uv)  # (B, H, T, dv)
         if b_v is not None:  # softmax weights sum to one, so the value bias passes straight through
             y = y + b_v[None, :, None, :]

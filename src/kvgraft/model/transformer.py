@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention
 from kvgraft.model.cache import EphemeralKV, KVCache
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention
@@ -78,9 +79,13 @@ class GQAttention(nn.Module):
             k, v = kv.write(self.layer, k, v)  # (B, K, S, d)
         else:
             k, v = kv.read(self.layer, T)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=self.num_kv_heads != self.num_heads
-        )  # (B, H, T, d)
+        if isinstance(kv, KVCache) and T <= DECODE_MAX_NEW_TOKENS:
+            y = grouped_attention(q, k, v, mask, self.head_dim**-0.5)  # decode step
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )  # (B, H, T, d)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
