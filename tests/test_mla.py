@@ -105,17 +105,35 @@ def test_full_budget_exact_with_sliding_window():
 
 
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
-def test_absorbed_decode_equals_expanded(num_kv_heads):
+@pytest.mark.parametrize("rank", [24, 8])  # d_c above the head width (no folds) and below it (folds)
+@pytest.mark.parametrize("grad", [False, True])  # inference folds W_UK/W_UV; with autograd they stay apart
+def test_absorbed_decode_equals_expanded(num_kv_heads, rank, grad):
     model = _model(num_kv_heads, bias=True)
-    new = graft_mla(model, GraftConfig(kv_lora_rank=24, qk_rope_head_dim=16), _calibration(), progress=False).eval()
-    with torch.no_grad():
-        full = new(IDS)  # no cache: expanded path
+    new = graft_mla(model, GraftConfig(kv_lora_rank=rank, qk_rope_head_dim=16), _calibration(), progress=False).eval()
+    assert new.layers[0].self_attn.fold_q == (rank <= 16) and new.layers[0].self_attn.fold_o == (rank <= 16)
+    with torch.set_grad_enabled(grad):
+        full = new(IDS).detach()  # no cache: expanded path
         for mode in ("always", "never"):
             for layer in new.layers:
                 layer.self_attn.absorb = mode
             cache = new.new_cache(2, 28)
             steps = [new(IDS[:, :9], cache=cache)] + [new(IDS[:, t:t + 1], cache=cache) for t in range(9, 28)]
-            torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.cat(steps, 1).detach(), full, atol=1e-5, rtol=0)
+
+
+def test_folded_decode_follows_weight_updates():
+    """The folded decode weights are rebuilt when the underlying parameters change."""
+    new = graft_mla(_model(2), GraftConfig(kv_lora_rank=8, qk_rope_head_dim=16), _calibration(), progress=False).eval()
+    with torch.no_grad():
+        cache = new.new_cache(2, 28)
+        new(IDS[:, :9], cache=cache)
+        new(IDS[:, 9:10], cache=cache)  # builds the folded weights
+        for layer in new.layers:
+            layer.self_attn.kv_b_proj.weight.mul_(1.5)
+            layer.self_attn.o_proj.weight.add_(0.01)
+        cache = new.new_cache(2, 28)
+        steps = [new(IDS[:, :9], cache=cache)] + [new(IDS[:, t:t + 1], cache=cache) for t in range(9, 28)]
+        torch.testing.assert_close(torch.cat(steps, 1), new(IDS), atol=1e-5, rtol=0)
 
 
 def _calibration_error(model, new, ids) -> float:
@@ -222,10 +240,11 @@ def test_qwen3_query_norm_is_kept_and_key_norm_linearised():
     assert _calibration_error(model, weights_only, IDS) < ignored
 
 
-def test_qwen3_graft_round_trips_in_kvgraft_format(tmp_path):
+@pytest.mark.parametrize("rank", [24, 8])
+def test_qwen3_graft_round_trips_in_kvgraft_format(tmp_path, rank):
     from kvgraft.hf import load_pretrained, save_pretrained
 
-    new = graft_mla(_qwen3_like(), GraftConfig(kv_lora_rank=24, qk_rope_head_dim=16), _calibration(),
+    new = graft_mla(_qwen3_like(), GraftConfig(kv_lora_rank=rank, qk_rope_head_dim=16), _calibration(),
                     progress=False).eval()
     back = load_pretrained(save_pretrained(new, tmp_path / "q3", model_type="kvgraft"))
     with torch.no_grad():

@@ -63,6 +63,13 @@ class MLAttention(nn.Module):
         self.rope_cols = idx + [i + config.head_dim // 2 for i in idx]
         self.scale = (self.dn + self.dr) ** -0.5
         self.absorb = "auto"
+        # Inference-time folds (decode): W_UK into the query projection and W_UV into the output
+        # projection, each only where it does not add FLOPs (true when d_c <= head widths; DeepSeek's
+        # d_c = 512 with 128-wide heads keeps them apart).
+        q_in = config.head_dim if self.qk_norm else h
+        self.fold_q = q_in * self.dc <= q_in * self.dn + self.dn * self.dc
+        self.fold_o = self.dc * h <= self.dc * self.dv + self.dv * h
+        self._folded: tuple | None = None
 
     def latent_entry(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(B, T, h) -> the cache entry (B, 1, T, d_c + d_rope): latent then rotated RoPE key."""
@@ -77,22 +84,31 @@ class MLAttention(nn.Module):
         B, T, _ = x.shape
         H = self.num_heads
         cos, sin = cos[..., self.rope_cols], sin[..., self.rope_cols]  # (B, T, dr)
+        if self.writes_kv:
+            (entry,) = kv.write(self.layer, self.latent_entry(x, cos, sin))  # (B, 1, S, dc + dr)
+        else:
+            (entry,) = kv.read(self.layer, T)
+        absorbed = self._absorbed(T, kv)
+        if absorbed and not torch.is_grad_enabled():
+            return self._decode_folded(x, cos, sin, entry, mask)
+        q_nope, q_rope = self._query(x, cos, sin)
+        if absorbed:
+            y = self._attend_absorbed(q_nope, q_rope, entry, mask)
+        else:
+            y = self._attend_expanded(q_nope, q_rope, entry, mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.dv))
+
+    def _query(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H, T, dn) no-RoPE and (B, H, T, dr) rotated RoPE parts of the query."""
+        B, T, _ = x.shape
+        H = self.num_heads
         if self.qk_norm:
             q = self.q_norm(self.q_proj(x).view(B, T, H, -1))  # (B, T, H, d)
             q = torch.einsum("bthd,hed->bhte", q, self.q_mix)  # (B, H, T, dn + dr)
         else:
             q = self.q_proj(x).view(B, T, H, self.dn + self.dr).transpose(1, 2)  # (B, H, T, dn + dr)
         q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin)
-        if self.writes_kv:
-            (entry,) = kv.write(self.layer, self.latent_entry(x, cos, sin))  # (B, 1, S, dc + dr)
-        else:
-            (entry,) = kv.read(self.layer, T)
-        if self._absorbed(T, kv):
-            y = self._attend_absorbed(q_nope, q_rope, entry, mask)
-        else:
-            y = self._attend_expanded(q_nope, q_rope, entry, mask)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.dv))
+        return q_nope, apply_rope(q_rope, cos, sin)
 
     def _absorbed(self, t: int, kv) -> bool:
         from kvgraft.model.cache import KVCache
@@ -119,6 +135,65 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                               scale=self.scale)
+
+    def _folded_weights(self) -> tuple:
+        """(q weight, q bias, o weight, o bias) with W_UK / W_UV folded in, rebuilt when weights change."""
+        params = [self.q_proj.weight, self.kv_b_proj.weight, self.o_proj.weight]
+        params += [self.q_mix] if self.qk_norm else []
+        params += [b for b in (self.q_proj.bias, self.kv_b_proj.bias, self.o_proj.bias) if b is not None]
+        key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+        if self._folded is not None and self._folded[0] == key:
+            return self._folded[1]
+        H, dc, dn, dr = self.num_heads, self.dc, self.dn, self.dr
+        w_uk, w_uv, b_v = self._split_kv_b()
+        q_w = q_b = o_w = o_b = None
+        if self.fold_q:
+            if self.qk_norm:  # fold into the per-head map after the query norm
+                mix = self.q_mix
+                q_w = torch.cat([torch.einsum("hnc,hnd->hcd", w_uk, mix[:, :dn]), mix[:, dn:]], dim=1)
+            else:
+                wq = self.q_proj.weight.view(H, dn + dr, -1)
+                q_w = torch.cat([torch.einsum("hnc,hni->hci", w_uk, wq[:, :dn]), wq[:, dn:]], dim=1)
+                q_w = q_w.reshape(H * (dc + dr), -1)
+                if self.q_proj.bias is not None:
+                    bq = self.q_proj.bias.view(H, dn + dr)
+                    q_b = torch.cat([torch.einsum("hnc,hn->hc", w_uk, bq[:, :dn]), bq[:, dn:]], dim=1).reshape(-1)
+        if self.fold_o:
+            wo = self.o_proj.weight.view(-1, H, self.dv)  # (h, H, dv)
+            o_w = torch.einsum("ohv,hvc->ohc", wo, w_uv).reshape(wo.shape[0], H * dc)
+            o_b = self.o_proj.bias
+            if b_v is not None:
+                extra = torch.einsum("ohv,hv->o", wo, b_v)
+                o_b = extra if o_b is None else o_b + extra
+        self._folded = (key, (q_w, q_b, o_w, o_b))
+        return self._folded[1]
+
+    def _decode_folded(self, x, cos, sin, entry, mask) -> torch.Tensor:
+        """Absorbed decode with the up-projections folded into the query and output projections."""
+        B, T, _ = x.shape
+        H, dc = self.num_heads, self.dc
+        q_w, q_b, o_w, o_b = self._folded_weights()
+        if q_w is None:
+            q_nope, q_rope = self._query(x, cos, sin)
+            q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, self._split_kv_b()[0])
+        else:
+            if self.qk_norm:
+                q = torch.einsum("bthd,hed->bhte", self.q_norm(self.q_proj(x).view(B, T, H, -1)), q_w)
+            else:
+                q = F.linear(x, q_w, q_b).view(B, T, H, dc + self.dr).transpose(1, 2)
+            q_lat, q_rope = q.split([dc, self.dr], dim=-1)
+            q_rope = apply_rope(q_rope, cos, sin)
+        q = torch.cat([q_lat, q_rope], dim=-1)  # (B, H, T, dc + dr)
+        if mask is None and T > 1:
+            mask = torch.ones(T, entry.shape[-2], dtype=torch.bool, device=q.device).tril(entry.shape[-2] - T)
+        y_lat = grouped_attention(q, entry, entry[..., :dc], mask, self.scale)  # (B, H, T, dc)
+        if o_w is not None:
+            return F.linear(y_lat.transpose(1, 2).reshape(B, T, H * dc), o_w, o_b)
+        w_uv, b_v = self._split_kv_b()[1:]
+        y = torch.einsum("bhtc,hvc->bhtv", y_lat, w_uv)
+        if b_v is not None:
+            y = y + b_v[None, :, None, :]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.dv))
 
     def _attend_absorbed(self, q_nope, q_rope, entry, mask) -> torch.Tensor:
         w_uk, w_uv, b_v = self._split_kv_b()
