@@ -47,9 +47,7 @@ def main() -> None:
     pre_tokens = record["tokens_seen"]
     converted = out / "mla-4x"
     if not converted.exists():
-        from kvgraft.hf import load_config
-
-        convert(src, converted, compression=4.0, qk_rope_head_dim=load_config(src).head_dim // 2)
+        convert(src, converted, compression=4.0)  # the convert defaults
     original = load_pretrained(src, dtype=torch.float32)
     seq = original.config.max_position_embeddings
     val = PackedDataset(Path(args.data) / "tokens" / "validation.npy", seq)

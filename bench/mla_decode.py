@@ -82,7 +82,7 @@ def main() -> None:
         path = resolve_model(args.model)
         original = load_pretrained(path, dtype=torch.float32, device=args.device)
     cfg = original.config
-    d_rope = args.rope_dim or cfg.head_dim // 2
+    d_rope = args.rope_dim or cfg.head_dim
     d_c = ranks_for_compression(cfg, args.compression, d_rope)
     mla = graft_mla(original, GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective="weights",
                                           rope_expectation=False), progress=False)

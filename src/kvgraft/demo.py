@@ -65,7 +65,7 @@ def demo(
     print(f"\n== 3. convert to MLA at {compression:g}x KV compression (one shot, no training) -> {converted_dir}")
     if converted_dir.exists():
         shutil.rmtree(converted_dir)
-    record = convert(path, converted_dir, compression=compression, qk_rope_head_dim=net.config.head_dim // 2)
+    record = convert(path, converted_dir, compression=compression)
     kv = record["kv_bytes_per_token_bf16"]
     print(f"KV bytes/token (bf16) {kv['original']:,} -> {kv['converted']:,}; "
           f"converted in {record['seconds']['convert']:.1f} s")
