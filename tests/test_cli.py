@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from kvgraft.cli import main
 from kvgraft.hf import load_pretrained, save_pretrained
@@ -121,7 +122,10 @@ def test_convert_heal_checklist_and_compare_end_to_end(tiny_dir, tmp_path, capsy
     assert main(["heal", str(mla), "--out", str(healed), "--data", str(tmp_path / "data"), "--teacher",
                  str(tiny_dir), "--loss", "mix", "--original-lr", "1e-2", "--pretraining-tokens", "10000",
                  "--tokens", "2048", "--micro-batch-size", "2", "--precision", "fp32", "--no-progress",
-                 "--eval-every", "0"]) == 0
+                 "--eval-every", "0", "--format", "both"]) == 0
+    assert "Healed MLA graft" in (healed / "final" / "README.md").read_text()
+    stock = transformers.AutoModelForCausalLM.from_pretrained(healed / "final" / "deepseek_v3")
+    assert type(stock).__name__ == "DeepseekV3ForCausalLM"
     record = json.loads((healed / "final" / "heal.json").read_text())
     assert record["train_config"]["lr"] == pytest.approx(1e-3)  # 1/10 of the original's
     assert record["train_config"]["max_steps"] == 16  # 2048 tokens / (2 x 64)

@@ -169,7 +169,7 @@ def cmd_heal(args: argparse.Namespace) -> int:
                  if getattr(args, f.name) is not None}
     result = heal(args.model, args.out, args.data, teacher=args.teacher, heal_config=hc,
                   train_overrides=overrides, original_lr=args.original_lr,
-                  pretraining_tokens=args.pretraining_tokens)
+                  pretraining_tokens=args.pretraining_tokens, output_format=args.format)
     print(json.dumps({"step": result.step, "tokens": result.tokens, "train_loss": result.train_loss,
                       "val_loss": result.val_loss, "final": str(Path(args.out) / "final")}))
     return 0
@@ -287,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--original-lr", type=float, default=None,
                    help="the original's peak LR (default: from its card); healing uses 1/10 of it")
     p.add_argument("--pretraining-tokens", type=int, default=None, help="the original's pretraining tokens")
+    p.add_argument("--format", choices=["kvgraft", "deepseek_v3", "both"], default="kvgraft",
+                   help="output: kvgraft's own format and/or a stock DeepSeek-V3 checkpoint")
     heal_defaults = TrainConfig(max_steps=100, lr=1e-4, warmup_steps=10, precision="bf16")
     _add_train_args(p, heal_defaults)
     p.set_defaults(func=cmd_heal, lr=None)  # default LR: 1/10 of the original's

@@ -113,6 +113,7 @@ def heal(
     pretraining_tokens: int | None = None,
     seq_len: int | None = None,
     dtype: torch.dtype = torch.float32,
+    output_format: str = "kvgraft",
 ) -> TrainResult:
     """Heal a converted model (``kvgraft convert`` output) by continued pretraining on ``data``.
 
@@ -121,7 +122,9 @@ def heal(
     loss "kl" and "mix". The peak LR defaults to 1/10 of the original's (``original_lr``, else the
     teacher's or the model's training record). The budget is ``heal_config.tokens``, or a fraction of
     ``pretraining_tokens`` (else the record's tokens_seen), else ``train_config.max_steps``.
-    Rerunning the same command resumes. The healed model is written to ``out/final``.
+    Rerunning the same command resumes. The healed model is written to ``out/final`` in kvgraft's
+    format and/or (``output_format`` "deepseek_v3" or "both") as stock DeepSeek-V3 in
+    ``out/final/deepseek_v3``, with a card (README.md) and ``heal.json``.
     """
     from kvgraft.data import PackedDataset
     from kvgraft.hf import load_pretrained, save_pretrained
@@ -182,9 +185,50 @@ def heal(
     summary = {**extra, "train_config": asdict(base), "steps": result.step, "tokens": result.tokens,
                "val_loss": result.val_loss,
                "fraction_of_pretraining": (result.tokens / pretraining_tokens) if pretraining_tokens else None}
+    if output_format not in ("kvgraft", "deepseek_v3", "both"):
+        raise ValueError(f"format {output_format!r} is not one of kvgraft, deepseek_v3, both")
+    healed = student.float()
+    files = {"heal.json": json.dumps(summary, indent=2) + "\n", "README.md": heal_card(summary, src)}
     with atomic_dir(out / "final", overwrite=True) as tmp:  # the healed model, complete or not at all
-        save_pretrained(student.float(), tmp, tokenizer_dir=tok_dir, model_type="kvgraft", overwrite=True,
-                        extra_files={"heal.json": json.dumps(summary, indent=2) + "\n"})
+        if output_format in ("kvgraft", "both"):
+            save_pretrained(healed, tmp, tokenizer_dir=tok_dir, model_type="kvgraft", overwrite=True,
+                            extra_files=files)
+        else:
+            for name, text in files.items():
+                (tmp / name).write_text(text)
+        if output_format in ("deepseek_v3", "both"):
+            from kvgraft.hf.deepseek import export_deepseek_v3
+
+            calib = None
+            if (src / "eval" / "calibration.npy").is_file():
+                from kvgraft.graft.convert import load_calibration
+
+                calib = load_calibration(src, None, 8192, min(512, healed.config.max_position_embeddings))
+            export_deepseek_v3(healed, tmp / "deepseek_v3", tokenizer_dir=tok_dir, calibration=calib)
         if (src / "eval").is_dir():
             shutil.copytree(src / "eval", tmp / "eval")
     return result
+
+
+def heal_card(summary: dict[str, Any], source: Path) -> str:
+    tc, hc = summary["train_config"], summary["heal"]
+    frac = summary.get("fraction_of_pretraining")
+    loss = {"lm": "next-token cross-entropy", "kl": "KL divergence from the original (teacher)",
+            "mix": f"{hc['kl_weight']:g} x KL from the original + {1 - hc['kl_weight']:g} x cross-entropy"}[hc["loss"]]
+    val = summary.get("val_loss")
+    return f"""# Healed MLA graft
+
+Continued pretraining of `{source}` with kvgraft's heal recipe.
+
+| | |
+|---|---|
+| loss | {loss}{' (temperature ' + format(hc['temperature'], 'g') + ')' if hc['loss'] != 'lm' else ''} |
+| trained parameters | {'attention only (embeddings, MLPs, norms frozen)' if hc['attention_only'] else 'all'} |
+| optimizer | AdamW (beta {tc['beta1']}, {tc['beta2']}), weight decay {tc['weight_decay']}, clip {tc['grad_clip']} |
+| learning rate | peak {tc['lr']:g} (original's {summary.get('original_lr')} / 10 unless set), {tc['warmup_steps']} warmup steps, cosine to {tc['min_lr_ratio']}x |
+| precision | {tc['precision']} autocast; fp32 latent down-projections ({len(summary['fp32_params'])} tensors) |
+| steps / tokens | {summary['steps']:,} / {summary['tokens']:,}{f' ({frac:.2%} of the original pretraining tokens)' if frac else ''} |
+| final validation loss | {'n/a' if val is None else f'{val:.4f} (perplexity {math.exp(val):.2f})'} |
+
+`heal.json` holds all of it, machine-readable.
+"""
