@@ -27,6 +27,7 @@ METHODS = {
     "weights-svd": ("weights", "stride", False, False),
     "activations": ("activations", "stride", False, False),
     "activations+layerwise": ("activations", "stride", True, False),
+    "activations+layerwise+rope-expectation": ("activations", "stride", True, True),
     "attention+layerwise": ("attention", "stride", True, False),
     "attention+layerwise+norm-rope": ("attention", "norm", True, False),
     "activations+rope-expectation": ("activations", "stride", False, True),
@@ -49,7 +50,10 @@ def main() -> None:
                     choices=list(METHODS))
     ap.add_argument("--eval-tokens", type=int, default=32768)
     ap.add_argument("--calibration-tokens", type=int, default=32768)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     path = resolve_model(args.model)
     model = load_pretrained(path, dtype=torch.float32)
