@@ -149,7 +149,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         layerwise=args.layerwise, rope_expectation=args.rope_expectation,
         layers=tuple(args.layers) if args.layers else None,
         calibration=args.calibration, calibration_tokens=args.calibration_tokens, output_format=args.format,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, device=args.device,
     )
     kv = record["kv_bytes_per_token_bf16"]
     print(f"converted {record['source']} -> {args.out}: KV bytes/token (bf16) {kv['original']:,} -> "
@@ -270,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-tokens", type=int, default=32768)
     p.add_argument("--format", choices=["kvgraft", "deepseek_v3", "both"], default="kvgraft",
                    help="kvgraft's own format and/or a stock DeepSeek-V3 checkpoint (all layers converted)")
+    p.add_argument("--device", default="cpu", help="where the model and calibration run, e.g. cuda")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_convert)
 

@@ -83,12 +83,14 @@ def convert(
     output_format: str = "kvgraft",
     overwrite: bool = False,
     progress: bool = True,
+    device: str = "cpu",
 ) -> dict:
     """Convert ``model`` (a local checkpoint directory) to MLA and write it to ``out``.
 
     ``kv_lora_rank`` (d_c) defaults to what ``compression`` leaves after the RoPE key;
     ``qk_rope_head_dim`` defaults to the model's head_dim (one head's worth of RoPE frequencies).
-    Returns the record written to ``conversion.json``.
+    ``device`` holds the model and the calibration activations (e.g. "cuda" for a 7B model); the
+    per-layer factorisations run on the CPU in fp64. Returns the record written to ``conversion.json``.
     """
     from kvgraft.hf import load_pretrained, save_pretrained
     from kvgraft.hf.load import load_tokenizer_dir
@@ -101,7 +103,7 @@ def convert(
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
     t0 = time.perf_counter()
-    original = load_pretrained(src, dtype=torch.float32)
+    original = load_pretrained(src, dtype=torch.float32, device=device)
     config = original.config
     d_rope = qk_rope_head_dim or config.head_dim
     d_c = kv_lora_rank or ranks_for_compression(config, compression, d_rope)
@@ -119,6 +121,7 @@ def convert(
     converted = graft_mla(original, graft, calib, progress=progress)
     t_convert = time.perf_counter() - t1
     params = sum(p.numel() for p in original.parameters())
+    del original  # a 7B model should not be held twice while writing
     record = {
         "source": str(src),
         "graft": asdict(graft),

@@ -82,12 +82,13 @@ def mla_model_config(config: ModelConfig, g: GraftConfig, rope_index: dict[int, 
 
 
 def _gqa_weights(attn) -> GQAWeights:
+    """The layer's weights on the CPU: the per-layer conversion math runs there, in fp64."""
     def b(lin):
-        return None if lin.bias is None else lin.bias.detach()
+        return None if lin.bias is None else lin.bias.detach().cpu()
 
     return GQAWeights(
-        attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach(),
-        attn.o_proj.weight.detach(), b(attn.q_proj), b(attn.k_proj), b(attn.v_proj), b(attn.o_proj),
+        attn.q_proj.weight.detach().cpu(), attn.k_proj.weight.detach().cpu(), attn.v_proj.weight.detach().cpu(),
+        attn.o_proj.weight.detach().cpu(), b(attn.q_proj), b(attn.k_proj), b(attn.v_proj), b(attn.o_proj),
     )
 
 
@@ -129,7 +130,7 @@ def graft_mla(
             weights = _gqa_weights(block.self_attn)
             q_norm = None
             if config.qk_norm:  # Qwen3: keep the query norm, linearise the key norm
-                q_norm = block.self_attn.q_norm.weight.detach()
+                q_norm = block.self_attn.q_norm.weight.detach().cpu()
                 weights.k = _linearised_keys(block, source if calibration is not None else None, C, batch_size)
                 if weights.k_bias is not None:  # the fitted map already accounts for it (no intercept kept)
                     weights.k_bias = torch.zeros_like(weights.k_bias)

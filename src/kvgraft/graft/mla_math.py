@@ -93,16 +93,19 @@ def pair_scores(
     attention uses, so they can give up RoPE cheaply.
     """
     K, H = num_kv_heads, num_heads
-    group = H // K
-    score = torch.zeros(K, d // 2, dtype=w.k.dtype)
-    for f in range(d // 2):
-        rows_k = torch.stack([w.k[_pair_rows(j, f, d)] for j in range(K)])  # (K, 2, h)
-        rot_k = torch.einsum("mj,jch->mch", U[f], rows_k)  # (K, 2, h)
-        k_energy = torch.einsum("mch,hg,mcg->m", rot_k, C, rot_k).clamp_min(0).sqrt()  # (K,)
-        for i in range(H):
-            rows_q = w.q[_pair_rows(i, f, d)]  # (2, h)
-            q_energy = torch.einsum("ch,hg,cg->", rows_q, C, rows_q).clamp_min(0).sqrt()
-            score[:, f] += U[f][:, i // group].abs() * q_energy * k_energy
+    group, half = H // K, d // 2
+
+    def pair_norms(rows: Tensor) -> Tensor:  # (heads*d, h) -> (heads, d/2): sqrt E|pair|^2
+        energy = ((rows @ C) * rows).sum(-1).clamp_min(0).view(-1, d)
+        return (energy[:, :half] + energy[:, half:]).sqrt()
+
+    q_norms = pair_norms(w.q)  # (H, d/2)
+    k_heads = w.k.view(K, 2, half, -1)  # (K, coordinate, f, h) in the rotate-half layout
+    rot_k = torch.einsum("fmj,jcfh->mcfh", U, k_heads).reshape(K * d, -1)  # rows of the rotated heads
+    k_norms = pair_norms(rot_k)  # (K, d/2): energy of rotated head m at frequency f
+    # |U_f[m, g(i)]| * |q_i,f| summed over the query heads i, per (m, f)
+    coef = U.abs()[:, :, torch.arange(H) // group]  # (d/2, K, H)
+    score = torch.einsum("fmi,if->mf", coef, q_norms) * k_norms
     if rope_expectation is not None:
         spread = (1 - rope_expectation.to(score.dtype).pow(2).sum(-1)).clamp_min(0).sqrt()  # (d/2,)
         score = score * spread[None, :]

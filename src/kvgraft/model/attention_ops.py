@@ -22,7 +22,7 @@ def grouped_attention(
 ) -> torch.Tensor:
     """Softmax attention, (B, H, T, Dv); scores and softmax in fp32."""
     B, H, T, D = q.shape
-    K, S = k.shape[1], k.shape[2]
+    K = k.shape[1]
     G = H // K
     qg = q.reshape(B, K, G * T, D)  # heads of one group side by side on the query axis
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # (B, K, G*T, S)
