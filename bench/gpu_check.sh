@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The prepared accelerator check (one H200, a few minutes): absorbed MLA decode vs GQA at long
+# contexts on a 1B-shape model, in bf16, side by side in one process. Prints the table; results JSON
+# goes to ${OUT:-runs/bench}/gpu_decode. Needs a CUDA build of torch on that machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+PYTHONPATH=src python bench/mla_decode.py --random-1b --device cuda --dtype bfloat16 \
+  --contexts 1024 8192 32768 --batch-sizes 1 16 --new-tokens 32 --repeats 3 --compression 4 \
+  --out "${OUT:-runs/bench}/gpu_decode"
