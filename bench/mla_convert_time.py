@@ -52,18 +52,25 @@ def main() -> None:
     ap.add_argument("--calibration-tokens", type=int, default=1024)
     ap.add_argument("--objectives", nargs="+", default=["weights", "activations", "attention"])
     ap.add_argument("--out", default="runs/bench/mla_convert_time")
+    ap.add_argument("--only", choices=["reference", "big"], default=None, help="time just one of the two models")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = []
-    ref = load_pretrained(resolve_model(args.model), dtype=torch.float32)
     seq = 256
     n = max(1, args.calibration_tokens // seq)
-    calib = torch.randint(0, ref.config.vocab_size, (n, seq))
-    rows += time_conversions(ref, calib, args.objectives, "reference")
-    del ref
-    big = random_model("cpu", layers=args.big_layers)
-    calib = torch.randint(0, big.config.vocab_size, (n, seq))
-    rows += time_conversions(big, calib, args.objectives, f"random 1B-shape ({args.big_layers} layers)")
+    print(f"torch threads {torch.get_num_threads()}; calibration {n * seq} tokens")
+    if args.only != "big":
+        ref = load_pretrained(resolve_model(args.model), dtype=torch.float32)
+        calib = torch.randint(0, ref.config.vocab_size, (n, seq))
+        rows += time_conversions(ref, calib, args.objectives, "reference")
+        del ref
+    if args.only != "reference":
+        big = random_model("cpu", layers=args.big_layers)
+        calib = torch.randint(0, big.config.vocab_size, (n, seq))
+        rows += time_conversions(big, calib, args.objectives, f"random 1B-shape ({args.big_layers} layers)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
