@@ -48,7 +48,7 @@ def time_conversions(model: Transformer, calib: torch.Tensor, objectives: list[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--big-layers", type=int, default=16, help="layers of the 1B-shape model (16 -> 1.2B)")
+    ap.add_argument("--big-layers", type=int, default=16, help="layers of the 1B-shape model (16 -> 1.1B)")
     ap.add_argument("--calibration-tokens", type=int, default=1024)
     ap.add_argument("--objectives", nargs="+", default=["weights", "activations", "attention"])
     ap.add_argument("--out", default="runs/bench/mla_convert_time")
