@@ -252,12 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lora-rank", type=int, default=None, help="latent width d_c cached per token per layer")
     p.add_argument("--rope-dim", type=int, default=None,
                    help="width of the shared RoPE key d_rope (default: the model's head_dim)")
-    p.add_argument("--objective", choices=["weights", "activations", "attention"], default="activations",
+    p.add_argument("--objective", choices=["weights", "activations", "attention"], default="attention",
                    help="latent initialisation: joint SVD of the weights, PCA of K/V outputs on calibration "
                         "text, or attention-aware (key error weighted by queries, value error by W_O)")
-    p.add_argument("--rope-selection", choices=["stride", "norm"], default="stride",
+    p.add_argument("--rope-selection", choices=["auto", "stride", "norm"], default="auto",
                    help="which RoPE frequencies stay: every k-th (stock DeepSeek-V3 layout) or the largest "
-                        "measured |q|.|k| contributions (kvgraft format only)")
+                        "measured contributions (kvgraft format only); auto: norm, or stride with --format "
+                        "deepseek_v3/both")
     p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
                    help="calibrate each layer on the converted layers' activations")
     p.add_argument("--rope-expectation", action=argparse.BooleanOptionalAction, default=True,

@@ -72,8 +72,8 @@ def convert(
     kv_lora_rank: int | None = None,
     qk_rope_head_dim: int | None = None,
     compression: float = 4.0,
-    objective: str = "activations",
-    rope_selection: str = "stride",
+    objective: str = "attention",
+    rope_selection: str = "auto",
     layerwise: bool = True,
     rope_expectation: bool = True,
     layers: tuple[int, ...] | None = None,
@@ -89,6 +89,8 @@ def convert(
 
     ``kv_lora_rank`` (d_c) defaults to what ``compression`` leaves after the RoPE key;
     ``qk_rope_head_dim`` defaults to the model's head_dim (one head's worth of RoPE frequencies).
+    Defaults (objective "attention", layer-wise, RoPE expectation, rope_selection "auto" = "norm", or
+    "stride" when a stock DeepSeek-V3 export is asked for) are the best of ``bench/mla_oneshot.py``.
     ``device`` holds the model and the calibration activations (e.g. "cuda" for a 7B model); the
     per-layer factorisations run on the CPU in fp64. Returns the record written to ``conversion.json``.
     """
@@ -107,6 +109,8 @@ def convert(
     config = original.config
     d_rope = qk_rope_head_dim or config.head_dim
     d_c = kv_lora_rank or ranks_for_compression(config, compression, d_rope)
+    if rope_selection == "auto":  # the best measured ("norm") unless a stock export needs DeepSeek's layout
+        rope_selection = "stride" if output_format in ("deepseek_v3", "both") else "norm"
     graft = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
                         rope_selection=rope_selection, layerwise=layerwise, layers=layers,
                         rope_expectation=rope_expectation and objective != "weights")
