@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(p, heal_defaults)
     p.set_defaults(func=cmd_heal, lr=None)  # default LR: 1/10 of the original's
 
-    p = sub.add_parser("demo", help="the `make demo` job: evaluate the reference model and sample from it")
+    p = sub.add_parser("demo", help="the `make demo` job: the reference model, its 4x MLA graft, and the two side by side")
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--out", default="runs/demo", help="where report.json goes")
     p.set_defaults(func=cmd_demo)
