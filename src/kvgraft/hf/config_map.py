@@ -250,6 +250,11 @@ def _check_representable(cfg: ModelConfig, model_type: str) -> None:
              "mistral applies its sliding window to every layer")
 
 
+def natural_model_type(cfg: ModelConfig) -> str:
+    """"llama" for a plain Llama-family model, else kvgraft's own format (MLA grafts, encoder-decoders)."""
+    return "llama" if set(cfg.attention_kinds) == {"gqa"} else KVGRAFT_MODEL_TYPE
+
+
 def hf_config_from_model(cfg: ModelConfig, model_type: str, dtype: str = "float32") -> dict[str, Any]:
     """A config.json dict for ``model_type`` that transformers loads into the same architecture."""
     if model_type == KVGRAFT_MODEL_TYPE:

@@ -29,7 +29,21 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         writer = cfg.is_kv_writer(i)
-        if cfg.attention_kinds[i] == "mla":  # kvgraft's own MLA layout (see kvgraft.hf.kvgraft_format)
+        if cfg.attention_kinds[i] == "ced":  # causal encoder-decoder (kvgraft's own format)
+            dc, dr, dn, dv, H, K = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim,
+                                    cfg.num_heads, cfg.num_kv_heads)
+            attn = {"q_proj": (H * (dn + dr), h, cfg.qkv_bias), "k_proj": (K * (dn + dr), h, cfg.qkv_bias),
+                    "v_proj": (K * dv, h, cfg.qkv_bias), "o_proj": (h, H * dv, cfg.o_bias)}
+            if cfg.kv_source_of(i) is not None:
+                attn["kv_b_proj"] = (H * (dn + dv), dc, cfg.qkv_bias)
+            if i in cfg.kv_source_layers:
+                attn["compressor.kv_a_proj"] = (dc + dr, h, cfg.qkv_bias)
+                if cfg.mla_latent_norm:
+                    shapes[f"{p}self_attn.compressor.kv_a_norm.weight"] = (dc,)
+                if cfg.compress_rate > 1:
+                    attn["compressor.gate_proj"] = (dc + dr, h, False)
+                    shapes[f"{p}self_attn.compressor.gate_bias"] = (cfg.compress_rate, dc + dr)
+        elif cfg.attention_kinds[i] == "mla":  # kvgraft's own MLA layout (see kvgraft.hf.kvgraft_format)
             dc, dr, dn, dv, H = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim,
                                  cfg.num_heads)
             attn = {"q_proj": (H * (dn + dr), h, cfg.qkv_bias), "kv_b_proj": (H * (dn + dv), dc, cfg.qkv_bias),

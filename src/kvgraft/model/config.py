@@ -13,7 +13,7 @@ from typing import Any
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ATTENTION_KINDS = ("gqa", "mla")
+ATTENTION_KINDS = ("gqa", "mla", "ced")
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,12 @@ class ModelConfig:
     # (None: every (head_dim/d_rope)-th frequency, DeepSeek's layout); entries of GQA layers are ()
     rope_freq_index: tuple[tuple[int, ...], ...] | None = None
     mla_latent_norm: bool = False  # RMSNorm on the latent before caching (DeepSeek's kv_a_layernorm)
+    # Causal encoder-decoder (every layer "ced"; see kvgraft.model.ced): layers that write a shared
+    # compressed KV segment (the last is the pivot, the first decoder layer), and the compression rate m
+    # (each shared entry pools m consecutive tokens). Uses sliding_window, kv_lora_rank (d_c),
+    # qk_rope_head_dim (d_rope), qk_nope_head_dim, v_head_dim; num_kv_heads are the window's K/V heads.
+    kv_source_layers: tuple[int, ...] | None = None
+    compress_rate: int = 1
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     bos_token_id: int | None = None
@@ -131,14 +137,18 @@ class ModelConfig:
             raise ValueError(f"layer_types {self.layer_types} must list one of {LAYER_TYPES} for each of {L} layers")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        if self.kv_source_layers is not None:
+            object.__setattr__(self, "kv_source_layers", tuple(int(i) for i in self.kv_source_layers))
         if self.attention_kinds is None:
-            object.__setattr__(self, "attention_kinds", ("gqa",) * L)
+            object.__setattr__(self, "attention_kinds", ("ced" if self.kv_source_layers else "gqa",) * L)
         object.__setattr__(self, "attention_kinds", tuple(self.attention_kinds))
         if len(self.attention_kinds) != L or any(k not in ATTENTION_KINDS for k in self.attention_kinds):
             raise ValueError(
                 f"attention_kinds {self.attention_kinds} must list one of {ATTENTION_KINDS} for each of {L} layers"
             )
-        if "mla" in self.attention_kinds:
+        if "ced" in self.attention_kinds or self.kv_source_layers is not None:
+            self._check_ced()
+        if "mla" in self.attention_kinds or "ced" in self.attention_kinds:
             self._check_mla()
         if self.kv_slots is None:
             object.__setattr__(self, "kv_slots", tuple(range(L)))
@@ -154,7 +164,26 @@ class ModelConfig:
                     f"layer {layer} reads slot {slot} written by layer {writer}, but their layer_types differ"
                 )
 
+    def _check_ced(self) -> None:
+        L, src = self.num_layers, self.kv_source_layers
+        if set(self.attention_kinds) != {"ced"}:
+            raise ValueError(
+                f"attention_kinds {self.attention_kinds}: a causal encoder-decoder has 'ced' in every layer "
+                "(leave attention_kinds unset with kv_source_layers)"
+            )
+        if not src:
+            raise ValueError("kv_source_layers must list at least one layer for 'ced' attention")
+        if list(src) != sorted(set(src)) or src[0] < 0 or src[-1] >= L:
+            raise ValueError(f"kv_source_layers {src} must be strictly increasing layer indices in [0, {L})")
+        if self.sliding_window is None:
+            raise ValueError("a causal encoder-decoder needs sliding_window (every layer keeps its own window)")
+        if not isinstance(self.compress_rate, int) or self.compress_rate < 1:
+            raise ValueError(f"compress_rate ({self.compress_rate!r}) must be a positive integer")
+        if self.qk_norm:
+            raise ValueError("qk_norm is not supported with 'ced' attention")
+
     def _check_mla(self) -> None:
+
         for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0 or (value == 0 and name != "qk_nope_head_dim"):
@@ -162,7 +191,7 @@ class ModelConfig:
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even (RoPE rotates pairs)")
         half = self.head_dim // 2
-        mla_layers = [i for i, k in enumerate(self.attention_kinds) if k == "mla"]
+        mla_layers = [i for i, k in enumerate(self.attention_kinds) if k in ("mla", "ced")]
         if self.rope_freq_index is None:
             if self.head_dim % self.qk_rope_head_dim:
                 raise ValueError(
@@ -176,6 +205,9 @@ class ModelConfig:
         object.__setattr__(self, "rope_freq_index", index)
         if len(index) != self.num_layers:
             raise ValueError(f"rope_freq_index has {len(index)} entries, expected one per layer ({self.num_layers})")
+        if "ced" in self.attention_kinds and len(set(index)) != 1:
+            raise ValueError("rope_freq_index must be the same for every layer of a causal encoder-decoder "
+                             "(all layers attend over the same shared RoPE keys)")
         for layer in mla_layers:
             idx = index[layer]
             if len(idx) != self.qk_rope_head_dim // 2 or any(not 0 <= f < half for f in idx):
@@ -200,6 +232,40 @@ class ModelConfig:
             return ((1, self.kv_lora_rank + self.qk_rope_head_dim),)
         return ((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim))
 
+    @property
+    def is_ced(self) -> bool:
+        return self.kv_source_layers is not None
+
+    @property
+    def pivot_layer(self) -> int:
+        """The last kv_source layer: the first decoder layer, whose compressor writes what the decoder reads."""
+        if not self.is_ced:
+            raise ValueError("pivot_layer: this model is not a causal encoder-decoder (no kv_source_layers)")
+        return self.kv_source_layers[-1]
+
+    def kv_source_of(self, layer: int) -> int | None:
+        """The nearest kv_source layer at or before ``layer`` (None: the layer reads only its window)."""
+        before = [s for s in self.kv_source_layers if s <= layer]
+        return before[-1] if before else None
+
+    def ced_cache_values(self, max_len: int) -> int:
+        """Values one sequence's causal encoder-decoder cache holds for ``max_len`` tokens (see CEDCache):
+        per kv_source layer ``max_len // m`` pooled entries of d_c + d_rope, plus (m > 1) m - 1 pending
+        tokens' entries and gate scores; per layer a ring of ``min(W, max_len)`` window keys and values."""
+        D = self.kv_lora_rank + self.qk_rope_head_dim
+        m, n_src = self.compress_rate, len(self.kv_source_layers)
+        shared = n_src * (max_len // m) * D + (n_src * 2 * (m - 1) * D if m > 1 else 0)
+        window = min(self.sliding_window, max_len)
+        windows = self.num_layers * window * self.num_kv_heads * (
+            self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        return shared + windows
+
+    def kv_cache_bytes(self, context: int, bytes_per_value: int = 2) -> int:
+        """KV cache bytes of one sequence holding ``context`` tokens."""
+        if self.is_ced:
+            return self.ced_cache_values(context) * bytes_per_value
+        return self.kv_bytes_per_token(bytes_per_value) * context
+
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
@@ -210,8 +276,14 @@ class ModelConfig:
     def num_slots(self) -> int:
         return len(set(self.kv_slots))
 
-    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
-        """Cache bytes per token of context (all layers), at ``bytes_per_value`` (2 for bf16/fp16)."""
+    def kv_bytes_per_token(self, bytes_per_value: int = 2, context: int | None = None) -> float:
+        """Cache bytes per token of context (all layers), at ``bytes_per_value`` (2 for bf16/fp16).
+
+        Constant for GQA/MLA. A causal encoder-decoder's windows are a fixed cost, so its figure depends
+        on the context (default: max_position_embeddings)."""
+        if self.is_ced:
+            context = context or self.max_position_embeddings
+            return self.kv_cache_bytes(context, bytes_per_value) / context
         writers = [layer for layer in range(self.num_layers) if self.is_kv_writer(layer)]
         values = sum(h * w for layer in writers for h, w in self.cache_entry_shapes(layer))
         return values * bytes_per_value
@@ -221,6 +293,9 @@ class ModelConfig:
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
         for layer in range(self.num_layers):
             total += 3 * h * f + (2 * f + h) * self.mlp_bias + 2 * h
+            if self.attention_kinds[layer] == "ced":
+                total += self._ced_attention_parameters(layer)
+                continue
             if self.attention_kinds[layer] == "mla":
                 dc, dr, dn, dv = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
                 if self.qk_norm:  # q_proj in the original basis, q_norm, q_mix
@@ -236,6 +311,18 @@ class ModelConfig:
                 total += 2 * h * K * hd + 2 * K * hd * self.qkv_bias + hd * self.qk_norm
         return total
 
+    def _ced_attention_parameters(self, layer: int) -> int:
+        h, H, K, b = self.hidden_size, self.num_heads, self.num_kv_heads, self.qkv_bias
+        dc, dr, dn, dv = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
+        total = (h + b) * H * (dn + dr) + (h + b) * K * (dn + dr + dv) + H * dv * h + h * self.o_bias
+        if self.kv_source_of(layer) is not None:
+            total += (dc + b) * H * (dn + dv)  # kv_b: this layer's reading of the shared latent
+        if layer in self.kv_source_layers:
+            total += (h + b) * (dc + dr) + dc * self.mla_latent_norm  # compressor kv_a (+ latent norm)
+            if self.compress_rate > 1:
+                total += h * (dc + dr) + self.compress_rate * (dc + dr)  # gate_proj, gate_bias
+        return total
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -248,7 +335,7 @@ class ModelConfig:
         d = dict(d)
         if isinstance(d.get("rope"), dict):
             d["rope"] = RopeConfig(**d["rope"])
-        for name in ("layer_types", "attention_kinds", "kv_slots"):
+        for name in ("layer_types", "attention_kinds", "kv_slots", "kv_source_layers"):
             if d.get(name) is not None:
                 d[name] = tuple(d[name])
         if d.get("rope_freq_index") is not None:

@@ -11,10 +11,25 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=688, max_position_embeddings=512, rms_norm_eps=1e-5,
         rope=RopeConfig(theta=10000.0), tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
     ),
+    # The shipped reference causal encoder-decoder (models/kvgraft-ced-8m): the Llama reference's data,
+    # tokenizer and width; kv_source layers 1, 3 and pivot 4, window 64, shared entries pool 2 tokens.
+    "ced-8m": ModelConfig(
+        vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32,
+        intermediate_size=688, max_position_embeddings=512, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=10000.0), tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+        kv_source_layers=(1, 3, 4), sliding_window=64, compress_rate=2, kv_lora_rank=64,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, mla_latent_norm=True,
+    ),
     # A few-second model for tests and smoke runs.
     "llama-tiny": ModelConfig(
         vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         intermediate_size=128, max_position_embeddings=128, rms_norm_eps=1e-5,
+    ),
+    "ced-tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=128, rms_norm_eps=1e-5,
+        kv_source_layers=(1, 2), sliding_window=8, compress_rate=2, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
     ),
 }
 

@@ -16,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention
 from kvgraft.model.cache import EphemeralKV, KVCache
+from kvgraft.model.ced import CEDAttention, Compressor, ced_step, use_absorbed
+from kvgraft.model.ced_cache import CEDCache
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention
 from kvgraft.model.norm import RMSNorm
@@ -105,6 +107,22 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class CEDBlock(nn.Module):
+    """A causal encoder-decoder layer: carries the shared compressed KV to the next layer."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = CEDAttention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, shared, cos, sin, step, cache=None):
+        a, shared = self.self_attn(self.input_layernorm(x), cos, sin, shared, step, cache)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), shared
+
+
 def attention_mask(q_start: int, t: int, window: int | None, device: torch.device) -> torch.Tensor:
     """(T, S) bool mask for queries at positions q_start..q_start+T-1 over keys 0..S-1, S = q_start+T.
 
@@ -123,7 +141,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        block = CEDBlock if config.is_ced else Block
+        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -144,13 +163,17 @@ class Transformer(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            if isinstance(module, Compressor) and module.m > 1:
+                module.gate_bias.zero_()
             if isinstance(module, MLAttention) and module.qk_norm:
                 d = module.q_mix.shape[-1]
                 module.q_mix.copy_(torch.empty(module.q_mix.shape).normal_(0.0, d**-0.5, generator=gen))
 
-    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache | CEDCache:
         """Allocate the preallocated KV cache this model's layers write and read."""
         p = self.embed_tokens.weight
+        if self.config.is_ced:
+            return CEDCache(self.config, batch_size, max_len, dtype or p.dtype, p.device)
         return KVCache(self.config, batch_size, max_len, dtype or p.dtype, p.device)
 
     def forward(
@@ -167,6 +190,11 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        if self.config.is_ced:
+            x = self._ced_layers(x, cos, sin, cache)
+            if last_only:
+                x = x[:, -1:]
+            return self.lm_head(self.norm(x))
         masks: dict[int | None, torch.Tensor | None] = {}
         for layer in range(self.config.num_layers):
             w = self.config.window(layer)
@@ -188,3 +216,22 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))
+
+    def _ced_layers(self, x, cos, sin, cache: CEDCache | None) -> torch.Tensor:
+        """The causal encoder-decoder's layers. Without a cache the shared entries pass from layer to
+        layer as an explicit argument, so a checkpointed layer recomputes with the entries it read."""
+        T = x.shape[1]
+        start = cache.length if cache is not None else 0
+        if cache is not None:
+            cache.begin(T)
+        step = ced_step(self.config, start, T, cache.ring_len if cache is not None else 0, x.device,
+                        use_absorbed(cache, T))
+        shared = None
+        for block in self.layers:
+            if self.gradient_checkpointing and self.training and cache is None:
+                x, shared = checkpoint(block, x, shared, cos, sin, step, use_reentrant=False)
+            else:
+                x, shared = block(x, shared, cos, sin, step, cache)
+        if cache is not None:
+            cache.advance(T)
+        return x

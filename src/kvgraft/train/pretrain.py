@@ -52,8 +52,10 @@ def pretrain(
         if latest is not None:
             load_checkpoint(latest, net)
         from kvgraft.hf import save_pretrained
+        from kvgraft.hf.config_map import natural_model_type
 
-        save_pretrained(net, out_dir / "final", tokenizer_dir=data_dir / "tokenizer", overwrite=True)
+        save_pretrained(net, out_dir / "final", tokenizer_dir=data_dir / "tokenizer", overwrite=True,
+                        model_type=natural_model_type(config))
         summary = {
             "steps": result.step, "tokens": result.tokens, "train_loss": result.train_loss,
             "val_loss": result.val_loss, "val_ppl": math.exp(result.val_loss) if result.val_loss else None,

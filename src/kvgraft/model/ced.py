@@ -1,0 +1,235 @@
+"""The causal encoder-decoder: cross-layer shared compressed KV plus a sliding window per layer.
+
+kvgraft's small, faithful version of DeepSeek-V4.1-Flash's attention layout (MISSION.md, Part B).
+
+- ``kv_source_layers`` (the last is the *pivot*, the first decoder layer) each own a *compressor*:
+  ``kv_a`` turns the hidden state entering the layer into an MLA-style entry per token, a latent
+  ``c`` (d_c) and a RoPE key ``k_r`` (d_rope, rotated at the token's position). With compression
+  rate m > 1, each shared entry pools m consecutive tokens (block b = tokens [b*m, (b+1)*m)) with a
+  learned gated weighting: per channel, softmax over the block of ``gate_proj(x) + gate_bias[t % m]``.
+- Every layer attends, in one softmax, over (a) its own sliding window of the last W tokens' keys and
+  values (``k_proj``/``v_proj`` of its own hidden state, ``num_kv_heads`` heads, d_nope + d_rope wide
+  keys, RoPE on the last d_rope) and (b) the shared entries written by the nearest kv_source layer at or
+  before it, read through its own up-projection ``kv_b`` (keys ``[W_UK c ; k_r]``, values ``W_UV c``).
+  Layers before the first kv_source layer read only their window.
+- Causality: a query at position i sees block b only when the block is complete strictly before it,
+  ``(b + 1) * m <= i``; the window (``i - W < j <= i``) covers the rest. Window and shared entries may
+  overlap in time (the model learns to weigh both); nothing after i is ever visible.
+- No indexer: every visible shared entry is attended. (A top-k indexer gets no gradient through the
+  selection; kvgraft leaves it out rather than ship one whose training is undefined.)
+
+The shared entries are the cross-layer state. Training passes them from layer to layer explicitly, so
+activation checkpointing recomputes a layer with exactly the entries it read the first time (and the
+gradient reaches the compressor that wrote them). With a cache (``CEDCache``, the one owner) they live
+in the cache. Shapes: B batch, T new tokens, N shared entries, H heads, K window heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS
+from kvgraft.model.config import ModelConfig
+from kvgraft.model.norm import RMSNorm
+from kvgraft.model.rope import apply_rope
+
+
+@dataclass
+class CEDStep:
+    """Geometry of one forward step, shared by every layer: which keys each new query may see."""
+
+    start: int  # tokens already in the cache (0 without one)
+    new_tokens: int
+    window_mask: torch.Tensor  # (T, Sw) bool over [window ring (cache only) ; new tokens]
+    shared_mask: torch.Tensor  # (T, N) bool over the shared entries after this step's writes
+    absorbed: bool  # decode: attend over the latent directly (no expansion)
+
+
+def ced_step(config: ModelConfig, start: int, t: int, ring_len: int, device: torch.device,
+             absorbed: bool) -> CEDStep:
+    """Masks for queries at positions start..start+t-1. The window part lists ``ring_len`` cached tokens
+    (ring slot j holds the position p in [start - W, start) with p % W == j; slots never written are
+    masked) followed by the t new tokens."""
+    W, m = config.sliding_window, config.compress_rate
+    qpos = torch.arange(start, start + t, device=device)
+    new_pos = qpos
+    if ring_len:
+        slot = torch.arange(ring_len, device=device)
+        # the position held by slot j: the latest p < start with p % W == j (negative: never written)
+        ring_pos = start - 1 - ((start - 1 - slot) % W)
+        ring_pos = torch.where(ring_pos >= 0, ring_pos, torch.full_like(ring_pos, -(10**9)))
+        kpos = torch.cat([ring_pos, new_pos])
+    else:
+        kpos = new_pos
+    window_mask = (kpos[None, :] <= qpos[:, None]) & (qpos[:, None] - kpos[None, :] < W)
+    n_blocks = (start + t) // m
+    shared_mask = torch.arange(n_blocks, device=device)[None, :] < (qpos[:, None] // m)
+    return CEDStep(start, t, window_mask, shared_mask, absorbed)
+
+
+class Compressor(nn.Module):
+    """A kv_source layer's KV writer: hidden state -> shared entries (latent ; rotated RoPE key)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, b = config.hidden_size, config.qkv_bias
+        self.dc, self.dr, self.m = config.kv_lora_rank, config.qk_rope_head_dim, config.compress_rate
+        self.kv_a_proj = nn.Linear(h, self.dc + self.dr, bias=b)
+        self.kv_a_norm = RMSNorm(self.dc, config.rms_norm_eps) if config.mla_latent_norm else None
+        if self.m > 1:
+            self.gate_proj = nn.Linear(h, self.dc + self.dr, bias=False)
+            self.gate_bias = nn.Parameter(torch.zeros(self.m, self.dc + self.dr))
+
+    def token_entries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(B, T, h) -> per-token entries (B, T, d_c + d_rope); cos/sin are the d_rope columns."""
+        c, k_rope = self.kv_a_proj(x).split([self.dc, self.dr], dim=-1)
+        if self.kv_a_norm is not None:
+            c = self.kv_a_norm(c)
+        return torch.cat([c, apply_rope(k_rope[:, None], cos, sin)[:, 0]], dim=-1)
+
+    def gate_scores(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """(B, T, h) -> pooling logits (B, T, d_c + d_rope) for tokens at start..start+T-1."""
+        phase = torch.arange(start, start + x.shape[1], device=x.device) % self.m
+        return self.gate_proj(x) + self.gate_bias[phase]
+
+    def pool(self, entries: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        """(B, n*m, D) block-aligned tokens -> (B, n, D) pooled entries (identity when m == 1)."""
+        if self.m == 1:
+            return entries
+        B, n, D = entries.shape[0], entries.shape[1] // self.m, entries.shape[2]
+        w = torch.softmax(scores.float().view(B, n, self.m, D), dim=2).to(entries.dtype)
+        return (w * entries.view(B, n, self.m, D)).sum(dim=2)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Whole sequences from position 0 (training): (B, S, h) -> (B, S // m, D); the incomplete last
+        block is dropped (no query of this sequence can see it)."""
+        n = x.shape[1] // self.m * self.m
+        entries = self.token_entries(x[:, :n], cos[:, :n], sin[:, :n])
+        return self.pool(entries, self.gate_scores(x[:, :n], 0) if self.m > 1 else None)
+
+
+class CEDAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        h, H, K, b = config.hidden_size, config.num_heads, config.num_kv_heads, config.qkv_bias
+        self.num_heads, self.num_kv_heads = H, K
+        self.dc, self.dr = config.kv_lora_rank, config.qk_rope_head_dim
+        self.dn, self.dv = config.qk_nope_head_dim, config.v_head_dim
+        self.q_proj = nn.Linear(h, H * (self.dn + self.dr), bias=b)
+        self.k_proj = nn.Linear(h, K * (self.dn + self.dr), bias=b)  # window keys (own hidden state)
+        self.v_proj = nn.Linear(h, K * self.dv, bias=b)
+        self.o_proj = nn.Linear(H * self.dv, h, bias=config.o_bias)
+        self.source = config.kv_source_of(layer)  # nearest kv_source layer at or before this one
+        self.is_source = self.source == layer
+        if self.is_source:
+            self.compressor = Compressor(config)
+        if self.source is not None:
+            self.kv_b_proj = nn.Linear(self.dc, H * (self.dn + self.dv), bias=b)
+        idx = list(config.rope_freq_index[layer])
+        self.rope_cols = idx + [i + config.head_dim // 2 for i in idx]
+        self.scale = (self.dn + self.dr) ** -0.5
+
+    # ---- projections ----------------------------------------------------------------------------
+    def _qkv(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, -1).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, -1).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.dv).transpose(1, 2)
+        q = torch.cat([q[..., : self.dn], apply_rope(q[..., self.dn:], cos, sin)], dim=-1)
+        k = torch.cat([k[..., : self.dn], apply_rope(k[..., self.dn:], cos, sin)], dim=-1)
+        return q, k, v  # (B, H, T, dn+dr), (B, K, T, dn+dr), (B, K, T, dv)
+
+    def _split_kv_b(self):
+        w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.dc)
+        bias = self.kv_b_proj.bias
+        bk = bv = None
+        if bias is not None:
+            bias = bias.view(self.num_heads, self.dn + self.dv)
+            bk, bv = bias[:, : self.dn], bias[:, self.dn:]
+        return w[:, : self.dn], w[:, self.dn:], bk, bv  # W_UK (H,dn,dc), W_UV (H,dv,dc), (H,dn), (H,dv)
+
+    # ---- attention ------------------------------------------------------------------------------
+    def _attend_expanded(self, q, k, v, shared, step: CEDStep) -> torch.Tensor:
+        """Up-project the shared latent per head and run one SDPA over [window ; shared]."""
+        B, H = q.shape[0], self.num_heads
+        k = k.repeat_interleave(H // self.num_kv_heads, dim=1)
+        v = v.repeat_interleave(H // self.num_kv_heads, dim=1)
+        mask = step.window_mask
+        if shared is not None:
+            N = shared.shape[1]
+            c, k_rope = shared.split([self.dc, self.dr], dim=-1)
+            kv = self.kv_b_proj(c).view(B, N, H, self.dn + self.dv).transpose(1, 2)
+            k_sh = torch.cat([kv[..., : self.dn], k_rope[:, None].expand(B, H, N, self.dr)], dim=-1)
+            k, v = torch.cat([k, k_sh], dim=2), torch.cat([v, kv[..., self.dn:]], dim=2)
+            mask = torch.cat([mask, step.shared_mask], dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+
+    def _attend_absorbed(self, q, k, v, shared, step: CEDStep) -> torch.Tensor:
+        """Decode: scores against the latent directly (W_UK folded into the query, W_UV applied after),
+        concatenated with the window scores under one softmax."""
+        H, G = self.num_heads, self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(G, dim=1)
+        v = v.repeat_interleave(G, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale  # (B, H, T, Sw)
+        mask = step.window_mask
+        if shared is not None:
+            w_uk, w_uv, bk, bv = self._split_kv_b()
+            q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+            c, k_rope = shared.split([self.dc, self.dr], dim=-1)  # (B, N, dc), (B, N, dr)
+            q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)
+            s_sh = torch.matmul(q_lat, c[:, None].transpose(-1, -2)) + torch.matmul(
+                q_rope, k_rope[:, None].transpose(-1, -2))
+            if bk is not None:  # the key bias adds q_nope . b_k to every shared logit of a head
+                s_sh = s_sh + torch.einsum("bhtn,hn->bht", q_nope, bk)[..., None]
+            scores = torch.cat([scores, s_sh.float() * self.scale], dim=-1)
+            mask = torch.cat([mask, step.shared_mask], dim=1)
+        p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+        Sw = k.shape[2]
+        y = torch.matmul(p[..., :Sw], v)
+        if shared is not None:
+            p_sh = p[..., Sw:]
+            y_lat = torch.matmul(p_sh, c[:, None])  # (B, H, T, dc)
+            y = y + torch.einsum("bhtc,hvc->bhtv", y_lat, w_uv)
+            if bv is not None:  # the value bias, weighted by the mass on shared entries
+                y = y + p_sh.sum(-1, keepdim=True) * bv[None, :, None, :]
+        return y
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, h), normalised hidden state
+        cos: torch.Tensor,  # (B, T, head_dim) tables; this layer takes its d_rope columns
+        sin: torch.Tensor,
+        shared: torch.Tensor | None,  # (B, N, D) entries of the nearest source so far (training)
+        step: CEDStep,
+        cache=None,  # CEDCache or None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the attention output (B, T, h) and the shared entries later layers read."""
+        B, T, _ = x.shape
+        cos, sin = cos[..., self.rope_cols], sin[..., self.rope_cols]
+        if self.is_source:
+            if cache is None:
+                shared = self.compressor(x, cos, sin)
+            else:
+                shared = cache.compress(self.layer, self.compressor, x, cos, sin)
+        elif cache is not None and self.source is not None:
+            shared = cache.shared(self.source)
+        q, k, v = self._qkv(x, cos, sin)
+        if cache is not None:
+            k_all, v_all = cache.window(self.layer, k, v)  # [ring ; new], then stores the new tokens
+        else:
+            k_all, v_all = k, v
+        read = shared if self.source is not None else None
+        if step.absorbed:
+            y = self._attend_absorbed(q, k_all, v_all, read, step)
+        else:
+            y = self._attend_expanded(q, k_all, v_all, read, step)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.dv)), shared
+
+
+def use_absorbed(cache, new_tokens: int) -> bool:
+    return cache is not None and new_tokens <= DECODE_MAX_NEW_TOKENS and not torch.is_grad_enabled()

@@ -1,0 +1,206 @@
+"""The causal encoder-decoder: causality, cache == full forward, cache size == formula, checkpointing
+gradients, the shared KV really being shared, and config errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgraft.model.ced_cache import CEDCache
+from kvgraft.model.config import ModelConfig
+from kvgraft.model.presets import get_preset
+from kvgraft.model.transformer import Transformer
+
+
+def tiny(**changes) -> ModelConfig:
+    return get_preset("ced-tiny").replace(**changes)
+
+
+def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    model.init_weights(seed)
+    # non-zero gate biases and larger weights make every path matter
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "gate_bias" in name:
+                p.normal_(0.0, 1.0)
+    return model.eval()
+
+
+VARIANTS = [
+    dict(compress_rate=1, sliding_window=8),
+    dict(compress_rate=2, sliding_window=8),
+    dict(compress_rate=3, sliding_window=5, qkv_bias=True, o_bias=True),
+    dict(compress_rate=4, sliding_window=64, mla_latent_norm=True, tie_word_embeddings=True),
+    dict(compress_rate=2, sliding_window=3, kv_source_layers=(0,), num_kv_heads=4),
+]
+
+
+@pytest.mark.parametrize("changes", VARIANTS)
+def test_causal_no_future_token_changes_earlier_logits(changes):
+    model = build(tiny(**changes))
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(ids)
+        for t in (0, 7, 8, 9, 23, 39):
+            other = ids.clone()
+            other[:, t] = (other[:, t] + 17) % 512
+            out = model(other)
+            assert torch.equal(out[:, :t], base[:, :t]), f"token {t} leaked into earlier positions"
+            assert (out[:, t] - base[:, t]).abs().max() > 1e-4  # and it does reach its own position
+
+
+def test_query_sees_complete_blocks_strictly_before_it_only():
+    # window 1: a query sees itself and the shared entries. With m = 4, token 5 is in block 1 (4..7):
+    # queries 5..8 must not see it through the shared path (block 1 completes at 7, visible from 8 on).
+    m = 4
+    model = build(tiny(compress_rate=m, sliding_window=1, kv_source_layers=(0,), num_layers=1))
+    ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(2))
+    other = ids.clone()
+    other[:, 5] = (other[:, 5] + 1) % 512
+    with torch.no_grad():
+        diff = (model(ids) - model(other)).abs().amax(dim=(0, 2))
+    assert torch.all(diff[:5] == 0)
+    assert diff[5] > 0  # its own window
+    assert torch.all(diff[6:8] == 0), "a query saw the block it belongs to before it was complete"
+    assert torch.all(diff[8:] > 0), "a complete block was not visible to later queries"
+
+
+@pytest.mark.parametrize("changes", VARIANTS)
+def test_incremental_decode_equals_full_forward(changes):
+    model = build(tiny(**changes))
+    ids = torch.randint(0, 512, (2, 45), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(2, 48)
+        parts = [model(ids[:, :11], cache=cache)]  # prefill
+        parts += [model(ids[:, i:i + 1], cache=cache) for i in range(11, 30)]  # one-token steps
+        parts.append(model(ids[:, 30:33], cache=cache))  # a short chunk (absorbed path)
+        parts.append(model(ids[:, 33:45], cache=cache))
+        inc = torch.cat(parts, dim=1)
+    assert cache.length == 45
+    torch.testing.assert_close(inc, full, atol=2e-5, rtol=0)
+
+
+def test_absorbed_equals_expanded_decode():
+    model = build(tiny(qkv_bias=True))
+    ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for grad in (False, True):  # with grad enabled a decode step takes the expanded path
+        cache = model.new_cache(1, 30)
+        with torch.set_grad_enabled(grad):
+            model(ids[:, :20], cache=cache)
+            outs.append(torch.cat([model(ids[:, i:i + 1], cache=cache) for i in range(20, 30)], 1).detach())
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("m,window,max_len", [(1, 8, 40), (2, 8, 41), (4, 64, 30), (3, 5, 100)])
+def test_cache_bytes_equal_formula(m, window, max_len):
+    cfg = tiny(compress_rate=m, sliding_window=window)
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        cache = CEDCache(cfg, 3, max_len, dtype)
+        assert cache.nbytes == 3 * cfg.ced_cache_values(max_len) * size
+        assert cache.nbytes // 3 == cfg.kv_cache_bytes(max_len, size)
+    # the formula, spelled out: shared segments + pending block + one window per layer
+    D, K = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.num_kv_heads
+    dk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    expected = len(cfg.kv_source_layers) * ((max_len // m) * D + (2 * (m - 1) * D if m > 1 else 0))
+    expected += cfg.num_layers * min(window, max_len) * K * (dk + dv)
+    assert cfg.ced_cache_values(max_len) == expected
+
+
+def test_cache_is_much_smaller_than_llama_at_long_context():
+    ced, llama = get_preset("ced-8m"), get_preset("llama-8m")
+    assert ced.kv_cache_bytes(4096) * 10 < llama.kv_cache_bytes(4096)
+    assert ced.kv_cache_bytes(512) * 5 < llama.kv_cache_bytes(512)
+
+
+def test_cache_overflow_is_a_clear_error():
+    model = build(tiny())
+    cache = model.new_cache(1, 10)
+    with torch.no_grad(), pytest.raises(ValueError, match="cache overflow: 12 tokens > max_len 10"):
+        model(torch.zeros(1, 12, dtype=torch.long), cache=cache)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_checkpointing_gradients_equal(m):
+    cfg = tiny(compress_rate=m, qkv_bias=True, mla_latent_norm=True)
+    ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(5))
+    grads = []
+    for ckpt in (False, True):
+        model = build(cfg).train()
+        model.gradient_checkpointing = ckpt
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
+    # the compressors get gradient from the layers that read their shared entries
+    assert grads[0]["layers.1.self_attn.compressor.kv_a_proj.weight"].abs().sum() > 0
+
+
+def test_reader_layers_have_no_compressor_and_read_the_nearest_source():
+    cfg = tiny(num_layers=6, kv_source_layers=(1, 3))
+    model = build(cfg)
+    kinds = [(hasattr(b.self_attn, "compressor"), getattr(b.self_attn, "kv_b_proj", None) is not None)
+             for b in model.layers]
+    assert kinds == [(False, False), (True, True), (False, True), (True, True), (False, True), (False, True)]
+    assert [cfg.kv_source_of(i) for i in range(6)] == [None, 1, 1, 3, 3, 3]
+    assert cfg.pivot_layer == 3
+    # changing the compressor of layer 1 changes layers 1-2 only: layer 3 writes a new segment
+    ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(6))
+    feats = {}
+
+    def hook(i):
+        def fn(module, args, out):
+            feats[i] = out[0].detach().clone()
+        return fn
+
+    for i, b in enumerate(model.layers):
+        b.self_attn.register_forward_hook(hook(i))
+    with torch.no_grad():
+        model(ids)
+        before = dict(feats)
+        # perturb only what layer 4 reads through the shared path: layer 3's compressor
+        model.layers[3].self_attn.compressor.kv_a_proj.weight.mul_(2.0)
+        model(ids)
+    assert torch.equal(feats[2], before[2])
+    assert not torch.equal(feats[3], before[3]) and not torch.equal(feats[4], before[4])
+
+
+def test_parameter_count_matches_formula():
+    for changes in VARIANTS:
+        cfg = tiny(**changes)
+        assert cfg.num_parameters() == sum(p.numel() for p in Transformer(cfg).parameters())
+    cfg = get_preset("ced-8m")
+    assert cfg.num_parameters() == sum(p.numel() for p in Transformer(cfg).parameters())
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(kv_source_layers=(2, 1)), "strictly increasing"),
+    (dict(kv_source_layers=(0, 4)), r"in \[0, 4\)"),
+    (dict(kv_source_layers=()), "'ced' in every layer|at least one"),
+    (dict(sliding_window=None), "needs sliding_window"),
+    (dict(compress_rate=0), "compress_rate"),
+    (dict(kv_lora_rank=None), "kv_lora_rank"),
+    (dict(qk_norm=True), "qk_norm"),
+])
+def test_bad_configs_are_named(changes, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**changes)
+
+
+def test_generate_runs_on_the_cache():
+    from kvgraft.model.generate import generate
+
+    model = build(tiny())
+    prompt = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(7))
+    out = generate(model, prompt, max_new_tokens=12)
+    # greedy decoding with the cache equals argmax over full forwards
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ids)
