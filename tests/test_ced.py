@@ -51,20 +51,41 @@ def test_causal_no_future_token_changes_earlier_logits(changes):
             assert (out[:, t] - base[:, t]).abs().max() > 1e-4  # and it does reach its own position
 
 
-def test_query_sees_complete_blocks_strictly_before_it_only():
-    # window 1: a query sees itself and the shared entries. With m = 4, token 5 is in block 1 (4..7):
-    # queries 5..8 must not see it through the shared path (block 1 completes at 7, visible from 8 on).
-    m = 4
-    model = build(tiny(compress_rate=m, sliding_window=1, kv_source_layers=(0,), num_layers=1))
+def test_shared_path_reads_a_block_once_it_left_the_window():
+    # m = 4, W = 4: token 5 is in block 1 (tokens 4..7). Query i reads block 1 through the shared path
+    # once 4 <= i - 4, i.e. from i = 8 on; queries 5..8 see it through their windows. With the shared
+    # path emptied, only the window remains: exactly queries 5..8 change.
+    m, W = 4, 4
+    cfg = tiny(compress_rate=m, sliding_window=W, kv_source_layers=(0,), num_layers=1)
+    model = build(cfg)
     ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(2))
     other = ids.clone()
     other[:, 5] = (other[:, 5] + 1) % 512
     with torch.no_grad():
         diff = (model(ids) - model(other)).abs().amax(dim=(0, 2))
-    assert torch.all(diff[:5] == 0)
-    assert diff[5] > 0  # its own window
-    assert torch.all(diff[6:8] == 0), "a query saw the block it belongs to before it was complete"
-    assert torch.all(diff[8:] > 0), "a complete block was not visible to later queries"
+        assert torch.all(diff[:5] == 0)  # causal
+        assert torch.all(diff[5:] > 0)  # windows 5..8, then the shared block
+        model.layers[0].self_attn.kv_b_proj.weight.zero_()  # shared keys/values carry no content now
+        model.layers[0].self_attn.compressor.kv_a_proj.weight.zero_()
+        diff = (model(ids) - model(other)).abs().amax(dim=(0, 2))
+    assert torch.all(diff[5:9] > 0) and torch.all(diff[9:] == 0), "the window must cover exactly i-W < j <= i"
+
+
+def test_visibility_rule():
+    from kvgraft.model.ced import ced_step
+
+    cfg = tiny(compress_rate=2, sliding_window=4)
+    step = ced_step(cfg, 0, 12, 0, torch.device("cpu"), False)
+    i = torch.arange(12)[:, None]
+    j = torch.arange(12)[None, :]
+    assert torch.equal(step.window_mask, (j <= i) & (i - j < 4))
+    b = torch.arange(6)[None, :]
+    assert torch.equal(step.shared_mask, 2 * b <= i - 4)
+    assert (2 * b + 1 < i).expand(12, 6)[step.shared_mask].all()  # visible blocks end before the query
+    covered = step.window_mask.clone()
+    for blk in range(6):
+        covered[:, 2 * blk:2 * blk + 2] |= step.shared_mask[:, blk:blk + 1]
+    assert torch.equal(covered, (j <= i).expand(12, 12)), "every earlier token is seen, no later one"
 
 
 @pytest.mark.parametrize("changes", VARIANTS)
@@ -184,6 +205,7 @@ def test_parameter_count_matches_formula():
     (dict(kv_source_layers=()), "'ced' in every layer|at least one"),
     (dict(sliding_window=None), "needs sliding_window"),
     (dict(compress_rate=0), "compress_rate"),
+    (dict(compress_rate=4, sliding_window=3), "sliding_window \\(3\\) must be >= compress_rate \\(4\\)"),
     (dict(kv_lora_rank=None), "kv_lora_rank"),
     (dict(qk_norm=True), "qk_norm"),
 ])

@@ -12,9 +12,12 @@ kvgraft's small, faithful version of DeepSeek-V4.1-Flash's attention layout (MIS
   keys, RoPE on the last d_rope) and (b) the shared entries written by the nearest kv_source layer at or
   before it, read through its own up-projection ``kv_b`` (keys ``[W_UK c ; k_r]``, values ``W_UV c``).
   Layers before the first kv_source layer read only their window.
-- Causality: a query at position i sees block b only when the block is complete strictly before it,
-  ``(b + 1) * m <= i``; the window (``i - W < j <= i``) covers the rest. Window and shared entries may
-  overlap in time (the model learns to weigh both); nothing after i is ever visible.
+- Causality: a query at position i reads its window (tokens ``i - W < j <= i``) and, through the shared
+  path, block b once the block's first token has left the window, ``b * m <= i - W``. With ``W >= m``
+  (validated) such a block is complete strictly before i, so nothing after i is ever visible, and every
+  earlier token is seen: in the window or in a block. Blocks straddling the window's edge are seen both
+  ways (at most m - 1 tokens); with m = 1 window and shared path partition the past exactly, which is what
+  lets a graft keep each layer's own keys for the recent tokens and approximate only the distant ones.
 - No indexer: every visible shared entry is attended. (A top-k indexer gets no gradient through the
   selection; kvgraft leaves it out rather than ship one whose training is undefined.)
 
@@ -67,7 +70,10 @@ def ced_step(config: ModelConfig, start: int, t: int, ring_len: int, device: tor
         kpos = new_pos
     window_mask = (kpos[None, :] <= qpos[:, None]) & (qpos[:, None] - kpos[None, :] < W)
     n_blocks = (start + t) // m
-    shared_mask = torch.arange(n_blocks, device=device)[None, :] < (qpos[:, None] // m)
+    # block b (tokens b*m .. b*m+m-1) is read through the shared path once its first token has left
+    # the window: b*m <= i - W. With W >= m that block is complete strictly before i.
+    block_start = torch.arange(n_blocks, device=device) * m
+    shared_mask = block_start[None, :] <= qpos[:, None] - W
     return CEDStep(start, t, window_mask, shared_mask, absorbed)
 
 

@@ -179,6 +179,11 @@ class ModelConfig:
             raise ValueError("a causal encoder-decoder needs sliding_window (every layer keeps its own window)")
         if not isinstance(self.compress_rate, int) or self.compress_rate < 1:
             raise ValueError(f"compress_rate ({self.compress_rate!r}) must be a positive integer")
+        if self.sliding_window < self.compress_rate:
+            raise ValueError(
+                f"sliding_window ({self.sliding_window}) must be >= compress_rate ({self.compress_rate}): the "
+                "window covers the tokens of the block being filled"
+            )
         if self.qk_norm:
             raise ValueError("qk_norm is not supported with 'ced' attention")
 
