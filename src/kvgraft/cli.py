@@ -149,8 +149,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
         layerwise=args.layerwise, rope_expectation=args.rope_expectation,
         layers=tuple(args.layers) if args.layers else None,
         calibration=args.calibration, calibration_tokens=args.calibration_tokens, output_format=args.format,
-        overwrite=args.overwrite, device=args.device,
+        overwrite=args.overwrite, device=args.device, to=args.to,
+        kv_source_layers=tuple(args.kv_source_layers) if args.kv_source_layers else None,
+        sliding_window=args.sliding_window, compress_rate=args.compress_rate,
     )
+    if args.to == "ced":
+        share = record["share_graft"]
+        fits = ", ".join(f"layer {layer} <- {r['source']}: {r['relative_residual']:.3f}"
+                         for layer, r in share["readers"].items())
+        print(f"share graft: kv_source layers {share['kv_source_layers']} (pivot {share['pivot']}), window "
+              f"{share['sliding_window']}, m={share['compress_rate']}; least-squares residuals: {fits or 'none'}")
+        for n, b in record["kv_cache_bytes_bf16"].items():
+            print(f"KV bytes per sequence at {n} tokens (bf16): {b['original']:,} -> {b['converted']:,} "
+                  f"({b['original'] / b['converted']:.2f}x smaller)")
     kv = record["kv_bytes_per_token_bf16"]
     print(f"converted {record['source']} -> {args.out}: KV bytes/token (bf16) {kv['original']:,} -> "
           f"{kv['converted']:,} ({record['compression']:.2f}x smaller) in {record['seconds']['convert']:.1f} s")
@@ -244,11 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--original", default=None, help="with --after: the model before conversion")
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("convert", help="graft multi-head latent attention (MLA) onto a Llama-family model")
+    p = sub.add_parser("convert", help="graft multi-head latent attention (MLA) onto a Llama-family model, "
+                                       "or make it a causal encoder-decoder (--to ced)")
     p.add_argument("model", nargs="?", default=None, help=model_help)
     p.add_argument("--out", required=True, help="output directory (refused if it exists, unless --overwrite)")
-    p.add_argument("--compression", type=float, default=4.0,
-                   help="KV cache reduction factor; sets the latent rank when --kv-lora-rank is not given")
+    p.add_argument("--to", choices=["mla", "ced"], default="mla",
+                   help="mla: per-layer latent KV; ced: causal encoder-decoder with shared compressed KV written "
+                        "by a few kv_source layers plus a sliding window per layer (the share graft)")
+    p.add_argument("--kv-source-layers", type=int, nargs="+", default=None,
+                   help="--to ced: layers that write the shared KV, the last is the pivot (default: pivot at "
+                        "the middle layer, e.g. 1 3 4 for 8 layers)")
+    p.add_argument("--sliding-window", type=int, default=64, help="--to ced: window of every layer (tokens)")
+    p.add_argument("--compress-rate", type=int, default=1, help="--to ced: tokens pooled per shared entry (m)")
+    p.add_argument("--compression", type=float, default=None,
+                   help="per-layer latent KV reduction factor (default 4; 2 with --to ced); sets the latent "
+                        "rank when --kv-lora-rank is not given")
     p.add_argument("--kv-lora-rank", type=int, default=None, help="latent width d_c cached per token per layer")
     p.add_argument("--rope-dim", type=int, default=None,
                    help="width of the shared RoPE key d_rope (default: the model's head_dim)")

@@ -1,4 +1,5 @@
-"""``kvgraft convert``: a checkpoint directory in, an MLA-grafted checkpoint directory out.
+"""``kvgraft convert``: a checkpoint directory in, an MLA-grafted (``--to mla``) or causal encoder-decoder
+(``--to ced``: MLA graft with one RoPE layout, then the share graft of ``kvgraft.graft.ced``) directory out.
 
 The output directory is written atomically (an interrupted conversion leaves nothing). It is itself the
 converted model in kvgraft's own format (``model_type: kvgraft``; ``kvgraft eval OUT`` works), plus
@@ -22,6 +23,7 @@ from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.model import ModelConfig
 
 FORMATS = ("kvgraft", "deepseek_v3", "both")
+TARGETS = ("mla", "ced")
 CALIBRATION = Path("eval") / "calibration.npy"
 
 
@@ -71,7 +73,7 @@ def convert(
     *,
     kv_lora_rank: int | None = None,
     qk_rope_head_dim: int | None = None,
-    compression: float = 4.0,
+    compression: float | None = None,
     objective: str = "attention",
     rope_selection: str = "auto",
     layerwise: bool = True,
@@ -84,6 +86,10 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
     device: str = "cpu",
+    to: str = "mla",
+    kv_source_layers: tuple[int, ...] | None = None,
+    sliding_window: int = 64,
+    compress_rate: int = 1,
 ) -> dict:
     """Convert ``model`` (a local checkpoint directory) to MLA and write it to ``out``.
 
@@ -93,6 +99,13 @@ def convert(
     "stride" when a stock DeepSeek-V3 export is asked for) are the best of ``bench/mla_oneshot.py``.
     ``device`` holds the model and the calibration activations (e.g. "cuda" for a 7B model); the
     per-layer factorisations run on the CPU in fp64. Returns the record written to ``conversion.json``.
+
+    ``to="ced"`` makes a causal encoder-decoder: ``kv_source_layers`` (default: pivot at the middle layer,
+    see ``default_kv_sources``), ``sliding_window`` and ``compress_rate`` as in ModelConfig. A Llama-family
+    input is first grafted to MLA with one RoPE layout for all layers (rope_selection "stride"; d_c from
+    ``compression``, default 2 since several layers read each shared latent); an all-MLA input with one
+    layout is used as it is. Readers are fitted by least squares on the calibration tokens.
+    ``compression`` defaults to 4 for MLA.
     """
     from kvgraft.hf import load_pretrained, save_pretrained
     from kvgraft.hf.load import load_tokenizer_dir
@@ -100,6 +113,17 @@ def convert(
 
     if output_format not in FORMATS:
         raise ValueError(f"format {output_format!r} is not one of {', '.join(FORMATS)}")
+    if to not in TARGETS:
+        raise ValueError(f"target {to!r} is not one of {', '.join(TARGETS)}")
+    if to == "ced":
+        if output_format != "kvgraft":
+            raise ValueError(f"a causal encoder-decoder is written in kvgraft's format only, not {output_format!r}")
+        if rope_selection == "norm":
+            raise ValueError("rope_selection 'norm' picks frequencies per layer; the shared RoPE keys of --to ced "
+                             "need one layout ('stride' or 'auto')")
+        if objective == "weights":
+            raise ValueError("--to ced fits the readers on calibration text; objective 'weights' has none")
+    compression = compression or (2.0 if to == "ced" else 4.0)
     src = resolve_model(model)
     out = Path(out)
     if out.exists() and not overwrite:
@@ -110,11 +134,21 @@ def convert(
     d_rope = qk_rope_head_dim or config.head_dim
     d_c = kv_lora_rank or ranks_for_compression(config, compression, d_rope)
     if rope_selection == "auto":  # the best measured ("norm") unless a stock export needs DeepSeek's layout
-        rope_selection = "stride" if output_format in ("deepseek_v3", "both") else "norm"
+        rope_selection = "stride" if output_format in ("deepseek_v3", "both") or to == "ced" else "norm"
+    already_mla = to == "ced" and set(config.attention_kinds) == {"mla"}
+    ced_graft = None
+    if to == "ced":
+        from kvgraft.graft.ced import CEDGraftConfig, default_kv_sources
+
+        ced_graft = CEDGraftConfig(kv_source_layers=kv_source_layers or default_kv_sources(config.num_layers),
+                                   sliding_window=sliding_window, compress_rate=compress_rate)
+        if already_mla:
+            ced_graft.check_against(config)
     graft = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
                         rope_selection=rope_selection, layerwise=layerwise, layers=layers,
                         rope_expectation=rope_expectation and objective != "weights")
-    graft.check_against(config)
+    if not already_mla:
+        graft.check_against(config)
     tokenizer = load_tokenizer_dir(src)
     calib = None
     if objective != "weights":
@@ -122,13 +156,24 @@ def convert(
         calib = load_calibration(src, calibration, calibration_tokens, seq_len, tokenizer)
     t_load = time.perf_counter() - t0
     t1 = time.perf_counter()
-    converted = graft_mla(original, graft, calib, progress=progress)
+    converted = original if already_mla else graft_mla(original, graft, calib, progress=progress)
+    ced_report = None
+    if ced_graft is not None:
+        from kvgraft.graft.ced import graft_ced
+
+        if not already_mla:
+            ced_graft.check_against(converted.config)
+        converted, ced_report = graft_ced(converted, ced_graft, calib, progress=progress)
     t_convert = time.perf_counter() - t1
     params = sum(p.numel() for p in original.parameters())
     del original  # a 7B model should not be held twice while writing
     record = {
         "source": str(src),
-        "graft": asdict(graft),
+        "to": to,
+        "graft": None if already_mla else asdict(graft),
+        "share_graft": ced_report,
+        "kv_cache_bytes_bf16": {str(n): {"original": config.kv_cache_bytes(n, 2),
+                                         "converted": converted.config.kv_cache_bytes(n, 2)} for n in (512, 4096)},
         "kv_bytes_per_token_bf16": {"original": config.kv_bytes_per_token(2),
                                     "converted": converted.config.kv_bytes_per_token(2)},
         "compression": config.kv_bytes_per_token(2) / converted.config.kv_bytes_per_token(2),

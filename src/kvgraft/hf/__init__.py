@@ -1,11 +1,14 @@
 """transformers interop: load Llama/Mistral/Qwen2/Qwen3 checkpoints into kvgraft and save them back."""
 
+from kvgraft.hf.auto import KvgraftConfig, KvgraftForCausalLM, register_auto_classes
 from kvgraft.hf.config_map import SUPPORTED_MODEL_TYPES, hf_config_from_model, model_config_from_hf
 from kvgraft.hf.deepseek import export_deepseek_v3
 from kvgraft.hf.load import load_config, load_pretrained, load_tokenizer_dir
 from kvgraft.hf.save import save_pretrained
 
 __all__ = [
+    "KvgraftConfig",
+    "KvgraftForCausalLM",
     "SUPPORTED_MODEL_TYPES",
     "export_deepseek_v3",
     "hf_config_from_model",
@@ -13,5 +16,6 @@ __all__ = [
     "load_pretrained",
     "load_tokenizer_dir",
     "model_config_from_hf",
+    "register_auto_classes",
     "save_pretrained",
 ]
