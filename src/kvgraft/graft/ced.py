@@ -168,6 +168,9 @@ def graft_ced(
             attn.v_proj.bias.copy_(bv.reshape(-1).to(dtype))
         if attn.is_source:
             attn.compressor.kv_a_proj.load_state_dict(old.kv_a_proj.state_dict())
+            if m > 1:  # zero gates: each block starts as the plain mean of its tokens' entries
+                attn.compressor.gate_proj.weight.zero_()
+                attn.compressor.gate_bias.zero_()
         if attn.source is None:
             continue
         if layer not in fitted:  # a kv_source layer reading its own latent (m == 1): unchanged

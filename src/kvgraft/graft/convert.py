@@ -132,10 +132,13 @@ def convert(
     original = load_pretrained(src, dtype=torch.float32, device=device)
     config = original.config
     d_rope = qk_rope_head_dim or config.head_dim
-    d_c = kv_lora_rank or ranks_for_compression(config, compression, d_rope)
+    already_mla = to == "ced" and set(config.attention_kinds) == {"mla"}  # skip the MLA step
+    if already_mla:
+        d_rope, d_c = config.qk_rope_head_dim, config.kv_lora_rank
+    else:
+        d_c = kv_lora_rank or ranks_for_compression(config, compression, d_rope)
     if rope_selection == "auto":  # the best measured ("norm") unless a stock export needs DeepSeek's layout
         rope_selection = "stride" if output_format in ("deepseek_v3", "both") or to == "ced" else "norm"
-    already_mla = to == "ced" and set(config.attention_kinds) == {"mla"}
     ced_graft = None
     if to == "ced":
         from kvgraft.graft.ced import CEDGraftConfig, default_kv_sources

@@ -25,7 +25,7 @@ from kvgraft.train.config import TrainConfig
 from kvgraft.train.loop import TrainResult, lm_loss, train
 
 LOSSES = ("lm", "kl", "mix")
-FP32_MODULES = ("self_attn.kv_a_proj",)  # module-name suffixes: the latent down-projections
+FP32_MODULES = ("self_attn.kv_a_proj", "compressor.kv_a_proj")  # module-name suffixes: latent down-projections
 
 
 @dataclass(frozen=True)
