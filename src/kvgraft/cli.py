@@ -61,7 +61,8 @@ def cmd_ship(args: argparse.Namespace) -> int:
     from kvgraft.train.ship import ship_reference
 
     command = args.command_line or "(not recorded)"
-    out = ship_reference(args.run, args.data, args.out, command=command, overwrite=args.overwrite)
+    out = ship_reference(args.run, args.data, args.out, command=command, overwrite=args.overwrite,
+                         compare_with=args.compare_with)
     print(f"shipped {out}")
     return 0
 
@@ -326,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="the data directory the run trained on")
     p.add_argument("--out", required=True, help="output model directory, e.g. models/kvgraft-llama-8m")
     p.add_argument("--command-line", default=None, help="the exact pretrain command, recorded in the card")
+    p.add_argument("--compare-with", default=None,
+                   help="another shipped reference model to compare with in the card (e.g. models/kvgraft-llama-8m)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_ship)
     return parser
