@@ -17,11 +17,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class KVMemory:
-    bytes_per_token_formula: int  # config.kv_bytes_per_token(itemsize): all layers, one sequence
+    bytes_per_token_formula: float  # config.kv_cache_bytes(max_len, itemsize) / max_len: all layers, one sequence
     bytes_per_token_measured: float  # allocated cache nbytes / max_len at batch 1
     agree: bool  # formula * max_len == allocated nbytes
     dtype: str  # e.g. "bfloat16"
-    per_context: dict[int, int] = field(default_factory=dict)  # context tokens -> bytes (formula)
+    per_context: dict[int, int] = field(default_factory=dict)  # context tokens -> bytes per sequence (formula)
     max_len: int = 0  # tokens of the cache that was allocated to measure
 
     def to_dict(self) -> dict[str, Any]:
@@ -39,22 +39,24 @@ def kv_memory(
 ) -> KVMemory:
     """Cache bytes per token of context for one sequence, from the formula and from a real allocation.
 
-    The formula is ``model.config.kv_bytes_per_token(itemsize of dtype)``; the measurement allocates
+    The formula is ``model.config.kv_cache_bytes(max_len, itemsize of dtype)`` (per token: divided by
+    ``max_len``; constant for GQA/MLA, falling with context for a causal encoder-decoder, whose windows
+    are a fixed cost); the measurement allocates
     ``model.new_cache(1, max_len, dtype)`` (on the model's device) and divides its ``nbytes`` by
     ``max_len``. ``agree`` reports whether they match exactly; a mismatch is reported, not raised.
     """
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    formula = int(model.config.kv_bytes_per_token(itemsize))
+    formula = model.config.kv_cache_bytes(max_len, itemsize)
     cache = model.new_cache(1, max_len, dtype)
     nbytes = int(cache.nbytes)
     del cache
     return KVMemory(
-        bytes_per_token_formula=formula,
+        bytes_per_token_formula=formula / max_len,
         bytes_per_token_measured=nbytes / max_len,
-        agree=nbytes == formula * max_len,
+        agree=nbytes == formula,
         dtype=dtype_name(dtype),
-        per_context={int(c): formula * int(c) for c in contexts},
+        per_context={int(c): model.config.kv_cache_bytes(int(c), itemsize) for c in contexts},
         max_len=max_len,
     )

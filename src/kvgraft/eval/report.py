@@ -189,7 +189,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"head_dim {cfg['head_dim']}, {cfg['kv_slots']} kv slots; attention {kinds}",
         f"perplexity  {format_ppl(ppl['ppl'])}  (loss {ppl['loss']:.4f} nats/token over "
         f"{ppl['tokens_scored']:,} tokens, seq_len {ppl['seq_len']})",
-        f"KV cache    {mem['dtype']}: formula {mem['bytes_per_token_formula']:,} B/token, measured "
+        f"KV cache    {mem['dtype']}: formula {mem['bytes_per_token_formula']:,.0f} B/token, measured "
         f"{mem['bytes_per_token_measured']:,.1f} B/token ({'agree' if mem['agree'] else 'DISAGREE'})",
     ]
     if mem["per_context"]:
@@ -220,7 +220,7 @@ def _metrics(result: dict[str, Any]) -> dict[str, tuple[float | None, str]]:
         "params": (result["params"], _human_count(result["params"])),
         "perplexity": (ppl["ppl"], format_ppl(ppl["ppl"])),
         "loss (nats/token)": (ppl["loss"], f"{ppl['loss']:.4f}"),
-        f"KV B/token formula ({mem['dtype']})": (mem["bytes_per_token_formula"], f"{mem['bytes_per_token_formula']:,}"),
+        f"KV B/token formula ({mem['dtype']})": (mem["bytes_per_token_formula"], f"{mem['bytes_per_token_formula']:,.0f}"),
         f"KV B/token measured ({mem['dtype']})": (
             mem["bytes_per_token_measured"], f"{mem['bytes_per_token_measured']:,.1f}"
         ),
