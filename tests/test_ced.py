@@ -80,11 +80,13 @@ def test_visibility_rule():
     j = torch.arange(12)[None, :]
     assert torch.equal(step.window_mask, (j <= i) & (i - j < 4))
     b = torch.arange(6)[None, :]
-    assert torch.equal(step.shared_mask, 2 * b <= i - 4)
-    assert (2 * b + 1 < i).expand(12, 6)[step.shared_mask].all()  # visible blocks end before the query
+    shared_mask = step.mask[:, 12:]
+    assert torch.equal(step.mask[:, :12], step.window_mask)
+    assert torch.equal(shared_mask, 2 * b <= i - 4)
+    assert (2 * b + 1 < i).expand(12, 6)[shared_mask].all()  # visible blocks end before the query
     covered = step.window_mask.clone()
     for blk in range(6):
-        covered[:, 2 * blk:2 * blk + 2] |= step.shared_mask[:, blk:blk + 1]
+        covered[:, 2 * blk:2 * blk + 2] |= shared_mask[:, blk:blk + 1]
     assert torch.equal(covered, (j <= i).expand(12, 12)), "every earlier token is seen, no later one"
 
 

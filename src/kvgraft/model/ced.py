@@ -47,34 +47,39 @@ class CEDStep:
 
     start: int  # tokens already in the cache (0 without one)
     new_tokens: int
-    window_mask: torch.Tensor  # (T, Sw) bool over [window ring (cache only) ; new tokens]
-    shared_mask: torch.Tensor  # (T, N) bool over the shared entries after this step's writes
+    window_mask: torch.Tensor  # (T, Sw) bool over the window keys a layer attends (see ced_step)
+    mask: torch.Tensor  # (T, Sw + N) bool: the window mask, then the N shared entries after this step
     absorbed: bool  # decode: attend over the latent directly (no expansion)
+    ring_only: bool  # one-token cache step: the new token is written to the ring first, keys = the ring
 
 
 def ced_step(config: ModelConfig, start: int, t: int, ring_len: int, device: torch.device,
              absorbed: bool) -> CEDStep:
-    """Masks for queries at positions start..start+t-1. The window part lists ``ring_len`` cached tokens
-    (ring slot j holds the position p in [start - W, start) with p % W == j; slots never written are
-    masked) followed by the t new tokens."""
+    """Masks for queries at positions start..start+t-1.
+
+    Without a cache (``ring_len == 0``) the window keys are the t new tokens. With one, a one-token step
+    writes the token into the ring first and attends over the ring alone (slot j then holds the latest
+    position p <= start with p % W == j); a longer step attends over [ring as it was ; new tokens]
+    (slot j holds the latest p < start). Slots never written hold a negative position and are masked.
+    """
     W, m = config.sliding_window, config.compress_rate
     qpos = torch.arange(start, start + t, device=device)
-    new_pos = qpos
+    ring_only = ring_len > 0 and t == 1
     if ring_len:
         slot = torch.arange(ring_len, device=device)
-        # the position held by slot j: the latest p < start with p % W == j (negative: never written)
-        ring_pos = start - 1 - ((start - 1 - slot) % W)
+        last = start if ring_only else start - 1  # the latest position the ring holds
+        ring_pos = last - ((last - slot) % W)
         ring_pos = torch.where(ring_pos >= 0, ring_pos, torch.full_like(ring_pos, -(10**9)))
-        kpos = torch.cat([ring_pos, new_pos])
+        kpos = ring_pos if ring_only else torch.cat([ring_pos, qpos])
     else:
-        kpos = new_pos
+        kpos = qpos
     window_mask = (kpos[None, :] <= qpos[:, None]) & (qpos[:, None] - kpos[None, :] < W)
     n_blocks = (start + t) // m
     # block b (tokens b*m .. b*m+m-1) is read through the shared path once its first token has left
     # the window: b*m <= i - W. With W >= m that block is complete strictly before i.
     block_start = torch.arange(n_blocks, device=device) * m
     shared_mask = block_start[None, :] <= qpos[:, None] - W
-    return CEDStep(start, t, window_mask, shared_mask, absorbed)
+    return CEDStep(start, t, window_mask, torch.cat([window_mask, shared_mask], dim=1), absorbed, ring_only)
 
 
 class Compressor(nn.Module):
@@ -136,8 +141,6 @@ class CEDAttention(nn.Module):
             self.compressor = Compressor(config)
         if self.source is not None:
             self.kv_b_proj = nn.Linear(self.dc, H * (self.dn + self.dv), bias=b)
-        idx = list(config.rope_freq_index[layer])
-        self.rope_cols = idx + [i + config.head_dim // 2 for i in idx]
         self.scale = (self.dn + self.dr) ** -0.5
 
     # ---- projections ----------------------------------------------------------------------------
@@ -167,40 +170,40 @@ class CEDAttention(nn.Module):
         v = v.repeat_interleave(H // self.num_kv_heads, dim=1)
         mask = step.window_mask
         if shared is not None:
+            mask = step.mask
             N = shared.shape[1]
             c, k_rope = shared.split([self.dc, self.dr], dim=-1)
             kv = self.kv_b_proj(c).view(B, N, H, self.dn + self.dv).transpose(1, 2)
             k_sh = torch.cat([kv[..., : self.dn], k_rope[:, None].expand(B, H, N, self.dr)], dim=-1)
             k, v = torch.cat([k, k_sh], dim=2), torch.cat([v, kv[..., self.dn:]], dim=2)
-            mask = torch.cat([mask, step.shared_mask], dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
     def _attend_absorbed(self, q, k, v, shared, step: CEDStep) -> torch.Tensor:
         """Decode: scores against the latent directly (W_UK folded into the query, W_UV applied after),
-        concatenated with the window scores under one softmax."""
-        H, G = self.num_heads, self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(G, dim=1)
-        v = v.repeat_interleave(G, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale  # (B, H, T, Sw)
+        concatenated with the window scores under one softmax. Window heads are read per group (the G
+        query heads of a group side by side on the query axis), not repeated."""
+        B, H, T, _ = q.shape
+        K = self.num_kv_heads
+        G = H // K
+        Sw = k.shape[2]
+        scores = torch.matmul(q.reshape(B, K, G * T, -1), k.transpose(-1, -2)).view(B, H, T, Sw)
         mask = step.window_mask
         if shared is not None:
+            mask = step.mask
             w_uk, w_uv, bk, bv = self._split_kv_b()
             q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
-            c, k_rope = shared.split([self.dc, self.dr], dim=-1)  # (B, N, dc), (B, N, dr)
-            q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)
-            s_sh = torch.matmul(q_lat, c[:, None].transpose(-1, -2)) + torch.matmul(
-                q_rope, k_rope[:, None].transpose(-1, -2))
+            c = shared[..., : self.dc]  # (B, N, dc)
+            q_lat = torch.cat([torch.matmul(q_nope, w_uk), q_rope], dim=-1)  # (B, H, T, dc + dr)
+            s_sh = torch.matmul(q_lat.view(B, 1, H * T, -1), shared[:, None].transpose(-1, -2)).view(B, H, T, -1)
             if bk is not None:  # the key bias adds q_nope . b_k to every shared logit of a head
                 s_sh = s_sh + torch.einsum("bhtn,hn->bht", q_nope, bk)[..., None]
-            scores = torch.cat([scores, s_sh.float() * self.scale], dim=-1)
-            mask = torch.cat([mask, step.shared_mask], dim=1)
-        p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
-        Sw = k.shape[2]
-        y = torch.matmul(p[..., :Sw], v)
+            scores = torch.cat([scores, s_sh], dim=-1)
+        p = torch.softmax(scores.float().mul_(self.scale).masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype)
+        y = torch.matmul(p[..., :Sw].reshape(B, K, G * T, Sw), v).view(B, H, T, self.dv)
         if shared is not None:
             p_sh = p[..., Sw:]
-            y_lat = torch.matmul(p_sh, c[:, None])  # (B, H, T, dc)
-            y = y + torch.einsum("bhtc,hvc->bhtv", y_lat, w_uv)
+            y_lat = torch.matmul(p_sh.reshape(B, 1, H * T, -1), c[:, None]).view(B, H, T, self.dc)
+            y = y + torch.matmul(y_lat, w_uv.transpose(-1, -2))
             if bv is not None:  # the value bias, weighted by the mass on shared entries
                 y = y + p_sh.sum(-1, keepdim=True) * bv[None, :, None, :]
         return y
@@ -214,9 +217,9 @@ class CEDAttention(nn.Module):
         step: CEDStep,
         cache=None,  # CEDCache or None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the attention output (B, T, h) and the shared entries later layers read."""
+        """Returns the attention output (B, T, h) and the shared entries later layers read. ``cos``/``sin``
+        are the d_rope columns this model's RoPE pairs use (``rope_tables``)."""
         B, T, _ = x.shape
-        cos, sin = cos[..., self.rope_cols], sin[..., self.rope_cols]
         if self.is_source:
             if cache is None:
                 shared = self.compressor(x, cos, sin)
@@ -226,7 +229,7 @@ class CEDAttention(nn.Module):
             shared = cache.shared(self.source)
         q, k, v = self._qkv(x, cos, sin)
         if cache is not None:
-            k_all, v_all = cache.window(self.layer, k, v)  # [ring ; new], then stores the new tokens
+            k_all, v_all = cache.window(self.layer, k, v, step.ring_only)
         else:
             k_all, v_all = k, v
         read = shared if self.source is not None else None
@@ -235,6 +238,14 @@ class CEDAttention(nn.Module):
         else:
             y = self._attend_expanded(q, k_all, v_all, read, step)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.dv)), shared
+
+
+def rope_tables(config: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's (B, T, head_dim) RoPE tables -> the (B, T, d_rope) columns of the pairs every layer of a
+    causal encoder-decoder rotates (one layout for all layers: they share RoPE keys)."""
+    idx = list(config.rope_freq_index[0])
+    cols = torch.tensor(idx + [i + config.head_dim // 2 for i in idx], device=cos.device)
+    return cos.index_select(-1, cols), sin.index_select(-1, cols)
 
 
 def use_absorbed(cache, new_tokens: int) -> bool:

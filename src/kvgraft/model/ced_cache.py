@@ -79,17 +79,24 @@ class CEDCache:
         """The segment of kv_source layer ``source`` as of this step (its compressor already ran)."""
         return self.segments[source][:, : (self.length + self._step) // self.config.compress_rate]
 
-    def window(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[ring ; new] window keys and values for this step, then store the new tokens in the ring."""
+    def window(self, layer: int, k: torch.Tensor, v: torch.Tensor, ring_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' window keys/values in the ring and return the keys/values to attend:
+        the ring itself for a one-token step (``ring_only``: the slot it overwrites held a token that has
+        left the window), else [ring as it was ; new tokens]."""
         ring_k, ring_v = self.windows[layer]
-        k_all, v_all = torch.cat([ring_k, k], dim=2), torch.cat([ring_v, v], dim=2)
         t = k.shape[2]
+        if not ring_only:
+            k_all, v_all = torch.cat([ring_k, k], dim=2), torch.cat([ring_v, v], dim=2)
         n = min(t, self.ring_len)
-        pos = torch.arange(self.length + t - n, self.length + t, device=k.device)
-        slots = pos % self.config.sliding_window
-        ring_k[:, :, slots] = k[:, :, t - n:]
-        ring_v[:, :, slots] = v[:, :, t - n:]
-        return k_all, v_all
+        if n == 1:
+            slot = (self.length + t - 1) % self.config.sliding_window
+            ring_k[:, :, slot:slot + 1] = k[:, :, t - 1:]
+            ring_v[:, :, slot:slot + 1] = v[:, :, t - 1:]
+        else:
+            slots = torch.arange(self.length + t - n, self.length + t, device=k.device) % self.config.sliding_window
+            ring_k[:, :, slots] = k[:, :, t - n:]
+            ring_v[:, :, slots] = v[:, :, t - n:]
+        return (ring_k, ring_v) if ring_only else (k_all, v_all)
 
     def advance(self, new_tokens: int) -> None:
         """Commit ``new_tokens`` after every layer ran; called once per forward by the model."""

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention
 from kvgraft.model.cache import EphemeralKV, KVCache
-from kvgraft.model.ced import CEDAttention, Compressor, ced_step, use_absorbed
+from kvgraft.model.ced import CEDAttention, Compressor, ced_step, rope_tables, use_absorbed
 from kvgraft.model.ced_cache import CEDCache
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention
@@ -226,6 +226,7 @@ class Transformer(nn.Module):
             cache.begin(T)
         step = ced_step(self.config, start, T, cache.ring_len if cache is not None else 0, x.device,
                         use_absorbed(cache, T))
+        cos, sin = rope_tables(self.config, cos, sin)
         shared = None
         for block in self.layers:
             if self.gradient_checkpointing and self.training and cache is None:
