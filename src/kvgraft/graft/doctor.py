@@ -330,6 +330,11 @@ def _blockers(config: ModelConfig, d_c: int, d_rope: int) -> list[Blocker]:
     if mla:
         out.append(Blocker("already_mla", f"layers {_ranges(mla, L)} are already MLA; only GQA/MHA layers can "
                                           "be grafted"))
+    if config.is_ced:
+        out.append(Blocker("already_ced", f"this is a causal encoder-decoder (kv_source layers "
+                                          f"{list(config.kv_source_layers)}): its KV cache is already shared "
+                                          "and compressed"))
+        return out
     if config.num_slots != L:
         out.append(Blocker("cross_layer_kv", f"cross-layer shared KV ({config.num_slots} cache slots for {L} "
                                              "layers): the graft converts one KV cache per layer"))
