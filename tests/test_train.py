@@ -138,6 +138,22 @@ def test_grad_accumulation_matches_a_bigger_batch(tmp_path):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("preset", ["llama-tiny", "ced-tiny"])
+def test_gradient_checkpointing_trains_to_the_same_weights(tmp_path, preset):
+    from kvgraft.model.presets import get_preset
+
+    cfg = get_preset(preset).replace(vocab_size=64, max_position_embeddings=32)
+    runs = []
+    for gc in (False, True):
+        m = Transformer(cfg)
+        m.init_weights(0)
+        train(m, Patterned(), _cfg(max_steps=3, gradient_checkpointing=gc), tmp_path / f"gc{gc}")
+        assert m.gradient_checkpointing is gc
+        runs.append(m)
+    for (name, pa), pb in zip(runs[0].named_parameters(), runs[1].parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_bf16_autocast_keeps_fp32_master_weights(tmp_path):
     m = _model()
     train(m, Patterned(), _cfg(max_steps=2, precision="bf16"), tmp_path)

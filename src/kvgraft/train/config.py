@@ -33,6 +33,9 @@ class TrainConfig:
     seed: int = 0
     max_time_s: float | None = None  # stop cleanly (checkpoint + outputs) after this much wall time
     progress: bool = True
+    # recompute each layer in backward instead of keeping its activations (same gradients, less memory;
+    # a causal encoder-decoder's layers recompute with the shared KV they read)
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "eval_batches", "save_every",

@@ -184,6 +184,10 @@ def train(
     if latest is not None:
         state = load_checkpoint(latest, model, optimizer)
         step, tokens, elapsed_before = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
+    if hasattr(model, "gradient_checkpointing"):
+        model.gradient_checkpointing = cfg.gradient_checkpointing
+    elif cfg.gradient_checkpointing:
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing switch")
     model, optimizer = accelerator.prepare(model, optimizer)
     log = RunLog(out_dir, enabled=accelerator.is_main_process)
     log.truncate_after(step)
@@ -271,7 +275,7 @@ def train(
                        stopped_early=stopped_early, history=log.read())
 
 
-_RESUME_FREE_FIELDS = ("max_time_s", "progress")
+_RESUME_FREE_FIELDS = ("max_time_s", "progress", "gradient_checkpointing")
 
 
 def _check_config(out_dir: Path, cfg: TrainConfig) -> None:
