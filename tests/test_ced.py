@@ -228,3 +228,95 @@ def test_generate_runs_on_the_cache():
         for _ in range(12):
             ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, ids)
+
+
+# ---- the optional indexer ---------------------------------------------------------------------------
+
+def indexed(topk: int, **changes) -> Transformer:
+    return build(tiny(index_topk=topk, index_heads=2, index_head_dim=8, **changes))
+
+
+def test_indexer_selecting_everything_changes_nothing():
+    model = indexed(1000, compress_rate=2)
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        with_indexer = model(ids)
+        for block in model.layers:
+            block.self_attn.topk = None
+        dense = model(ids)
+    torch.testing.assert_close(with_indexer, dense, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_indexer_top_k_is_causal_and_matches_the_cache_path(m):
+    model = indexed(2, compress_rate=m)
+    ids = torch.randint(0, 512, (2, 44), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        full = model(ids)
+        for block in model.layers:  # a real selection: fewer entries than visible ones
+            block.self_attn.topk = 1000
+        dense = model(ids)
+        for block in model.layers:
+            block.self_attn.topk = 2
+        assert (full - dense).abs().max() > 1e-3
+        other = ids.clone()
+        other[:, 30] = (other[:, 30] + 3) % 512
+        assert torch.equal(model(other)[:, :30], full[:, :30])
+        cache = model.new_cache(2, 44)
+        parts = [model(ids[:, :13], cache=cache)] + [model(ids[:, i:i + 1], cache=cache) for i in range(13, 44)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=2e-5, rtol=0)
+
+
+def test_indexer_is_trained_by_its_own_loss_only():
+    model = indexed(2, compress_rate=2).train()
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(10))
+    logits = model(ids)
+    assert model.aux_loss is not None and model.aux_loss.item() >= 0
+    index_params = {n for n, _ in model.named_parameters() if ".index_" in n}
+    assert index_params, "the indexer has parameters"
+    lm = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    lm_grads = torch.autograd.grad(lm, list(model.parameters()), allow_unused=True, retain_graph=True)
+    aux_grads = torch.autograd.grad(model.aux_loss, list(model.parameters()), allow_unused=True)
+    for (name, _), g_lm, g_aux in zip(model.named_parameters(), lm_grads, aux_grads):
+        if name in index_params:
+            assert g_lm is None or g_lm.abs().max() == 0, f"LM loss reached {name}"
+            assert g_aux is not None and g_aux.abs().max() > 0, f"indexer loss did not reach {name}"
+        else:
+            assert g_aux is None or g_aux.abs().max() == 0, f"indexer loss reached {name}"
+    with torch.no_grad():
+        model.eval()(ids)
+    assert model.aux_loss is None
+
+
+def test_indexer_cache_and_parameter_formulas():
+    cfg = tiny(index_topk=4, index_heads=2, index_head_dim=8, compress_rate=3)
+    assert CEDCache(cfg, 2, 50).nbytes == 2 * cfg.ced_cache_values(50) * 4
+    assert cfg.num_parameters() == sum(p.numel() for p in Transformer(cfg).parameters())
+    with pytest.raises(ValueError, match="index_head_dim"):
+        tiny(index_topk=4, index_head_dim=0)
+
+
+def test_indexer_loss_is_added_by_the_training_loop(tmp_path):
+    import json
+
+    from kvgraft.train.config import TrainConfig
+    from kvgraft.train.loop import train
+
+    class Seqs(torch.utils.data.Dataset):
+        def __init__(self):
+            self.x = torch.randint(0, 512, (16, 33), generator=torch.Generator().manual_seed(11))
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.x[i, :-1], "labels": self.x[i, 1:]}
+
+    model = indexed(2)
+    cfg = TrainConfig(max_steps=4, micro_batch_size=4, lr=3e-3, warmup_steps=1, eval_every=0, save_every=10,
+                      log_every=1, precision="fp32", progress=False)
+    before = model.layers[2].self_attn.index_q_proj.weight.clone()
+    train(model, Seqs(), cfg, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert all("aux_loss" in r and r["aux_loss"] >= 0 for r in rows if "loss" in r)
+    assert not torch.equal(before, model.layers[2].self_attn.index_q_proj.weight)

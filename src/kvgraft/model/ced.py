@@ -18,8 +18,11 @@ kvgraft's small, faithful version of DeepSeek-V4.1-Flash's attention layout (MIS
   earlier token is seen: in the window or in a block. Blocks straddling the window's edge are seen both
   ways (at most m - 1 tokens); with m = 1 window and shared path partition the past exactly, which is what
   lets a graft keep each layer's own keys for the recent tokens and approximate only the distant ones.
-- No indexer: every visible shared entry is attended. (A top-k indexer gets no gradient through the
-  selection; kvgraft leaves it out rather than ship one whose training is undefined.)
+- Optional indexer (``index_topk``, off by default): each reading layer scores the visible shared entries
+  with a small multi-head scorer against a key the compressor adds to every entry, and attends to the
+  top-k only. top-k passes no gradient, so the indexer is trained by its own loss: KL from the layer's
+  dense attention over the visible entries to the indexer's softmax, on a detached input, added to the
+  training loss by the loop (``Transformer.aux_loss``). Off, every visible entry is attended.
 
 The shared entries are the cross-layer state. Training passes them from layer to layer explicitly, so
 activation checkpointing recomputes a layer with exactly the entries it read the first time (and the
@@ -94,13 +97,19 @@ class Compressor(nn.Module):
         if self.m > 1:
             self.gate_proj = nn.Linear(h, self.dc + self.dr, bias=False)
             self.gate_bias = nn.Parameter(torch.zeros(self.m, self.dc + self.dr))
+        self.di = config.index_head_dim if config.index_topk else 0
+        if self.di:  # the indexer's key per entry (appended to the entry, pooled by the block mean)
+            self.index_k_proj = nn.Linear(h, self.di, bias=False)
 
     def token_entries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """(B, T, h) -> per-token entries (B, T, d_c + d_rope); cos/sin are the d_rope columns."""
+        """(B, T, h) -> per-token entries (B, T, d_c + d_rope [+ index_head_dim]); cos/sin: the d_rope columns."""
         c, k_rope = self.kv_a_proj(x).split([self.dc, self.dr], dim=-1)
         if self.kv_a_norm is not None:
             c = self.kv_a_norm(c)
-        return torch.cat([c, apply_rope(k_rope[:, None], cos, sin)[:, 0]], dim=-1)
+        parts = [c, apply_rope(k_rope[:, None], cos, sin)[:, 0]]
+        if self.di:  # a detached input: the indexer's loss trains the indexer, nothing else
+            parts.append(self.index_k_proj(x.detach()))
+        return torch.cat(parts, dim=-1)
 
     def gate_scores(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """(B, T, h) -> pooling logits (B, T, d_c + d_rope) for tokens at start..start+T-1."""
@@ -108,12 +117,18 @@ class Compressor(nn.Module):
         return self.gate_proj(x) + self.gate_bias[phase]
 
     def pool(self, entries: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
-        """(B, n*m, D) block-aligned tokens -> (B, n, D) pooled entries (identity when m == 1)."""
+        """(B, n*m, E) block-aligned tokens -> (B, n, E) pooled entries (identity when m == 1): the gated
+        weighting for latent and RoPE key, the plain mean for the indexer's key."""
         if self.m == 1:
             return entries
-        B, n, D = entries.shape[0], entries.shape[1] // self.m, entries.shape[2]
+        B, n, E = entries.shape[0], entries.shape[1] // self.m, entries.shape[2]
+        D = self.dc + self.dr
+        blocks = entries.view(B, n, self.m, E)
         w = torch.softmax(scores.float().view(B, n, self.m, D), dim=2).to(entries.dtype)
-        return (w * entries.view(B, n, self.m, D)).sum(dim=2)
+        pooled = (w * blocks[..., :D]).sum(dim=2)
+        if self.di:
+            pooled = torch.cat([pooled, blocks[..., D:].mean(dim=2)], dim=-1)
+        return pooled
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Whole sequences from position 0 (training): (B, S, h) -> (B, S // m, D); the incomplete last
@@ -141,6 +156,11 @@ class CEDAttention(nn.Module):
             self.compressor = Compressor(config)
         if self.source is not None:
             self.kv_b_proj = nn.Linear(self.dc, H * (self.dn + self.dv), bias=b)
+        self.topk = config.index_topk if self.source is not None else None
+        if self.topk:
+            self.index_heads, self.di = config.index_heads, config.index_head_dim
+            self.index_q_proj = nn.Linear(h, self.index_heads * self.di, bias=False)
+            self.index_w_proj = nn.Linear(h, self.index_heads, bias=False)
         self.scale = (self.dn + self.dr) ** -0.5
 
     # ---- projections ----------------------------------------------------------------------------
@@ -163,22 +183,20 @@ class CEDAttention(nn.Module):
         return w[:, : self.dn], w[:, self.dn:], bk, bv  # W_UK (H,dn,dc), W_UV (H,dv,dc), (H,dn), (H,dv)
 
     # ---- attention ------------------------------------------------------------------------------
-    def _attend_expanded(self, q, k, v, shared, step: CEDStep) -> torch.Tensor:
+    def _attend_expanded(self, q, k, v, shared, step: CEDStep, mask: torch.Tensor) -> torch.Tensor:
         """Up-project the shared latent per head and run one SDPA over [window ; shared]."""
         B, H = q.shape[0], self.num_heads
         k = k.repeat_interleave(H // self.num_kv_heads, dim=1)
         v = v.repeat_interleave(H // self.num_kv_heads, dim=1)
-        mask = step.window_mask
         if shared is not None:
-            mask = step.mask
             N = shared.shape[1]
-            c, k_rope = shared.split([self.dc, self.dr], dim=-1)
+            c, k_rope = shared[..., : self.dc], shared[..., self.dc:self.dc + self.dr]
             kv = self.kv_b_proj(c).view(B, N, H, self.dn + self.dv).transpose(1, 2)
             k_sh = torch.cat([kv[..., : self.dn], k_rope[:, None].expand(B, H, N, self.dr)], dim=-1)
             k, v = torch.cat([k, k_sh], dim=2), torch.cat([v, kv[..., self.dn:]], dim=2)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
-    def _attend_absorbed(self, q, k, v, shared, step: CEDStep) -> torch.Tensor:
+    def _attend_absorbed(self, q, k, v, shared, step: CEDStep, mask: torch.Tensor) -> torch.Tensor:
         """Decode: scores against the latent directly (W_UK folded into the query, W_UV applied after),
         concatenated with the window scores under one softmax. Window heads are read per group (the G
         query heads of a group side by side on the query axis), not repeated."""
@@ -187,14 +205,13 @@ class CEDAttention(nn.Module):
         G = H // K
         Sw = k.shape[2]
         scores = torch.matmul(q.reshape(B, K, G * T, -1), k.transpose(-1, -2)).view(B, H, T, Sw)
-        mask = step.window_mask
         if shared is not None:
-            mask = step.mask
             w_uk, w_uv, bk, bv = self._split_kv_b()
             q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
             c = shared[..., : self.dc]  # (B, N, dc)
             q_lat = torch.cat([torch.matmul(q_nope, w_uk), q_rope], dim=-1)  # (B, H, T, dc + dr)
-            s_sh = torch.matmul(q_lat.view(B, 1, H * T, -1), shared[:, None].transpose(-1, -2)).view(B, H, T, -1)
+            entry = shared[:, None, :, : self.dc + self.dr]
+            s_sh = torch.matmul(q_lat.view(B, 1, H * T, -1), entry.transpose(-1, -2)).view(B, H, T, -1)
             if bk is not None:  # the key bias adds q_nope . b_k to every shared logit of a head
                 s_sh = s_sh + torch.einsum("bhtn,hn->bht", q_nope, bk)[..., None]
             scores = torch.cat([scores, s_sh], dim=-1)
@@ -216,9 +233,10 @@ class CEDAttention(nn.Module):
         shared: torch.Tensor | None,  # (B, N, D) entries of the nearest source so far (training)
         step: CEDStep,
         cache=None,  # CEDCache or None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the attention output (B, T, h) and the shared entries later layers read. ``cos``/``sin``
-        are the d_rope columns this model's RoPE pairs use (``rope_tables``)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns the attention output (B, T, h), the shared entries later layers read and the indexer's
+        training loss (None without an indexer or outside training). ``cos``/``sin`` are the d_rope
+        columns this model's RoPE pairs use (``rope_tables``)."""
         B, T, _ = x.shape
         if self.is_source:
             if cache is None:
@@ -233,11 +251,55 @@ class CEDAttention(nn.Module):
         else:
             k_all, v_all = k, v
         read = shared if self.source is not None else None
-        if step.absorbed:
-            y = self._attend_absorbed(q, k_all, v_all, read, step)
-        else:
-            y = self._attend_expanded(q, k_all, v_all, read, step)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.dv)), shared
+        mask, aux = (step.mask if read is not None else step.window_mask), None
+        if self.topk and read is not None:
+            mask, aux = self._select(x, q, read, step)
+        attend = self._attend_absorbed if step.absorbed else self._attend_expanded
+        y = attend(q, k_all, v_all, read, step, mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.dv)), shared, aux
+
+    # ---- the optional indexer -------------------------------------------------------------------
+    def _select(self, x, q, shared, step: CEDStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Top-k selection of shared entries per query: mask (B, 1, T, Sw + N), and in training the
+        indexer's loss.
+
+        Scores (DeepSeek's lightning-indexer form): ``I[t, n] = sum_j w_j(x_t) relu(q_j(x_t) . k_I[n])``
+        over ``index_heads`` heads. top-k has no gradient, so the indexer is trained by its own loss: the
+        KL divergence from the layer's attention distribution over the visible shared entries (summed
+        over heads, dense, detached) to softmax(I) over the same entries. The indexer reads a detached
+        hidden state, so that loss moves only the indexer's weights, and the LM loss never reaches them.
+        """
+        B, T, _ = x.shape
+        Sw = step.window_mask.shape[1]
+        visible = step.mask[:, Sw:]  # (T, N)
+        N = visible.shape[1]
+        D = self.dc + self.dr
+        xd = x.detach()
+        qi = self.index_q_proj(xd).view(B, T, self.index_heads, self.di)
+        wi = self.index_w_proj(xd) * self.index_heads ** -0.5  # (B, T, heads)
+        ki = shared[..., D:]  # (B, N, di): from a detached input too (Compressor), trained by this loss only
+        scores = torch.einsum("btjd,bnd->btjn", qi, ki).relu().mul(wi[..., None]).sum(dim=2)  # (B, T, N)
+        scores = scores.float().masked_fill(~visible, float("-inf"))
+        chosen = torch.zeros(B, T, N, dtype=torch.bool, device=x.device)
+        if N:
+            # a stable sort: ties (relu zeros) go to the earlier entry, the same in every path
+            idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : min(self.topk, N)]
+            chosen.scatter_(-1, idx, True)
+        chosen &= visible
+        mask = torch.cat([step.window_mask.expand(B, T, Sw), chosen], dim=-1)[:, None]  # (B, 1, T, Sw + N)
+        aux = None
+        if self.training and torch.is_grad_enabled() and N:
+            with torch.no_grad():  # the target: this layer's dense attention over the visible entries
+                w_uk = self._split_kv_b()[0]
+                q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+                q_lat = torch.cat([torch.matmul(q_nope, w_uk), q_rope], dim=-1)
+                s = torch.matmul(q_lat, shared[:, None, :, :D].transpose(-1, -2)).float() * self.scale
+                target = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0).mean(1)
+            rows = visible.any(-1)  # queries that see at least one shared entry
+            logp = torch.log_softmax(scores, dim=-1).masked_fill(~visible, 0.0)
+            kl = (target * (torch.log(target.clamp_min(1e-30)) - logp)).sum(-1)  # (B, T)
+            aux = kl[:, rows].mean() if rows.any() else None
+        return mask, aux
 
 
 def rope_tables(config: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,14 +34,15 @@ class CEDCache:
         self.length = 0  # tokens already committed, identical for every row
         self._step = 0  # tokens of the forward in progress
         m, D = config.compress_rate, config.kv_lora_rank + config.qk_rope_head_dim
+        E = D + (config.index_head_dim if config.index_topk else 0)  # entry: latent, RoPE key (, index key)
         K, dk, dv = config.num_kv_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
         self.ring_len = min(config.sliding_window, max_len)
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.segments = {s: zeros(batch_size, max_len // m, D) for s in config.kv_source_layers}
-        self.pending = {s: (zeros(batch_size, m - 1, D), zeros(batch_size, m - 1, D))
+        self.segments = {s: zeros(batch_size, max_len // m, E) for s in config.kv_source_layers}
+        self.pending = {s: (zeros(batch_size, m - 1, E), zeros(batch_size, m - 1, D))
                         for s in config.kv_source_layers} if m > 1 else {}
         self.windows = {layer: (zeros(batch_size, K, self.ring_len, dk), zeros(batch_size, K, self.ring_len, dv))
                         for layer in range(config.num_layers)}

@@ -94,6 +94,11 @@ class ModelConfig:
     # qk_rope_head_dim (d_rope), qk_nope_head_dim, v_head_dim; num_kv_heads are the window's K/V heads.
     kv_source_layers: tuple[int, ...] | None = None
     compress_rate: int = 1
+    # Optional indexer (off when None): each query attends to only the index_topk shared entries its
+    # layer's indexer scores highest (see kvgraft.model.ced). index_head_dim values per entry are cached.
+    index_topk: int | None = None
+    index_heads: int = 4
+    index_head_dim: int = 32
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     bos_token_id: int | None = None
@@ -186,6 +191,11 @@ class ModelConfig:
             )
         if self.qk_norm:
             raise ValueError("qk_norm is not supported with 'ced' attention")
+        if self.index_topk is not None:
+            for name in ("index_topk", "index_heads", "index_head_dim"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"{name} ({value!r}) must be a positive integer when the indexer is on")
 
     def _check_mla(self) -> None:
 
@@ -258,8 +268,9 @@ class ModelConfig:
         per kv_source layer ``max_len // m`` pooled entries of d_c + d_rope, plus (m > 1) m - 1 pending
         tokens' entries and gate scores; per layer a ring of ``min(W, max_len)`` window keys and values."""
         D = self.kv_lora_rank + self.qk_rope_head_dim
+        E = D + (self.index_head_dim if self.index_topk else 0)  # entry width: + the indexer's key
         m, n_src = self.compress_rate, len(self.kv_source_layers)
-        shared = n_src * (max_len // m) * D + (n_src * 2 * (m - 1) * D if m > 1 else 0)
+        shared = n_src * (max_len // m) * E + (n_src * (m - 1) * (E + D) if m > 1 else 0)
         window = min(self.sliding_window, max_len)
         windows = self.num_layers * window * self.num_kv_heads * (
             self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
@@ -322,8 +333,12 @@ class ModelConfig:
         total = (h + b) * H * (dn + dr) + (h + b) * K * (dn + dr + dv) + H * dv * h + h * self.o_bias
         if self.kv_source_of(layer) is not None:
             total += (dc + b) * H * (dn + dv)  # kv_b: this layer's reading of the shared latent
+            if self.index_topk:
+                total += h * self.index_heads * (self.index_head_dim + 1)  # indexer queries and head weights
         if layer in self.kv_source_layers:
             total += (h + b) * (dc + dr) + dc * self.mla_latent_norm  # compressor kv_a (+ latent norm)
+            if self.index_topk:
+                total += h * self.index_head_dim  # indexer keys
             if self.compress_rate > 1:
                 total += h * (dc + dr) + self.compress_rate * (dc + dr)  # gate_proj, gate_bias
         return total

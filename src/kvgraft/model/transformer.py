@@ -118,9 +118,9 @@ class CEDBlock(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, shared, cos, sin, step, cache=None):
-        a, shared = self.self_attn(self.input_layernorm(x), cos, sin, shared, step, cache)
+        a, shared, aux = self.self_attn(self.input_layernorm(x), cos, sin, shared, step, cache)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), shared
+        return x + self.mlp(self.post_attention_layernorm(x)), shared, aux
 
 
 def attention_mask(q_start: int, t: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -149,6 +149,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
         self.gradient_checkpointing = False
+        self.aux_loss: torch.Tensor | None = None  # set by a forward whose layers have a training loss
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -227,12 +228,16 @@ class Transformer(nn.Module):
         step = ced_step(self.config, start, T, cache.ring_len if cache is not None else 0, x.device,
                         use_absorbed(cache, T))
         cos, sin = rope_tables(self.config, cos, sin)
-        shared = None
+        shared, losses = None, []
         for block in self.layers:
             if self.gradient_checkpointing and self.training and cache is None:
-                x, shared = checkpoint(block, x, shared, cos, sin, step, use_reentrant=False)
+                x, shared, aux = checkpoint(block, x, shared, cos, sin, step, use_reentrant=False)
             else:
-                x, shared = block(x, shared, cos, sin, step, cache)
+                x, shared, aux = block(x, shared, cos, sin, step, cache)
+            if aux is not None:
+                losses.append(aux)
+        # the indexers' training loss (None without one); the training loop adds it to the step's loss
+        self.aux_loss = torch.stack(losses).sum() if losses else None
         if cache is not None:
             cache.advance(T)
         return x

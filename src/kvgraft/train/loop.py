@@ -230,6 +230,10 @@ def train(
                 sync = micro == cfg.grad_accum - 1
                 with (nullcontext() if sync else accelerator.no_sync(model)), autocast(cfg.precision, accelerator.device):
                     loss, metrics = loss_fn(model, batch)
+                    aux = getattr(accelerator.unwrap_model(model), "aux_loss", None)
+                    if aux is not None:  # e.g. a causal encoder-decoder's indexers (their own loss)
+                        metrics = {**metrics, "aux_loss": float(aux.detach())}
+                        loss = loss + aux
                     accelerator.backward(loss / cfg.grad_accum)
                 step_loss += float(loss.detach()) / cfg.grad_accum
                 for k, v in metrics.items():
