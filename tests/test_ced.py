@@ -320,3 +320,16 @@ def test_indexer_loss_is_added_by_the_training_loop(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert all("aux_loss" in r and r["aux_loss"] >= 0 for r in rows if "loss" in r)
     assert not torch.equal(before, model.layers[2].self_attn.index_q_proj.weight)
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(index_topk=3, index_heads=2, index_head_dim=8, qkv_bias=True)])
+def test_save_and_load_round_trip(tmp_path, changes):
+    from kvgraft.hf import load_pretrained, save_pretrained
+
+    model = build(tiny(**changes))
+    save_pretrained(model, tmp_path / "m", model_type="kvgraft")
+    loaded = load_pretrained(tmp_path / "m")
+    assert loaded.config == model.config
+    ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))

@@ -36,10 +36,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     "v_proj": (K * dv, h, cfg.qkv_bias), "o_proj": (h, H * dv, cfg.o_bias)}
             if cfg.kv_source_of(i) is not None:
                 attn["kv_b_proj"] = (H * (dn + dv), dc, cfg.qkv_bias)
+                if cfg.index_topk:
+                    attn["index_q_proj"] = (cfg.index_heads * cfg.index_head_dim, h, False)
+                    attn["index_w_proj"] = (cfg.index_heads, h, False)
             if i in cfg.kv_source_layers:
                 attn["compressor.kv_a_proj"] = (dc + dr, h, cfg.qkv_bias)
                 if cfg.mla_latent_norm:
                     shapes[f"{p}self_attn.compressor.kv_a_norm.weight"] = (dc,)
+                if cfg.index_topk:
+                    attn["compressor.index_k_proj"] = (cfg.index_head_dim, h, False)
                 if cfg.compress_rate > 1:
                     attn["compressor.gate_proj"] = (dc + dr, h, False)
                     shapes[f"{p}self_attn.compressor.gate_bias"] = (cfg.compress_rate, dc + dr)
