@@ -188,7 +188,8 @@ def heal(
     if output_format not in ("kvgraft", "deepseek_v3", "both"):
         raise ValueError(f"format {output_format!r} is not one of kvgraft, deepseek_v3, both")
     healed = student.float()
-    files = {"heal.json": json.dumps(summary, indent=2) + "\n", "README.md": heal_card(summary, src)}
+    what = "causal encoder-decoder (share graft)" if student.config.is_ced else "MLA graft"
+    files = {"heal.json": json.dumps(summary, indent=2) + "\n", "README.md": heal_card(summary, src, what)}
     with atomic_dir(out / "final", overwrite=True) as tmp:  # the healed model, complete or not at all
         if output_format in ("kvgraft", "both"):
             save_pretrained(healed, tmp, tokenizer_dir=tok_dir, model_type="kvgraft", overwrite=True,
@@ -210,13 +211,13 @@ def heal(
     return result
 
 
-def heal_card(summary: dict[str, Any], source: Path) -> str:
+def heal_card(summary: dict[str, Any], source: Path, what: str = "MLA graft") -> str:
     tc, hc = summary["train_config"], summary["heal"]
     frac = summary.get("fraction_of_pretraining")
     loss = {"lm": "next-token cross-entropy", "kl": "KL divergence from the original (teacher)",
             "mix": f"{hc['kl_weight']:g} x KL from the original + {1 - hc['kl_weight']:g} x cross-entropy"}[hc["loss"]]
     val = summary.get("val_loss")
-    return f"""# Healed MLA graft
+    return f"""# Healed {what}
 
 Continued pretraining of `{source}` with kvgraft's heal recipe.
 
