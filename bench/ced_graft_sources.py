@@ -2,8 +2,8 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/ced_graft_sources.py --data runs/data [--model models/kvgraft-llama-8m]
 
-The reference model is grafted to MLA once (stride RoPE layout, d_c 96, d_rope 32: what
-``kvgraft convert --to ced`` does first); then the share graft runs for each set of kv_source layers.
+The reference model is grafted to MLA once (one RoPE layout for all layers, ``--rope-selection``
+shared or stride; d_c 96, d_rope 32: what ``kvgraft convert --to ced`` does first); then the share graft runs for each set of kv_source layers.
 With every layer a source the result is exactly the MLA graft (the windows keep each layer's own keys,
 the shared path each layer's own latent), so the rows separate what the MLA step costs from what
 sharing costs. Validation perplexity on the same first 12 x 16 validation sequences as bench/ced_graft.py.
@@ -34,14 +34,16 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--data", required=True)
     ap.add_argument("--sliding-window", type=int, default=64)
+    ap.add_argument("--rope-selection", choices=["stride", "shared"], default="shared",
+                    help="the MLA step's RoPE layout (one for all layers)")
     ap.add_argument("--out", default="runs/bench/ced_graft_sources")
     args = ap.parse_args()
     src = resolve_model(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    mla_dir = out / "mla-stride"
+    mla_dir = out / f"mla-{args.rope_selection}"
     if not mla_dir.exists():
-        convert(src, mla_dir, compression=2.0, rope_selection="stride")
+        convert(src, mla_dir, compression=2.0, rope_selection=args.rope_selection)
     original, mla = load_pretrained(src), load_pretrained(mla_dir)
     val = PackedDataset(Path(args.data) / "tokens" / "validation.npy", original.config.max_position_embeddings)
 
@@ -49,7 +51,8 @@ def main() -> None:
         return math.exp(evaluate(model, val, lm_loss, 16, 12))
 
     calib = load_calibration(src, None, 32768, original.config.max_position_embeddings)
-    rows = {"original (Llama reference)": (ppl(original), None), "MLA graft (stride, d_c 96)": (ppl(mla), None)}
+    rows = {"original (Llama reference)": (ppl(original), None),
+            f"MLA graft ({args.rope_selection} RoPE layout, d_c 96)": (ppl(mla), None)}
     for name, sources in SETS.items():
         if max(sources) >= mla.config.num_layers:
             continue

@@ -143,3 +143,25 @@ def test_convert_an_mla_graft_with_one_rope_layout(tmp_path):
     assert json.loads((tmp_path / "ced" / "conversion.json").read_text())["graft"] is None
     with torch.no_grad():
         torch.testing.assert_close(ced(IDS[:, :30] % 512), mla(IDS[:, :30] % 512), atol=1e-4, rtol=0)
+
+
+def test_shared_rope_selection_gives_one_layout():
+    from kvgraft.graft.mla_math import shared_rope_pairs
+
+    # two layers, 2 rotated heads x 4 frequencies: the slots with the largest summed normalised scores
+    a = torch.tensor([[4.0, 0.1, 3.0, 0.2], [2.0, 0.05, 1.0, 0.1]])
+    b = torch.tensor([[0.1, 1.0, 0.2, 5.0], [0.05, 0.5, 0.1, 4.0]])  # its heads are ranked the other way
+    pairs = shared_rope_pairs([a, b.flip(0)], d_rope=4)
+    assert [f for _, f in pairs[0]] == [f for _, f in pairs[1]]
+    assert pairs[0] == [(0, 0), (0, 3)] and pairs[1] == [(1, 0), (1, 3)]  # each layer its own strongest head
+    cfg = get_preset("llama-tiny").replace(num_layers=3, qkv_bias=True)
+    torch.manual_seed(0)
+    base = Transformer(cfg)
+    base.init_weights(0)
+    for sel in ("stride", "shared"):
+        g = GraftConfig(kv_lora_rank=32, qk_rope_head_dim=8, objective="attention", rope_selection=sel)
+        mla = graft_mla(base.eval(), g, CALIB, progress=False).eval()
+        assert len(set(mla.config.rope_freq_index)) == 1
+        ced, _ = graft_ced(mla, CEDGraftConfig((0, 1, 2), sliding_window=4), CALIB, progress=False)
+        with torch.no_grad():
+            torch.testing.assert_close(ced.eval()(CALIB), mla(CALIB), atol=1e-4, rtol=0)

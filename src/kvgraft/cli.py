@@ -277,9 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", choices=["weights", "activations", "attention"], default="attention",
                    help="latent initialisation: joint SVD of the weights, PCA of K/V outputs on calibration "
                         "text, or attention-aware (key error weighted by queries, value error by W_O)")
-    p.add_argument("--rope-selection", choices=["auto", "stride", "norm"], default="auto",
+    p.add_argument("--rope-selection", choices=["auto", "stride", "norm", "shared"], default="auto",
                    help="which RoPE frequencies stay: every k-th (stock DeepSeek-V3 layout) or the largest "
-                        "measured contributions (kvgraft format only); auto: norm, or stride with --format "
+                        "measured contributions per layer (kvgraft format only), or one layout for all layers "
+                        "by measured contribution (shared); auto: norm, shared with --to ced, stride with --format "
                         "deepseek_v3/both")
     p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
                    help="calibrate each layer on the converted layers' activations")

@@ -102,7 +102,8 @@ def convert(
 
     ``to="ced"`` makes a causal encoder-decoder: ``kv_source_layers`` (default: pivot at the middle layer,
     see ``default_kv_sources``), ``sliding_window`` and ``compress_rate`` as in ModelConfig. A Llama-family
-    input is first grafted to MLA with one RoPE layout for all layers (rope_selection "stride"; d_c from
+    input is first grafted to MLA with one RoPE layout for all layers (rope_selection "shared": the
+    frequencies with the largest measured contribution over all layers, or "stride"; d_c from
     ``compression``, default 2 since several layers read each shared latent); an all-MLA input with one
     layout is used as it is. Readers are fitted by least squares on the calibration tokens.
     ``compression`` defaults to 4 for MLA.
@@ -120,7 +121,7 @@ def convert(
             raise ValueError(f"a causal encoder-decoder is written in kvgraft's format only, not {output_format!r}")
         if rope_selection == "norm":
             raise ValueError("rope_selection 'norm' picks frequencies per layer; the shared RoPE keys of --to ced "
-                             "need one layout ('stride' or 'auto')")
+                             "need one layout ('shared', 'stride' or 'auto')")
         if objective == "weights":
             raise ValueError("--to ced fits the readers on calibration text; objective 'weights' has none")
     compression = compression or (2.0 if to == "ced" else 4.0)
@@ -138,7 +139,8 @@ def convert(
     else:
         d_c = kv_lora_rank or ranks_for_compression(config, compression, d_rope)
     if rope_selection == "auto":  # the best measured ("norm") unless a stock export needs DeepSeek's layout
-        rope_selection = "stride" if output_format in ("deepseek_v3", "both") or to == "ced" else "norm"
+        rope_selection = ("stride" if output_format in ("deepseek_v3", "both")
+                          else "shared" if to == "ced" else "norm")
     ced_graft = None
     if to == "ced":
         from kvgraft.graft.ced import CEDGraftConfig, default_kv_sources

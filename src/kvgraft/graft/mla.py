@@ -10,17 +10,19 @@ converted layers 0..l-1 produce, so each layer corrects for the error of those b
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from kvgraft.graft.mla_math import GQAWeights, convert_layer
+from kvgraft.graft.mla_math import GQAWeights, convert_layer, head_rotations, pair_scores, shared_rope_pairs
 from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.cache import EphemeralKV
 
 OBJECTIVES = ("weights", "activations", "attention")
-ROPE_SELECTIONS = ("stride", "norm")
+ROPE_SELECTIONS = ("stride", "norm", "shared")
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,9 @@ class GraftConfig:
     kv_lora_rank: int
     qk_rope_head_dim: int
     objective: str = "activations"  # weights | activations | attention
-    rope_selection: str = "stride"  # stride (stock DeepSeek-V3 exportable) | norm (kvgraft format)
+    # stride (stock DeepSeek-V3 exportable) | norm (per layer, kvgraft format) | shared (by measured
+    # contribution, one frequency layout for all layers: what a causal encoder-decoder needs)
+    rope_selection: str = "stride"
     layerwise: bool = True  # calibrate each layer on the converted layers' activations
     balance_kv: bool = True
     # Pairs that lose RoPE keep their expected rotation E[R(delta)] under the layer's measured
@@ -119,6 +123,10 @@ def graft_mla(
         positions = torch.arange(calibration.shape[1], device=device).expand_as(calibration)
         cos, sin = model.rotary(positions, torch.float32)
 
+    shared_pairs: dict[int, list[tuple[int, int]]] = {}
+    if g.rope_selection == "shared":
+        shared_pairs = _shared_pairs(model, g, sorted(layers), calibration, batch_size, progress)
+
     bar = tqdm(range(config.num_layers), desc="graft MLA", unit="layer", disable=not progress)
     for layer in bar:
         block = model.layers[layer]
@@ -143,7 +151,7 @@ def graft_mla(
                 head_dim=config.head_dim, kv_lora_rank=g.kv_lora_rank, d_rope=g.qk_rope_head_dim, C=C,
                 objective=g.objective, rope_selection=g.rope_selection, balance_kv=g.balance_kv,
                 rope_attention_scaling=model.rotary.attention_scaling, q_norm_weight=q_norm,
-                rope_expectation=expectation,
+                rope_expectation=expectation, pairs=shared_pairs.get(layer),
             )
             converted[layer] = mla
             rope_index[layer] = mla.rope_freq_index
@@ -173,6 +181,39 @@ def graft_mla(
     for layer, mla in converted.items():
         _load_mla(new.layers[layer].self_attn, mla)
     return new
+
+
+def _shared_pairs(model: Transformer, g: GraftConfig, layers: list[int], calibration: torch.Tensor | None,
+                  batch_size: int, progress: bool) -> dict[int, list[tuple[int, int]]]:
+    """The "shared" RoPE selection: every converted layer's pair scores on the original model's own
+    activations, then one frequency layout for all (``shared_rope_pairs``)."""
+    config = model.config
+    if calibration is None:
+        raise ValueError("rope selection 'shared' needs calibration text")
+    if config.qk_norm:
+        raise ValueError("rope selection 'shared' does not support per-head q/k norms (Qwen3); use 'stride'")
+    device = model.embed_tokens.weight.device
+    calibration = calibration.to(device)
+    x = model.embed_tokens(calibration).float()
+    positions = torch.arange(calibration.shape[1], device=device).expand_as(calibration)
+    cos, sin = model.rotary(positions, torch.float32)
+    H, K, d = config.num_heads, config.num_kv_heads, config.head_dim
+    scores = {}
+    for layer in tqdm(range(max(layers) + 1), desc="RoPE pair scores", unit="layer", disable=not progress):
+        block = model.layers[layer]
+        if layer in layers:
+            C = _second_moment(block.input_layernorm, x, batch_size).double().cpu()
+            w32 = _gqa_weights(block.self_attn)
+            w = GQAWeights(*(None if (t := getattr(w32, f.name)) is None else t.double()
+                             for f in dataclasses.fields(w32)))
+            expectation = None
+            if g.rope_expectation:
+                profile = _distance_profile(block, x, cos, sin, batch_size)
+                expectation = rope_expectation(profile, model.rotary.inv_freq.double().cpu())
+            scores[layer] = pair_scores(w, C, head_rotations(w.k, C, K, d), H, K, d, expectation)
+        x = _run_block(block, x, cos, sin, config, layer, batch_size)
+    chosen = shared_rope_pairs([scores[layer] for layer in layers], g.qk_rope_head_dim)
+    return dict(zip(layers, chosen))
 
 
 def _second_moment(norm, x: torch.Tensor, batch_size: int) -> torch.Tensor:

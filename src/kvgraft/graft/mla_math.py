@@ -135,6 +135,26 @@ def choose_rope_pairs(kind: str, d_rope: int, num_kv_heads: int, d: int, scores:
     raise ValueError(f"unknown rope selection {kind!r}; expected 'stride' or 'norm'")
 
 
+def shared_rope_pairs(scores: list[Tensor], d_rope: int) -> list[list[tuple[int, int]]]:
+    """One frequency layout for every layer ("shared" selection), from each layer's (K, d/2) pair scores.
+
+    A slot (f, r) is "the r-th strongest rotated head at frequency f"; its value is the sum over layers of
+    that head's score, each layer's scores normalised to sum to one (every layer weighs the same). The
+    d_rope/2 best slots are kept (prefix-closed per frequency, since a layer's r-th score never exceeds its
+    (r-1)-th); each layer then keeps, per chosen slot, its own r-th strongest head at f. So all layers rotate
+    the same frequencies (what shared RoPE keys need) while each keeps its own strongest heads.
+    """
+    n = d_rope // 2
+    ranked = [torch.sort(sc / sc.sum().clamp_min(1e-30), dim=0, descending=True) for sc in scores]
+    K, half = scores[0].shape
+    if n > K * half:
+        raise ValueError(f"d_rope ({d_rope}) exceeds the model's total RoPE width ({2 * K * half})")
+    value = sum(r.values for r in ranked)  # (K ranks, d/2)
+    flat = value.flatten().argsort(descending=True)[:n]
+    slots = sorted(((int(i) % half, int(i) // half) for i in flat))  # (f, rank), by frequency then rank
+    return [[(int(r.indices[rank, f]), f) for f, rank in slots] for r in ranked]
+
+
 def _sqrtm_psd(A: Tensor, ridge: float = 1e-6) -> tuple[Tensor, Tensor]:
     """(A^1/2, A^-1/2) of a symmetric PSD matrix, with a relative ridge for invertibility."""
     evals, evecs = torch.linalg.eigh(A)
@@ -157,8 +177,12 @@ def convert_layer(
     rope_attention_scaling: float = 1.0,
     q_norm_weight: Tensor | None = None,
     rope_expectation: Tensor | None = None,
+    pairs: list[tuple[int, int]] | None = None,
 ) -> MLAWeights:
     """Convert one GQA layer to MLA (kvgraft layout: d_nope = d_v = head_dim).
+
+    ``pairs``: the kept (rotated head, frequency) pairs, chosen by the caller (the "shared" selection);
+    None: chosen here by ``rope_selection``.
 
     ``rope_attention_scaling``: the factor RoPE multiplies cos/sin by (YaRN's attention factor). The
     original logits carry its square on every dimension; the no-RoPE part must get it through q.
@@ -189,8 +213,9 @@ def convert_layer(
 
     # ---- 1. RoPE decoupling ------------------------------------------------------------------
     U = head_rotations(w.k, C, K, d)  # (d/2, K, K)
-    scores = pair_scores(w, C, U, H, K, d, rope_expectation) if rope_selection == "norm" else None
-    pairs = choose_rope_pairs(rope_selection, d_rope, K, d, scores)
+    if pairs is None:
+        scores = pair_scores(w, C, U, H, K, d, rope_expectation) if rope_selection == "norm" else None
+        pairs = choose_rope_pairs(rope_selection, d_rope, K, d, scores)
     n = len(pairs)
     # shared RoPE key rows: pair j -> rows j and j + n (rotate-half over d_rope)
     def rotated_k_rows(m: int, f: int, wk: Tensor) -> Tensor:  # (2, ...) rows of k'_{m,f}
