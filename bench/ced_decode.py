@@ -70,7 +70,7 @@ def build_models(args, dtype: torch.dtype) -> tuple[dict[str, Transformer], dict
         ced_desc = f"preset ced-8m, random weights ({ced_path} not found)"
     c = ced.config
     descs = {
-        "llama": f"{llama_path}: GQA {cfg.num_heads}q/{cfg.num_kv_heads}kv x {cfg.head_dim}, {cfg.num_layers} layers",
+        "llama": f"{args.llama or llama_path.name}: GQA {cfg.num_heads}q/{cfg.num_kv_heads}kv x {cfg.head_dim}, {cfg.num_layers} layers",
         "mla": f"weights-only MLA graft of it ({graft_s:.1f} s): d_c {d_c}, d_rope {d_rope} ({args.compression:g}x)",
         "ced": f"{ced_desc}: {c.num_layers} layers, kv_source {c.kv_source_layers}, window {c.sliding_window}, "
                f"m {c.compress_rate}, d_c {c.kv_lora_rank}, d_rope {c.qk_rope_head_dim}",
