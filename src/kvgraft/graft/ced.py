@@ -139,8 +139,10 @@ def graft_ced(
 
     new = Transformer(new_cfg).to(device)
     state = {k: v for k, v in mla.state_dict().items() if ".self_attn." not in k}
-    missing = new.load_state_dict(state, strict=False).missing_keys
-    assert all(".self_attn." in k for k in missing), missing
+    result = new.load_state_dict(state, strict=False)  # everything outside attention carries over as is
+    outside = [k for k in result.missing_keys + result.unexpected_keys if ".self_attn." not in k]
+    if outside:
+        raise RuntimeError(f"share graft: tensors outside attention do not carry over: {outside}")
     H, dn, dr, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     report: dict = {"kv_source_layers": list(g.kv_source_layers), "pivot": new_cfg.pivot_layer,
                     "sliding_window": g.sliding_window, "compress_rate": m, "readers": {}}

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreT
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from kvgraft.hf.config_map import KVGRAFT_MODEL_TYPE, kvgraft_config_dict
+from kvgraft.hf.config_map import KVGRAFT_MODEL_TYPE, _kvgraft_config, kvgraft_config_dict
 from kvgraft.model.ced import Compressor
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention
@@ -81,12 +81,8 @@ class KvgraftConfig(PreTrainedConfig):
 
 
 def _model_config(body: Any) -> ModelConfig:
-    if not isinstance(body, dict):
-        raise ValueError(f"the 'kvgraft' config field must be a ModelConfig dict, got {type(body).__name__}")
-    try:
-        return ModelConfig.from_dict(body)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"invalid kvgraft ModelConfig in the 'kvgraft' config field: {exc}") from exc
+    """The ModelConfig held under ``kvgraft`` (errors are ValueErrors naming the field)."""
+    return _kvgraft_config({"kvgraft": body}, "the 'kvgraft' config field")
 
 
 class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):

@@ -183,7 +183,7 @@ class CEDAttention(nn.Module):
         return w[:, : self.dn], w[:, self.dn:], bk, bv  # W_UK (H,dn,dc), W_UV (H,dv,dc), (H,dn), (H,dv)
 
     # ---- attention ------------------------------------------------------------------------------
-    def _attend_expanded(self, q, k, v, shared, step: CEDStep, mask: torch.Tensor) -> torch.Tensor:
+    def _attend_expanded(self, q, k, v, shared, mask: torch.Tensor) -> torch.Tensor:
         """Up-project the shared latent per head and run one SDPA over [window ; shared]."""
         B, H = q.shape[0], self.num_heads
         k = k.repeat_interleave(H // self.num_kv_heads, dim=1)
@@ -196,7 +196,7 @@ class CEDAttention(nn.Module):
             k, v = torch.cat([k, k_sh], dim=2), torch.cat([v, kv[..., self.dn:]], dim=2)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
-    def _attend_absorbed(self, q, k, v, shared, step: CEDStep, mask: torch.Tensor) -> torch.Tensor:
+    def _attend_absorbed(self, q, k, v, shared, mask: torch.Tensor) -> torch.Tensor:
         """Decode: scores against the latent directly (W_UK folded into the query, W_UV applied after),
         concatenated with the window scores under one softmax. Window heads are read per group (the G
         query heads of a group side by side on the query axis), not repeated."""
@@ -255,7 +255,7 @@ class CEDAttention(nn.Module):
         if self.topk and read is not None:
             mask, aux = self._select(x, q, read, step)
         attend = self._attend_absorbed if step.absorbed else self._attend_expanded
-        y = attend(q, k_all, v_all, read, step, mask)
+        y = attend(q, k_all, v_all, read, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.dv)), shared, aux
 
     # ---- the optional indexer -------------------------------------------------------------------
