@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgraft.model.ced_cache import CEDCache
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.presets import get_preset
 from kvgraft.model.transformer import Transformer
@@ -72,19 +71,19 @@ def test_shared_path_reads_a_block_once_it_left_the_window():
 
 
 def test_visibility_rule():
-    from kvgraft.model.ced import ced_step
+    from kvgraft.model.batch import DenseContext
+    from kvgraft.model.ced import shared_visible
 
-    cfg = tiny(compress_rate=2, sliding_window=4)
-    step = ced_step(cfg, 0, 12, 0, torch.device("cpu"), False)
+    pos = torch.arange(12)[None]
+    window_mask = DenseContext(pos, True).window_mask(0, pos, 4, "ring")[0]
+    shared_mask = shared_visible(torch.arange(6)[None] * 2, pos, 4)[0]
     i = torch.arange(12)[:, None]
     j = torch.arange(12)[None, :]
-    assert torch.equal(step.window_mask, (j <= i) & (i - j < 4))
+    assert torch.equal(window_mask, (j <= i) & (i - j < 4))
     b = torch.arange(6)[None, :]
-    shared_mask = step.mask[:, 12:]
-    assert torch.equal(step.mask[:, :12], step.window_mask)
     assert torch.equal(shared_mask, 2 * b <= i - 4)
     assert (2 * b + 1 < i).expand(12, 6)[shared_mask].all()  # visible blocks end before the query
-    covered = step.window_mask.clone()
+    covered = window_mask.clone()
     for blk in range(6):
         covered[:, 2 * blk:2 * blk + 2] |= shared_mask[:, blk:blk + 1]
     assert torch.equal(covered, (j <= i).expand(12, 12)), "every earlier token is seen, no later one"
@@ -102,7 +101,7 @@ def test_incremental_decode_equals_full_forward(changes):
         parts.append(model(ids[:, 30:33], cache=cache))  # a short chunk (absorbed path)
         parts.append(model(ids[:, 33:45], cache=cache))
         inc = torch.cat(parts, dim=1)
-    assert cache.length == 45
+    assert [cache.length(s) for s in cache.sequences] == [45, 45]
     torch.testing.assert_close(inc, full, atol=2e-5, rtol=0)
 
 
@@ -118,19 +117,19 @@ def test_absorbed_equals_expanded_decode():
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("m,window,max_len", [(1, 8, 40), (2, 8, 41), (4, 64, 30), (3, 5, 100)])
-def test_cache_bytes_equal_formula(m, window, max_len):
+@pytest.mark.parametrize("m,window,max_len,block", [(1, 8, 40, 8), (2, 8, 42, 6), (4, 64, 32, 8), (3, 5, 102, 6)])
+def test_cache_bytes_equal_formula(m, window, max_len, block):
     cfg = tiny(compress_rate=m, sliding_window=window)
+    model = Transformer(cfg)
     for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
-        cache = CEDCache(cfg, 3, max_len, dtype)
-        assert cache.nbytes == 3 * cfg.ced_cache_values(max_len) * size
-        assert cache.nbytes // 3 == cfg.kv_cache_bytes(max_len, size)
+        cache = model.new_cache(3, max_len, dtype, block_size=block)
+        assert cache.nbytes == 3 * cfg.kv_cache_bytes(max_len, size)
     # the formula, spelled out: shared segments + pending block + one window per layer
     D, K = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.num_kv_heads
     dk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
     expected = len(cfg.kv_source_layers) * ((max_len // m) * D + (2 * (m - 1) * D if m > 1 else 0))
     expected += cfg.num_layers * min(window, max_len) * K * (dk + dv)
-    assert cfg.ced_cache_values(max_len) == expected
+    assert cfg.kv_cache_bytes(max_len, 1) == expected
 
 
 def test_cache_is_much_smaller_than_llama_at_long_context():
@@ -142,7 +141,7 @@ def test_cache_is_much_smaller_than_llama_at_long_context():
 def test_cache_overflow_is_a_clear_error():
     model = build(tiny())
     cache = model.new_cache(1, 10)
-    with torch.no_grad(), pytest.raises(ValueError, match="cache overflow: 12 tokens > max_len 10"):
+    with torch.no_grad(), pytest.raises(ValueError, match="cache overflow: 12 tokens > max_seq_len 10"):
         model(torch.zeros(1, 12, dtype=torch.long), cache=cache)
 
 
@@ -290,7 +289,7 @@ def test_indexer_is_trained_by_its_own_loss_only():
 
 def test_indexer_cache_and_parameter_formulas():
     cfg = tiny(index_topk=4, index_heads=2, index_head_dim=8, compress_rate=3)
-    assert CEDCache(cfg, 2, 50).nbytes == 2 * cfg.ced_cache_values(50) * 4
+    assert Transformer(cfg).new_cache(2, 48, block_size=6).nbytes == 2 * cfg.kv_cache_bytes(48, 4)
     assert cfg.num_parameters() == sum(p.numel() for p in Transformer(cfg).parameters())
     with pytest.raises(ValueError, match="index_head_dim"):
         tiny(index_topk=4, index_head_dim=0)

@@ -1,4 +1,4 @@
-"""kvgraft's own format through transformers' Auto classes: AutoConfig/AutoModelForCausalLM after ``import kvgraft``."""
+"""kvgraft's own format through transformers' Auto classes: AutoConfig/AutoModelForCausalLM after ``import kvgraft.hf``."""
 
 from __future__ import annotations
 
@@ -71,23 +71,29 @@ def saved(request, tmp_path):
     return model, directory
 
 
-def test_import_kvgraft_registers_the_auto_classes(tmp_path):
+def test_import_kvgraft_hf_registers_the_auto_classes(tmp_path):
     assert CONFIG_MAPPING["kvgraft"] is KvgraftConfig
     register_auto_classes()  # a second call is harmless
     assert CONFIG_MAPPING["kvgraft"] is KvgraftConfig
-    # a fresh interpreter: `import kvgraft` alone is enough for the Auto classes
     save_pretrained(_model(CED), tmp_path / "ckpt", model_type="kvgraft")
-    script = (
-        "import sys, kvgraft\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "print(type(AutoModelForCausalLM.from_pretrained(sys.argv[1])).__name__)\n"
-    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt")],
-                            capture_output=True, text=True, timeout=300, env=env)
+
+    def fresh(imports: str) -> subprocess.CompletedProcess:
+        script = (
+            f"import sys, {imports}\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "print(type(AutoModelForCausalLM.from_pretrained(sys.argv[1])).__name__)\n"
+        )
+        return subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt")],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    # a fresh interpreter: `import kvgraft.hf` alone is enough for the Auto classes
+    result = fresh("kvgraft.hf")
     assert result.returncode == 0, result.stderr
-    assert "could not register" not in result.stderr
     assert result.stdout.strip() == "KvgraftForCausalLM"
+    # `import kvgraft` alone stays light (no transformers), so it does not register
+    result = fresh("kvgraft")
+    assert result.returncode != 0 and "kvgraft" in result.stderr
 
 
 def test_auto_config_reads_the_kvgraft_model_config(saved):

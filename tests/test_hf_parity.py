@@ -126,7 +126,7 @@ def test_incremental_decode_matches_full_forward(converted, case):
         cache = kv.new_cache(2, 24)
         steps = [kv(ids[:, :10], cache=cache)]
         steps += [kv(ids[:, t:t + 1], cache=cache) for t in range(10, 24)]
-    assert cache.length == 24
+    assert [cache.length(s) for s in cache.sequences] == [24, 24]
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
 
 
@@ -146,10 +146,10 @@ def test_greedy_generate_matches_transformers(converted, case):
 def test_cache_bytes_per_token(converted, case):
     _, path, kv = converted(case)
     cfg = kv.config
-    assert kv.new_cache(3, 20).bytes_per_token() == cfg.kv_bytes_per_token(4)
+    assert kv.new_cache(3, 32).bytes_per_token() == cfg.kv_bytes_per_token(4)  # 32 tokens: whole blocks
     bf16 = load_pretrained(path, dtype=torch.bfloat16)
     assert bf16.lm_head.weight.dtype == torch.bfloat16
-    assert bf16.new_cache(3, 20).bytes_per_token() == cfg.kv_bytes_per_token(2)
+    assert bf16.new_cache(3, 32).bytes_per_token() == cfg.kv_bytes_per_token(2)
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,24 @@ from kvgraft.data.corpus import (
     read_document_index,
     split_for,
 )
-from kvgraft.data.packing import PackedDataset, load_tokens, slice_tokens, spread_tokens, token_dtype, tokenize_split
-from kvgraft.data.tokenizer import EOS_TOKEN, eos_token_id, load_tokenizer, train_tokenizer
+
+# Imported on first use (PEP 562): the corpus module is standard library only, packing needs torch and
+# the tokenizer module the tokenizers library; ``kvgraft --help`` reads the corpus sources and nothing more.
+_LAZY = {
+    "PackedDataset": "kvgraft.data.packing",
+    "load_tokens": "kvgraft.data.packing",
+    "slice_tokens": "kvgraft.data.packing",
+    "spread_tokens": "kvgraft.data.packing",
+    "token_dtype": "kvgraft.data.packing",
+    "tokenize_split": "kvgraft.data.packing",
+    "EOS_TOKEN": "kvgraft.data.tokenizer",
+    "eos_token_id": "kvgraft.data.tokenizer",
+    "load_tokenizer": "kvgraft.data.tokenizer",
+    "train_tokenizer": "kvgraft.data.tokenizer",
+    # imported lazily also so that ``python -m kvgraft.data.prepare`` does not import the
+    # module twice (runpy warns when the package already imported it)
+    "prepare_data": "kvgraft.data.prepare",
+}
 
 __all__ = [
     "DEFAULT_SOURCES",
@@ -56,10 +72,14 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Imported lazily so that ``python -m kvgraft.data.prepare`` does not import the
-    # module twice (runpy warns when the package already imported it).
-    if name == "prepare_data":
-        from kvgraft.data.prepare import prepare_data
+    if name in _LAZY:
+        import importlib
 
-        return prepare_data
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

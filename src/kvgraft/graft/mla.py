@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from kvgraft.graft.mla_math import GQAWeights, convert_layer, head_rotations, pair_scores, shared_rope_pairs
 from kvgraft.model import ModelConfig, Transformer
-from kvgraft.model.cache import EphemeralKV
+from kvgraft.model.batch import DenseContext
 
 OBJECTIVES = ("weights", "activations", "attention")
 ROPE_SELECTIONS = ("stride", "norm", "shared")
@@ -299,7 +299,9 @@ def _run_block(block, x, cos, sin, config, layer, batch_size) -> torch.Tensor:
     out = []
     for start in range(0, x.shape[0], batch_size):
         sl = slice(start, start + batch_size)
-        out.append(block(x[sl], cos[sl], sin[sl], None, EphemeralKV(config)))
+        xs = x[sl]
+        positions = torch.arange(xs.shape[1], device=xs.device).expand(xs.shape[0], -1)
+        out.append(block(xs, cos[sl], sin[sl], DenseContext(positions, default_positions=True)))
     return torch.cat(out)
 
 

@@ -1,8 +1,9 @@
-"""kvgraft's model runtime: config, transformer, RoPE, the KV cache owner, generation."""
+"""kvgraft's model runtime: config, transformer, RoPE, the paged KV cache owner, generation."""
 
-from kvgraft.model.cache import KVCache
+from kvgraft.model.batch import BatchContext
+from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.config import ModelConfig, RopeConfig
 from kvgraft.model.generate import generate
 from kvgraft.model.transformer import Transformer
 
-__all__ = ["KVCache", "ModelConfig", "RopeConfig", "Transformer", "generate"]
+__all__ = ["BatchContext", "ModelConfig", "PagedKVCache", "RopeConfig", "Transformer", "generate"]

@@ -17,7 +17,7 @@ def grouped_attention(
     q: torch.Tensor,  # (B, H, T, D)
     k: torch.Tensor,  # (B, K, S, D), K divides H; query head h reads key head h // (H / K)
     v: torch.Tensor,  # (B, K, S, Dv)
-    mask: torch.Tensor | None,  # (T, S) bool, True = attend; None = every key visible
+    mask: torch.Tensor | None,  # (T, S) or (B, T, S) bool, True = attend; None = every key visible
     scale: float,
 ) -> torch.Tensor:
     """Softmax attention, (B, H, T, Dv); scores and softmax in fp32."""
@@ -27,6 +27,7 @@ def grouped_attention(
     qg = q.reshape(B, K, G * T, D)  # heads of one group side by side on the query axis
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # (B, K, G*T, S)
     if mask is not None:
-        scores = scores.masked_fill(~mask.repeat(G, 1), float("-inf"))
+        mask = mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, G, 1)[:, None]  # (.., G*T, S)
+        scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(p, v).view(B, K, G, T, -1).reshape(B, H, T, -1)

@@ -1,96 +1,321 @@
-"""The one owner of the KV cache.
+"""The one owner of the KV cache, for every attention kind: paged blocks plus per-sequence state.
 
-A ``KVCache`` is allocated once per batch of sequences, contiguous and preallocated to ``max_len``
-tokens. It holds one slot per distinct entry of ``config.kv_slots``; the first layer mapping to a
-slot writes it, later layers mapping to the same slot read it (cross-layer sharing is just the map).
-Every stored tensor keeps time on dim -2, so other attention kinds (a latent of shape (B, T, d_c))
-fit the same owner.
+Two kinds of storage, both preallocated once:
+
+- **Paged pools** hold what grows with the context. Token positions are grouped into fixed-size blocks
+  of ``block_size`` tokens; a sequence owns a *block table* (a list of block ids) and block ``b`` of
+  every paged pool belongs to whoever holds ``b``. Pools: per KV-writing full-attention layer, one row
+  per token (GQA: keys then values, ``2 K d`` values; MLA: the latent then the RoPE key,
+  ``d_c + d_rope``); per kv_source layer of a causal encoder-decoder, its shared compressed segment,
+  ``block_size / m`` pooled entries per block. Blocks are reference counted: two sequences may point at
+  the same blocks (a fork, a shared prefix); whoever writes into a shared block first gets a private
+  copy (copy on write), so sharing is never visible.
+- **Per-sequence state** is what stays bounded whatever the context: every sliding-window layer keeps
+  a *ring* of its last ``W`` tokens (Mistral-style windows and the encoder-decoder's per-layer windows;
+  slot ``j`` holds the latest position ``p`` with ``p % W == j``), and each kv_source layer with m > 1
+  keeps the entries and gate scores of the (at most m - 1) tokens of its incomplete block. A sequence
+  takes one state slot; a fork copies it.
+
+``cache_layout(config)`` is the one table of what each layer stores; ``ModelConfig.kv_cache_bytes``
+and this class's allocation both derive from it (tested equal). Layers never touch the pools
+directly: :class:`kvgraft.model.batch.BatchContext` hands them gathered views for one forward step.
 """
 
 from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from kvgraft.model.config import ModelConfig
 
 
-class KVCache:
+class CacheFullError(RuntimeError):
+    """Not enough free blocks or sequence slots; the engine preempts, direct callers allocate more."""
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What every layer stores, per sequence. Widths are values per token (per entry for segments)."""
+
+    paged: dict[int, int]  # full-attention KV-writing layer -> values per token
+    rings: dict[int, int]  # sliding-window storing layer -> values per token (ring of ``window`` tokens)
+    window: int | None  # ring length W (one window size per model)
+    segments: dict[int, int]  # kv_source layer -> values per pooled entry (latent, RoPE key, index key)
+    compress_rate: int  # m: tokens per pooled entry
+    pending: dict[int, int]  # kv_source layer -> values per pending token (entry + gate scores), m > 1
+
+    def values(self, context: int, ring_len: int | None = None) -> int:
+        """Values one sequence holding ``context`` tokens stores (rings of ``ring_len``, default
+        ``min(W, context)``; pooled entries for complete blocks only)."""
+        if ring_len is None:
+            ring_len = min(self.window, context) if self.window else 0
+        total = sum(self.paged.values()) * context
+        total += sum(self.segments.values()) * (context // self.compress_rate)
+        total += sum(self.rings.values()) * ring_len
+        total += sum(self.pending.values()) * (self.compress_rate - 1)
+        return total
+
+
+def cache_layout(config: ModelConfig) -> CacheLayout:
+    """The one table of cache storage, derived from the config."""
+    paged: dict[int, int] = {}
+    rings: dict[int, int] = {}
+    segments: dict[int, int] = {}
+    pending: dict[int, int] = {}
+    if config.is_ced:
+        D = config.kv_lora_rank + config.qk_rope_head_dim
+        E = D + (config.index_head_dim if config.index_topk else 0)
+        K = config.num_kv_heads
+        for layer in range(config.num_layers):
+            rings[layer] = K * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+        for s in config.kv_source_layers:
+            segments[s] = E
+            if config.compress_rate > 1:
+                pending[s] = E + D
+        return CacheLayout(paged, rings, config.sliding_window, segments, config.compress_rate, pending)
+    for layer in range(config.num_layers):
+        if not config.is_kv_writer(layer):
+            continue
+        width = sum(h * w for h, w in config.cache_entry_shapes(layer))
+        (rings if config.window(layer) is not None else paged)[layer] = width
+    return CacheLayout(paged, rings, config.sliding_window if rings else None, segments, 1, pending)
+
+
+@dataclass
+class _Sequence:
+    slot: int  # state slot (rings, pending tokens)
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # tokens committed
+
+
+class PagedKVCache:
+    """Paged pools + per-sequence state slots, with a block allocator and reference counts.
+
+    ``num_blocks`` blocks of ``block_size`` tokens are shared by all sequences; ``max_seqs`` sequences
+    can be live at once; ``max_seq_len`` bounds one sequence (and sizes the rings: ``min(W, max_seq_len)``).
+    """
+
     def __init__(
         self,
         config: ModelConfig,
-        batch_size: int,
-        max_len: int,
+        num_blocks: int,
+        block_size: int = 16,
+        max_seqs: int = 64,
+        max_seq_len: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if batch_size <= 0 or max_len <= 0:
-            raise ValueError(f"batch_size ({batch_size}) and max_len ({max_len}) must be positive")
-        self.config = config
-        self.batch_size = batch_size
-        self.max_len = max_len
-        self.length = 0  # tokens already committed, identical for every row
-        self.slots: dict[int, tuple[torch.Tensor, ...]] = {}
-        for layer, slot in enumerate(config.kv_slots):
-            if slot not in self.slots:
-                # GQA: keys, values (B, K, max_len, d); MLA: latent + RoPE key (B, 1, max_len, d_c + d_rope)
-                self.slots[slot] = tuple(
-                    torch.zeros((batch_size, heads, max_len, width), dtype=dtype, device=device)
-                    for heads, width in config.cache_entry_shapes(layer)
-                )
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_seqs", max_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        max_seq_len = num_blocks * block_size if max_seq_len is None else max_seq_len
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len ({max_seq_len!r}) must be a positive integer")
+        self.layout = layout = cache_layout(config)
+        m = layout.compress_rate
+        if block_size % m:
+            raise ValueError(f"block_size ({block_size}) must be a multiple of compress_rate ({m}): a block "
+                             "holds whole pooled entries")
+        self.config, self.block_size, self.num_blocks, self.max_seqs = config, block_size, num_blocks, max_seqs
+        self.max_seq_len, self.dtype, self.device = max_seq_len, dtype, torch.device(device)
+        self.ring_len = min(layout.window, max_seq_len) if layout.window else 0
 
-    # ---- per-layer access ---------------------------------------------------------------------
-    def write(self, layer: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Store this step's entries (time on dim -2) for a writing layer; return views up to the new end."""
-        if not self.config.is_kv_writer(layer):
-            raise RuntimeError(f"layer {layer} reads slot {self.config.kv_slots[layer]} and must not write it")
-        stored = self.slots[self.config.kv_slots[layer]]
-        t = tensors[0].shape[-2]
-        end = self.length + t
-        if end > self.max_len:
-            raise ValueError(f"cache overflow: {end} tokens > max_len {self.max_len}; allocate a longer cache")
-        for buf, x in zip(stored, tensors, strict=True):
-            buf[..., self.length:end, :] = x
-        return tuple(buf[..., :end, :] for buf in stored)
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
 
-    def read(self, layer: int, new_tokens: int) -> tuple[torch.Tensor, ...]:
-        """Views of a slot up to ``length + new_tokens`` (its writer ran earlier in this forward)."""
-        end = self.length + new_tokens
-        return tuple(buf[..., :end, :] for buf in self.slots[self.config.kv_slots[layer]])
+        self.paged = {layer: zeros(num_blocks, block_size, w) for layer, w in layout.paged.items()}
+        self.segments = {s: zeros(num_blocks, block_size // m, w) for s, w in layout.segments.items()}
+        self.rings = {layer: zeros(max_seqs, self.ring_len, w) for layer, w in layout.rings.items()}
+        self.pending = {s: zeros(max_seqs, m - 1, w) for s, w in layout.pending.items()}
+        self._refcount = [0] * num_blocks
+        self._free_blocks: deque[int] = deque(range(num_blocks))
+        self._free_slots: deque[int] = deque(range(max_seqs))
+        self._seqs: dict[int, _Sequence] = {}
+        self._next_id = 0
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = itemsize * (block_size * sum(layout.paged.values())
+                                       + block_size // m * sum(layout.segments.values()))
+        self.slot_bytes = itemsize * (self.ring_len * sum(layout.rings.values())
+                                      + (m - 1) * sum(layout.pending.values()))
 
-    def advance(self, new_tokens: int) -> None:
-        """Commit ``new_tokens`` after every layer ran; called once per forward by the model."""
-        self.length += new_tokens
+    # ---- sequences ---------------------------------------------------------------------------------
+    def add_sequence(self) -> int:
+        """A new empty sequence; its id. Raises CacheFullError when every state slot is taken."""
+        if not self._free_slots:
+            raise CacheFullError(f"all {self.max_seqs} sequence slots are in use")
+        seq = self._next_id
+        self._next_id += 1
+        self._seqs[seq] = _Sequence(self._free_slots.popleft())
+        self._clear_state(self._seqs[seq].slot)
+        return seq
 
-    def reset(self) -> None:
-        self.length = 0
+    def fork(self, seq: int) -> int:
+        """A new sequence holding the same tokens: same blocks (reference counted, not copied), a copy of
+        the per-sequence state. Later writes of either side copy a shared block first."""
+        src = self._get(seq)
+        child = self.add_sequence()
+        c = self._seqs[child]
+        c.blocks, c.length = list(src.blocks), src.length
+        for b in src.blocks:
+            self._refcount[b] += 1
+        for pools in (self.rings, self.pending):
+            for t in pools.values():
+                t[c.slot] = t[src.slot]
+        return child
 
-    # ---- accounting ---------------------------------------------------------------------------
+    def free(self, seq: int) -> None:
+        """Release a sequence: its blocks (when no other sequence holds them) and its state slot."""
+        s = self._seqs.pop(seq, None)
+        if s is None:
+            raise KeyError(f"unknown sequence {seq}")
+        for b in s.blocks:
+            self._release(b)
+        self._free_slots.append(s.slot)
+
+    def length(self, seq: int) -> int:
+        return self._get(seq).length
+
+    def block_table(self, seq: int) -> list[int]:
+        return list(self._get(seq).blocks)
+
+    def slot(self, seq: int) -> int:
+        return self._get(seq).slot
+
+    def refcount(self, block: int) -> int:
+        return self._refcount[block]
+
+    @property
+    def sequences(self) -> list[int]:
+        return list(self._seqs)
+
+    # ---- allocation ------------------------------------------------------------------------------
+    def blocks_needed(self, seq: int, new_tokens: int) -> int:
+        """Free blocks that ``extend(seq, new_tokens)`` would take (new blocks plus copy on write)."""
+        s = self._get(seq)
+        end = s.length + new_tokens
+        need = max(0, math.ceil(end / self.block_size) - len(s.blocks)) if self.block_bytes else 0
+        first = s.length // self.block_size  # the block the next token lands in
+        if new_tokens and first < len(s.blocks) and self._refcount[s.blocks[first]] > 1:
+            need += 1
+        return need
+
+    def can_extend(self, seq: int, new_tokens: int) -> bool:
+        return self._get(seq).length + new_tokens <= self.max_seq_len and \
+            self.blocks_needed(seq, new_tokens) <= len(self._free_blocks)
+
+    def extend(self, seq: int, new_tokens: int) -> None:
+        """Make room for ``new_tokens`` more tokens: allocate blocks, copy a shared block before it is written."""
+        s = self._get(seq)
+        end = s.length + new_tokens
+        if end > self.max_seq_len:
+            raise ValueError(f"cache overflow: {end} tokens > max_seq_len {self.max_seq_len}; allocate a longer cache")
+        if self.blocks_needed(seq, new_tokens) > len(self._free_blocks):
+            raise CacheFullError(
+                f"sequence {seq} needs {self.blocks_needed(seq, new_tokens)} more blocks for {new_tokens} tokens, "
+                f"{len(self._free_blocks)} free of {self.num_blocks}")
+        if not self.block_bytes:
+            return
+        first = s.length // self.block_size
+        if new_tokens and first < len(s.blocks) and self._refcount[s.blocks[first]] > 1:
+            old, new = s.blocks[first], self._allocate()
+            for pools in (self.paged, self.segments):
+                for t in pools.values():
+                    t[new] = t[old]
+            self._release(old)
+            s.blocks[first] = new
+        while len(s.blocks) * self.block_size < end:
+            s.blocks.append(self._allocate())
+
+    def commit(self, seq: int, new_tokens: int) -> None:
+        """Record ``new_tokens`` written (called once per forward, after every layer ran)."""
+        self._get(seq).length += new_tokens
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Forget tokens from ``length`` on (paged storage only: rings cannot rewind)."""
+        s = self._get(seq)
+        if self.layout.rings or self.layout.pending:
+            raise ValueError("truncate: sequences with window rings or pending blocks cannot rewind")
+        if not 0 <= length <= s.length:
+            raise ValueError(f"length ({length}) must be in [0, {s.length}]")
+        s.length = length
+        keep = math.ceil(length / self.block_size)
+        for b in s.blocks[keep:]:
+            self._release(b)
+        del s.blocks[keep:]
+
+    # ---- accounting ------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for slot in self.slots.values() for t in slot)
+        """Bytes allocated for the pools and state slots (fixed at construction)."""
+        pools = (self.paged, self.segments, self.rings, self.pending)
+        return sum(t.numel() * t.element_size() for p in pools for t in p.values())
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of blocks held by some sequence plus the state slots of live sequences."""
+        return (self.num_blocks - len(self._free_blocks)) * self.block_bytes + len(self._seqs) * self.slot_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.nbytes - self.used_bytes
+
+    def needed_bytes(self) -> int:
+        """Bytes the live sequences' tokens need without paging (shared blocks counted once is not
+        applied here: each sequence counts its own tokens)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return sum(self.layout.values(s.length, self.ring_len) for s in self._seqs.values()) * itemsize
 
     def bytes_per_token(self) -> float:
-        """Allocated bytes per token of context per sequence (measured from the live tensors)."""
-        return self.nbytes / (self.batch_size * self.max_len)
+        """Allocated bytes per token of context per sequence slot (a cache from ``Transformer.new_cache``)."""
+        return self.nbytes / (self.max_seqs * self.max_seq_len)
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _get(self, seq: int) -> _Sequence:
+        try:
+            return self._seqs[seq]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq}; live sequences: {sorted(self._seqs)}") from None
+
+    def _allocate(self) -> int:
+        b = self._free_blocks.popleft()
+        self._refcount[b] = 1
+        return b
+
+    def _release(self, b: int) -> None:
+        self._refcount[b] -= 1
+        if self._refcount[b] == 0:
+            self._free_blocks.append(b)
+
+    def _clear_state(self, slot: int) -> None:
+        for pools in (self.rings, self.pending):
+            for t in pools.values():
+                t[slot].zero_()
 
 
-class EphemeralKV:
-    """Within-one-forward KV store for cache-less calls (training): writers hand their K/V to readers.
+def static_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str, block_size: int | None = None) -> tuple[PagedKVCache, list[int]]:
+    """A cache sized for ``batch_size`` sequences of up to ``max_len`` tokens each, and those sequences.
 
-    Same ``write``/``read`` contract as ``KVCache`` but nothing is copied or kept after the forward.
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        self.config = config
-        self.length = 0
-        self.slots: dict[int, tuple[torch.Tensor, ...]] = {}
-
-    def write(self, layer: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        self.slots[self.config.kv_slots[layer]] = tensors
-        return tensors
-
-    def read(self, layer: int, new_tokens: int) -> tuple[torch.Tensor, ...]:
-        return self.slots[self.config.kv_slots[layer]]
-
-    def advance(self, new_tokens: int) -> None:
-        pass
+    ``block_size`` defaults to 16 tokens (rounded up to a multiple of the compression rate)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size ({batch_size!r}) must be a positive integer")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len ({max_len!r}) must be a positive integer")
+    m = config.compress_rate if config.is_ced else 1
+    if block_size is None:
+        block_size = math.ceil(16 / m) * m
+    per_seq = math.ceil(max_len / block_size)
+    cache = PagedKVCache(config, num_blocks=batch_size * per_seq, block_size=block_size, max_seqs=batch_size,
+                         max_seq_len=max_len, dtype=dtype, device=device)
+    return cache, [cache.add_sequence() for _ in range(batch_size)]

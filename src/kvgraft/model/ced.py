@@ -24,65 +24,23 @@ kvgraft's small, faithful version of DeepSeek-V4.1-Flash's attention layout (MIS
   dense attention over the visible entries to the indexer's softmax, on a detached input, added to the
   training loss by the loop (``Transformer.aux_loss``). Off, every visible entry is attended.
 
-The shared entries are the cross-layer state. Training passes them from layer to layer explicitly, so
-activation checkpointing recomputes a layer with exactly the entries it read the first time (and the
-gradient reaches the compressor that wrote them). With a cache (``CEDCache``, the one owner) they live
-in the cache. Shapes: B batch, T new tokens, N shared entries, H heads, K window heads.
+The shared entries are the cross-layer state: the step context (``kvgraft.model.batch``) holds them,
+in the paged cache's segments with a cache, in the step's scratch without one (a checkpointed layer
+recomputes with exactly the entries it read the first time, and the gradient reaches the compressor
+that wrote them). The attention math over the latents is ``kvgraft.model.latent.LatentAttention``,
+shared with MLA. Shapes: G rows, T new tokens, N shared entries, H heads, K window heads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.latent import LatentAttention
 from kvgraft.model.norm import RMSNorm
 from kvgraft.model.rope import apply_rope
-
-
-@dataclass
-class CEDStep:
-    """Geometry of one forward step, shared by every layer: which keys each new query may see."""
-
-    start: int  # tokens already in the cache (0 without one)
-    new_tokens: int
-    window_mask: torch.Tensor  # (T, Sw) bool over the window keys a layer attends (see ced_step)
-    mask: torch.Tensor  # (T, Sw + N) bool: the window mask, then the N shared entries after this step
-    absorbed: bool  # decode: attend over the latent directly (no expansion)
-    ring_only: bool  # one-token cache step: the new token is written to the ring first, keys = the ring
-
-
-def ced_step(config: ModelConfig, start: int, t: int, ring_len: int, device: torch.device,
-             absorbed: bool) -> CEDStep:
-    """Masks for queries at positions start..start+t-1.
-
-    Without a cache (``ring_len == 0``) the window keys are the t new tokens. With one, a one-token step
-    writes the token into the ring first and attends over the ring alone (slot j then holds the latest
-    position p <= start with p % W == j); a longer step attends over [ring as it was ; new tokens]
-    (slot j holds the latest p < start). Slots never written hold a negative position and are masked.
-    """
-    W, m = config.sliding_window, config.compress_rate
-    qpos = torch.arange(start, start + t, device=device)
-    ring_only = ring_len > 0 and t == 1
-    if ring_len:
-        slot = torch.arange(ring_len, device=device)
-        last = start if ring_only else start - 1  # the latest position the ring holds
-        ring_pos = last - ((last - slot) % W)
-        ring_pos = torch.where(ring_pos >= 0, ring_pos, torch.full_like(ring_pos, -(10**9)))
-        kpos = ring_pos if ring_only else torch.cat([ring_pos, qpos])
-    else:
-        kpos = qpos
-    window_mask = (kpos[None, :] <= qpos[:, None]) & (qpos[:, None] - kpos[None, :] < W)
-    n_blocks = (start + t) // m
-    # block b (tokens b*m .. b*m+m-1) is read through the shared path once its first token has left
-    # the window: b*m <= i - W. With W >= m that block is complete strictly before i.
-    block_start = torch.arange(n_blocks, device=device) * m
-    shared_mask = block_start[None, :] <= qpos[:, None] - W
-    return CEDStep(start, t, window_mask, torch.cat([window_mask, shared_mask], dim=1), absorbed, ring_only)
 
 
 class Compressor(nn.Module):
@@ -111,10 +69,9 @@ class Compressor(nn.Module):
             parts.append(self.index_k_proj(x.detach()))
         return torch.cat(parts, dim=-1)
 
-    def gate_scores(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """(B, T, h) -> pooling logits (B, T, d_c + d_rope) for tokens at start..start+T-1."""
-        phase = torch.arange(start, start + x.shape[1], device=x.device) % self.m
-        return self.gate_proj(x) + self.gate_bias[phase]
+    def gate_scores(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B, T, h), positions (B, T) -> pooling logits (B, T, d_c + d_rope)."""
+        return self.gate_proj(x) + self.gate_bias[positions % self.m]
 
     def pool(self, entries: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         """(B, n*m, E) block-aligned tokens -> (B, n, E) pooled entries (identity when m == 1): the gated
@@ -135,10 +92,13 @@ class Compressor(nn.Module):
         block is dropped (no query of this sequence can see it)."""
         n = x.shape[1] // self.m * self.m
         entries = self.token_entries(x[:, :n], cos[:, :n], sin[:, :n])
-        return self.pool(entries, self.gate_scores(x[:, :n], 0) if self.m > 1 else None)
+        if self.m == 1:
+            return entries
+        pos = torch.arange(n, device=x.device).expand(x.shape[0], n)
+        return self.pool(entries, self.gate_scores(x[:, :n], pos))
 
 
-class CEDAttention(nn.Module):
+class CEDAttention(LatentAttention):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -146,6 +106,7 @@ class CEDAttention(nn.Module):
         self.num_heads, self.num_kv_heads = H, K
         self.dc, self.dr = config.kv_lora_rank, config.qk_rope_head_dim
         self.dn, self.dv = config.qk_nope_head_dim, config.v_head_dim
+        self.window = config.sliding_window
         self.q_proj = nn.Linear(h, H * (self.dn + self.dr), bias=b)
         self.k_proj = nn.Linear(h, K * (self.dn + self.dr), bias=b)  # window keys (own hidden state)
         self.v_proj = nn.Linear(h, K * self.dv, bias=b)
@@ -163,105 +124,51 @@ class CEDAttention(nn.Module):
             self.index_w_proj = nn.Linear(h, self.index_heads, bias=False)
         self.scale = (self.dn + self.dr) ** -0.5
 
-    # ---- projections ----------------------------------------------------------------------------
     def _qkv(self, x, cos, sin):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, -1).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, -1).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.dv).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, -1)
+        v = self.v_proj(x)
         q = torch.cat([q[..., : self.dn], apply_rope(q[..., self.dn:], cos, sin)], dim=-1)
-        k = torch.cat([k[..., : self.dn], apply_rope(k[..., self.dn:], cos, sin)], dim=-1)
-        return q, k, v  # (B, H, T, dn+dr), (B, K, T, dn+dr), (B, K, T, dv)
+        k_rope = apply_rope(k[..., self.dn:].transpose(1, 2), cos, sin).transpose(1, 2)
+        k = torch.cat([k[..., : self.dn], k_rope], dim=-1).reshape(B, T, -1)
+        return q, torch.cat([k, v], dim=-1)  # (B, H, T, dn+dr), window entry (B, T, K (dn+dr) + K dv)
 
-    def _split_kv_b(self):
-        w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.dc)
-        bias = self.kv_b_proj.bias
-        bk = bv = None
-        if bias is not None:
-            bias = bias.view(self.num_heads, self.dn + self.dv)
-            bk, bv = bias[:, : self.dn], bias[:, self.dn:]
-        return w[:, : self.dn], w[:, self.dn:], bk, bv  # W_UK (H,dn,dc), W_UV (H,dv,dc), (H,dn), (H,dv)
-
-    # ---- attention ------------------------------------------------------------------------------
-    def _attend_expanded(self, q, k, v, shared, mask: torch.Tensor) -> torch.Tensor:
-        """Up-project the shared latent per head and run one SDPA over [window ; shared]."""
-        B, H = q.shape[0], self.num_heads
-        k = k.repeat_interleave(H // self.num_kv_heads, dim=1)
-        v = v.repeat_interleave(H // self.num_kv_heads, dim=1)
-        if shared is not None:
-            N = shared.shape[1]
-            c, k_rope = shared[..., : self.dc], shared[..., self.dc:self.dc + self.dr]
-            kv = self.kv_b_proj(c).view(B, N, H, self.dn + self.dv).transpose(1, 2)
-            k_sh = torch.cat([kv[..., : self.dn], k_rope[:, None].expand(B, H, N, self.dr)], dim=-1)
-            k, v = torch.cat([k, k_sh], dim=2), torch.cat([v, kv[..., self.dn:]], dim=2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-
-    def _attend_absorbed(self, q, k, v, shared, mask: torch.Tensor) -> torch.Tensor:
-        """Decode: scores against the latent directly (W_UK folded into the query, W_UV applied after),
-        concatenated with the window scores under one softmax. Window heads are read per group (the G
-        query heads of a group side by side on the query axis), not repeated."""
-        B, H, T, _ = q.shape
-        K = self.num_kv_heads
-        G = H // K
-        Sw = k.shape[2]
-        scores = torch.matmul(q.reshape(B, K, G * T, -1), k.transpose(-1, -2)).view(B, H, T, Sw)
-        if shared is not None:
-            w_uk, w_uv, bk, bv = self._split_kv_b()
-            q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
-            c = shared[..., : self.dc]  # (B, N, dc)
-            q_lat = torch.cat([torch.matmul(q_nope, w_uk), q_rope], dim=-1)  # (B, H, T, dc + dr)
-            entry = shared[:, None, :, : self.dc + self.dr]
-            s_sh = torch.matmul(q_lat.view(B, 1, H * T, -1), entry.transpose(-1, -2)).view(B, H, T, -1)
-            if bk is not None:  # the key bias adds q_nope . b_k to every shared logit of a head
-                s_sh = s_sh + torch.einsum("bhtn,hn->bht", q_nope, bk)[..., None]
-            scores = torch.cat([scores, s_sh], dim=-1)
-        p = torch.softmax(scores.float().mul_(self.scale).masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype)
-        y = torch.matmul(p[..., :Sw].reshape(B, K, G * T, Sw), v).view(B, H, T, self.dv)
-        if shared is not None:
-            p_sh = p[..., Sw:]
-            y_lat = torch.matmul(p_sh.reshape(B, 1, H * T, -1), c[:, None]).view(B, H, T, self.dc)
-            y = y + torch.matmul(y_lat, w_uv.transpose(-1, -2))
-            if bv is not None:  # the value bias, weighted by the mass on shared entries
-                y = y + p_sh.sum(-1, keepdim=True) * bv[None, :, None, :]
-        return y
-
-    def forward(
-        self,
-        x: torch.Tensor,  # (B, T, h), normalised hidden state
-        cos: torch.Tensor,  # (B, T, head_dim) tables; this layer takes its d_rope columns
-        sin: torch.Tensor,
-        shared: torch.Tensor | None,  # (B, N, D) entries of the nearest source so far (training)
-        step: CEDStep,
-        cache=None,  # CEDCache or None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Returns the attention output (B, T, h), the shared entries later layers read and the indexer's
-        training loss (None without an indexer or outside training). ``cos``/``sin`` are the d_rope
-        columns this model's RoPE pairs use (``rope_tables``)."""
-        B, T, _ = x.shape
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """x (B, N, h) normalised hidden state -> (B, N, h). ``cos``/``sin`` are the d_rope columns every
+        layer rotates (``rope_tables``). The indexer's training loss goes to ``ctx.scratch["aux"]``."""
+        K, dk = self.num_kv_heads, self.dn + self.dr
         if self.is_source:
-            if cache is None:
-                shared = self.compressor(x, cos, sin)
-            else:
-                shared = cache.compress(self.layer, self.compressor, x, cos, sin)
-        elif cache is not None and self.source is not None:
-            shared = cache.shared(self.source)
-        q, k, v = self._qkv(x, cos, sin)
-        if cache is not None:
-            k_all, v_all = cache.window(self.layer, k, v, step.ring_only)
-        else:
-            k_all, v_all = k, v
-        read = shared if self.source is not None else None
-        mask, aux = (step.mask if read is not None else step.window_mask), None
-        if self.topk and read is not None:
-            mask, aux = self._select(x, q, read, step)
-        attend = self._attend_absorbed if step.absorbed else self._attend_expanded
-        y = attend(q, k_all, v_all, read, mask)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.dv)), shared, aux
+            for gi, g in enumerate(ctx.groups):
+                ctx.compress(self.layer, gi, self.compressor, g.take(x), g.take(cos), g.take(sin))
+        q, entry = self._qkv(x, cos, sin)
+        out = None
+        for gi, g in enumerate(ctx.groups):
+            qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, dk)
+            win, kpos = ctx.kv(self.layer, gi, g.take(entry))  # (G, S, K (dk + dv))
+            G, S = win.shape[:2]
+            k = win[..., : K * dk].view(G, S, K, dk).transpose(1, 2)
+            v = win[..., K * dk:].view(G, S, K, self.dv).transpose(1, 2)
+            mask = ctx.window_mask(gi, kpos, self.window, "ring")
+            shared = None
+            if self.source is not None:
+                shared, first = ctx.segment(self.source, gi)
+                smask = ctx.scratch.get(("smask", gi))
+                if smask is None:
+                    smask = ctx.scratch[("smask", gi)] = shared_visible(first, g.qpos, self.window)
+                if self.topk:
+                    smask = self._select(g.take(x), qg, shared, smask, ctx)
+                mask = torch.cat([mask, smask], dim=-1)
+            absorbed = ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS and not torch.is_grad_enabled()
+            y = self.attend(qg, k, v, shared, mask, absorbed)  # (G, H, T, dv)
+            y = self.o_proj(y.transpose(1, 2).reshape(G, g.T, self.num_heads * self.dv))
+            out = g.put(out if out is not None else x.new_empty(*x.shape[:2], y.shape[-1]), y)
+        return out
 
     # ---- the optional indexer -------------------------------------------------------------------
-    def _select(self, x, q, shared, step: CEDStep) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Top-k selection of shared entries per query: mask (B, 1, T, Sw + N), and in training the
-        indexer's loss.
+    def _select(self, x, q, shared, visible, ctx) -> torch.Tensor:
+        """Top-k selection of the visible shared entries per query: (G, T, N) bool; in training the
+        indexer's loss is appended to ``ctx.scratch["aux"]``.
 
         Scores (DeepSeek's lightning-indexer form): ``I[t, n] = sum_j w_j(x_t) relu(q_j(x_t) . k_I[n])``
         over ``index_heads`` heads. top-k has no gradient, so the indexer is trained by its own loss: the
@@ -270,9 +177,7 @@ class CEDAttention(nn.Module):
         hidden state, so that loss moves only the indexer's weights, and the LM loss never reaches them.
         """
         B, T, _ = x.shape
-        Sw = step.window_mask.shape[1]
-        visible = step.mask[:, Sw:]  # (T, N)
-        N = visible.shape[1]
+        N = visible.shape[-1]
         D = self.dc + self.dr
         xd = x.detach()
         qi = self.index_q_proj(xd).view(B, T, self.index_heads, self.di)
@@ -286,20 +191,25 @@ class CEDAttention(nn.Module):
             idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : min(self.topk, N)]
             chosen.scatter_(-1, idx, True)
         chosen &= visible
-        mask = torch.cat([step.window_mask.expand(B, T, Sw), chosen], dim=-1)[:, None]  # (B, 1, T, Sw + N)
-        aux = None
         if self.training and torch.is_grad_enabled() and N:
             with torch.no_grad():  # the target: this layer's dense attention over the visible entries
-                w_uk = self._split_kv_b()[0]
+                w_uk = self.split_kv_b()[0]
                 q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
                 q_lat = torch.cat([torch.matmul(q_nope, w_uk), q_rope], dim=-1)
                 s = torch.matmul(q_lat, shared[:, None, :, :D].transpose(-1, -2)).float() * self.scale
-                target = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0).mean(1)
+                target = torch.softmax(s.masked_fill(~visible[:, None], float("-inf")), dim=-1).nan_to_num(0.0).mean(1)
             rows = visible.any(-1)  # queries that see at least one shared entry
             logp = torch.log_softmax(scores, dim=-1).masked_fill(~visible, 0.0)
             kl = (target * (torch.log(target.clamp_min(1e-30)) - logp)).sum(-1)  # (B, T)
-            aux = kl[:, rows].mean() if rows.any() else None
-        return mask, aux
+            if rows.any():
+                ctx.scratch.setdefault("aux", []).append(kl[rows].mean())
+        return chosen
+
+
+def shared_visible(first: torch.Tensor, qpos: torch.Tensor, window: int) -> torch.Tensor:
+    """(G, T, N) bool: query at position i reads the shared entry whose block starts at token ``first``
+    once that token has left its window, ``first <= i - W`` (first (G, N), qpos (G, T))."""
+    return first[:, None, :] <= qpos[:, :, None] - window
 
 
 def rope_tables(config: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +218,3 @@ def rope_tables(config: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> tu
     idx = list(config.rope_freq_index[0])
     cols = torch.tensor(idx + [i + config.head_dim // 2 for i in idx], device=cos.device)
     return cos.index_select(-1, cols), sin.index_select(-1, cols)
-
-
-def use_absorbed(cache, new_tokens: int) -> bool:
-    return cache is not None and new_tokens <= DECODE_MAX_NEW_TOKENS and not torch.is_grad_enabled()

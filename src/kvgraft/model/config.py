@@ -263,24 +263,13 @@ class ModelConfig:
         before = [s for s in self.kv_source_layers if s <= layer]
         return before[-1] if before else None
 
-    def ced_cache_values(self, max_len: int) -> int:
-        """Values one sequence's causal encoder-decoder cache holds for ``max_len`` tokens (see CEDCache):
-        per kv_source layer ``max_len // m`` pooled entries of d_c + d_rope, plus (m > 1) m - 1 pending
-        tokens' entries and gate scores; per layer a ring of ``min(W, max_len)`` window keys and values."""
-        D = self.kv_lora_rank + self.qk_rope_head_dim
-        E = D + (self.index_head_dim if self.index_topk else 0)  # entry width: + the indexer's key
-        m, n_src = self.compress_rate, len(self.kv_source_layers)
-        shared = n_src * (max_len // m) * E + (n_src * (m - 1) * (E + D) if m > 1 else 0)
-        window = min(self.sliding_window, max_len)
-        windows = self.num_layers * window * self.num_kv_heads * (
-            self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
-        return shared + windows
-
     def kv_cache_bytes(self, context: int, bytes_per_value: int = 2) -> int:
-        """KV cache bytes of one sequence holding ``context`` tokens."""
-        if self.is_ced:
-            return self.ced_cache_values(context) * bytes_per_value
-        return self.kv_bytes_per_token(bytes_per_value) * context
+        """KV cache bytes of one sequence holding ``context`` tokens: the paged cache's own layout table
+        (``kvgraft.model.cache.cache_layout``): per-token entries, pooled shared entries, window rings of
+        ``min(W, context)`` tokens and pending tokens of an incomplete block."""
+        from kvgraft.model.cache import cache_layout
+
+        return cache_layout(self).values(context) * bytes_per_value
 
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
@@ -295,14 +284,17 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_value: int = 2, context: int | None = None) -> float:
         """Cache bytes per token of context (all layers), at ``bytes_per_value`` (2 for bf16/fp16).
 
-        Constant for GQA/MLA. A causal encoder-decoder's windows are a fixed cost, so its figure depends
+        For GQA/MLA layers the rate of every KV-writing layer (a sliding window layer counted as if
+        unbounded: the doctor's before/after rate; ``kv_cache_bytes`` gives the exact, ring-bounded
+        figure at a context). A causal encoder-decoder's windows are a fixed cost, so its figure depends
         on the context (default: max_position_embeddings)."""
-        if self.is_ced:
+        from kvgraft.model.cache import cache_layout
+
+        layout = cache_layout(self)
+        if layout.segments:
             context = context or self.max_position_embeddings
             return self.kv_cache_bytes(context, bytes_per_value) / context
-        writers = [layer for layer in range(self.num_layers) if self.is_kv_writer(layer)]
-        values = sum(h * w for layer in writers for h, w in self.cache_entry_shapes(layer))
-        return values * bytes_per_value
+        return (sum(layout.paged.values()) + sum(layout.rings.values())) * bytes_per_value
 
     def num_parameters(self) -> int:
         h, hd, H, K, f = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, self.intermediate_size

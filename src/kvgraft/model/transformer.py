@@ -2,9 +2,14 @@
 
 It reproduces the Llama family exactly (Llama, Mistral, Qwen2, Qwen3): MHA/GQA/MQA, RoPE with every
 scaling kind transformers uses for them, q/k/v biases, per-head q/k RMSNorm, sliding windows, tied
-embeddings, SwiGLU MLP. Parameter names mirror transformers' so checkpoint surgery is a key map.
+embeddings, SwiGLU MLP; and kvgraft's own attention kinds, MLA (``kvgraft.model.mla``) and the causal
+encoder-decoder (``kvgraft.model.ced``), in the same block. Parameter names mirror transformers' so
+checkpoint surgery is a key map.
 
-Shapes: B batch, T new tokens, S cached + new tokens, H query heads, K kv heads, d head_dim.
+One forward, two kinds of step context (``kvgraft.model.batch``): without a cache the (B, T) batch is
+attended causally (training, scoring); with the paged cache (``kvgraft.model.cache``) a
+``BatchContext`` packs rows at different lengths and phases on one token axis.
+Shapes: B batch, T new tokens, N packed tokens, S keys, H query heads, K kv heads, d head_dim.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention
-from kvgraft.model.cache import EphemeralKV, KVCache
-from kvgraft.model.ced import CEDAttention, Compressor, ced_step, rope_tables, use_absorbed
-from kvgraft.model.ced_cache import CEDCache
+from kvgraft.model.batch import BatchContext, DenseContext
+from kvgraft.model.cache import PagedKVCache, static_cache
+from kvgraft.model.ced import CEDAttention, Compressor, rope_tables
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention
 from kvgraft.model.norm import RMSNorm
@@ -47,6 +52,7 @@ class GQAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.window = config.window(layer)
         self.writes_kv = config.is_kv_writer(layer)
+        self.source = config.kv_slots.index(config.kv_slots[layer])  # the layer that writes what this one reads
         h, H, K, d = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(h, H * d, bias=config.qkv_bias)
         if self.writes_kv:  # a layer that only reads a shared slot has no K/V projections
@@ -59,42 +65,47 @@ class GQAttention(nn.Module):
                 self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(
-        self,
-        x: torch.Tensor,  # (B, T, h)
-        cos: torch.Tensor,  # (B, T, d)
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,  # (T, S) bool, True = attend; None = plain causal
-        kv: KVCache | EphemeralKV,
-    ) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """x (B, N, h), cos/sin (B, N, d) -> (B, N, h)."""
+        B, N, _ = x.shape
+        H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, N, H, d)
         if self.qk_norm:
             q = self.q_norm(q)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, d)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, N, d)
+        entry = None
         if self.writes_kv:
-            k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+            k = self.k_proj(x).view(B, N, K, d)
             if self.qk_norm:
                 k = self.k_norm(k)
-            k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, d)
-            v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            k, v = kv.write(self.layer, k, v)  # (B, K, S, d)
-        else:
-            k, v = kv.read(self.layer, T)
-        if isinstance(kv, KVCache) and T <= DECODE_MAX_NEW_TOKENS:
-            y = grouped_attention(q, k, v, mask, self.head_dim**-0.5)  # decode step
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )  # (B, H, T, d)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+            k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)  # (B, N, K, d)
+            entry = torch.cat([k.reshape(B, N, K * d), self.v_proj(x)], dim=-1)  # (B, N, 2 K d)
+        out = None
+        for gi, g in enumerate(ctx.groups):
+            qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, d)
+            keys, kpos = ctx.kv(self.source, gi, None if entry is None else g.take(entry))  # (G, S, 2 K d)
+            G, S = keys.shape[:2]
+            k = keys[..., : K * d].view(G, S, K, d).transpose(1, 2)
+            v = keys[..., K * d:].view(G, S, K, d).transpose(1, 2)
+            if ctx.cache is None and ctx.default_positions and (self.window is None or self.window >= g.T):
+                y = F.scaled_dot_product_attention(qg, k, v, is_causal=g.T > 1, enable_gqa=K != H)
+            else:
+                mask = ctx.window_mask(gi, kpos, self.window, "kv")
+                if ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS:
+                    y = grouped_attention(qg, k, v, mask, d**-0.5)  # decode step
+                else:
+                    y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None], enable_gqa=K != H)
+            y = self.o_proj(y.transpose(1, 2).reshape(G, g.T, H * d))
+            out = g.put(out if out is not None else x.new_empty(B, N, y.shape[-1]), y)
+        return out
 
 
-ATTENTION_CLASSES: dict[str, type[nn.Module]] = {"gqa": GQAttention, "mla": MLAttention}
+ATTENTION_CLASSES: dict[str, type[nn.Module]] = {"gqa": GQAttention, "mla": MLAttention, "ced": CEDAttention}
 
 
 class Block(nn.Module):
+    """One layer of any attention kind: pre-norm attention then pre-norm SwiGLU MLP."""
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -102,38 +113,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, kv):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+    def forward(self, x, cos, sin, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class CEDBlock(nn.Module):
-    """A causal encoder-decoder layer: carries the shared compressed KV to the next layer."""
-
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = CEDAttention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(self, x, shared, cos, sin, step, cache=None):
-        a, shared, aux = self.self_attn(self.input_layernorm(x), cos, sin, shared, step, cache)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), shared, aux
-
-
-def attention_mask(q_start: int, t: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """(T, S) bool mask for queries at positions q_start..q_start+T-1 over keys 0..S-1, S = q_start+T.
-
-    A query at i sees key j iff j <= i and, with a window W, i - j < W (transformers' convention).
-    """
-    q = torch.arange(q_start, q_start + t, device=device)[:, None]
-    k = torch.arange(q_start + t, device=device)[None, :]
-    allowed = k <= q
-    if window is not None:
-        allowed &= (q - k) < window
-    return allowed
 
 
 class Transformer(nn.Module):
@@ -141,8 +123,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        block = CEDBlock if config.is_ced else Block
-        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -170,74 +151,65 @@ class Transformer(nn.Module):
                 d = module.q_mix.shape[-1]
                 module.q_mix.copy_(torch.empty(module.q_mix.shape).normal_(0.0, d**-0.5, generator=gen))
 
-    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache | CEDCache:
-        """Allocate the preallocated KV cache this model's layers write and read."""
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None,
+                  block_size: int | None = None) -> PagedKVCache:
+        """A paged cache holding ``batch_size`` sequences of up to ``max_len`` tokens, already added:
+        ``model(ids (batch_size, T), cache=cache)`` extends every one of them by T tokens."""
         p = self.embed_tokens.weight
-        if self.config.is_ced:
-            return CEDCache(self.config, batch_size, max_len, dtype or p.dtype, p.device)
-        return KVCache(self.config, batch_size, max_len, dtype or p.dtype, p.device)
+        return static_cache(self.config, batch_size, max_len, dtype or p.dtype, p.device, block_size)[0]
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # (B, T)
-        cache: KVCache | None = None,
-        positions: torch.Tensor | None = None,  # (B, T); default: cache.length + arange(T)
+        input_ids: torch.Tensor,  # (B, T); with ctx: (1, N) or (N,) packed rows
+        cache: PagedKVCache | None = None,
+        positions: torch.Tensor | None = None,  # (B, T) cache-free only; default 0..T-1
         last_only: bool = False,
+        ctx: BatchContext | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, vocab), or (B, 1, vocab) with ``last_only``. Advances ``cache`` by T."""
-        B, T = input_ids.shape
-        start = cache.length if cache is not None else 0
-        if positions is None:
-            positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+        """Logits. Cache-free: (B, T, vocab). With ``cache`` (every live sequence adds T tokens): (B, T,
+        vocab). With ``ctx``: (1, N, vocab). ``last_only``: only each row's last token ((B, 1, vocab),
+        or (1, rows, vocab) with ``ctx``). A cached forward commits its tokens to the cache."""
+        rows = None
+        if cache is not None:
+            if ctx is not None or positions is not None:
+                raise ValueError("give either cache (every sequence adds T tokens) or ctx, and no positions with a cache")
+            rows, T = input_ids.shape
+            seqs = cache.sequences
+            if len(seqs) != rows:
+                raise ValueError(f"input_ids has {rows} rows but the cache holds {len(seqs)} sequences")
+            ctx = BatchContext(cache, seqs, [T] * rows)
+            input_ids = input_ids.reshape(1, rows * T)
+        if ctx is not None:
+            if positions is not None:
+                raise ValueError("positions come from the batch context; do not pass them with ctx")
+            input_ids = input_ids.reshape(1, -1)
+            if input_ids.shape[1] != ctx.num_tokens:
+                raise ValueError(f"{input_ids.shape[1]} tokens given for a step of {ctx.num_tokens}")
+            positions = ctx.positions
+        else:
+            B, T = input_ids.shape
+            default = positions is None
+            if default:
+                positions = torch.arange(T, device=input_ids.device).expand(B, T)
+            m = self.config.compress_rate if self.config.is_ced else 1
+            ctx = DenseContext(positions, default, m)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         if self.config.is_ced:
-            x = self._ced_layers(x, cos, sin, cache)
-            if last_only:
-                x = x[:, -1:]
-            return self.lm_head(self.norm(x))
-        masks: dict[int | None, torch.Tensor | None] = {}
-        for layer in range(self.config.num_layers):
-            w = self.config.window(layer)
-            if w not in masks:
-                # None means "no mask needed": causal over T == S tokens, or one new token seeing
-                # every cached key (attention modules use is_causal only when T > 1)
-                plain_causal = cache is None and (w is None or w >= T)
-                one_token_full = T == 1 and (w is None or w >= start + 1)
-                masks[w] = None if plain_causal or one_token_full else attention_mask(start, T, w, x.device)
-        kv = cache if cache is not None else EphemeralKV(self.config)
-        for layer, block in enumerate(self.layers):
-            mask = masks[self.config.window(layer)]
-            if self.gradient_checkpointing and self.training and cache is None:
-                x = checkpoint(block, x, cos, sin, mask, kv, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, mask, kv)
-        if cache is not None:
-            cache.advance(T)
-        if last_only:
-            x = x[:, -1:]
-        return self.lm_head(self.norm(x))
-
-    def _ced_layers(self, x, cos, sin, cache: CEDCache | None) -> torch.Tensor:
-        """The causal encoder-decoder's layers. Without a cache the shared entries pass from layer to
-        layer as an explicit argument, so a checkpointed layer recomputes with the entries it read."""
-        T = x.shape[1]
-        start = cache.length if cache is not None else 0
-        if cache is not None:
-            cache.begin(T)
-        step = ced_step(self.config, start, T, cache.ring_len if cache is not None else 0, x.device,
-                        use_absorbed(cache, T))
-        cos, sin = rope_tables(self.config, cos, sin)
-        shared, losses = None, []
+            cos, sin = rope_tables(self.config, cos, sin)
         for block in self.layers:
-            if self.gradient_checkpointing and self.training and cache is None:
-                x, shared, aux = checkpoint(block, x, shared, cos, sin, step, use_reentrant=False)
+            if self.gradient_checkpointing and self.training and ctx.cache is None:
+                x = checkpoint(block, x, cos, sin, ctx, use_reentrant=False)
             else:
-                x, shared, aux = block(x, shared, cos, sin, step, cache)
-            if aux is not None:
-                losses.append(aux)
+                x = block(x, cos, sin, ctx)
+        aux = ctx.scratch.get("aux")
         # the indexers' training loss (None without one); the training loop adds it to the step's loss
-        self.aux_loss = torch.stack(losses).sum() if losses else None
-        if cache is not None:
-            cache.advance(T)
-        return x
+        self.aux_loss = torch.stack(aux).sum() if aux else None
+        if ctx.cache is not None:
+            ctx.commit()
+        if last_only:
+            x = x[:, -1:] if ctx.cache is None else x[:, ctx.last_index]
+        logits = self.lm_head(self.norm(x))
+        if rows is not None:  # the (B, T) convenience call
+            logits = logits.view(rows, -1, logits.shape[-1])
+        return logits

@@ -2,7 +2,7 @@
 
 The result is a plain Hugging Face model directory (config.json, model.safetensors, tokenizer files,
 generation_config.json) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads (without
-kvgraft for a Llama-architecture model; after ``import kvgraft`` for kvgraft's own format), plus ``eval/calibration.npy`` (a slice of the train split, for calibrating conversions),
+kvgraft for a Llama-architecture model; after ``import kvgraft.hf`` for kvgraft's own format), plus ``eval/calibration.npy`` (a slice of the train split, for calibrating conversions),
 ``eval/heldout.npy`` (a slice of the test split, never trained on), ``loss.png``, ``training.json``
 and ``README.md`` (the card).
 """
@@ -156,18 +156,18 @@ def model_card(name: str, config: dict, r: dict) -> str:
         + ", ".join(f"{k} {n}" for k, n in v["documents_by_source"].items()) + " |"
         for s, v in r["splits"].items()
     )
+    params = r.get("parameters") or _count_params(config)
     if config.get("model_type") == "kvgraft":  # the fields the card shows, from the ModelConfig inside
         c = config["kvgraft"]
         config = {**config, "intermediate_size": c["intermediate_size"], "rms_norm_eps": c["rms_norm_eps"],
                   "rope_theta": c["rope"]["theta"], "head_dim": c["head_dim"], "num_key_value_heads": c["num_kv_heads"]}
-    params = r.get("parameters") or _count_params(config)
     arch = f"{config['model_type']}-architecture"
     if config.get("kvgraft", {}).get("kv_source_layers"):
         arch = "causal encoder-decoder (kvgraft's cross-layer shared compressed KV + sliding windows)"
     loads = ("It loads with plain `transformers.AutoModelForCausalLM.from_pretrained` (no kvgraft import needed)."
              if config["model_type"] != "kvgraft" else
              "It is in kvgraft's own format: `transformers.AutoModelForCausalLM.from_pretrained` loads it after "
-             "`import kvgraft`, and `kvgraft.hf.load_pretrained` loads it as kvgraft's model.")
+             "`import kvgraft.hf`, and `kvgraft.hf.load_pretrained` loads it as kvgraft's model.")
     return f"""# {name}
 
 A small {arch} causal LM trained from scratch by kvgraft on public-domain and
@@ -243,8 +243,9 @@ def _f(value: float | None, fmt: str = ".4f") -> str:
 
 
 def _count_params(config: dict) -> int:
-    h, L, f, V = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
-    H, K = config["num_attention_heads"], config["num_key_value_heads"]
-    d = config.get("head_dim") or h // H
-    per_layer = h * H * d * 2 + h * K * d * 2 + 3 * h * f + 2 * h
-    return L * per_layer + V * h * (1 if config.get("tie_word_embeddings") else 2) + h
+    """Parameters of the model a config.json describes (any format kvgraft loads; for older training.json
+    records without a "parameters" entry)."""
+    from kvgraft.hf.config_map import model_config_from_hf
+    from kvgraft.model.shapes import num_parameters
+
+    return num_parameters(model_config_from_hf(config, "config.json"))

@@ -1,0 +1,241 @@
+"""What one forward step needs to know about its rows: the batch context.
+
+A forward runs over *rows*. Without a cache (training, scoring) the rows are the (B, T) batch itself:
+:class:`DenseContext`. With the paged cache (:class:`BatchContext`) the rows are sequences of the cache,
+each adding its own number of new tokens at its own position, packed on one token axis (1, N): some
+rows prefill a chunk, others decode one token, all in one call. Rows adding the same number of tokens
+form a *group*; attention runs once per group, with per-row masks built from positions, so rows at
+different lengths never see each other's keys or padding.
+
+Both contexts offer the same three storage operations to the layers, so a layer has one code path:
+``kv`` (store this layer's new key/value entries, return every entry its queries may read, with their
+positions), ``compress`` (a kv_source layer's compressor writes the shared segment) and ``segment``
+(read a shared segment). Cross-layer sharing is the ``layer -> source`` map in the config: a reader
+names its source layer and gets what the source stored in this step.
+Shapes: G rows of a group, T new tokens per row, S keys, W a window, E an entry's width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvgraft.model.cache import PagedKVCache
+
+_FAR = -(10**9)  # position of a ring slot never written: outside every window
+
+
+@dataclass
+class Group:
+    """Rows attended together: every row adds ``T`` tokens."""
+
+    rows: list[int]
+    T: int
+    qpos: torch.Tensor  # (G, T) positions of the new tokens
+    tok: torch.Tensor | None = None  # (G*T,) indices into the packed token axis; None: the dense batch
+    starts: torch.Tensor | None = None  # (G,) tokens each row had cached before this step
+    table: torch.Tensor | None = None  # (G, blocks) block tables, padded with block 0 (masked)
+    slots: torch.Tensor | None = None  # (G,) state slots
+    max_end: int = 0  # max over rows of start + T
+
+    @property
+    def G(self) -> int:
+        return len(self.rows)
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, N, ...) step tensor -> (G, T, ...) this group's rows."""
+        if self.tok is None:
+            return t
+        return t[0].index_select(0, self.tok).view(self.G, self.T, *t.shape[2:])
+
+    def put(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Write (G, T, ...) ``y`` into the step tensor ``out`` (B, N, ...); returns ``out``."""
+        if self.tok is None:
+            return y
+        out[0].index_copy_(0, self.tok, y.reshape(self.G * self.T, *y.shape[2:]).to(out.dtype))
+        return out
+
+
+class _Context:
+    groups: list[Group]
+    scratch: dict
+
+    def window_mask(self, gi: int, kpos: torch.Tensor, window: int | None, key: object) -> torch.Tensor:
+        """(G, T, S) bool: query i sees key j iff j <= i and, with a window W, i - j < W."""
+        cache_key = ("mask", gi, key, window)
+        mask = self.scratch.get(cache_key)
+        if mask is None:
+            q = self.groups[gi].qpos[:, :, None]
+            k = kpos[:, None, :]
+            mask = k <= q
+            if window is not None:
+                mask &= (q - k) < window
+            self.scratch[cache_key] = mask
+        return mask
+
+
+class DenseContext(_Context):
+    """Cache-free forward over a (B, T) batch: every row's tokens at ``positions`` (default 0..T-1)."""
+
+    def __init__(self, positions: torch.Tensor, default_positions: bool, compress_rate: int = 1) -> None:
+        B, T = positions.shape
+        self.compress_rate = compress_rate
+        self.groups = [Group(list(range(B)), T, positions)]
+        self.default_positions = default_positions  # plain causal masks suffice
+        self.scratch: dict = {}
+        self.cache = None
+
+    def kv(self, layer: int, gi: int, entries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store (writer) or fetch (reader) ``layer``'s entries (B, T, E); returns them and their positions."""
+        if entries is not None:
+            self.scratch[("kv", layer)] = entries
+        return self.scratch[("kv", layer)], self.groups[gi].qpos
+
+    def compress(self, layer: int, gi: int, compressor, x: torch.Tensor, cos, sin) -> None:
+        self.scratch[("seg", layer)] = compressor(x, cos, sin)
+
+    def segment(self, source: int, gi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared entries (B, N, E) of ``source`` and each entry's first token position (B, N)."""
+        entries = self.scratch[("seg", source)]
+        first = torch.arange(entries.shape[1], device=entries.device) * self.compress_rate
+        return entries, first.expand(entries.shape[0], -1)
+
+
+class BatchContext(_Context):
+    """One forward step over sequences of a :class:`PagedKVCache`.
+
+    ``seqs[r]`` adds ``new_tokens[r]`` tokens (packed in row order on the token axis); construction
+    reserves their blocks (copy on write included) and :meth:`commit` records them after the forward.
+    ``adapter_ids[r]`` names the row's adapter (None: the base model); carried for the layers.
+    """
+
+    def __init__(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[int],
+                 adapter_ids: list[object] | None = None) -> None:
+        if len(seqs) != len(new_tokens) or not seqs:
+            raise ValueError(f"seqs ({len(seqs)}) and new_tokens ({len(new_tokens)}) must be non-empty and of "
+                             "equal length")
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"a sequence appears twice in one step: {seqs}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in new_tokens):
+            raise ValueError(f"new_tokens {new_tokens} must be positive integers")
+        if adapter_ids is not None and len(adapter_ids) != len(seqs):
+            raise ValueError(f"adapter_ids has {len(adapter_ids)} entries for {len(seqs)} rows")
+        for s, t in zip(seqs, new_tokens):
+            if not cache.can_extend(s, t):
+                cache.extend(s, t)  # raises the precise error (overflow or no free blocks)
+        for s, t in zip(seqs, new_tokens):
+            cache.extend(s, t)
+        self.cache, self.seqs, self.new_tokens = cache, list(seqs), list(new_tokens)
+        self.adapter_ids = list(adapter_ids) if adapter_ids is not None else [None] * len(seqs)
+        self.starts = [cache.length(s) for s in seqs]
+        self.scratch: dict = {"compress_rate": cache.layout.compress_rate}
+        dev, bs = cache.device, cache.block_size
+        offsets, n = [], 0
+        for t in new_tokens:
+            offsets.append(n)
+            n += t
+        self.num_tokens = n
+        self.positions = torch.cat([torch.arange(s, s + t) for s, t in zip(self.starts, new_tokens)]).to(dev)[None]
+        self.last_index = torch.tensor([o + t - 1 for o, t in zip(offsets, new_tokens)], device=dev)
+        by_t: dict[int, list[int]] = {}
+        for r, t in enumerate(new_tokens):
+            by_t.setdefault(t, []).append(r)
+        self.groups = []
+        for t, rows in by_t.items():
+            starts = [self.starts[r] for r in rows]
+            ends = [s + t for s in starts]
+            nb = -(-max(ends) // bs)
+            tables = [cache.block_table(seqs[r])[:nb] for r in rows]
+            table = torch.tensor([tb + [0] * (nb - len(tb)) for tb in tables], dtype=torch.long, device=dev)
+            tok = torch.cat([torch.arange(offsets[r], offsets[r] + t) for r in rows]).to(dev)
+            qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None]
+            self.groups.append(Group(rows, t, qpos, tok, torch.tensor(starts, device=dev), table,
+                                     torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev), max(ends)))
+
+    def commit(self) -> None:
+        """Record the step's tokens in the cache (the model calls this once every layer ran)."""
+        for s, t in zip(self.seqs, self.new_tokens):
+            self.cache.commit(s, t)
+
+    # ---- storage operations -------------------------------------------------------------------
+    def kv(self, layer: int, gi: int, entries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writer (``entries`` (G, T, E)): store the new entries of ``layer``; reader (None): fetch what
+        the writer ``layer`` stored this step. Returns (keys (G, S, E), key positions (G, S))."""
+        key = ("kv", layer, gi)
+        if entries is None:
+            return self.scratch[key]
+        g, c = self.groups[gi], self.cache
+        if layer in c.paged:
+            pool = c.paged[layer]
+            bs = c.block_size
+            pos = g.qpos  # (G, T)
+            flat = g.table.gather(1, pos // bs) * bs + pos % bs
+            pool.view(-1, pool.shape[-1]).index_copy_(0, flat.reshape(-1), entries.reshape(-1, entries.shape[-1]).to(pool.dtype))
+            keys = pool[g.table].view(g.G, -1, pool.shape[-1])[:, : g.max_end]
+            kpos = torch.arange(g.max_end, device=keys.device).expand(g.G, -1)
+            out = (keys, kpos)
+        else:  # a ring of the last W tokens: [ring as it was ; new tokens], then the ring is updated
+            ring_pool = c.rings[layer]
+            W, R = c.layout.window, c.ring_len
+            ring = ring_pool.index_select(0, g.slots)  # (G, R, E) copy
+            last = (g.starts - 1)[:, None]
+            slot = torch.arange(R, device=ring.device)[None]
+            ring_pos = last - torch.remainder(last - slot, W)
+            ring_pos = torch.where(ring_pos >= 0, ring_pos, torch.full_like(ring_pos, _FAR))
+            keys = torch.cat([ring, entries.to(ring.dtype)], dim=1)
+            kpos = torch.cat([ring_pos, g.qpos], dim=1)
+            n = min(g.T, R)
+            idx = g.qpos[:, g.T - n:] % W  # (G, n)
+            ring_pool[g.slots[:, None], idx] = entries[:, g.T - n:].to(ring_pool.dtype)
+            out = (keys, kpos)
+        self.scratch[key] = out
+        return out
+
+    def compress(self, layer: int, gi: int, compressor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Run kv_source ``layer``'s compressor on the group's new tokens (G, T, h): store every entry
+        they complete in the shared segment, keep the rest as the row's pending tokens."""
+        g, c = self.groups[gi], self.cache
+        m = c.layout.compress_rate
+        seg = c.segments[layer]
+        epb = seg.shape[1]  # entries per block
+        entries = compressor.token_entries(x, cos, sin)  # (G, T, E)
+        E = entries.shape[-1]
+        if m == 1:
+            pos = g.qpos
+            flat = g.table.gather(1, pos // epb) * epb + pos % epb
+            seg.view(-1, E).index_copy_(0, flat.reshape(-1), entries.reshape(-1, E).to(seg.dtype))
+            return
+        scores = compressor.gate_scores(x, g.qpos)  # (G, T, D)
+        phase = g.starts % m
+        pend = c.pending[layer]
+        for p in sorted(set(phase.tolist())):
+            sub = (phase == p).nonzero().squeeze(1)
+            slots = g.slots[sub]
+            held = pend.index_select(0, slots)  # (Gs, m - 1, E + D)
+            all_e = torch.cat([held[:, :p, :E].to(entries.dtype), entries[sub]], dim=1)
+            all_s = torch.cat([held[:, :p, E:].to(scores.dtype), scores[sub]], dim=1)
+            n = all_e.shape[1] // m * m
+            rest = all_e.shape[1] - n
+            if rest:
+                pend[slots[:, None], torch.arange(rest, device=pend.device)[None]] = \
+                    torch.cat([all_e[:, n:], all_s[:, n:]], dim=-1).to(pend.dtype)
+            if n:
+                blocks = compressor.pool(all_e[:, :n], all_s[:, :n])  # (Gs, n / m, E)
+                e = (g.starts[sub] // m)[:, None] + torch.arange(n // m, device=blocks.device)[None]
+                flat = g.table[sub].gather(1, e // epb) * epb + e % epb
+                seg.view(-1, E).index_copy_(0, flat.reshape(-1), blocks.reshape(-1, E).to(seg.dtype))
+
+    def segment(self, source: int, gi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared entries of ``source`` visible after this step (G, N, E), with each entry's first
+        token position (G, N); entries past a row's end are never visible (see kvgraft.model.ced)."""
+        key = ("seg", source, gi)
+        if key not in self.scratch:
+            g, c = self.groups[gi], self.cache
+            m = c.layout.compress_rate
+            seg = c.segments[source]
+            N = g.max_end // m
+            entries = seg[g.table].view(g.G, -1, seg.shape[-1])[:, :N]
+            first = (torch.arange(N, device=entries.device) * m).expand(g.G, -1)
+            self.scratch[key] = (entries, first)
+        return self.scratch[key]

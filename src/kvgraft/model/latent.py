@@ -1,0 +1,132 @@
+"""Latent attention shared by MLA and the causal encoder-decoder: keys and values up-projected from a
+cached latent by ``kv_b``, optionally next to a layer's own window keys, under one softmax.
+
+Two equivalent paths (tested to agree):
+- expanded: ``kv_b`` up-projects every latent to per-head keys ``[W_UK c ; k_r]`` and values ``W_UV c``,
+  then ordinary attention (cheap for long prefills);
+- absorbed: ``W_UK`` is folded into the query (``q_lat = W_UK^T q_nope``) and ``W_UV`` applied after the
+  softmax, so the step attends over the latents directly (one key/value head of width d_c + d_rope):
+  cheap for decode, nothing is expanded.
+
+**Weights through one door.** Every path that reads a projection's matrix directly (absorbed decode,
+folds) calls :func:`linear_weight`, which returns the weight a forward of the module would apply: a
+module may define ``effective_weight() -> (weight, bias)`` (an adapter wrapper), and a PEFT LoRA layer's
+active, unmerged deltas are added. So an adapter on q, kv_b or o is never bypassed at decode.
+Shapes: G rows, H query heads, K window heads, T queries, S window keys, N latents.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight (out, in), bias (out,) or None) that ``module``'s forward applies, adapters included."""
+    effective = getattr(module, "effective_weight", None)
+    if effective is not None:
+        return effective()
+    base = getattr(module, "base_layer", None)
+    if base is not None and hasattr(module, "get_delta_weight"):  # a PEFT LoRA layer
+        weight, bias = linear_weight(base)
+        if not getattr(module, "disable_adapters", False) and not getattr(module, "merged", False):
+            for name in module.active_adapters:
+                if name in module.lora_A:
+                    weight = weight + module.get_delta_weight(name).to(weight.dtype)
+        return weight, bias
+    return module.weight, module.bias
+
+
+class LatentAttention(nn.Module):
+    """Base of MLAttention and CEDAttention: owns ``kv_b_proj`` (d_c -> H (d_nope + d_v)) and the math
+    of attending over latents. Subclasses set num_heads, dc, dr, dn, dv, scale and the projections."""
+
+    num_heads: int
+    dc: int
+    dr: int
+    dn: int
+    dv: int
+    scale: float
+
+    def weights(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The one door to a projection's (weight, bias), e.g. ``weights("kv_b_proj")``."""
+        return linear_weight(getattr(self, name))
+
+    def split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """W_UK (H, dn, dc), W_UV (H, dv, dc), key bias (H, dn) or None, value bias (H, dv) or None."""
+        w, b = self.weights("kv_b_proj")
+        w = w.view(self.num_heads, self.dn + self.dv, self.dc)
+        bk = bv = None
+        if b is not None:
+            b = b.view(self.num_heads, self.dn + self.dv)
+            bk, bv = b[:, : self.dn], b[:, self.dn:]
+        return w[:, : self.dn], w[:, self.dn:], bk, bv
+
+    def attend(
+        self,
+        q: torch.Tensor,  # (G, H, T, dn + dr): no-RoPE then rotated RoPE part
+        k: torch.Tensor | None,  # (G, K, S, dn + dr) window keys (own heads), or None
+        v: torch.Tensor | None,  # (G, K, S, dv)
+        latents: torch.Tensor | None,  # (G, N, >= dc + dr): latent then rotated RoPE key, or None
+        mask: torch.Tensor,  # (G, T, S + N) bool, True = attend
+        absorbed: bool,
+    ) -> torch.Tensor:
+        """(G, H, T, dv): one softmax over [window keys ; latents]."""
+        if absorbed:
+            return self._attend_absorbed(q, k, v, latents, mask)
+        return self._attend_expanded(q, k, v, latents, mask)
+
+    def _attend_expanded(self, q, k, v, latents, mask) -> torch.Tensor:
+        G, H, T, _ = q.shape
+        keys, values = [], []
+        if k is not None:
+            rep = H // k.shape[1]
+            keys.append(k.repeat_interleave(rep, dim=1))
+            values.append(v.repeat_interleave(rep, dim=1))
+        if latents is not None:
+            N = latents.shape[1]
+            c, k_rope = latents[..., : self.dc], latents[..., self.dc:self.dc + self.dr]
+            w, b = self.weights("kv_b_proj")
+            kv = F.linear(c, w, b).view(G, N, H, self.dn + self.dv).transpose(1, 2)  # (G, H, N, dn + dv)
+            keys.append(torch.cat([kv[..., : self.dn], k_rope[:, None].expand(G, H, N, self.dr)], dim=-1))
+            values.append(kv[..., self.dn:])
+        k_all = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
+        v_all = values[0] if len(values) == 1 else torch.cat(values, dim=2)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[:, None], scale=self.scale)
+
+    def _attend_absorbed(self, q, k, v, latents, mask) -> torch.Tensor:
+        """Scores against the latents directly (W_UK folded into the query, W_UV applied after), next to
+        the window scores under one softmax. Window heads are read per group (the query heads of a group
+        side by side on the query axis), not repeated."""
+        G, H, T, _ = q.shape
+        parts = []
+        if k is not None:
+            K, S = k.shape[1], k.shape[2]
+            parts.append(torch.matmul(q.reshape(G, K, H // K * T, -1), k.transpose(-1, -2)).view(G, H, T, S))
+        if latents is not None:
+            w_uk, w_uv, bk, bv = self.split_kv_b()
+            q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+            q_lat = torch.cat([torch.matmul(q_nope, w_uk), q_rope], dim=-1)  # (G, H, T, dc + dr)
+            entry = latents[:, None, :, : self.dc + self.dr]
+            s_lat = torch.matmul(q_lat.reshape(G, 1, H * T, -1), entry.transpose(-1, -2)).view(G, H, T, -1)
+            if bk is not None:  # the key bias adds q_nope . b_k to every latent logit of a head
+                s_lat = s_lat + torch.einsum("ghtn,hn->ght", q_nope, bk)[..., None]
+            parts.append(s_lat)
+        scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        scores = scores.float().mul_(self.scale).masked_fill_(~mask[:, None], float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(q.dtype)
+        y = None
+        Sw = 0
+        if k is not None:
+            K, Sw = k.shape[1], k.shape[2]
+            y = torch.matmul(p[..., :Sw].reshape(G, K, H // K * T, Sw), v).view(G, H, T, self.dv)
+        if latents is not None:
+            p_lat = p[..., Sw:]
+            c = latents[:, None, :, : self.dc]
+            y_lat = torch.matmul(p_lat.reshape(G, 1, H * T, -1), c).view(G, H, T, self.dc)
+            y_l = torch.matmul(y_lat, w_uv.transpose(-1, -2))
+            if bv is not None:  # the value bias, weighted by the mass on latents (all of it without a window)
+                y_l = y_l + p_lat.sum(-1, keepdim=True) * bv[None, :, None, :]
+            y = y_l if y is None else y + y_l
+        return y

@@ -1,0 +1,255 @@
+"""A continuous-batching engine over the paged cache: the engine owns scheduling, the model owns math.
+
+``add_request(prompt_ids, sampling)`` queues a request; each ``step()`` picks rows under a token budget
+(every running request's next decode token first, then chunks of prompts being prefilled, then newly
+admitted requests), runs the model once on them (one ``BatchContext``: rows at different lengths and
+phases), samples each finished row with its own parameters and generator, and returns what each
+request produced. When the cache runs out of blocks, the most recently admitted request is preempted:
+its blocks are freed and it is re-queued to recompute prompt + output so far (never a crash, and the
+same tokens: sampling state is per request). ``cancel(id)`` stops a request at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvgraft.model.batch import BatchContext
+from kvgraft.model.cache import PagedKVCache
+from kvgraft.serve.sampling import SamplingParams, sample_next
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    sampling: SamplingParams
+    adapter: object = None
+    output: list[int] = field(default_factory=list)
+    status: str = WAITING
+    finish_reason: str | None = None  # "length" | "stop" | "cancelled"
+    seq: int | None = None  # the cache sequence while running
+    computed: int = 0  # tokens of prompt + output already in the cache
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: int
+    new_token_ids: list[int]  # tokens produced by this step (0 or 1)
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    """Continuous batching over one :class:`PagedKVCache`.
+
+    ``num_blocks`` blocks of ``block_size`` tokens (default: room for ``max_seqs`` full-length
+    sequences); ``max_batch_tokens`` new tokens per step at most; ``max_seq_len`` (default: the model's
+    ``max_position_embeddings``) bounds prompt + new tokens; ``detokenize`` turns ids into text for
+    stop strings.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_seqs: int = 32,
+        max_batch_tokens: int = 512,
+        max_seq_len: int | None = None,
+        dtype: torch.dtype | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        config = model.config
+        max_seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
+        for name, value in (("block_size", block_size), ("max_seqs", max_seqs),
+                            ("max_batch_tokens", max_batch_tokens), ("max_seq_len", max_seq_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        if num_blocks is None:
+            num_blocks = max_seqs * math.ceil(max_seq_len / block_size)
+        param = next(model.parameters())
+        self.model = model
+        self.cache = PagedKVCache(config, num_blocks, block_size, max_seqs, max_seq_len,
+                                  dtype or param.dtype, param.device)
+        self.max_batch_tokens = max_batch_tokens
+        self.detokenize = detokenize
+        self.device = param.device
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[int, Request] = {}
+        self._next_id = 0
+        self.stats = {"steps": 0, "tokens": 0, "preemptions": 0, "peak_used_bytes": 0}
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
+                    adapter: object = None) -> int:
+        """Queue a request; its id. Raises ValueError for a request the cache could never hold."""
+        sampling = sampling or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids must hold at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        total = len(prompt) + sampling.max_new_tokens
+        if total > self.cache.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
+                             f"exceeds the engine's max_seq_len ({self.cache.max_seq_len})")
+        blocks = math.ceil(total / self.cache.block_size) if self.cache.block_bytes else 0
+        if blocks > self.cache.num_blocks:
+            raise ValueError(f"a request of {total} tokens needs {blocks} cache blocks; the cache has "
+                             f"{self.cache.num_blocks}")
+        if sampling.stop and self.detokenize is None:
+            raise ValueError("stop strings need a detokenize function (Engine(..., detokenize=...))")
+        rid = self._next_id
+        self._next_id += 1
+        gen = None
+        if sampling.temperature > 0:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        req = Request(rid, prompt, sampling, adapter, generator=gen)
+        self.requests[rid] = req
+        if sampling.max_new_tokens == 0:
+            self._finish(req, "length")
+        else:
+            self.waiting.append(req)
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request now (waiting or running); its blocks are freed. Finished ones are left as they are."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request {request_id}")
+        if req.status == FINISHED:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "cancelled")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pop_finished(self, request_id: int) -> Request:
+        """Forget a finished request and return it."""
+        req = self.requests[request_id]
+        if req.status != FINISHED:
+            raise ValueError(f"request {request_id} is {req.status}")
+        return self.requests.pop(request_id)
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> list[tuple[Request, int]]:
+        """Rows of the next step: (request, new tokens), decode rows first, then prefill chunks."""
+        budget = self.max_batch_tokens
+        rows: list[tuple[Request, int]] = []
+        for req in sorted(list(self.running), key=lambda r: len(r.tokens) - r.computed):  # decodes first
+            if budget == 0 or req not in self.running:
+                continue
+            n = min(len(req.tokens) - req.computed, budget)
+            while not self.cache.can_extend(req.seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                budget += sum(k for r, k in rows if r is victim)
+                rows = [(r, k) for r, k in rows if r is not victim]
+                if victim is req:
+                    break
+            if req not in self.running:
+                continue
+            rows.append((req, n))
+            budget -= n
+        while self.waiting and budget > 0 and self.cache.free_slots:
+            req = self.waiting[0]
+            n = min(len(req.tokens), budget)
+            seq = self.cache.add_sequence()
+            if not self.cache.can_extend(seq, n):
+                self.cache.free(seq)
+                break
+            self.waiting.popleft()
+            req.seq, req.status, req.computed = seq, RUNNING, 0
+            self.running.append(req)
+            rows.append((req, n))
+            budget -= n
+        return rows
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Run one scheduled batch; one StepOutput per row (and per request finished by a stop)."""
+        rows = self.schedule()
+        if not rows:
+            return []
+        ctx = BatchContext(self.cache, [r.seq for r, _ in rows], [n for _, n in rows],
+                           adapter_ids=[r.adapter for r, _ in rows])
+        ids = torch.tensor([t for r, n in rows for t in r.tokens[r.computed:r.computed + n]], device=self.device)
+        logits = self.model(ids, ctx=ctx, last_only=True)[0]  # (rows, vocab)
+        self.stats["steps"] += 1
+        self.stats["tokens"] += ctx.num_tokens
+        self.stats["peak_used_bytes"] = max(self.stats["peak_used_bytes"], self.cache.used_bytes)
+        outputs = []
+        greedy = logits.argmax(dim=-1).tolist()
+        for i, (req, n) in enumerate(rows):
+            req.computed += n
+            if req.computed < len(req.tokens):  # a prefill chunk: nothing to sample yet
+                continue
+            s = req.sampling
+            if s.temperature == 0:
+                tok = greedy[i]
+            else:
+                tok = int(sample_next(logits[i:i + 1], s.temperature, s.top_p, req.generator)[0])
+            req.output.append(tok)
+            reason = None
+            if tok in s.stop_token_ids:
+                reason = "stop"
+            elif s.stop and any(x in self.detokenize(req.output) for x in s.stop):
+                reason = "stop"
+            elif len(req.output) >= s.max_new_tokens:
+                reason = "length"
+            if reason:
+                self._finish(req, reason)
+            outputs.append(StepOutput(req.id, [tok], reason is not None, reason))
+        return outputs
+
+    def run(self) -> None:
+        """Step until every request has finished."""
+        while self.has_unfinished():
+            if not self.step() and not self.running:
+                raise RuntimeError("the engine scheduled nothing while requests wait (cache too small?)")
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[list[int]]:
+        """Generated ids per prompt (prompt excluded), running the engine until all are done."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        self.run()
+        return [self.pop_finished(i).output for i in ids]
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.seq is not None:
+            self.cache.free(req.seq)
+            req.seq = None
+        if req in self.running:
+            self.running.remove(req)
+        req.status, req.finish_reason = FINISHED, reason
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s cache and put it first in the queue; it recomputes prompt + output later."""
+        self.cache.free(req.seq)
+        req.seq, req.status, req.computed = None, WAITING, 0
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.stats["preemptions"] += 1
