@@ -190,7 +190,7 @@ def cmd_heal(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvgraft.demo import demo
 
-    demo(args.model, out_dir=args.out)
+    demo(args.model, out_dir=args.out, full=args.full)
     return 0
 
 
@@ -332,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the `make demo` job: the reference model, its 4x MLA graft, and the two side by side")
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--out", default="runs/demo", help="where report.json goes")
+    p.add_argument("--full", action="store_true",
+                   help="the long version (minutes): perplexity on the whole held-out slice, the conversion's "
+                        "default 32K calibration tokens, more decode steps; default: a quick setting (16K held-out "
+                        "and 16K calibration tokens spread over the slices, fewer decode steps)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("ship", help="package a finished pretraining run as a reference model with its card")

@@ -152,7 +152,8 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------------
     def schedule(self) -> list[tuple[Request, int]]:
-        """Rows of the next step: (request, new tokens), decode rows first, then prefill chunks."""
+        """Rows of the next step: (request, new tokens), decode rows first, then prefill chunks; their
+        blocks are reserved here (preempting the latest-admitted requests when the pool runs out)."""
         budget = self.max_batch_tokens
         rows: list[tuple[Request, int]] = []
         for req in sorted(list(self.running), key=lambda r: len(r.tokens) - r.computed):  # decodes first
@@ -168,6 +169,7 @@ class Engine:
                     break
             if req not in self.running:
                 continue
+            self.cache.extend(req.seq, n)  # reserve now: the next rows see what is left
             rows.append((req, n))
             budget -= n
         while self.waiting and budget > 0 and self.cache.free_slots:
@@ -177,6 +179,7 @@ class Engine:
             if not self.cache.can_extend(seq, n):
                 self.cache.free(seq)
                 break
+            self.cache.extend(seq, n)
             self.waiting.popleft()
             req.seq, req.status, req.computed = seq, RUNNING, 0
             self.running.append(req)
