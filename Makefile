@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow install clean
+.PHONY: demo demo-full test test-slow install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m kvgraft demo
+
+demo-full: $(STAMP)
+	$(PY) -m kvgraft demo --full
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -115,9 +115,9 @@ def test_forked_sequences_share_blocks_and_diverge(kind):
 def test_preemption_under_a_tiny_pool_finishes_with_the_same_tokens(kind):
     model = reference(kind)
     ps = prompts(6, [40, 70, 33, 90, 64, 17], seed=2)
-    params = [SamplingParams(max_new_tokens=n, temperature=0.8, seed=i) for i, n in enumerate([30, 20, 40, 10, 25, 35])]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.8, seed=i) for i, n in enumerate([14, 9, 18, 6, 12, 16])]
     expected = [alone(model, p, s) for p, s in zip(ps, params)]
-    engine = Engine(model, num_blocks=12, block_size=16, max_seqs=6, max_batch_tokens=64)  # 192 tokens in all
+    engine = Engine(model, num_blocks=10, block_size=16, max_seqs=6, max_batch_tokens=64)  # 160 tokens in all
     got = engine.generate(ps, params)
     assert engine.stats["preemptions"] > 0
     assert got == expected

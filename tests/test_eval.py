@@ -174,16 +174,18 @@ def test_kv_memory_slot_sharing_halves_bytes():
 
 
 def test_decode_speed_points_and_cache_length(monkeypatch):
+    import kvgraft.eval.speed as speed
+    from kvgraft.serve.engine import Engine
+
     model = tiny_model()
-    caches = []
-    original = model.new_cache
+    engines = []
 
-    def recording(batch_size, max_len, dtype=None):
-        cache = original(batch_size, max_len, dtype)
-        caches.append(cache)
-        return cache
+    class Recording(Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
 
-    monkeypatch.setattr(model, "new_cache", recording)
+    monkeypatch.setattr(speed, "Engine", Recording)
     contexts, batches, new = (8, 20), (1, 3), 6
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # all contexts fit: no warning
@@ -193,9 +195,10 @@ def test_decode_speed_points_and_cache_length(monkeypatch):
         assert isinstance(p, SpeedPoint)
         assert p.tokens_per_s > 0 and p.ms_per_token_median > 0 and p.prefill_s > 0
         assert not p.beyond_max_positions
-    assert len(caches) == len(points) * 2
-    for cache, (c, b) in zip(caches, [(c, b) for c in contexts for b in batches for _ in range(2)]):
-        assert cache.batch_size == b and cache.max_len == c + new and cache.length == c + new
+    assert len(engines) == len(points) * 2
+    for engine, (c, b) in zip(engines, [(c, b) for c in contexts for b in batches for _ in range(2)]):
+        assert engine.cache.max_seqs == b and engine.cache.max_seq_len == c + new + 1
+        assert engine.stats["steps"] == 1 + new and engine.stats["tokens"] == b * (c + new)
 
 
 def test_decode_speed_warns_once_past_max_positions():

@@ -1,10 +1,12 @@
-"""Decode throughput: prefill a random prompt into a preallocated cache, then time single-token steps.
+"""Decode throughput through the serving engine: prefill random prompts, then time single-token steps.
 
 A measuring function only: it never asserts on timings. For every (context, batch) and repeat it
-allocates a cache of ``context + new_tokens``, times the prefill, then runs ``new_tokens`` greedy
-decode steps, timing each with ``time.perf_counter`` (synchronising the GPU when there is one). The
-first ``warmup`` steps of each repeat are run but not counted. Per repeat the median step latency is
-taken; the point reports the median over repeats (and the median prefill time).
+builds an engine (``kvgraft.serve.engine``) whose paged cache holds ``batch`` sequences of
+``context + new_tokens + 1`` tokens, adds ``batch`` greedy requests, times the first step (the whole
+prefill, which also samples the first token), then times each of the ``new_tokens`` decode steps
+(all rows at once) with ``time.perf_counter`` (synchronising the GPU when there is one). The first
+``warmup`` steps of each repeat are run but not counted. Per repeat the median step latency is taken;
+the point reports the median over repeats (and the median prefill time).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from kvgraft.serve.engine import Engine
+from kvgraft.serve.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -99,23 +104,28 @@ def decode_speed(
                     step_medians: list[float] = []
                     prefills: list[float] = []
                     for _ in range(repeats):
-                        cache = model.new_cache(batch, context + new_tokens, dtype)
+                        total = context + new_tokens + 1
+                        engine = Engine(model, num_blocks=batch * -(-total // 16), block_size=16,
+                                        max_seqs=batch, max_batch_tokens=batch * context, max_seq_len=total,
+                                        dtype=dtype)
+                        for row in prompt.tolist():
+                            engine.add_request(row, SamplingParams(max_new_tokens=new_tokens + 1))
                         _sync(device)
                         t0 = time.perf_counter()
-                        logits = model(prompt, cache=cache, last_only=True)
+                        engine.step()  # every prompt in one step
                         _sync(device)
                         prefills.append(time.perf_counter() - t0)
                         steps: list[float] = []
                         for step in range(new_tokens):
-                            nxt = logits[:, -1].argmax(dim=-1, keepdim=True)
-                            _sync(device)
                             t0 = time.perf_counter()
-                            logits = model(nxt, cache=cache)
+                            out = engine.step()
                             _sync(device)
+                            if len(out) != batch:
+                                raise RuntimeError(f"decode step {step} ran {len(out)} rows, expected {batch}")
                             if step >= warmup:
                                 steps.append(time.perf_counter() - t0)
                         step_medians.append(statistics.median(steps))
-                        del cache
+                        del engine
                     latency = statistics.median(step_medians)
                     points.append(
                         SpeedPoint(

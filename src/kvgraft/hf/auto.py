@@ -1,6 +1,6 @@
 """kvgraft's own checkpoint format as transformers Auto classes.
 
-After ``import kvgraft`` (which calls :func:`register_auto_classes`), a directory written by
+After ``import kvgraft.hf`` (which calls :func:`register_auto_classes`; ``import kvgraft`` alone stays light and does not import transformers), a directory written by
 ``kvgraft.hf.save_pretrained(model, dir, model_type="kvgraft")`` loads with
 ``transformers.AutoConfig.from_pretrained(dir)`` and ``transformers.AutoModelForCausalLM.from_pretrained(dir)``
 (MLA grafts, cross-layer sharing, causal encoder-decoders: anything kvgraft's Transformer runs).
@@ -88,15 +88,17 @@ def _model_config(body: Any) -> ModelConfig:
 class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
     """kvgraft's Transformer as a transformers causal LM (``self.model``), with ``lm_head`` at the top level.
 
-    ``generate`` keeps no KV cache: every step runs the whole sequence again (quadratic in its length).
-    kvgraft's own ``kvgraft.model.generate.generate(model.to_kvgraft(), ...)`` decodes with its cache.
-    Padding is not supported: ``attention_mask`` may only be all ones (give prompts of equal length).
+    ``generate`` runs kvgraft's continuous-batching engine over its paged cache (greedy or sampling with
+    temperature/top-p, eos and max_new_tokens from the generation config; left- or right-padded prompts
+    with an ``attention_mask``); other decoding strategies (beams, ...) are refused by name.
+    ``forward`` accepts a padded ``attention_mask``: each row's real tokens are attended at positions
+    0..n-1 of that row, and the logits of padding positions are zero.
     """
 
     config_class = KvgraftConfig
     base_model_prefix = "model"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _no_split_modules = ["Block", "CEDBlock"]
+    _no_split_modules = ["Block"]
 
     def __init__(self, config: KvgraftConfig) -> None:
         super().__init__(config)
@@ -147,18 +149,85 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast | tuple:
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("KvgraftForCausalLM needs input_ids; inputs_embeds is not supported")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                             f"{tuple(input_ids.shape)}")
         if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError(
-                "KvgraftForCausalLM does not support padding: attention_mask must be all ones "
-                "(give sequences of equal length)"
-            )
-        logits = self.lm_head(self.model(input_ids, positions=position_ids))
+            logits = self._padded_logits(input_ids, attention_mask.bool())
+        else:
+            logits = self.lm_head(self.model(input_ids, positions=position_ids))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         out = CausalLMOutputWithPast(loss=loss, logits=logits)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         return out if return_dict else out.to_tuple()
+
+    def _padded_logits(self, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab) of padded rows: the real tokens of each row run as one row of a batch
+        context over a throwaway paged cache (rows of different lengths, no padding attended)."""
+        from kvgraft.model.batch import BatchContext
+        from kvgraft.model.cache import PagedKVCache
+
+        lens = keep.sum(dim=1).tolist()
+        if min(lens) == 0:
+            raise ValueError("attention_mask has a row with no tokens")
+        cfg = self.config.model_config
+        bs = 16 * (cfg.compress_rate if cfg.is_ced else 1)
+        cache = PagedKVCache(cfg, num_blocks=sum(-(-n // bs) for n in lens), block_size=bs, max_seqs=len(lens),
+                             max_seq_len=max(lens), dtype=self.lm_head.weight.dtype, device=input_ids.device)
+        ctx = BatchContext(cache, [cache.add_sequence() for _ in lens], lens)
+        hidden = self.model(input_ids[keep], ctx=ctx)[0]  # (N, h), rows packed in order
+        logits = self.lm_head(hidden)
+        out = logits.new_zeros(*input_ids.shape, logits.shape[-1])
+        out[keep] = logits
+        return out
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 generation_config: Any = None, **kwargs: Any) -> torch.Tensor:
+        """(B, T + n) ids: each row's prompt (padding kept) then its new tokens, padded with pad_token_id
+        (else eos) after a row stops; decoded by kvgraft's engine (``kvgraft.serve.engine``)."""
+        import copy
+
+        from kvgraft.serve.engine import Engine
+        from kvgraft.serve.sampling import SamplingParams
+
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError("generate needs input_ids of shape (batch, length)")
+        gc = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
+        unused = gc.update(**kwargs)
+        unused = {k: v for k, v in unused.items() if v is not None and k not in ("use_cache", "return_dict")}
+        if unused:
+            raise ValueError(f"KvgraftForCausalLM.generate does not support {sorted(unused)}")
+        for name, ok in (("num_beams", 1), ("num_return_sequences", 1)):
+            if (getattr(gc, name, None) or 1) != ok:
+                raise ValueError(f"KvgraftForCausalLM.generate supports {name}=1 only, got {getattr(gc, name)}")
+        B, T = input_ids.shape
+        keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        prompts = [input_ids[r][keep[r]].tolist() for r in range(B)]
+        if any(not p for p in prompts):
+            raise ValueError("attention_mask has a row with no tokens")
+        max_new = gc.max_new_tokens if gc.max_new_tokens is not None else max(0, (gc.max_length or T) - T)
+        eos = gc.eos_token_id
+        eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        sample = bool(gc.do_sample)
+        seeds = torch.randint(0, 2**62, (B,)).tolist() if sample else [None] * B  # follows torch.manual_seed
+        params = [SamplingParams(max_new_tokens=max_new, temperature=float(gc.temperature or 1.0) if sample else 0.0,
+                                 top_p=float(gc.top_p or 1.0) if sample else 1.0, seed=seeds[r],
+                                 stop_token_ids=eos) for r in range(B)]
+        if max_new == 0:
+            return input_ids.clone()
+        total = max(len(p) for p in prompts) + max_new
+        cfg = self.config.model_config
+        bs = 16 * (cfg.compress_rate if cfg.is_ced else 1)
+        engine = Engine(self.to_kvgraft().eval(), num_blocks=B * -(-total // bs), block_size=bs, max_seqs=B,
+                        max_batch_tokens=max(sum(len(p) for p in prompts), 256), max_seq_len=total)
+        outs = engine.generate(prompts, params)
+        pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
+        width = max(len(o) for o in outs)
+        new = torch.tensor([o + [pad] * (width - len(o)) for o in outs], dtype=input_ids.dtype, device=input_ids.device)
+        return torch.cat([input_ids, new], dim=1)
 
     def to_kvgraft(self) -> Transformer:
         """kvgraft's Transformer holding this model's parameters (shared, not copied), in the same mode."""

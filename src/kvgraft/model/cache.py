@@ -233,19 +233,6 @@ class PagedKVCache:
         """Record ``new_tokens`` written (called once per forward, after every layer ran)."""
         self._get(seq).length += new_tokens
 
-    def truncate(self, seq: int, length: int) -> None:
-        """Forget tokens from ``length`` on (paged storage only: rings cannot rewind)."""
-        s = self._get(seq)
-        if self.layout.rings or self.layout.pending:
-            raise ValueError("truncate: sequences with window rings or pending blocks cannot rewind")
-        if not 0 <= length <= s.length:
-            raise ValueError(f"length ({length}) must be in [0, {s.length}]")
-        s.length = length
-        keep = math.ceil(length / self.block_size)
-        for b in s.blocks[keep:]:
-            self._release(b)
-        del s.blocks[keep:]
-
     # ---- accounting ------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:

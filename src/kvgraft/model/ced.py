@@ -111,7 +111,7 @@ class CEDAttention(LatentAttention):
         self.k_proj = nn.Linear(h, K * (self.dn + self.dr), bias=b)  # window keys (own hidden state)
         self.v_proj = nn.Linear(h, K * self.dv, bias=b)
         self.o_proj = nn.Linear(H * self.dv, h, bias=config.o_bias)
-        self.source = config.kv_source_of(layer)  # nearest kv_source layer at or before this one
+        self.source = config.kv_source_of(layer)  # nearest kv_source layer at or before this one (or None)
         self.is_source = self.source == layer
         if self.is_source:
             self.compressor = Compressor(config)

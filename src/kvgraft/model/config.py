@@ -259,9 +259,14 @@ class ModelConfig:
         return self.kv_source_layers[-1]
 
     def kv_source_of(self, layer: int) -> int | None:
-        """The nearest kv_source layer at or before ``layer`` (None: the layer reads only its window)."""
-        before = [s for s in self.kv_source_layers if s <= layer]
-        return before[-1] if before else None
+        """The layer whose stored KV ``layer`` reads: the one place cross-layer sharing is decided.
+
+        GQA/MLA: the first layer of its ``kv_slots`` slot (itself when it writes its own KV). A causal
+        encoder-decoder: the nearest kv_source layer at or before it (None: it reads only its window)."""
+        if self.is_ced:
+            before = [s for s in self.kv_source_layers if s <= layer]
+            return before[-1] if before else None
+        return self.kv_slots.index(self.kv_slots[layer])
 
     def kv_cache_bytes(self, context: int, bytes_per_value: int = 2) -> int:
         """KV cache bytes of one sequence holding ``context`` tokens: the paged cache's own layout table
@@ -275,7 +280,8 @@ class ModelConfig:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     def is_kv_writer(self, layer: int) -> bool:
-        return self.kv_slots.index(self.kv_slots[layer]) == layer
+        """Whether ``layer`` stores KV that it or later layers read (every CED layer writes its window)."""
+        return self.is_ced or self.kv_source_of(layer) == layer
 
     @property
     def num_slots(self) -> int:
@@ -297,43 +303,11 @@ class ModelConfig:
         return (sum(layout.paged.values()) + sum(layout.rings.values())) * bytes_per_value
 
     def num_parameters(self) -> int:
-        h, hd, H, K, f = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, self.intermediate_size
-        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
-        for layer in range(self.num_layers):
-            total += 3 * h * f + (2 * f + h) * self.mlp_bias + 2 * h
-            if self.attention_kinds[layer] == "ced":
-                total += self._ced_attention_parameters(layer)
-                continue
-            if self.attention_kinds[layer] == "mla":
-                dc, dr, dn, dv = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
-                if self.qk_norm:  # q_proj in the original basis, q_norm, q_mix
-                    total += h * H * hd + H * hd * self.qkv_bias + hd + H * (dn + dr) * hd
-                else:
-                    total += h * H * (dn + dr) + H * (dn + dr) * self.qkv_bias  # q_proj
-                total += h * (dc + dr) + (dc + dr) * self.qkv_bias + dc * self.mla_latent_norm  # kv_a
-                total += dc * H * (dn + dv) + H * (dn + dv) * self.qkv_bias  # kv_b
-                total += H * dv * h + h * self.o_bias
-                continue
-            total += h * H * hd + H * hd * h + H * hd * self.qkv_bias + h * self.o_bias + hd * self.qk_norm
-            if self.is_kv_writer(layer):
-                total += 2 * h * K * hd + 2 * K * hd * self.qkv_bias + hd * self.qk_norm
-        return total
+        """Parameters of the model this config builds (tied embeddings once), counted from the modules
+        themselves built on the meta device (``kvgraft.model.shapes``): shapes live in one place."""
+        from kvgraft.model.shapes import num_parameters
 
-    def _ced_attention_parameters(self, layer: int) -> int:
-        h, H, K, b = self.hidden_size, self.num_heads, self.num_kv_heads, self.qkv_bias
-        dc, dr, dn, dv = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
-        total = (h + b) * H * (dn + dr) + (h + b) * K * (dn + dr + dv) + H * dv * h + h * self.o_bias
-        if self.kv_source_of(layer) is not None:
-            total += (dc + b) * H * (dn + dv)  # kv_b: this layer's reading of the shared latent
-            if self.index_topk:
-                total += h * self.index_heads * (self.index_head_dim + 1)  # indexer queries and head weights
-        if layer in self.kv_source_layers:
-            total += (h + b) * (dc + dr) + dc * self.mla_latent_norm  # compressor kv_a (+ latent norm)
-            if self.index_topk:
-                total += h * self.index_head_dim  # indexer keys
-            if self.compress_rate > 1:
-                total += h * (dc + dr) + self.compress_rate * (dc + dr)  # gate_proj, gate_bias
-        return total
+        return num_parameters(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -40,7 +40,7 @@ class MLAttention(LatentAttention):
         self.dc, self.dr = config.kv_lora_rank, config.qk_rope_head_dim
         self.dn, self.dv = config.qk_nope_head_dim, config.v_head_dim
         self.writes_kv = config.is_kv_writer(layer)
-        self.source = config.kv_slots.index(config.kv_slots[layer])  # the layer that writes what this one reads
+        self.source = config.kv_source_of(layer)  # the layer that stores what this one reads
         self.window = config.window(layer)
         h, H = config.hidden_size, config.num_heads
         self.qk_norm = config.qk_norm

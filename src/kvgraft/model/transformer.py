@@ -52,7 +52,7 @@ class GQAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.window = config.window(layer)
         self.writes_kv = config.is_kv_writer(layer)
-        self.source = config.kv_slots.index(config.kv_slots[layer])  # the layer that writes what this one reads
+        self.source = config.kv_source_of(layer)  # the layer that stores what this one reads
         h, H, K, d = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(h, H * d, bias=config.qkv_bias)
         if self.writes_kv:  # a layer that only reads a shared slot has no K/V projections
