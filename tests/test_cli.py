@@ -144,3 +144,19 @@ def test_convert_heal_checklist_and_compare_end_to_end(tiny_dir, tmp_path, capsy
     for name in ("compare.md", "compare.json", "compare.png", "decode.png"):
         assert (report / name).stat().st_size > 0
     assert len(json.loads((report / "compare.json").read_text())) == 3
+
+
+def test_generate_streams_through_the_engine_and_stops_at_a_string(capsys):
+    assert main(["generate", "--prompt", "In the beginning", "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    full = capsys.readouterr().out.rstrip("\n")
+    assert full.startswith("In the beginning") and len(full) > len("In the beginning")
+    word = full[len("In the beginning"):].split()[2]
+    assert main(["generate", "--prompt", "In the beginning", "--max-new-tokens", "12", "--temperature", "0",
+                 "--stop", word]) == 0
+    stopped = capsys.readouterr().out.rstrip("\n")
+    assert full.startswith(stopped) and word not in stopped[len("In the beginning"):]
+    # checked before the model loads; a huge --max-new-tokens is refused, not allocated
+    for flags, message in ((["--top-p", "0"], "top_p (0.0)"), (["--max-new-tokens", "0"], "--max-new-tokens (0)"),
+                           (["--max-new-tokens", "1000000000"], "max_position_embeddings (512)")):
+        assert main(["generate", "--prompt", "x", *flags]) == 2
+        assert message in capsys.readouterr().err

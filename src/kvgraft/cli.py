@@ -97,23 +97,51 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
+    from kvgraft.serve.sampling import SamplingParams
+
+    # every value is checked before the model loads
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed, stop=tuple(args.stop or ()))
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens ({args.max_new_tokens}) must be >= 1")
 
     from kvgraft.hf import load_pretrained, load_tokenizer_dir
-    from kvgraft.model import generate
     from kvgraft.reference import resolve_model
+    from kvgraft.serve.engine import Engine
 
     path = resolve_model(args.model)
-    model = load_pretrained(path)
     tok = load_tokenizer_dir(path)
     if tok is None:
         raise FileNotFoundError(f"{path} has no tokenizer.json; generation needs one")
-    ids = torch.tensor([tok.encode(args.prompt)])
-    if ids.shape[1] == 0:
+    ids = tok.encode(args.prompt)
+    if not ids:
         raise ValueError("the prompt is empty after tokenization; give a non-empty --prompt")
-    out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   seed=args.seed, eos_token_id=model.config.eos_token_id)
-    print(tok.decode(out[0].tolist(), skip_special_tokens=True))
+    model = load_pretrained(path).eval()
+    limit = model.config.max_position_embeddings
+    if len(ids) + sampling.max_new_tokens > limit:
+        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({sampling.max_new_tokens}) exceeds the "
+                         f"model's max_position_embeddings ({limit})")
+    eos = model.config.eos_token_id
+    if eos is not None:
+        sampling = SamplingParams(**{**sampling.__dict__, "stop_token_ids": (eos,)})
+
+    def detok(out: list[int]) -> str:
+        return tok.decode(out, skip_special_tokens=True)
+
+    engine = Engine(model, max_seqs=1, max_seq_len=len(ids) + sampling.max_new_tokens, detokenize=detok)
+    rid = engine.add_request(ids, sampling)
+    print(detok(ids), end="", flush=True)
+    shown = ""
+    while engine.has_unfinished():  # stream: print what each step adds to the decoded text
+        engine.step()
+        text = detok(engine.requests[rid].output)
+        for stop in sampling.stop:
+            if stop in text:
+                text = text[: text.index(stop)]
+        if text.startswith(shown):
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    print()
     return 0
 
 
@@ -248,13 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for compare.md, compare.json and PNG plots")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("generate", help="sample text from a model (greedy, temperature, top-p)")
+    p = sub.add_parser("generate", help="sample text from a model through the engine (greedy, temperature, "
+                                        "top-p, stop strings), streamed")
     p.add_argument("model", nargs="?", default=None, help=model_help)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", help="stop when the output contains this text (repeatable)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("doctor", help="check-up before an MLA graft: architecture, KV bytes now and after, blockers")
