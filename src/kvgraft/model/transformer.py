@@ -151,6 +151,16 @@ class Transformer(nn.Module):
                 d = module.q_mix.shape[-1]
                 module.q_mix.copy_(torch.empty(module.q_mix.shape).normal_(0.0, d**-0.5, generator=gen))
 
+    def first_trainable_layer(self) -> int:
+        """Index of the first layer with a parameter that requires grad (0 when the embedding trains;
+        ``num_layers`` when no layer does)."""
+        if self.embed_tokens.weight.requires_grad:
+            return 0
+        for i, block in enumerate(self.layers):
+            if any(p.requires_grad for p in block.parameters()):
+                return i
+        return len(self.layers)
+
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None,
                   block_size: int | None = None) -> PagedKVCache:
         """A paged cache holding ``batch_size`` sequences of up to ``max_len`` tokens, already added:
@@ -197,8 +207,14 @@ class Transformer(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         if self.config.is_ced:
             cos, sin = rope_tables(self.config, cos, sin)
-        for block in self.layers:
-            if self.gradient_checkpointing and self.training and ctx.cache is None:
+        # Backward stops at the first trainable layer: the layers below it run without autograd and keep
+        # no activations (a decoder-side adapter trains through the decoder only), checkpointing or not.
+        first = self.first_trainable_layer() if torch.is_grad_enabled() else 0
+        for i, block in enumerate(self.layers):
+            if i < first:
+                with torch.no_grad():
+                    x = block(x, cos, sin, ctx)
+            elif self.gradient_checkpointing and self.training and ctx.cache is None:
                 x = checkpoint(block, x, cos, sin, ctx, use_reentrant=False)
             else:
                 x = block(x, cos, sin, ctx)

@@ -1,0 +1,169 @@
+"""LoRA adapters on kvgraft models, injected, saved and loaded by PEFT, plus what PEFT lacks.
+
+PEFT does the LoRA layers and the files: an adapter directory holds PEFT's own ``adapter_config.json``
+and ``adapter_model.safetensors`` (loadable with ``peft.PeftModel.from_pretrained``), plus
+``kvgraft_adapter.json`` with what PEFT has no place for: the placement by meaning, the exact modules it
+compiled to, the sharing certificate and the base model's fingerprint.
+
+The base is hosted as ``AdapterHost.model`` so module names are transformers' (``model.layers.4.self_attn.
+q_proj``): the same adapter files load on kvgraft's model, on ``KvgraftForCausalLM`` (the transformers
+Auto classes) and, for a stock DeepSeek-V3 export, on ``DeepseekV3ForCausalLM`` (see
+``kvgraft.adapters.export``). PEFT's ``target_modules`` gets the compiled full names, so the adapter sits
+exactly where the placement says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvgraft.adapters.certificate import Certificate, certify
+from kvgraft.adapters.placement import Placement, compile_placement
+from kvgraft.model.config import ModelConfig
+from kvgraft.model.transformer import Transformer
+
+META_FILE = "kvgraft_adapter.json"
+HOST_PREFIX = "model."
+INITS = ("default", "gaussian")
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """LoRA hyper-parameters. ``alpha`` defaults to 2 x rank (the seed's choice)."""
+
+    rank: int = 16
+    alpha: float | None = None
+    dropout: float = 0.0
+    init: str = "default"  # PEFT's: B = 0 (a fresh adapter changes nothing), A Kaiming-uniform | gaussian
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"rank ({self.rank!r}) must be a positive integer")
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", 2.0 * self.rank)
+        if not self.alpha > 0:
+            raise ValueError(f"alpha ({self.alpha!r}) must be > 0")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout ({self.dropout!r}) must be in [0, 1)")
+        if self.init not in INITS:
+            raise ValueError(f"init {self.init!r} is not one of {', '.join(INITS)}")
+
+
+class AdapterHost(nn.Module):
+    """kvgraft's Transformer under ``model`` (transformers' names); the forward is the Transformer's."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def base_fingerprint(config: ModelConfig) -> str:
+    """A hash of the base config: an adapter refuses a base it was not trained on."""
+    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def add_adapter(model: Transformer, placement: Placement, cfg: AdapterConfig | None = None):
+    """Wrap ``model`` (kept in place: its modules get LoRA layers) with a fresh PEFT LoRA adapter at
+    ``placement``; returns the ``peft.PeftModel``. Base weights are frozen, only the adapter trains."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = cfg or AdapterConfig()
+    modules = compile_placement(model.config, placement)
+    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
+                      target_modules=[HOST_PREFIX + m for m in modules],
+                      init_lora_weights=True if cfg.init == "default" else "gaussian")
+    peft_model = get_peft_model(AdapterHost(model), lora)
+    peft_model.kvgraft_meta = _meta(model.config, placement, modules, cfg)
+    return peft_model
+
+
+def _meta(config: ModelConfig, placement: Placement, modules: list[str], cfg: AdapterConfig) -> dict:
+    return {"format_version": 1, "base_fingerprint": base_fingerprint(config),
+            "base_config": config.to_dict(), "placement": placement.to_dict(), "modules": modules,
+            "adapter": asdict(cfg), "certificate": certify(config, modules).to_dict()}
+
+
+def adapter_modules(peft_model) -> list[str]:
+    return list(peft_model.kvgraft_meta["modules"])
+
+
+def certificate_of(peft_model) -> Certificate:
+    return Certificate.from_dict(peft_model.kvgraft_meta["certificate"])
+
+
+def transformer_of(peft_model) -> Transformer:
+    """The kvgraft Transformer inside a PeftModel (its modules carry the LoRA layers)."""
+    return peft_model.get_base_model().model
+
+
+def save_adapter(peft_model, out_dir: str | Path, extra: dict | None = None) -> Path:
+    """Write PEFT's files plus ``kvgraft_adapter.json`` into ``out_dir`` atomically (complete or absent)."""
+    from kvgraft.atomic import atomic_dir
+
+    out = Path(out_dir)
+    with atomic_dir(out, overwrite=True) as tmp:
+        peft_model.save_pretrained(str(tmp))
+        meta = dict(peft_model.kvgraft_meta, **(extra or {}))
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    return out
+
+
+def read_meta(adapter_dir: str | Path) -> dict:
+    path = Path(adapter_dir) / META_FILE
+    if not (Path(adapter_dir) / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{adapter_dir} is not an adapter directory (no adapter_config.json)")
+    if not path.is_file():
+        raise FileNotFoundError(f"{adapter_dir} has no {META_FILE}: not written by kvgraft (PEFT files alone "
+                                "carry no placement or certificate)")
+    return json.loads(path.read_text())
+
+
+def load_adapter(model: Transformer, adapter_dir: str | Path, trainable: bool = False):
+    """Attach a saved adapter to ``model``; refuses an adapter trained on another base."""
+    from peft import PeftModel
+
+    meta = read_meta(adapter_dir)
+    mine = base_fingerprint(model.config)
+    if meta["base_fingerprint"] != mine:
+        raise ValueError(f"adapter {adapter_dir} was trained on another base model (fingerprint "
+                         f"{meta['base_fingerprint']}, this model {mine})")
+    peft_model = PeftModel.from_pretrained(AdapterHost(model), str(adapter_dir), is_trainable=trainable)
+    peft_model.kvgraft_meta = meta
+    return peft_model
+
+
+def trainable_parameters(peft_model) -> int:
+    return sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+
+def dry_run(config: ModelConfig, placement: Placement, cfg: AdapterConfig | None = None) -> dict:
+    """What ``add_adapter`` would do, without building anything: every matched module with its shape and
+    LoRA parameter count, the total, and the certificate."""
+    from kvgraft.model.shapes import parameter_shapes
+
+    cfg = cfg or AdapterConfig()
+    modules = compile_placement(config, placement)
+    shapes = parameter_shapes(config)
+    rows = []
+    for m in modules:
+        out_f, in_f = shapes[f"{m}.weight"]
+        rows.append({"module": HOST_PREFIX + m, "in": in_f, "out": out_f, "lora_params": cfg.rank * (in_f + out_f)})
+    return {"modules": rows, "trainable_parameters": sum(r["lora_params"] for r in rows),
+            "base_parameters": config.num_parameters(), "certificate": certify(config, modules).to_dict()}
+
+
+@torch.no_grad()
+def randomize_adapter(peft_model, scale: float = 0.05, seed: int = 0) -> None:
+    """Give every LoRA A and B random non-zero values (tests, certificate checks)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in peft_model.named_parameters():
+        if "lora_A" in name or "lora_B" in name:
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
