@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from kvgraft.atomic import atomic_dir
@@ -36,13 +36,20 @@ def find_latest(out_dir: str | Path) -> Path | None:
 
 def save_checkpoint(
     out_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int, tokens: int,
-    elapsed_s: float, keep: int, extra: dict[str, Any] | None = None,
+    elapsed_s: float, keep: int, extra: dict[str, Any] | None = None, trainable_only: bool = False,
 ) -> Path:
+    """``trainable_only``: store only the parameters that train (an adapter run: the frozen base is not
+    copied into every checkpoint; it is loaded from the base model on resume)."""
     target = Path(out_dir) / "checkpoints" / f"{PREFIX}{step:08d}"
     with atomic_dir(target, overwrite=True) as tmp:
-        save_model(model, str(tmp / "model.safetensors"))
+        if trainable_only:
+            save_file({n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad},
+                      str(tmp / "model.safetensors"))
+        else:
+            save_model(model, str(tmp / "model.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        state = {"step": step, "tokens": tokens, "elapsed_s": elapsed_s, **(extra or {})}
+        state = {"step": step, "tokens": tokens, "elapsed_s": elapsed_s, "trainable_only": trainable_only,
+                 **(extra or {})}
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
     for old in checkpoint_dirs(out_dir)[:-keep]:
         shutil.rmtree(old)
@@ -52,9 +59,21 @@ def save_checkpoint(
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load weights (strict) and optimizer state from a checkpoint directory; return its state.json."""
     path = Path(path)
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+    state = json.loads((path / "state.json").read_text())
+    if state.get("trainable_only"):
+        saved = load_file(str(path / "model.safetensors"))
+        params = dict(model.named_parameters())
+        want = {n for n, p in params.items() if p.requires_grad}
+        if set(saved) != want:
+            raise ValueError(f"checkpoint {path} holds trainable parameters {sorted(set(saved) ^ want)[:5]} ... "
+                             "that do not match the model's")
+        with torch.no_grad():
+            for n, t in saved.items():
+                params[n].copy_(t)
+    else:
+        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    return json.loads((path / "state.json").read_text())
+    return state

@@ -47,6 +47,22 @@ def autocast(precision: str, device: torch.device | str):
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
+def make_accelerator() -> Accelerator:
+    """The Accelerator for this launch. Under torchrun or ``accelerate launch`` (WORLD_SIZE > 1) on a machine
+    without CUDA it needs ``cpu=True``: without it each process sees no distributed setup and trains alone
+    (world 1, the same data); with it they form one gloo group (``DistributedType.MULTI_CPU``)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return Accelerator(cpu=world > 1 and not torch.cuda.is_available())
+
+
+def _sum_over_processes(accelerator: Accelerator, values: list[float]) -> list[float]:
+    """Element-wise sum of ``values`` over every process (one all-reduce)."""
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    return accelerator.reduce(t, reduction="sum").tolist()
+
+
 def default_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: decay on matrices (dim >= 2), none on norms and biases; frozen params skipped."""
     decay, no_decay = [], []
@@ -155,6 +171,8 @@ def train(
     extra_state: dict[str, Any] | None = None,
     accelerator: Accelerator | None = None,
     val_loss_fn: LossFn | None = None,
+    checkpoint_trainable_only: bool = False,
+    eval_steps: Sequence[int] = (),
 ) -> TrainResult:
     """Train ``model`` in place; checkpoints, ``log.jsonl`` and ``loss.png`` go to ``out_dir``.
 
@@ -163,6 +181,8 @@ def train(
     ``param_groups`` override the default AdamW groups (each group may carry ``lr_scale``).
     ``extra_state`` (JSON-able) is stored in every checkpoint, e.g. the model config.
     ``val_loss_fn`` scores validation (default ``loss_fn``; distillation validates with ``lm_loss``).
+    ``checkpoint_trainable_only``: checkpoints hold only trainable parameters (adapters over a frozen base).
+    ``eval_steps``: validate after these steps too (besides every ``cfg.eval_every``).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -170,7 +190,7 @@ def train(
         raise ValueError("train_data is empty")
     # Mixed precision is ours (torch.autocast), not Accelerate's: its process-wide state cannot change
     # between runs in one process (pretrain then heal, tests), and the fp32-master rule is explicit here.
-    accelerator = accelerator or Accelerator()
+    accelerator = accelerator or make_accelerator()
     groups = param_groups if param_groups is not None else default_param_groups(model, cfg.weight_decay)
     for g in groups:
         g.setdefault("lr_scale", 1.0)
@@ -180,7 +200,7 @@ def train(
 
     step, tokens, elapsed_before = 0, 0, 0.0
     latest = find_latest(out_dir)
-    _check_config(out_dir, cfg)
+    _check_config(out_dir, cfg, write=accelerator.is_main_process)
     if latest is not None:
         state = load_checkpoint(latest, model, optimizer)
         step, tokens, elapsed_before = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
@@ -212,7 +232,7 @@ def train(
             save_checkpoint(
                 out_dir, accelerator.unwrap_model(model), optimizer, step=step, tokens=tokens,
                 elapsed_s=elapsed_before + time.perf_counter() - t_start, keep=cfg.keep_checkpoints,
-                extra=extra_state,
+                extra=extra_state, trainable_only=checkpoint_trainable_only,
             )
             log.plot()
 
@@ -220,6 +240,7 @@ def train(
         t_window, tok_window = time.perf_counter(), 0
         while step < cfg.max_steps:
             lr = cfg.lr_at(step)
+            t_step = time.perf_counter()
             for g in optimizer.param_groups:
                 g["lr"] = lr * g["lr_scale"]
             step_loss, step_metrics = 0.0, {}
@@ -246,7 +267,12 @@ def train(
                 grad_norm = float(accelerator.clip_grad_norm_(trainable, cfg.grad_clip))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            step_s = time.perf_counter() - t_step  # this step's compute alone (no evaluation, no checkpoint)
             step += 1
+            if world > 1:  # each process saw 1/world of the global batch: log (and check) the global mean
+                keys = sorted(step_metrics)
+                total = _sum_over_processes(accelerator, [step_loss] + [step_metrics[k] for k in keys])
+                step_loss, step_metrics = total[0] / world, {k: v / world for k, v in zip(keys, total[1:])}
             if not math.isfinite(step_loss):
                 raise FloatingPointError(f"loss is {step_loss} at step {step}; lower the learning rate")
             last_loss = step_loss
@@ -255,12 +281,14 @@ def train(
                 rate = tok_window / max(now - t_window, 1e-9)
                 t_window, tok_window = now, 0
                 log.write({"step": step, "loss": step_loss, "lr": lr, "tokens": tokens, "grad_norm": grad_norm,
-                           "tokens_per_s": rate, "elapsed_s": elapsed_before + now - t_start, **step_metrics})
+                           "tokens_per_s": rate, "step_s": step_s, "elapsed_s": elapsed_before + now - t_start,
+                           **step_metrics})
                 if progress is not None:
                     progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{rate:,.0f}", lr=f"{lr:.2e}")
             if progress is not None:
                 progress.update(1)
-            if val_data is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            due = (cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps)) or step in eval_steps
+            if val_data is not None and due:
                 val_loss = evaluate(model, val_data, val_loss_fn or loss_fn, cfg.micro_batch_size, cfg.eval_batches,
                                     accelerator.device, cfg.precision)
                 log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
@@ -268,9 +296,12 @@ def train(
                 if progress is not None:
                     progress.write(f"step {step}: val loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})")
             out_of_time = cfg.max_time_s is not None and time.perf_counter() - t_start >= cfg.max_time_s
-            if step % cfg.save_every == 0 or step == cfg.max_steps or stop.flag or out_of_time:
+            stop_now = stop.flag
+            if world > 1:  # stop together: a process that stopped alone would leave the others waiting
+                stop_now, out_of_time = (v > 0 for v in _sum_over_processes(accelerator, [stop.flag, out_of_time]))
+            if step % cfg.save_every == 0 or step == cfg.max_steps or stop_now or out_of_time:
                 checkpoint_now()
-            if stop.flag or out_of_time:
+            if stop_now or out_of_time:
                 stopped_early = step < cfg.max_steps
                 break
     if progress is not None:
@@ -282,8 +313,9 @@ def train(
 _RESUME_FREE_FIELDS = ("max_time_s", "progress", "gradient_checkpointing")
 
 
-def _check_config(out_dir: Path, cfg: TrainConfig) -> None:
-    """First run: write train_config.json. Later runs: refuse to resume under a different config."""
+def _check_config(out_dir: Path, cfg: TrainConfig, write: bool = True) -> None:
+    """First run: write train_config.json (``write``: the main process only). Later runs: refuse to resume
+    under a different config."""
     from kvgraft.atomic import atomic_write_text
 
     path = out_dir / "train_config.json"
@@ -298,4 +330,5 @@ def _check_config(out_dir: Path, cfg: TrainConfig) -> None:
                 f"{out_dir} holds a run with a different training config ({details}); "
                 "resume with the same settings or choose another output directory"
             )
-    atomic_write_text(path, json.dumps(mine, indent=2) + "\n")
+    if write:
+        atomic_write_text(path, json.dumps(mine, indent=2) + "\n")

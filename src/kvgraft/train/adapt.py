@@ -1,0 +1,242 @@
+"""The adapt recipe: train a placement-aware LoRA adapter on a task, on the one training loop.
+
+``adapt(base, task, out_dir, AdaptConfig(...))`` loads the base (a shipped reference model or any
+kvgraft-loadable checkpoint), encodes the task (``kvgraft.data.tasks``: loss masked to the answer),
+attaches a PEFT LoRA adapter at the placement, trains with the shared loop (checkpoints hold only the
+adapter; resumable), and writes:
+
+- ``out_dir/adapter/``: PEFT's ``adapter_config.json`` + ``adapter_model.safetensors`` and kvgraft's
+  ``kvgraft_adapter.json`` (placement, modules, sharing certificate, base fingerprint, training summary);
+- ``out_dir/result.json`` (written last, atomically: its presence means the run is complete): the
+  validation loss at every evaluation, the seed's protocol value (mean of the evaluations at 50%, 70% and
+  100% of the steps: steps 50, 70 and 100 of a 100-step run), test loss, test answer accuracy, step time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvgraft.adapters.lora import AdapterConfig
+from kvgraft.adapters.placement import Placement, get_preset
+
+RESULT_FILE = "result.json"
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    """One adapter run. ``preset`` gives placement and rank; ``placement``/``rank`` override it."""
+
+    preset: str | None = "decoder-half-r16"
+    placement: Placement | None = None
+    rank: int | None = None
+    alpha: float | None = None  # default 2 x rank
+    dropout: float = 0.0
+    freeze_kv_writers: bool = False
+    freeze: tuple[str, ...] = ()  # module globs whose adapter stays frozen
+    lr_multipliers: tuple[tuple[str, float], ...] = ()  # (module glob, factor)
+    loraplus_ratio: float | None = None
+    steps: int = 100
+    lr: float = 2e-3
+    warmup_steps: int = 10
+    micro_batch_size: int = 16
+    seed: int = 0  # adapter init and data order (the same data order for every placement at a seed)
+    eval_every: int = 0  # validate every N steps as well (0: only at 10%, 30% and the protocol's steps)
+    precision: str = "fp32"
+    gradient_checkpointing: bool = False
+    accuracy_examples: int = 200  # test problems answered by greedy generation (0: skip)
+    max_time_s: float | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.preset is None and (self.placement is None or self.rank is None):
+            raise ValueError("give a preset, or both placement and rank")
+        if self.preset is not None:
+            get_preset(self.preset)  # raises with the known names
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"eval_every ({self.eval_every!r}) must be an integer >= 0")
+        for name in ("steps", "micro_batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} ({v!r}) must be a positive integer")
+        if self.accuracy_examples < 0 or self.warmup_steps < 0:
+            raise ValueError(f"accuracy_examples ({self.accuracy_examples}) and warmup_steps ({self.warmup_steps}) "
+                             "must be >= 0")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            raise ValueError(f"lr ({self.lr!r}) must be a positive number")
+        object.__setattr__(self, "freeze", tuple(self.freeze))
+        object.__setattr__(self, "lr_multipliers", tuple((str(g), float(f)) for g, f in self.lr_multipliers))
+        self.adapter_config()  # validates rank/alpha/dropout
+
+    def resolved_placement(self) -> Placement:
+        p = self.placement if self.placement is not None else get_preset(self.preset).placement
+        if self.freeze_kv_writers and not p.freeze_kv_writers:
+            p = Placement(p.layers, p.modules, p.include, p.exclude, True)
+        return p
+
+    def adapter_config(self) -> AdapterConfig:
+        rank = self.rank if self.rank is not None else get_preset(self.preset).rank
+        return AdapterConfig(rank=rank, alpha=self.alpha, dropout=self.dropout)
+
+    def eval_steps(self) -> tuple[int, ...]:
+        """The seed's protocol: evaluations at 50%, 70% and 100% of the steps (50, 70, 100 of 100)."""
+        return tuple(sorted({max(1, round(self.steps * f)) for f in (0.5, 0.7, 1.0)}))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["placement"] = self.resolved_placement().to_dict()
+        return d
+
+
+def encode_split(tokenizer, examples, seq_len: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """Fixed-length items for the loop: ``input_ids`` (seq_len) and next-token ``labels`` (-100 on the
+    prompt and the padding)."""
+    from kvgraft.data.tasks import encode_example
+
+    items = []
+    for ex in examples:
+        ids, labels = encode_example(tokenizer, ex, seq_len + 1)
+        x, y = ids[:-1], labels[1:]
+        pad = seq_len - len(x)
+        items.append({"input_ids": torch.tensor(x + [pad_id] * pad), "labels": torch.tensor(y + [-100] * pad)})
+    return items
+
+
+def task_seq_len(tokenizer, splits, limit: int) -> int:
+    from kvgraft.data.tasks import encode_example
+
+    longest = max(len(encode_example(tokenizer, ex, 10**6)[0]) for exs in splits.values() for ex in exs) - 1
+    if longest > limit:
+        raise ValueError(f"the task's longest example is {longest + 1} tokens; the model takes {limit + 1}")
+    return longest
+
+
+def load_task_any(task: str | Path, seed: int = 0) -> tuple[str, dict]:
+    """A task directory (``kvgraft tasks NAME --out DIR``) or a task name (generated in memory)."""
+    from kvgraft.data.tasks import TASKS, generate_task, load_task, read_task_info
+
+    if str(task) in TASKS:
+        return str(task), generate_task(str(task), seed=seed)
+    path = Path(task)
+    if not path.is_dir():
+        raise FileNotFoundError(f"task {task!r} is neither a task name ({', '.join(TASKS)}) nor a task directory")
+    return read_task_info(path)["name"], load_task(path)
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    enc = tokenizer.encode(text)
+    return list(enc.ids) if hasattr(enc, "ids") else list(enc)
+
+
+def answer_accuracy(model, tokenizer, task_name: str, examples, max_new_tokens: int) -> float:
+    """Greedy answers (engine, batched) to ``examples``; the fraction ``is_correct`` accepts."""
+    from kvgraft.data.tasks import is_correct, tokenizer_eos_id
+    from kvgraft.serve.engine import Engine
+    from kvgraft.serve.sampling import SamplingParams
+
+    if not examples:
+        return float("nan")
+    eos = tokenizer_eos_id(tokenizer)
+    prompts = [_ids(tokenizer, ex.prompt) for ex in examples]
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    engine = Engine(model, max_seqs=min(64, len(prompts)), max_batch_tokens=2048,
+                    max_seq_len=min(longest, model.config.max_position_embeddings))
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=() if eos is None else (eos,))
+    outs = engine.generate(prompts, params)
+    texts = [tokenizer.decode(o) for o in outs]
+    return sum(is_correct(task_name, ex, t) for ex, t in zip(examples, texts)) / len(examples)
+
+
+def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: AdaptConfig | None = None,
+          dry_run: bool = False) -> dict[str, Any]:
+    """Train one adapter (see the module docstring); returns the result (also ``out_dir/result.json``).
+    ``dry_run``: only resolve the placement and return every matched module and the parameter count."""
+    from kvgraft.adapters.lora import add_adapter, certificate_of, dry_run as placement_dry_run, save_adapter
+    from kvgraft.adapters.lora import transformer_of
+    from kvgraft.adapters.optim import adapter_param_groups, freeze
+    from kvgraft.atomic import atomic_write_text
+    from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir
+    from kvgraft.reference import resolve_model
+    from kvgraft.train.config import TrainConfig
+    from kvgraft.train.loop import evaluate, lm_loss, train
+
+    cfg = cfg or AdaptConfig()
+    path = resolve_model(base)
+    placement = cfg.resolved_placement()
+    model_config = load_config(path)
+    report = placement_dry_run(model_config, placement, cfg.adapter_config())  # validates before any work
+    if dry_run:
+        return report
+    out = Path(out_dir)
+    done = out / RESULT_FILE
+    if done.is_file():
+        return json.loads(done.read_text())
+    task_name, splits = load_task_any(task, cfg.seed)
+    tokenizer = load_tokenizer_dir(path)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{path} has no tokenizer; adapting on a text task needs one")
+    model = load_pretrained(path).float()
+    seq_len = task_seq_len(tokenizer, splits, model.config.max_position_embeddings - 1)
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else (model.config.eos_token_id or 0)
+    data = {s: encode_split(tokenizer, exs, seq_len, pad) for s, exs in splits.items()}
+
+    torch.manual_seed(cfg.seed)  # the adapter's A matrices
+    peft_model = add_adapter(model, placement, cfg.adapter_config())
+    if cfg.freeze:
+        freeze(peft_model, cfg.freeze)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    groups = adapter_param_groups(peft_model, 0.0, dict(cfg.lr_multipliers), cfg.loraplus_ratio)
+    val_batches = math.ceil(len(data["validation"]) / cfg.micro_batch_size)
+    tcfg = TrainConfig(max_steps=cfg.steps, micro_batch_size=cfg.micro_batch_size, lr=cfg.lr,
+                       warmup_steps=cfg.warmup_steps, weight_decay=0.0, precision=cfg.precision,
+                       eval_every=cfg.eval_every, eval_batches=val_batches,
+                       save_every=max(1, cfg.steps // 2), keep_checkpoints=1, log_every=1, seed=cfg.seed,
+                       max_time_s=cfg.max_time_s, progress=cfg.progress, grad_clip=1.0,
+                       gradient_checkpointing=cfg.gradient_checkpointing)
+    t0 = time.perf_counter()
+    result = train(peft_model, data["train"], tcfg, out, val_data=data["validation"], loss_fn=lm_loss,
+                   param_groups=groups, checkpoint_trainable_only=True,
+                   eval_steps=sorted({max(1, round(cfg.steps * f)) for f in (0.1, 0.3)} | set(cfg.eval_steps())),
+                   extra_state={"adapt_config": cfg.to_dict()})
+    wall = time.perf_counter() - t0
+    if result.stopped_early:
+        return {"stopped_early": True, "step": result.step}
+    history = result.history
+    val = {h["step"]: h["val_loss"] for h in history if "val_loss" in h}
+    train_curve = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    step_times = [h["step_s"] for h in history if "step_s" in h][1:]  # the first pays one-time set-up
+    step_time = statistics.median(step_times) if step_times else wall / cfg.steps
+    protocol = [val[s] for s in cfg.eval_steps() if s in val]
+    test_loss = evaluate(peft_model, data["test"], lm_loss, cfg.micro_batch_size,
+                         math.ceil(len(data["test"]) / cfg.micro_batch_size), precision=cfg.precision)
+    accuracy = None
+    if cfg.accuracy_examples:
+        answer_tokens = max(len(_ids(tokenizer, ex.answer)) for ex in splits["test"][:cfg.accuracy_examples])
+        accuracy = answer_accuracy(transformer_of(peft_model).eval(), tokenizer, task_name,
+                                   splits["test"][:cfg.accuracy_examples], answer_tokens + 8)
+    summary = {"task": task_name, "base": str(path), "config": cfg.to_dict(), "steps": result.step,
+               "val_loss": {str(k): v for k, v in sorted(val.items())},
+               "val_loss_protocol": statistics.fmean(protocol) if protocol else None,
+               "protocol_steps": list(cfg.eval_steps()), "train_curve": train_curve, "test_loss": test_loss,
+               "test_accuracy": accuracy, "accuracy_examples": cfg.accuracy_examples,
+               "step_time_s": step_time, "wall_s": wall, "trainable_parameters": report["trainable_parameters"],
+               "certificate": certificate_of(peft_model).to_dict(), "seq_len": seq_len}
+    save_adapter(peft_model, out / "adapter", extra={"base": str(path), "training": {k: summary[k] for k in (
+        "task", "steps", "val_loss_protocol", "test_loss", "test_accuracy")}})
+    atomic_write_text(done, json.dumps(summary, indent=2) + "\n")
+    ckpts = out / "checkpoints"
+    if ckpts.is_dir():  # the adapter and the result are written; the resume state is no longer needed
+        import shutil
+
+        shutil.rmtree(ckpts)
+    return summary
+
+
+__all__ = ["AdaptConfig", "RESULT_FILE", "adapt", "answer_accuracy", "encode_split", "load_task_any"]
