@@ -239,3 +239,34 @@ def test_save_load_and_transformers_auto_classes_with_peft(tmp_path):
     with pytest.raises(ValueError, match="trained on another base"):
         load_adapter(build(CED.replace(qkv_bias=False)), out)
     assert transformer_of(again).first_trainable_layer() == 8  # loaded for inference: frozen
+
+
+def test_adapter_carries_to_the_stock_deepseek_v3_export(tmp_path):
+    """A stock DeepSeek-V3 export of an MLA model takes the adapter with peft.PeftModel.from_pretrained on
+    transformers' DeepseekV3ForCausalLM, with kvgraft's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from kvgraft.adapters.export import export_adapter_deepseek_v3
+    from kvgraft.hf import export_deepseek_v3
+
+    cfg = MLA.replace(qk_nope_head_dim=8, rms_norm_eps=1e-6)
+    base = build(cfg)
+    export_deepseek_v3(base, tmp_path / "stock", measure=False)
+    with pytest.raises(ValueError, match="MLP modules"):  # PEFT would drop them on deepseek_v3 (see export.py)
+        mlp = add_adapter(build(cfg), Placement("all", ("all-linear",)), AdapterConfig(rank=4))
+        save_adapter(mlp, tmp_path / "mlp")
+        export_adapter_deepseek_v3(tmp_path / "mlp", base, tmp_path / "mlp-ds")
+    pm = add_adapter(build(cfg), Placement("all", ("attention",)), AdapterConfig(rank=4))  # q, kv_a, kv_b, o
+    randomize_adapter(pm, 0.1)
+    save_adapter(pm, tmp_path / "adapter")
+    export_adapter_deepseek_v3(tmp_path / "adapter", base, tmp_path / "adapter-ds")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "stock", dtype=torch.float32)
+    hf = PeftModel.from_pretrained(stock, str(tmp_path / "adapter-ds")).eval()
+    x = ids(cfg)
+    with torch.no_grad():
+        want = pm(x)
+        got = hf(input_ids=x).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    with torch.no_grad(), hf.disable_adapter():  # the adapter really matters there
+        assert (hf(input_ids=x).logits - got).abs().max() > 1e-2

@@ -53,7 +53,7 @@ def test_demo_runs_the_setting_asked_for(tiny_dir, tmp_path, capsys, full):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"compression": 1.0}, "compression"),
-    ({"compression": 64.0}, "not enough for qk_rope_head_dim"),
+    ({"compression": 64.0}, "leaves 1 cached values per layer"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
 ])
 def test_bad_arguments_fail_before_any_work(tiny_dir, tmp_path, kwargs, message):

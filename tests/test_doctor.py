@@ -94,11 +94,11 @@ def test_llama_gqa_from_config_json(tmp_path):
     assert (report.num_layers, report.hidden_size, report.num_heads, report.num_kv_heads, report.head_dim) == (
         2, 64, 8, 2, 8)
     assert report.kv_width == 2 * 2 * 8
-    # defaults: d_c = 32 / 4 = 8, d_rope = head_dim = 8
-    assert (report.kv_lora_rank, report.qk_rope_head_dim) == (8, 8)
+    # the default rule (convert's): budget 32 / 4 = 8 values, d_rope = min(64, head_dim 8, 8 / 2) = 4, d_c = 4
+    assert (report.kv_lora_rank, report.qk_rope_head_dim) == (4, 4)
     assert report.kv_bytes_per_token_before == 2 * (2 * 2 * 8) * 2 == 128
-    assert report.kv_bytes_per_token_after == 2 * (8 + 8) * 2 == 64
-    assert report.kv_compression == pytest.approx(2.0) and report.kv_saving_pct == pytest.approx(50.0)
+    assert report.kv_bytes_per_token_after == 2 * (4 + 4) * 2 == 32
+    assert report.kv_compression == pytest.approx(4.0) and report.kv_saving_pct == pytest.approx(75.0)
     assert report.kv_cache[0]["bytes_before"] == 128 * 1024
     assert report.rope == {"rope_type": "default", "theta": 10000.0}
     assert report.tie_word_embeddings and not report.qkv_bias and not report.qk_norm
@@ -112,7 +112,7 @@ def test_llama_gqa_from_config_json(tmp_path):
     assert any("DeepSeek" in line and "64" in line for line in report.info)
     assert any("FlashMLA" in line and "miss" in line for line in report.fast_path)
     text = report.format()
-    assert "verdict: convertible" in text and "GQA 4:1" in text and "128 B now -> 64 B after" in text
+    assert "verdict: convertible" in text and "GQA 4:1" in text and "128 B now -> 32 B after" in text
     json.dumps(report.to_dict())  # JSON-ready
 
 
@@ -139,8 +139,8 @@ def test_qwen3_qk_norm_is_convertible_with_a_note(tmp_path):
     assert report.model_type == "qwen3" and report.attention_kind == "GQA 2:1"
     assert report.head_dim == 16 and report.qk_norm
     assert report.kv_bytes_per_token_before == 2 * (2 * 2 * 16) * 2 == 256
-    assert (report.kv_lora_rank, report.qk_rope_head_dim) == (16, 16)
-    assert report.kv_bytes_per_token_after == 2 * (16 + 16) * 2 == 128
+    assert (report.kv_lora_rank, report.qk_rope_head_dim) == (8, 8)  # budget 64 / 4 = 16, split evenly
+    assert report.kv_bytes_per_token_after == 2 * (8 + 8) * 2 == 64
     assert report.blockers == []
     assert any("Qwen3" in n and "linear fit" in n for n in report.notes)
     assert report.verdict == "convertible with notes" and report.num_parameters_after is not None
@@ -153,8 +153,8 @@ def test_mistral_sliding_window_from_config_json(tmp_path):
     assert report.model_type == "mistral" and report.attention_kind == "MQA"
     assert report.sliding_window == 64 and report.sliding_layers == [0, 1]
     assert report.kv_width == 2 * 1 * 16
-    assert (report.kv_lora_rank, report.qk_rope_head_dim) == (8, 16)
-    assert report.kv_bytes_per_token_before == 2 * 32 * 2 and report.kv_bytes_per_token_after == 2 * 24 * 2
+    assert (report.kv_lora_rank, report.qk_rope_head_dim) == (4, 4)  # MQA: budget 32 / 4 = 8, split evenly
+    assert report.kv_bytes_per_token_before == 2 * 32 * 2 and report.kv_bytes_per_token_after == 2 * 8 * 2
     assert report.warnings == [] and report.blockers == []
     assert any("sliding window" in n and "cannot express" in n for n in report.notes)
     assert report.verdict == "convertible with notes"
@@ -206,7 +206,7 @@ def test_rank_blockers_and_rope_notes():
     odd = doctor(cfg, kv_lora_rank=8, qk_rope_head_dim=3)
     assert [b.code for b in odd.blockers] == ["invalid_ranks"]
     wide = doctor(cfg, kv_lora_rank=8, qk_rope_head_dim=12)  # <= 16 but does not divide head_dim 8
-    assert wide.blockers == [] and any("rope_selection" in n for n in wide.notes)
+    assert wide.blockers == [] and any("'stride' RoPE selection" in n for n in wide.notes)
     shared = doctor(_cfg(num_layers=4, kv_slots=(0, 0, 2, 2)))
     assert [b.code for b in shared.blockers] == ["cross_layer_kv"]
     with pytest.raises(ValueError):
@@ -231,10 +231,12 @@ def test_attention_kinds_and_default_rank():
     assert attention_kind(32, 32) == "MHA"
     assert attention_kind(32, 8) == "GQA 4:1"
     assert attention_kind(32, 1) == "MQA"
-    assert default_kv_lora_rank(_cfg(hidden_size=4096, num_heads=32, num_kv_heads=8)) == 512  # 2048 / 4
-    assert default_kv_lora_rank(_cfg(hidden_size=96, num_heads=8, num_kv_heads=2)) == 16  # 48 / 4 = 12 -> 16
-    assert default_kv_lora_rank(_cfg(hidden_size=160, num_heads=8, num_kv_heads=2)) == 24  # 80 / 4 = 20 -> 24
-    assert default_kv_lora_rank(_cfg(hidden_size=16, num_heads=4, num_kv_heads=1)) == 8  # 8 / 4 = 2 -> at least 8
+    # convert's rule: budget = KV width / 4, d_rope = largest even <= min(64, head_dim, budget / 2), d_c the rest
+    assert default_kv_lora_rank(_cfg(hidden_size=4096, num_heads=32, num_kv_heads=8)) == 448  # 512 - 64
+    assert default_kv_lora_rank(_cfg(hidden_size=96, num_heads=8, num_kv_heads=2)) == 6  # 48 / 4 = 12 = 6 + 6
+    assert default_kv_lora_rank(_cfg(hidden_size=160, num_heads=8, num_kv_heads=2)) == 10  # 80 / 4 = 20 = 10 + 10
+    with pytest.raises(ValueError, match="leaves 2 cached values per layer"):  # 8 / 4: no room for RoPE + latent
+        default_kv_lora_rank(_cfg(hidden_size=16, num_heads=4, num_kv_heads=1))
 
 
 def test_to_dict_round_trips_json():

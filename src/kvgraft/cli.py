@@ -52,8 +52,11 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     from kvgraft.train.pretrain import pretrain
 
     result = pretrain(args.data, args.out, model=args.model, train_config=_train_config(args), seq_len=args.seq_len)
-    print(json.dumps({"step": result.step, "tokens": result.tokens, "train_loss": result.train_loss,
-                      "val_loss": result.val_loss, "stopped_early": result.stopped_early}))
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:  # one summary line under torchrun / accelerate launch too
+        print(json.dumps({"step": result.step, "tokens": result.tokens, "train_loss": result.train_loss,
+                          "val_loss": result.val_loss, "stopped_early": result.stopped_early}))
     return 0
 
 
@@ -68,9 +71,17 @@ def cmd_ship(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from kvgraft.checks import check_writable
     from kvgraft.eval import compare_table, evaluate, format_report
+    from kvgraft.eval.report import check_eval_args
     from kvgraft.reference import resolve_model
 
+    # every value is checked before any model or token file is read
+    check_eval_args(args.seq_len, args.max_tokens, args.contexts, args.batch_sizes, args.new_tokens)
+    if args.json:
+        check_writable(args.json, what="--json file")
+    if args.out:
+        check_writable(Path(args.out) / "compare.md", what="--out directory")
     results = []
     models = args.model or [None]
     paths = [resolve_model(name) for name in models]
@@ -100,6 +111,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvgraft.serve.sampling import SamplingParams
 
     # every value is checked before the model loads
+    from kvgraft.checks import check_text
+
+    check_text("--prompt", args.prompt)  # argv bytes that are not UTF-8 arrive as lone surrogates
+    for stop in args.stop or ():
+        check_text("--stop", stop)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed, stop=tuple(args.stop or ()))
     if sampling.max_new_tokens < 1:
@@ -116,11 +132,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = tok.encode(args.prompt)
     if not ids:
         raise ValueError("the prompt is empty after tokenization; give a non-empty --prompt")
-    model = load_pretrained(path).eval()
-    limit = model.config.max_position_embeddings
+    from kvgraft.hf import load_config
+
+    limit = load_config(path).max_position_embeddings  # checked on config.json, before the weights load
     if len(ids) + sampling.max_new_tokens > limit:
         raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({sampling.max_new_tokens}) exceeds the "
                          f"model's max_position_embeddings ({limit})")
+    model = load_pretrained(path).eval()
     eos = model.config.eos_token_id
     if eos is not None:
         sampling = SamplingParams(**{**sampling.__dict__, "stop_token_ids": (eos,)})
@@ -160,7 +178,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 0
     from kvgraft.graft.doctor import doctor
 
-    report = doctor(args.model, kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.rope_dim)
+    if args.json:
+        from kvgraft.checks import check_writable
+
+        check_writable(args.json, what="--json file")
+    report = doctor(args.model, kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.rope_dim,
+                    compression=args.compression, output_format=args.format)
     print(report.format())
     if args.json:
         from kvgraft.atomic import atomic_write_text
@@ -222,6 +245,46 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tasks(args: argparse.Namespace) -> int:
+    from kvgraft.data.tasks import SPLITS, TASK_SUMMARIES, TASKS, read_task_info, write_task
+
+    if args.list:
+        for name in TASKS:
+            print(f"{name:>10}: {TASK_SUMMARIES[name]}")
+        return 0
+    if args.name is None or args.out is None:
+        raise ValueError(f"give a task name ({', '.join(TASKS)}) and --out DIR, or --list")
+    if args.name not in TASKS:
+        raise ValueError(f"unknown task {args.name!r} (known: {', '.join(TASKS)})")
+    from kvgraft.reference import resolve_model
+
+    tokenizer, tokenizer_name = None, None
+    try:  # token counts with the reference model's tokenizer, when there is one
+        from kvgraft.data.tokenizer import load_tokenizer
+
+        path = resolve_model(args.tokenizer)
+        tokenizer, tokenizer_name = load_tokenizer(path), path.name
+    except (KvgraftError, FileNotFoundError) as exc:
+        if args.tokenizer is not None:
+            raise
+        print(f"kvgraft: note: no token counts ({exc})", file=sys.stderr)
+    out = write_task(args.name, args.out, seed=args.seed, tokenizer=tokenizer, tokenizer_name=tokenizer_name,
+                     overwrite=args.overwrite)
+    info = read_task_info(out)
+    tokens = info.get("tokens", {}).get("splits", {})
+    print(f"{args.name} (seed {args.seed}, generator v{info['generator_version']}) -> {out}")
+    for split in SPLITS:
+        line = f"{split:>10}: {info['sizes'][split]:>5} examples"
+        if split in tokens:
+            t = tokens[split]
+            line += f", {t['mean']:.1f} tokens per example (min {t['min']}, max {t['max']})"
+        print(line)
+    if tokens:
+        print(f"{'all':>10}: {info['tokens']['all']['mean']:.1f} tokens per example (prompt + answer, "
+              f"{tokenizer_name} tokenizer)")
+    return 0
+
+
 def _preset_name(name: str) -> str:
     """argparse type of ``pretrain --model``: checked when parsed, so that building the parser (and
     ``kvgraft --help``) does not import the model package, which imports torch."""
@@ -230,6 +293,93 @@ def _preset_name(name: str) -> str:
     if name not in PRESETS:
         raise argparse.ArgumentTypeError(f"unknown model preset {name!r} (choose from {', '.join(sorted(PRESETS))})")
     return name
+
+
+def _adapt_config(args: argparse.Namespace):
+    from kvgraft.adapters.placement import Placement
+    from kvgraft.train.adapt import AdaptConfig
+
+    mults = []
+    for item in args.lr_mult or ():
+        glob, sep, factor = item.rpartition("=")
+        if not sep or not glob:
+            raise ValueError(f"--lr-mult {item!r} must look like GLOB=FACTOR, e.g. '*.compressor.*=0.1'")
+        try:
+            mults.append((glob, float(factor)))
+        except ValueError:
+            raise ValueError(f"--lr-mult {item!r}: {factor!r} is not a number") from None
+    placement = None
+    if args.layers is not None or args.modules is not None or args.include or args.exclude:
+        layers = args.layers or "all"
+        if layers not in ("all", "encoder-half", "decoder-half") and not layers.startswith("from:"):
+            try:
+                layers = tuple(int(x) for x in layers.split(","))
+            except ValueError:
+                raise ValueError(f"--layers {args.layers!r}: all, encoder-half, decoder-half, from:K or a list "
+                                 "like 4,5,6") from None
+        placement = Placement(layers, tuple(args.modules or ("all-linear",)), tuple(args.include or ()),
+                              tuple(args.exclude or ()))
+    preset = None if placement is not None and args.rank is not None else args.preset
+    return AdaptConfig(preset=preset, placement=placement, rank=args.rank, alpha=args.alpha, dropout=args.dropout,
+                       freeze_kv_writers=args.freeze_kv_writers, freeze=tuple(args.freeze or ()),
+                       lr_multipliers=tuple(mults), loraplus_ratio=args.loraplus_ratio, steps=args.steps, lr=args.lr,
+                       micro_batch_size=args.micro_batch_size, seed=args.seed,
+                       gradient_checkpointing=args.gradient_checkpointing, accuracy_examples=args.accuracy_examples)
+
+
+def cmd_adapt(args: argparse.Namespace) -> int:
+    from kvgraft.train.adapt import adapt
+
+    cfg = _adapt_config(args)
+    result = adapt(args.base, args.task, args.out, cfg, dry_run=args.dry_run)
+    if args.dry_run:
+        for row in result["modules"]:
+            print(f"{row['module']:<48} {row['in']:>6} -> {row['out']:<6} {row['lora_params']:>10,}")
+        cert = result["certificate"]
+        print(f"{len(result['modules'])} modules, {result['trainable_parameters']:,} trainable parameters "
+              f"({100 * result['trainable_parameters'] / result['base_parameters']:.2f}% of the base's "
+              f"{result['base_parameters']:,})")
+        print(f"sharing certificate: {'shares the cache' if cert['shares_cache'] else 'private cache'}: {cert['reason']}")
+        print(f"  untouched cache groups: {', '.join(cert['untouched']) or '-'}")
+        print(f"  touched cache groups:   {', '.join(cert['touched']) or '-'}")
+        return 0
+    keys = ("task", "steps", "val_loss_protocol", "test_loss", "test_accuracy", "step_time_s", "trainable_parameters")
+    print(json.dumps({k: result.get(k) for k in keys} | {"adapter": str(Path(args.out) / "adapter")}))
+    return 0
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from kvgraft.train.experiment import DEFAULT_CONFIGS, placement_curve, placement_study
+
+    if args.sweep_first_layer:
+        curve = placement_curve(args.base, args.task, args.out, seeds=args.seeds, steps=args.steps, rank=args.rank,
+                                lr=args.lr, micro_batch_size=args.micro_batch_size)
+        print((Path(args.out) / "curve.md").read_text())
+        print(f"plot: {Path(args.out) / 'curve.png'}; pivot layer {curve['pivot']}")
+        return 0
+    placement_study(args.base, args.task, args.out, seeds=args.seeds, steps=args.steps,
+                    configs=tuple(args.configs or DEFAULT_CONFIGS), lr=args.lr,
+                    micro_batch_size=args.micro_batch_size, accuracy_examples=args.accuracy_examples)
+    print((Path(args.out) / "study.md").read_text())
+    print(f"curves: {Path(args.out) / 'curves.png'}")
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from kvgraft.adapters.probe import probe, probe_markdown
+
+    result = probe(args.adapter, args.task, base=args.base, steps=args.steps, micro_batch_size=args.micro_batch_size,
+                   val_examples=args.val_examples)
+    text = probe_markdown(result)
+    print(text)
+    if args.out:
+        from kvgraft.atomic import atomic_write_text
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "probe.md", text)
+        atomic_write_text(out / "probe.json", json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,8 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="check-up before an MLA graft: architecture, KV bytes now and after, blockers")
     p.add_argument("model", nargs="?", default=None, help=model_help)
-    p.add_argument("--kv-lora-rank", type=int, default=None, help="latent width d_c (default: KV width / 4)")
-    p.add_argument("--rope-dim", type=int, default=None, help="shared RoPE key width d_rope (default: head_dim)")
+    p.add_argument("--compression", type=float, default=None,
+                   help="per-layer KV reduction factor that sets the budget d_c + d_rope (default 4), as in convert")
+    p.add_argument("--kv-lora-rank", type=int, default=None,
+                   help="latent width d_c (default: convert's rule, docs/ranks.md)")
+    p.add_argument("--rope-dim", type=int, default=None,
+                   help="shared RoPE key width d_rope (default: convert's rule, docs/ranks.md)")
+    p.add_argument("--format", choices=["kvgraft", "deepseek_v3", "both"], default="kvgraft",
+                   help="the format convert would write (deepseek_v3/both: stock-exportable default ranks)")
     p.add_argument("--json", default=None, help="also write the report as JSON here")
     p.add_argument("--after", default=None,
                    help="a converted or healed model: run the seed's troubleshooting checklist on it instead")
@@ -310,11 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sliding-window", type=int, default=64, help="--to ced: window of every layer (tokens)")
     p.add_argument("--compress-rate", type=int, default=1, help="--to ced: tokens pooled per shared entry (m)")
     p.add_argument("--compression", type=float, default=None,
-                   help="per-layer latent KV reduction factor (default 4; 2 with --to ced); sets the latent "
-                        "rank when --kv-lora-rank is not given")
-    p.add_argument("--kv-lora-rank", type=int, default=None, help="latent width d_c cached per token per layer")
+                   help="per-layer KV reduction factor (default 4; 2 with --to ced): the budget d_c + d_rope = "
+                        "KV width / compression, split by the default rank rule (docs/ranks.md)")
+    p.add_argument("--kv-lora-rank", type=int, default=None,
+                   help="latent width d_c cached per token per layer (instead of --compression)")
     p.add_argument("--rope-dim", type=int, default=None,
-                   help="width of the shared RoPE key d_rope (default: the model's head_dim)")
+                   help="width of the shared RoPE key d_rope (default: the largest even width <= min(64, "
+                        "head_dim, budget / 2); a divisor of head_dim with --format deepseek_v3/both)")
     p.add_argument("--objective", choices=["weights", "activations", "attention"], default="attention",
                    help="latent initialisation: joint SVD of the weights, PCA of K/V outputs on calibration "
                         "text, or attention-aware (key error weighted by queries, value error by W_O)")
@@ -368,6 +526,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "and 16K calibration tokens spread over the slices, fewer decode steps)")
     p.set_defaults(func=cmd_demo)
 
+    p = sub.add_parser("tasks", help="write a synthetic fine-tuning task (geometry, ui-reply) as JSONL splits")
+    p.add_argument("name", nargs="?", default=None, help="task name (see --list)")
+    p.add_argument("--out", default=None, help="output directory (refused if not empty, unless --overwrite)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--list", action="store_true", help="list the tasks and exit")
+    p.add_argument("--tokenizer", default=None,
+                   help="model directory or reference model name whose tokenizer counts tokens per example "
+                        "(default: the default reference model's, when available)")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_tasks)
+
     p = sub.add_parser("ship", help="package a finished pretraining run as a reference model with its card")
     p.add_argument("run", help="pretraining run directory")
     p.add_argument("--data", required=True, help="the data directory the run trained on")
@@ -377,6 +546,62 @@ def build_parser() -> argparse.ArgumentParser:
                    help="another shipped reference model to compare with in the card (e.g. models/kvgraft-llama-8m)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_ship)
+
+    p = sub.add_parser("adapt", help="train a placement-aware LoRA adapter (PEFT format, sharing certificate)")
+    p.add_argument("base", nargs="?", default=None, help="base model (default: kvgraft-ced-8m's placement rules "
+                   "apply to any kvgraft/Llama-family model; default model kvgraft-llama-8m)")
+    p.add_argument("--task", required=True, help="task directory (kvgraft tasks NAME --out DIR) or name: geometry, ui-reply")
+    p.add_argument("--out", required=True, help="run directory (adapter in OUT/adapter, result in OUT/result.json)")
+    p.add_argument("--preset", default="decoder-half-r16",
+                   help="all-linear-r16, encoder-half-r16, decoder-half-r16, all-linear-r8, slim-attention-r16, "
+                        "no-mlp-down-r16 (default: decoder-half-r16)")
+    p.add_argument("--layers", default=None, help="all, encoder-half, decoder-half, from:K or a list like 4,5,6")
+    p.add_argument("--modules", nargs="+", default=None,
+                   help="module groups: all-linear attention attention-out query kv-writers mlp mlp-gate-up mlp-down")
+    p.add_argument("--include", nargs="+", default=None, help="module globs to add, e.g. 'layers.2.mlp.*'")
+    p.add_argument("--exclude", nargs="+", default=None, help="module globs to remove, e.g. '*.q_proj'")
+    p.add_argument("--freeze-kv-writers", action="store_true", help="keep the pivot's KV-writing projections frozen")
+    p.add_argument("--rank", type=int, default=None, help="LoRA rank (default: the preset's)")
+    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: 2 x rank)")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr-mult", action="append", help="per-module LR multiplier GLOB=FACTOR (repeatable)")
+    p.add_argument("--loraplus-ratio", type=float, default=None, help="LoRA+: B's LR as a multiple of A's")
+    p.add_argument("--freeze", action="append", help="module glob whose adapter stays frozen (repeatable)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--accuracy-examples", type=int, default=200, help="test problems answered greedily (0: skip)")
+    p.add_argument("--dry-run", action="store_true", help="list every matched module and the trainable count, then stop")
+    p.set_defaults(func=cmd_adapt)
+
+    p = sub.add_parser("experiment", help="placement studies over seeds (the seed's protocol) and the placement curve")
+    p.add_argument("kind", choices=["placement"])
+    p.add_argument("--base", default="kvgraft-ced-8m")
+    p.add_argument("--task", required=True, help="task directory or name (geometry, ui-reply)")
+    p.add_argument("--out", required=True, help="study directory (rerun the same command to continue)")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--configs", nargs="+", default=None,
+                   help="presets, optionally with '+frozen-kv-writers' (default: the seed's set)")
+    p.add_argument("--lr", type=float, default=None, help="skip the LR sweep and use this LR")
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--accuracy-examples", type=int, default=100, help="test problems answered greedily per run")
+    p.add_argument("--sweep-first-layer", action="store_true",
+                   help="the placement curve: adapters on layers k..L-1 for every k (needs --lr)")
+    p.add_argument("--rank", type=int, default=16, help="rank for --sweep-first-layer")
+    p.set_defaults(func=cmd_experiment)
+
+    p = sub.add_parser("probe", help="which adapter modules matter: gradient energy (rho_c) and zeroing ablation")
+    p.add_argument("adapter", help="an adapter directory written by kvgraft adapt (OUT/adapter)")
+    p.add_argument("--task", required=True, help="task directory or name (geometry, ui-reply)")
+    p.add_argument("--base", default=None, help="base model (default: the one the adapter was trained on)")
+    p.add_argument("--steps", type=int, default=8, help="micro-batches of gradient energy")
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--val-examples", type=int, default=224)
+    p.add_argument("--out", default=None, help="directory for probe.md and probe.json")
+    p.set_defaults(func=cmd_probe)
     return parser
 
 
@@ -385,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (KvgraftError, ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (KvgraftError, ValueError, OSError) as exc:  # OSError: unwritable outputs, full disks, ...
         print(f"kvgraft: error: {exc}", file=sys.stderr)
         return 2
 

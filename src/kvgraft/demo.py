@@ -85,8 +85,8 @@ def _samples(model, tok, max_new_tokens: int, seed: int) -> list[dict]:
 
 def _check_arguments(path: Path, out: Path, compression: float, max_new_tokens: int, seed: int) -> None:
     """Everything that can be checked before the first minute of work (ValueError/CheckpointError)."""
-    from kvgraft.graft.convert import ranks_for_compression
     from kvgraft.graft.mla import GraftConfig
+    from kvgraft.graft.ranks import default_ranks
     from kvgraft.hf import load_config
 
     if isinstance(compression, bool) or not isinstance(compression, (int, float)):
@@ -102,9 +102,11 @@ def _check_arguments(path: Path, out: Path, compression: float, max_new_tokens: 
         if not (path / needed).is_file():
             raise ValueError(f"{path} has no {needed}; the demo needs a model with the eval slices a shipped "
                              "reference model carries (see `kvgraft ship`)")
-    d_rope = config.head_dim
-    GraftConfig(kv_lora_rank=ranks_for_compression(config, compression, d_rope),
-                qk_rope_head_dim=d_rope).check_against(config)
+    ranks = default_ranks(config, compression=compression)  # convert's own rule
+    GraftConfig(kv_lora_rank=ranks.kv_lora_rank, qk_rope_head_dim=ranks.qk_rope_head_dim).check_against(config)
+    from kvgraft.checks import check_writable
+
+    check_writable(out / "report.json", what="demo output")
 
 
 def demo(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,8 +44,31 @@ def prepare_data(
     Returns (and writes to ``out_dir/prepare.json``) a summary with paths and, per
     split, documents, text bytes (UTF-8 of the documents, separators excluded), tokens
     (EOS included), and bytes per token (EOS excluded).
+
+    Values are checked before anything is written; on failure, whatever this call created
+    (``out_dir`` itself if it did not exist, else its ``corpus/``, ``tokenizer/``, ``tokens/``) is removed.
     """
+    from kvgraft.checks import check_writable
+    from kvgraft.data.tokenizer import _check_vocab_size
+
+    _check_vocab_size(vocab_size)
     out = Path(out_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise CorpusError(f"--out {out} exists and is not a directory")
+    check_writable(out / "prepare.json", what="output directory")
+    created = [out] if not out.exists() else [out / name for name in ("corpus", "tokenizer", "tokens")
+                                              if not (out / name).exists()]
+    try:
+        return _prepare(out, sources, vocab_size, seed, files, val_fraction, test_fraction, min_frequency,
+                        progress)
+    except BaseException:
+        for path in created:  # leave nothing behind (a rerun of a finished directory keeps its outputs)
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def _prepare(out: Path, sources, vocab_size, seed, files, val_fraction, test_fraction, min_frequency,
+             progress) -> dict:
     manifest = build_corpus(
         out / "corpus", sources=sources, files=files, val_fraction=val_fraction,
         test_fraction=test_fraction, seed=seed,

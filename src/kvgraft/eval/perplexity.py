@@ -177,6 +177,14 @@ def text_to_tokens(
     path = Path(text_file)
     if not path.is_file():
         raise FileNotFoundError(f"text file not found: {path}")
+    try:
+        return _text_to_tokens(path, tokenizer, eos_token_id, batch_size)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {exc.object[exc.start:exc.start + 1]!r} at offset "
+                         f"{exc.start}: {exc.reason}); convert it to UTF-8 first") from exc
+
+
+def _text_to_tokens(path: Path, tokenizer: Any, eos_token_id: int | None, batch_size: int) -> np.ndarray:
     chunks: list[list[int]] = []
     if _has_doc_separators(path):
         from kvgraft.data.corpus import iter_documents

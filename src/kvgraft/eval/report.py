@@ -49,6 +49,29 @@ def _resolve_tokens(
     )
 
 
+def check_eval_args(
+    seq_len: int | None = None, max_tokens: int | None = None, contexts: Sequence[int] = (128,),
+    batch_sizes: Sequence[int] = (1,), new_tokens: int = 32, batch_size: int = 8,
+) -> None:
+    """Raise ValueError naming the first bad value; runs before any model or token file is touched."""
+    def positive(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({value!r}) must be a positive integer")
+
+    for name, value in (("seq_len", seq_len), ("max_tokens", max_tokens)):
+        if value is not None:
+            positive(name, value)
+    if seq_len is not None and max_tokens is not None and max_tokens < seq_len:
+        raise ValueError(f"max_tokens ({max_tokens}) must be >= seq_len ({seq_len}) to score one window")
+    for name, values in (("contexts", contexts), ("batch_sizes", batch_sizes)):
+        if not len(values):
+            raise ValueError(f"{name} must list at least one value")
+        for v in values:
+            positive(f"{name} entry", v)
+    positive("new_tokens", new_tokens)
+    positive("batch_size", batch_size)
+
+
 def config_summary(config: Any) -> dict[str, Any]:
     """The shape facts a report shows: layers, heads, kv heads, head_dim, attention kinds, KV slots."""
     return {
@@ -98,12 +121,13 @@ def evaluate(
     """
     if model is None and model_path is None:
         raise ValueError("evaluate needs model_path (a model directory) or model (a loaded model)")
+    check_eval_args(seq_len, max_tokens, tuple(contexts), tuple(batch_sizes), new_tokens, batch_size)
+    if json_out is not None:
+        from kvgraft.checks import check_writable
+
+        check_writable(json_out, what="JSON report")
     path = Path(model_path) if model_path is not None else None
     source, payload = _resolve_tokens(path, tokens, text_file)
-    if model is None:
-        from kvgraft.hf import load_pretrained
-
-        model = load_pretrained(path, dtype=dtype)
     if source == "text_file":
         from kvgraft.hf import load_tokenizer_dir
 
@@ -116,6 +140,10 @@ def evaluate(
         token_source = str(payload)
     else:
         token_source = str(payload) if isinstance(payload, (str, Path)) else "array"
+    if model is None:  # once the tokens are known to be readable
+        from kvgraft.hf import load_pretrained
+
+        model = load_pretrained(path, dtype=dtype)
 
     config = model.config
     param_dtype = next(model.parameters()).dtype

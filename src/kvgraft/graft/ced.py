@@ -69,7 +69,9 @@ class CEDGraftConfig:
             raise ValueError("the share graft needs an MLA model without a latent norm (it folds the latent "
                              "into each layer's window keys)")
         if config.qk_norm:
-            raise ValueError("the share graft does not support per-head query/key norms (Qwen3)")
+            raise ValueError("the share graft needs an MLA model without per-head query/key norms (Qwen3): "
+                             "convert the original checkpoint with `kvgraft convert --to ced`, which replaces both "
+                             "norms by their least-squares linear fits (GraftConfig(qk_norm='linearise'))")
         ced_config(config, self)  # validates layers, window and rate with the config's own errors
 
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from kvgraft.atomic import atomic_dir
-from kvgraft.graft.mla import GraftConfig, graft_mla
+from kvgraft.graft.mla import GraftConfig, graft_mla, mla_model_config
+from kvgraft.graft.ranks import DEFAULT_CED_COMPRESSION, DEFAULT_COMPRESSION, default_ranks
 from kvgraft.model import ModelConfig
 
 FORMATS = ("kvgraft", "deepseek_v3", "both")
@@ -28,21 +29,14 @@ CALIBRATION = Path("eval") / "calibration.npy"
 
 
 def ranks_for_compression(config: ModelConfig, compression: float, qk_rope_head_dim: int) -> int:
-    """d_c such that each layer caches KV width / compression values (d_c + d_rope), rounded down."""
-    if compression <= 1:
-        raise ValueError(f"compression ({compression}) must be > 1 (original bytes / converted bytes)")
-    per_layer = int(config.kv_width / compression)
-    d_c = per_layer - qk_rope_head_dim
-    if d_c <= 0:
-        raise ValueError(
-            f"compression {compression}x leaves {per_layer} cached values per layer, not enough for "
-            f"qk_rope_head_dim ({qk_rope_head_dim}) plus a latent; lower the compression or the RoPE width"
-        )
-    return d_c
+    """d_c such that each layer caches KV width / compression values (d_c + d_rope), rounded down
+    (``kvgraft.graft.ranks.default_ranks`` with d_rope given)."""
+    return default_ranks(config, compression=compression, qk_rope_head_dim=qk_rope_head_dim).kv_lora_rank
 
 
 def load_calibration(
-    model_dir: Path, calibration: str | Path | None, tokens: int, seq_len: int, tokenizer=None
+    model_dir: Path, calibration: str | Path | None, tokens: int, seq_len: int, tokenizer=None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """(N, seq_len) calibration ids: from a .npy token file, a text file, or the model's shipped slice."""
     if calibration is None:
@@ -64,7 +58,11 @@ def load_calibration(
     n = min(tokens, len(stream)) // seq_len
     if n == 0:
         raise ValueError(f"calibration {path} has {len(stream)} tokens, fewer than one window of {seq_len}")
-    return torch.from_numpy(np.asarray(stream[: n * seq_len], dtype=np.int64)).view(n, seq_len)
+    ids = torch.from_numpy(np.asarray(stream[: n * seq_len], dtype=np.int64)).view(n, seq_len)
+    if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"calibration {path} holds token ids in [{int(ids.min())}, {int(ids.max())}], outside the "
+                         f"model's vocabulary [0, {vocab_size}); was it tokenized for another model?")
+    return ids
 
 
 def convert(
@@ -93,8 +91,11 @@ def convert(
 ) -> dict:
     """Convert ``model`` (a local checkpoint directory) to MLA and write it to ``out``.
 
-    ``kv_lora_rank`` (d_c) defaults to what ``compression`` leaves after the RoPE key;
-    ``qk_rope_head_dim`` defaults to the model's head_dim (one head's worth of RoPE frequencies).
+    Ranks not given come from the one rule of ``kvgraft.graft.ranks.default_ranks`` (shared with ``doctor``):
+    the budget is KV width / ``compression`` values per layer (default 4x; or an explicit ``kv_lora_rank``),
+    d_rope the largest even width <= min(64, head_dim, budget/2) (a divisor of head_dim for the stock
+    format), d_c the rest. Every argument (and the output path, device and calibration file) is checked
+    before the weights are loaded; weights with NaN/Inf are refused, naming the tensor.
     Defaults (objective "attention", layer-wise, RoPE expectation, rope_selection "auto" = "norm", or
     "stride" when a stock DeepSeek-V3 export is asked for) are the best of ``bench/mla_oneshot.py``.
     ``device`` holds the model and the calibration activations (e.g. "cuda" for a 7B model); the
@@ -108,14 +109,17 @@ def convert(
     layout is used as it is. Readers are fitted by least squares on the calibration tokens.
     ``compression`` defaults to 4 for MLA.
     """
+    from kvgraft.checks import check_device, check_writable
     from kvgraft.hf import load_pretrained, save_pretrained
-    from kvgraft.hf.load import load_tokenizer_dir
+    from kvgraft.hf.load import load_config, load_tokenizer_dir
     from kvgraft.reference import resolve_model
 
+    # ---- every argument is checked before the weights load or any work starts
     if output_format not in FORMATS:
         raise ValueError(f"format {output_format!r} is not one of {', '.join(FORMATS)}")
     if to not in TARGETS:
         raise ValueError(f"target {to!r} is not one of {', '.join(TARGETS)}")
+    stock = output_format in ("deepseek_v3", "both")
     if to == "ced":
         if output_format != "kvgraft":
             raise ValueError(f"a causal encoder-decoder is written in kvgraft's format only, not {output_format!r}")
@@ -124,41 +128,81 @@ def convert(
                              "need one layout ('shared', 'stride' or 'auto')")
         if objective == "weights":
             raise ValueError("--to ced fits the readers on calibration text; objective 'weights' has none")
-    compression = compression or (2.0 if to == "ced" else 4.0)
+        for name, value in (("sliding_window", sliding_window), ("compress_rate", compress_rate)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    for name, value in (("calibration_tokens", calibration_tokens), ("calibration_seq_len", calibration_seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    check_device(device)
     src = resolve_model(model)
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
-    t0 = time.perf_counter()
-    original = load_pretrained(src, dtype=torch.float32, device=device)
-    config = original.config
-    d_rope = qk_rope_head_dim or config.head_dim
+    check_writable(out, what="output directory")
+    config = load_config(src)  # config.json only: the weights load once everything else is known to be right
+    seq_len = min(calibration_seq_len, config.max_position_embeddings)
+    if calibration_tokens < seq_len and objective != "weights":
+        raise ValueError(f"calibration_tokens ({calibration_tokens}) must be at least one calibration sequence "
+                         f"({seq_len} tokens)")
     already_mla = to == "ced" and set(config.attention_kinds) == {"mla"}  # skip the MLA step
     if already_mla:
         d_rope, d_c = config.qk_rope_head_dim, config.kv_lora_rank
+        rank_notes: tuple[str, ...] = ()
     else:
-        d_c = kv_lora_rank or ranks_for_compression(config, compression, d_rope)
+        ranks = default_ranks(config, compression=compression, kv_lora_rank=kv_lora_rank,
+                              qk_rope_head_dim=qk_rope_head_dim, stock=stock,
+                              default_compression=DEFAULT_CED_COMPRESSION if to == "ced" else DEFAULT_COMPRESSION)
+        d_c, d_rope, rank_notes = ranks.kv_lora_rank, ranks.qk_rope_head_dim, ranks.how
     if rope_selection == "auto":  # the best measured ("norm") unless a stock export needs DeepSeek's layout
-        rope_selection = ("stride" if output_format in ("deepseek_v3", "both")
-                          else "shared" if to == "ced" else "norm")
+        rope_selection = "stride" if stock else "shared" if to == "ced" else "norm"
+    graft = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
+                        rope_selection=rope_selection, layerwise=layerwise, layers=layers,
+                        rope_expectation=rope_expectation and objective != "weights",
+                        qk_norm="linearise" if to == "ced" else "keep")
+    if rope_selection == "stride" and (d_rope > config.head_dim or config.head_dim % d_rope):
+        raise ValueError(f"rope selection 'stride' needs d_rope ({d_rope}) to divide head_dim ({config.head_dim}); "
+                         f"pass --rope-dim with a divisor of {config.head_dim} or leave it to the default rule")
+    # the config the graft will produce (its RoPE layout stands in for the one calibration will choose)
+    predicted = config
+    if not already_mla:
+        graft.check_against(config)
+        half = config.head_dim // 2
+        layout = tuple(range(0, half, config.head_dim // d_rope)) if config.head_dim % d_rope == 0 \
+            else tuple(i % half for i in range(d_rope // 2))  # (wider than a head: pairs from several heads)
+        predicted = mla_model_config(config, graft, {i: layout for i in range(config.num_layers)})
     ced_graft = None
     if to == "ced":
         from kvgraft.graft.ced import CEDGraftConfig, default_kv_sources
 
-        ced_graft = CEDGraftConfig(kv_source_layers=kv_source_layers or default_kv_sources(config.num_layers),
-                                   sliding_window=sliding_window, compress_rate=compress_rate)
-        if already_mla:
-            ced_graft.check_against(config)
-    graft = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
-                        rope_selection=rope_selection, layerwise=layerwise, layers=layers,
-                        rope_expectation=rope_expectation and objective != "weights")
-    if not already_mla:
-        graft.check_against(config)
+        sources = default_kv_sources(config.num_layers) if kv_source_layers is None else kv_source_layers
+        ced_graft = CEDGraftConfig(kv_source_layers=sources, sliding_window=sliding_window,
+                                   compress_rate=compress_rate)
+        ced_graft.check_against(predicted)
+    if stock:
+        from kvgraft.errors import UnsupportedModelError
+        from kvgraft.hf.deepseek import _config_problems, _stock_rope
+
+        problems = _config_problems(predicted)
+        if problems:
+            raise UnsupportedModelError("cannot export to stock DeepSeek-V3 (--format " + output_format + "): "
+                                        + "; ".join(problems) + "; use --format kvgraft")
+        _stock_rope(predicted)
     tokenizer = load_tokenizer_dir(src)
     calib = None
     if objective != "weights":
-        seq_len = min(calibration_seq_len, config.max_position_embeddings)
-        calib = load_calibration(src, calibration, calibration_tokens, seq_len, tokenizer)
+        calib = load_calibration(src, calibration, calibration_tokens, seq_len, tokenizer, config.vocab_size)
+
+    # ---- the work
+    t0 = time.perf_counter()
+    original = load_pretrained(src, dtype=torch.float32, device=device)  # refuses NaN/Inf weights, naming them
+    if stock:
+        from kvgraft.hf.deepseek import _weight_problems
+
+        problems = _weight_problems(original)
+        if problems:
+            raise UnsupportedModelError("cannot export to stock DeepSeek-V3 (--format " + output_format + "): "
+                                        + "; ".join(problems) + "; use --format kvgraft")
     t_load = time.perf_counter() - t0
     t1 = time.perf_counter()
     converted = original if already_mla else graft_mla(original, graft, calib, progress=progress)
@@ -176,6 +220,7 @@ def convert(
         "source": str(src),
         "to": to,
         "graft": None if already_mla else asdict(graft),
+        "ranks_chosen": list(rank_notes),
         "share_graft": ced_report,
         "kv_cache_bytes_bf16": {str(n): {"original": config.kv_cache_bytes(n, 2),
                                          "converted": converted.config.kv_cache_bytes(n, 2)} for n in (512, 4096)},
@@ -200,6 +245,7 @@ def convert(
             report = export_deepseek_v3(converted, tmp / "deepseek_v3", tokenizer_dir=tok_dir, calibration=calib)
             record["formats"].append("deepseek_v3")
             record["deepseek_v3"] = report.to_dict() if hasattr(report, "to_dict") else asdict(report)
+            record["deepseek_v3"]["path"] = str(out / "deepseek_v3")  # where it ends up, not the temporary path
         if (src / "eval").is_dir():
             shutil.copytree(src / "eval", tmp / "eval")
         (tmp / "conversion.json").write_text(json.dumps(record, indent=2, default=str) + "\n")

@@ -5,9 +5,9 @@ and returns a :class:`DoctorReport`: the architecture facts that matter to the g
 token before and after conversion at the chosen ranks, the KV-cache size per sequence at a few context
 lengths, fast-path notes (FlashMLA), warnings, compatibility notes and blockers, and a one-line verdict.
 
-Default ranks: ``d_c`` (kv_lora_rank) = KV width / 4 rounded to a multiple of 8, where the KV width is
-``2 x num_kv_heads x head_dim`` values per layer; ``d_rope`` (qk_rope_head_dim) = head_dim, one head's
-worth of RoPE key (DeepSeek-V2/V3 use 64 for head_dim 128).
+Default ranks: the one rule ``kvgraft convert`` uses (``kvgraft.graft.ranks.default_ranks``): a budget of
+KV width / 4 values per layer (KV width = ``2 x num_kv_heads x head_dim``), d_rope the largest even width
+<= min(64, head_dim, budget/2), d_c the rest; see ``docs/ranks.md``.
 
 Sizes use decimal units (1 GB = 10^9 bytes, 1 MB = 10^6 bytes).
 """
@@ -289,8 +289,10 @@ def attention_kind(num_heads: int, num_kv_heads: int) -> str:
 
 
 def default_kv_lora_rank(config: ModelConfig) -> int:
-    """KV width / 4, rounded to the nearest multiple of 8 (halves up; at least 8)."""
-    return max(8, 8 * int(config.kv_width / 4 / 8 + 0.5))
+    """The default d_c of ``doctor`` and ``convert`` (``kvgraft.graft.ranks.default_ranks`` at 4x)."""
+    from kvgraft.graft.ranks import default_ranks
+
+    return default_ranks(config).kv_lora_rank
 
 
 def _load(model: str | os.PathLike | ModelConfig | None) -> tuple[ModelConfig, str | None, str | None]:
@@ -366,32 +368,37 @@ def doctor(
     kv_lora_rank: int | None = None,
     qk_rope_head_dim: int | None = None,
     dtype_bytes: int = 2,
+    compression: float | None = None,
+    output_format: str = "kvgraft",
 ) -> DoctorReport:
     """Check whether (and how well) ``model`` converts to MLA at the given ranks; nothing is loaded but
     ``config.json``.
 
     ``model``: a checkpoint directory, the name of a shipped reference model (None: the default one),
-    or a ``ModelConfig``. ``kv_lora_rank`` (d_c) defaults to KV width / 4 rounded to a multiple of 8;
-    ``qk_rope_head_dim`` (d_rope) to head_dim. ``dtype_bytes``: bytes per cached value (2: bf16/fp16).
+    or a ``ModelConfig``. Ranks not given come from the rule ``convert`` uses
+    (``kvgraft.graft.ranks.default_ranks``): ``compression`` (default 4) or ``kv_lora_rank`` sets the budget;
+    ``output_format`` "deepseek_v3"/"both" makes the rule pick a stock-exportable d_rope, as convert does.
+    ``dtype_bytes``: bytes per cached value (2: bf16/fp16).
 
     Raises ``kvgraft.errors.CheckpointError`` for a missing or unreadable checkpoint (and
     ``UnsupportedModelError`` for a model kvgraft cannot load), ``ValueError`` for a non-positive rank or
     ``dtype_bytes``. Problems with the conversion itself are reported as blockers, not raised.
     """
+    from kvgraft.graft.ranks import default_ranks
+
+    formats = ("kvgraft", "deepseek_v3", "both")  # kvgraft.graft.convert.FORMATS (not imported: it needs torch)
+    if output_format not in formats:
+        raise ValueError(f"format {output_format!r} is not one of {', '.join(formats)}")
     config, source, model_type = _load(model)
     dtype_bytes = _positive_int("dtype_bytes", dtype_bytes)
-    info: list[str] = []
-    if kv_lora_rank is None:
-        d_c = default_kv_lora_rank(config)
-        info.append(f"d_c defaulted to KV width / 4 = {config.kv_width} / 4, rounded to a multiple of 8: {d_c}")
-    else:
-        d_c = _positive_int("kv_lora_rank", kv_lora_rank)
-    if qk_rope_head_dim is None:
-        d_rope = config.head_dim
-        info.append(f"d_rope defaulted to head_dim = {d_rope} (one head's worth of RoPE key); "
-                    "DeepSeek-V2/V3 use 64 for head_dim 128")
-    else:
-        d_rope = _positive_int("qk_rope_head_dim", qk_rope_head_dim)
+    ranks = default_ranks(config, compression=compression, kv_lora_rank=kv_lora_rank,
+                          qk_rope_head_dim=qk_rope_head_dim, stock=output_format != "kvgraft")
+    d_c, d_rope = ranks.kv_lora_rank, ranks.qk_rope_head_dim
+    info = list(ranks.how)
+    if ranks.how:
+        info.insert(0, "ranks from the default rule, the same as kvgraft convert's (docs/ranks.md):")
+        info.append("DeepSeek-V2/V3 cache d_c = 512 plus d_rope = 64; the rule gives exactly that at a 576-value "
+                    "budget")
 
     L, K, hd = config.num_layers, config.num_kv_heads, config.head_dim
     before = config.kv_bytes_per_token(dtype_bytes)
@@ -442,9 +449,9 @@ def doctor(
         rope = _rope_dict(config)
         notes.append(f"RoPE scaling {_rope_text(rope)} is carried over to the MLA RoPE key")
     if d_rope <= K * hd and (d_rope > hd or hd % d_rope):
-        notes.append(f"d_rope ({d_rope}) does not divide head_dim ({hd}): the default 'stride' RoPE selection "
-                     "(DeepSeek's frequency layout, stock-exportable) cannot be used; use rope_selection "
-                     "'norm' (kvgraft format only)")
+        notes.append(f"d_rope ({d_rope}) does not divide head_dim ({hd}): the 'stride' RoPE selection "
+                     "(DeepSeek's frequency layout, needed for a stock DeepSeek-V3 export) cannot be used; "
+                     "convert's default 'norm' selection (kvgraft format) can")
 
     blockers = _blockers(config, d_c, d_rope)
     params_after = None

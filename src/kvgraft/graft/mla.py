@@ -23,6 +23,7 @@ from kvgraft.model.batch import DenseContext
 
 OBJECTIVES = ("weights", "activations", "attention")
 ROPE_SELECTIONS = ("stride", "norm", "shared")
+QK_NORMS = ("keep", "linearise")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class GraftConfig:
     # attention-distance profile instead of none (identity); needs calibration text.
     rope_expectation: bool = True
     layers: tuple[int, ...] | None = None  # progressive grafting: convert only these (default all)
+    # Per-head q/k RMSNorms (Qwen3): the key norm is always replaced by its least-squares linear fit (no
+    # linear latent can reproduce it); "keep" keeps the query norm (q_norm + a per-head map q_mix),
+    # "linearise" fits it too, so the result has no norms inside attention (what the share graft needs).
+    qk_norm: str = "keep"
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank <= 0:
@@ -51,6 +56,8 @@ class GraftConfig:
             raise ValueError(f"objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
         if self.rope_selection not in ROPE_SELECTIONS:
             raise ValueError(f"rope_selection {self.rope_selection!r} is not one of {', '.join(ROPE_SELECTIONS)}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
 
     def check_against(self, config: ModelConfig) -> None:
         """Raise ValueError naming the value when this graft cannot apply to ``config``."""
@@ -73,12 +80,16 @@ class GraftConfig:
             )
         if config.num_slots != config.num_layers:
             raise ValueError("models with cross-layer KV sharing cannot be grafted")
+        if config.qk_norm and self.qk_norm == "linearise" and len(set(layers)) != config.num_layers:
+            raise ValueError("qk_norm 'linearise' removes the q/k norms from the whole model, so every layer must "
+                             "be converted (layers=None)")
 
 
 def mla_model_config(config: ModelConfig, g: GraftConfig, rope_index: dict[int, tuple[int, ...]]) -> ModelConfig:
     layers = g.layers if g.layers is not None else tuple(range(config.num_layers))
     kinds = tuple("mla" if i in layers else k for i, k in enumerate(config.attention_kinds))
     return config.replace(
+        qk_norm=config.qk_norm and g.qk_norm != "linearise",
         attention_kinds=kinds, kv_lora_rank=g.kv_lora_rank, qk_rope_head_dim=g.qk_rope_head_dim,
         qk_nope_head_dim=config.head_dim, v_head_dim=config.head_dim,
         rope_freq_index=tuple(rope_index.get(i, ()) for i in range(config.num_layers)),
@@ -137,11 +148,17 @@ def graft_mla(
         if layer in layers:
             weights = _gqa_weights(block.self_attn)
             q_norm = None
-            if config.qk_norm:  # Qwen3: keep the query norm, linearise the key norm
-                q_norm = block.self_attn.q_norm.weight.detach().cpu()
-                weights.k = _linearised_keys(block, source if calibration is not None else None, C, batch_size)
+            if config.qk_norm:  # Qwen3: linearise the key norm; keep the query norm or linearise it too
+                x_fit = source if calibration is not None else None
+                weights.k = _linearised_keys(block, x_fit, C, batch_size)
                 if weights.k_bias is not None:  # the fitted map already accounts for it (no intercept kept)
                     weights.k_bias = torch.zeros_like(weights.k_bias)
+                if g.qk_norm == "linearise":
+                    weights.q = _linearised(block, "q", x_fit, C, batch_size)
+                    if weights.q_bias is not None:
+                        weights.q_bias = torch.zeros_like(weights.q_bias)
+                else:
+                    q_norm = block.self_attn.q_norm.weight.detach().cpu()
             expectation = None
             if g.rope_expectation and calibration is not None:
                 profile = _distance_profile(block, source, cos, sin, batch_size)
@@ -160,7 +177,8 @@ def graft_mla(
             x_orig_next = _run_block(block, x_orig, cos, sin, config, layer, batch_size)
             if g.layerwise and layer in layers:
                 tmp_cfg = mla_model_config(config, GraftConfig(
-                    g.kv_lora_rank, g.qk_rope_head_dim, layers=(layer,)), {layer: converted[layer].rope_freq_index})
+                    g.kv_lora_rank, g.qk_rope_head_dim, layers=(layer,), qk_norm=g.qk_norm),
+                    {layer: converted[layer].rope_freq_index})
                 tmp = _build_block(tmp_cfg, layer, block, converted[layer], device)
                 x_new = _run_block(tmp, x_new, cos, sin, tmp_cfg, layer, batch_size)
             elif g.layerwise:
@@ -190,8 +208,6 @@ def _shared_pairs(model: Transformer, g: GraftConfig, layers: list[int], calibra
     config = model.config
     if calibration is None:
         raise ValueError("rope selection 'shared' needs calibration text")
-    if config.qk_norm:
-        raise ValueError("rope selection 'shared' does not support per-head q/k norms (Qwen3); use 'stride'")
     device = model.embed_tokens.weight.device
     calibration = calibration.to(device)
     x = model.embed_tokens(calibration).float()
@@ -204,6 +220,8 @@ def _shared_pairs(model: Transformer, g: GraftConfig, layers: list[int], calibra
         if layer in layers:
             C = _second_moment(block.input_layernorm, x, batch_size).double().cpu()
             w32 = _gqa_weights(block.self_attn)
+            if config.qk_norm:  # score the pairs on the norms' linear fits (what the graft builds on)
+                w32.q, w32.k = (_linearised(block, which, x, C, batch_size).float() for which in "qk")
             w = GQAWeights(*(None if (t := getattr(w32, f.name)) is None else t.double()
                              for f in dataclasses.fields(w32)))
             expectation = None
@@ -229,14 +247,21 @@ def _second_moment(norm, x: torch.Tensor, batch_size: int) -> torch.Tensor:
 
 
 def _linearised_keys(block, x: torch.Tensor | None, C: torch.Tensor | None, batch_size: int) -> torch.Tensor:
-    """A linear stand-in (K*d, h) for Qwen3's keys k = k_norm(W_k x), which MLA's latent must produce linearly.
+    """The linear stand-in for Qwen3's keys (see ``_linearised``)."""
+    return _linearised(block, "k", x, C, batch_size)
+
+
+def _linearised(block, which: str, x: torch.Tensor | None, C: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+    """A linear stand-in (heads*d, h) for Qwen3's keys k = k_norm(W_k x) (``which="k"``) or queries
+    q = q_norm(W_q x) (``"q"``), which MLA's latent (or the share graft's window) must produce linearly.
 
     With calibration: the least-squares map E[k x^T] E[x x^T]^-1 over the calibration tokens. Weights
-    only: each head's rows scaled by the key norm's weight over the head's typical RMS for isotropic x.
+    only: each head's rows scaled by the norm's weight over the head's typical RMS for isotropic x.
     """
     attn = block.self_attn
-    w_k = attn.k_proj.weight.detach().double()
-    gamma = attn.k_norm.weight.detach().double()
+    proj, norm = (attn.k_proj, attn.k_norm) if which == "k" else (attn.q_proj, attn.q_norm)
+    w_k = proj.weight.detach().double()
+    gamma = norm.weight.detach().double()
     d = gamma.shape[0]
     K = w_k.shape[0] // d
     if x is None:
@@ -248,7 +273,7 @@ def _linearised_keys(block, x: torch.Tensor | None, C: torch.Tensor | None, batc
     n = 0
     for start in range(0, x.shape[0], batch_size):
         a = block.input_layernorm(x[start:start + batch_size]).reshape(-1, h)
-        k = attn.k_norm(attn.k_proj(a).view(a.shape[0], K, d)).reshape(a.shape[0], K * d)
+        k = norm(proj(a).view(a.shape[0], K, d)).reshape(a.shape[0], K * d)
         R += k.double().T @ a.double()
         n += a.shape[0]
     R = (R / n).cpu()

@@ -108,16 +108,31 @@ def read_state(path: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]
     return state
 
 
+def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
+    """Raise CheckpointError naming the first tensor (in file order) that holds NaN or Inf values."""
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            raise CheckpointError(
+                f"{source}: tensor {name} {tuple(t.shape)} holds {nan} NaN and {inf} Inf values; the checkpoint "
+                "is corrupt or came from a diverged run (kvgraft refuses to load non-finite weights)")
+
+
 def load_pretrained(
-    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    check_weights: bool = True,
 ) -> Transformer:
     """A kvgraft Transformer (eval mode) with a transformers checkpoint's weights.
 
     ``dtype`` defaults to the dtype of the file's embedding; any other dtype casts every tensor.
+    ``check_weights``: refuse weights with NaN or Inf values (``CheckpointError`` naming the tensor).
     """
     cfg = load_config(path)
     weights = Path(path) / (WEIGHTS if (Path(path) / WEIGHTS).is_file() else WEIGHTS_INDEX)
-    state = hf_to_kvgraft(read_state(path, str(device)), cfg, source=str(weights))
+    raw = read_state(path, str(device))
+    if check_weights:
+        check_finite(raw, str(weights))
+    state = hf_to_kvgraft(raw, cfg, source=str(weights))
     if dtype is None:
         dtype = state[EMBED].dtype
     state = {k: v.to(dtype) for k, v in state.items()}
@@ -146,4 +161,4 @@ def load_tokenizer_dir(path: str | Path):
     return PreTrainedTokenizerFast.from_pretrained(str(directory))
 
 
-__all__ = ["load_config", "load_pretrained", "load_tokenizer_dir", "read_state"]
+__all__ = ["check_finite", "load_config", "load_pretrained", "load_tokenizer_dir", "read_state"]

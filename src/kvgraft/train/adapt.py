@@ -52,6 +52,8 @@ class AdaptConfig:
     precision: str = "fp32"
     gradient_checkpointing: bool = False
     accuracy_examples: int = 200  # test problems answered by greedy generation (0: skip)
+    val_examples: int | None = None  # validation examples scored (None: the whole split)
+    test_examples: int | None = None  # test examples scored for the test loss (None: the whole split)
     max_time_s: float | None = None
     progress: bool = True
 
@@ -69,6 +71,10 @@ class AdaptConfig:
         if self.accuracy_examples < 0 or self.warmup_steps < 0:
             raise ValueError(f"accuracy_examples ({self.accuracy_examples}) and warmup_steps ({self.warmup_steps}) "
                              "must be >= 0")
+        for name in ("val_examples", "test_examples"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} ({v!r}) must be a positive integer or None")
         if not self.lr > 0 or not math.isfinite(self.lr):
             raise ValueError(f"lr ({self.lr!r}) must be a positive number")
         object.__setattr__(self, "freeze", tuple(self.freeze))
@@ -177,7 +183,10 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     out = Path(out_dir)
     done = out / RESULT_FILE
     if done.is_file():
-        return json.loads(done.read_text())
+        finished = json.loads(done.read_text())
+        if finished.get("config") != json.loads(json.dumps(cfg.to_dict())):
+            raise ValueError(f"{out} holds a finished run with another configuration; choose another --out")
+        return finished
     task_name, splits = load_task_any(task, cfg.seed)
     tokenizer = load_tokenizer_dir(path)
     if tokenizer is None:
@@ -185,7 +194,8 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     model = load_pretrained(path).float()
     seq_len = task_seq_len(tokenizer, splits, model.config.max_position_embeddings - 1)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else (model.config.eos_token_id or 0)
-    data = {s: encode_split(tokenizer, exs, seq_len, pad) for s, exs in splits.items()}
+    limits = {"train": None, "validation": cfg.val_examples, "test": cfg.test_examples}
+    data = {s: encode_split(tokenizer, exs[:limits[s]], seq_len, pad) for s, exs in splits.items()}
 
     torch.manual_seed(cfg.seed)  # the adapter's A matrices
     peft_model = add_adapter(model, placement, cfg.adapter_config())
@@ -230,6 +240,7 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
                "certificate": certificate_of(peft_model).to_dict(), "seq_len": seq_len}
     save_adapter(peft_model, out / "adapter", extra={"base": str(path), "training": {k: summary[k] for k in (
         "task", "steps", "val_loss_protocol", "test_loss", "test_accuracy")}})
+    summary = json.loads(json.dumps(summary))  # what result.json holds (lists, not tuples)
     atomic_write_text(done, json.dumps(summary, indent=2) + "\n")
     ckpts = out / "checkpoints"
     if ckpts.is_dir():  # the adapter and the result are written; the resume state is no longer needed

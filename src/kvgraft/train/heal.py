@@ -48,6 +48,11 @@ class HealConfig:
             raise ValueError(f"temperature ({self.temperature}) must be > 0")
         if self.tokens is not None and self.fraction_of_pretraining is not None:
             raise ValueError("give a token budget as tokens or as fraction_of_pretraining, not both")
+        if self.tokens is not None and (isinstance(self.tokens, bool) or not isinstance(self.tokens, int)
+                                        or self.tokens < 1):
+            raise ValueError(f"tokens ({self.tokens!r}) must be a positive integer")
+        if self.fraction_of_pretraining is not None and not 0 < self.fraction_of_pretraining:
+            raise ValueError(f"fraction_of_pretraining ({self.fraction_of_pretraining}) must be > 0")
 
 
 def keep_fp32(model: nn.Module, suffixes: tuple[str, ...] = FP32_MODULES) -> list[str]:
@@ -132,6 +137,10 @@ def heal(
     from kvgraft.train.checkpoint import find_latest, load_checkpoint
 
     hc = heal_config or HealConfig()
+    if output_format not in ("kvgraft", "deepseek_v3", "both"):
+        raise ValueError(f"format {output_format!r} is not one of kvgraft, deepseek_v3, both")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"seq_len ({seq_len!r}) must be a positive integer")
     src = resolve_model(model)
     out, data = Path(out), Path(data)
     student = load_pretrained(src, dtype=dtype)
@@ -148,9 +157,12 @@ def heal(
         original_lr = record["train_config"]["lr"]
     if pretraining_tokens is None and record is not None:
         pretraining_tokens = record["tokens_seen"]
-    seq_len = seq_len or student.config.max_position_embeddings
+    if seq_len is None:
+        seq_len = student.config.max_position_embeddings
     if train_config is None:
-        lr = (train_overrides or {}).get("lr") or (original_lr / 10 if original_lr else None)
+        lr = (train_overrides or {}).get("lr")
+        if lr is None:  # an explicit lr (even a bad one, which TrainConfig names) is never replaced
+            lr = original_lr / 10 if original_lr else None
         if lr is None:
             raise ValueError("no learning rate: give one, or the original's (original_lr), or use a model "
                              "whose card records it")
@@ -185,8 +197,11 @@ def heal(
     summary = {**extra, "train_config": asdict(base), "steps": result.step, "tokens": result.tokens,
                "val_loss": result.val_loss,
                "fraction_of_pretraining": (result.tokens / pretraining_tokens) if pretraining_tokens else None}
-    if output_format not in ("kvgraft", "deepseek_v3", "both"):
-        raise ValueError(f"format {output_format!r} is not one of kvgraft, deepseek_v3, both")
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:  # under a multi-process launch one process writes the result
+        PartialState().wait_for_everyone()
+        return result
     healed = student.float()
     what = "causal encoder-decoder (share graft)" if student.config.is_ced else "MLA graft"
     files = {"heal.json": json.dumps(summary, indent=2) + "\n", "README.md": heal_card(summary, src, what)}
@@ -208,6 +223,7 @@ def heal(
             export_deepseek_v3(healed, tmp / "deepseek_v3", tokenizer_dir=tok_dir, calibration=calib)
         if (src / "eval").is_dir():
             shutil.copytree(src / "eval", tmp / "eval")
+    PartialState().wait_for_everyone()
     return result
 
 

@@ -140,15 +140,21 @@ def collate(dataset: Sequence[Batch], indices: list[int]) -> Batch:
 @torch.no_grad()
 def evaluate(
     model: nn.Module, dataset: Sequence[Batch], loss_fn: LossFn, batch_size: int, max_batches: int,
-    device: torch.device | str | None = None, precision: str = "fp32",
+    device: torch.device | str | None = None, precision: str = "fp32", accelerator: Accelerator | None = None,
 ) -> float:
-    """Token-weighted mean loss over the first ``max_batches`` micro-batches (fixed, in order)."""
+    """Token-weighted mean loss over the first ``max_batches`` micro-batches (fixed, in order).
+
+    With an ``accelerator`` of several processes, each micro-batch is per process: the first
+    ``max_batches * num_processes`` micro-batches are shared out in rank order and the sums reduced, so
+    the result is the loss over the same sequences as one process with ``batch_size * num_processes``."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    n = min(len(dataset), batch_size * max_batches)
+    world = accelerator.num_processes if accelerator is not None else 1
+    rank = accelerator.process_index if accelerator is not None else 0
+    n = min(len(dataset), batch_size * max_batches * world)
     device = device or next(model.parameters()).device
-    for start in range(0, n, batch_size):
+    for start in range(rank * batch_size, n, batch_size * world):
         batch = collate(dataset, list(range(start, min(n, start + batch_size))))
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast(precision, device):
@@ -157,6 +163,8 @@ def evaluate(
         total += float(loss) * tokens
         count += tokens
     model.train(was_training)
+    if world > 1:
+        total, count = _sum_over_processes(accelerator, [total, count])
     return total / max(count, 1)
 
 
@@ -290,7 +298,7 @@ def train(
             due = (cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps)) or step in eval_steps
             if val_data is not None and due:
                 val_loss = evaluate(model, val_data, val_loss_fn or loss_fn, cfg.micro_batch_size, cfg.eval_batches,
-                                    accelerator.device, cfg.precision)
+                                    accelerator.device, cfg.precision, accelerator=accelerator)
                 log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
                            "tokens": tokens})
                 if progress is not None:

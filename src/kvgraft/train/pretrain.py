@@ -14,6 +14,33 @@ from kvgraft.train.config import TrainConfig
 from kvgraft.train.loop import TrainResult, train
 
 
+def check_data_vocab(data_dir: Path, config: ModelConfig, preset: str | None = None) -> None:
+    """Refuse (ValueError) data whose tokenizer or token ids do not fit the model's vocabulary, before training.
+
+    Token ids >= ``config.vocab_size`` would crash the embedding mid-run; a tokenizer larger than the
+    model's vocabulary would produce them on new text.
+    """
+    import numpy as np
+
+    name = f"model preset {preset!r}" if preset else "the model"
+    fix = (f"prepare the data with --vocab-size {config.vocab_size} (or less), or choose a model whose "
+           "vocab_size covers the data's")
+    tokenizer = data_dir / "tokenizer" / "tokenizer.json"
+    if tokenizer.is_file():
+        from tokenizers import Tokenizer
+
+        size = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
+        if size > config.vocab_size:
+            raise ValueError(f"the data in {data_dir} uses a {size}-token vocabulary ({tokenizer}), but {name} has "
+                             f"vocab_size {config.vocab_size}; {fix}")
+    for split in ("train", "validation"):
+        path = data_dir / "tokens" / f"{split}.npy"
+        tokens = np.load(path, mmap_mode="r")
+        if tokens.size and int(tokens.max()) >= config.vocab_size:
+            raise ValueError(f"{path} holds token id {int(tokens.max())}, outside the vocabulary of {name} "
+                             f"(vocab_size {config.vocab_size}); {fix}")
+
+
 def pretrain(
     data_dir: str | Path,
     out_dir: str | Path,
@@ -32,12 +59,19 @@ def pretrain(
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     config = get_preset(model) if isinstance(model, str) else model
     train_config = train_config or TrainConfig(max_steps=1000)
-    seq_len = seq_len or config.max_position_embeddings
+    if seq_len is None:
+        seq_len = config.max_position_embeddings
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len ({seq_len!r}) must be a positive integer")
     if seq_len > config.max_position_embeddings:
         raise ValueError(f"seq_len ({seq_len}) exceeds max_position_embeddings ({config.max_position_embeddings})")
     for name in ("tokens/train.npy", "tokens/validation.npy"):
         if not (data_dir / name).exists():
             raise FileNotFoundError(f"{data_dir / name} is missing; run `kvgraft prepare-data --out {data_dir}` first")
+    check_data_vocab(data_dir, config, model if isinstance(model, str) else None)
+    from kvgraft.checks import check_writable
+
+    check_writable(out_dir / "train_config.json", what="run directory")
     train_ds = PackedDataset(data_dir / "tokens" / "train.npy", seq_len)
     val_ds = PackedDataset(data_dir / "tokens" / "validation.npy", seq_len)
 
@@ -47,7 +81,10 @@ def pretrain(
         net, train_ds, train_config, out_dir, val_data=val_ds,
         extra_state={"model_config": config.to_dict(), "seq_len": seq_len},
     )
-    if export:
+    from accelerate import PartialState
+
+    state = PartialState()  # the launch's processes (one unless torchrun / accelerate launch): one writer
+    if export and state.is_main_process:
         latest = find_latest(out_dir)
         if latest is not None:
             load_checkpoint(latest, net)
@@ -62,4 +99,5 @@ def pretrain(
             "seq_len": seq_len, "stopped_early": result.stopped_early,
         }
         (out_dir / "final" / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    state.wait_for_everyone()
     return result

@@ -1,0 +1,82 @@
+"""Carry a kvgraft adapter to a stock DeepSeek-V3 export of its MLA base (PEFT format in, PEFT format out).
+
+``kvgraft.hf.export_deepseek_v3`` rewrites some weights on the way to DeepSeek's layout; a LoRA delta
+``B A`` on those weights is rewritten the same way, exactly, so that
+``peft.PeftModel.from_pretrained(DeepseekV3ForCausalLM, exported_adapter)`` gives kvgraft's logits:
+
+- ``q_proj``: each head's RoPE rows go from rotate-half to interleaved order and a yarn softmax factor is
+  folded in: the same row permutation and factor on ``lora_B``;
+- ``kv_a_proj`` (DeepSeek's ``kv_a_proj_with_mqa``): the latent rows are rescaled so stock's latent-norm eps
+  acts as kvgraft's, the RoPE-key rows permuted: the same on ``lora_B``, and the module is renamed;
+- ``kv_b_proj``, ``o_proj``, the MLP: unchanged.
+
+**MLP adapters cannot be carried (a PEFT limitation, PEFT 0.21):** when PEFT loads an adapter onto a
+``deepseek_v3`` model it rewrites every ``gate_proj``/``up_proj``/``down_proj`` target into the fused MoE
+experts' parameters (its transformers-v5 MoE conversion), even for DeepSeek-V3's dense MLP layers, so an
+MLP adapter would be dropped silently (measured: logits off by 3.1). Such adapters are refused here,
+naming the modules; attention adapters (q, kv_a, kv_b, o: where a decoder-side adapter carries most of
+what it learns) carry exactly.
+
+Supported for exports whose latent norm is exact (a base with its own latent RMSNorm, ``mla_latent_norm``);
+the "fit"/"scale" approximations change the latent basis per layer, which the adapter would have to
+follow: refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kvgraft.model.transformer import Transformer
+
+
+def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_dir: str | Path) -> Path:
+    """Write the adapter at ``adapter_dir`` (trained on ``model``) for the stock DeepSeek-V3 export of ``model``."""
+    from safetensors.torch import load_file, save_file
+
+    from kvgraft.adapters.lora import META_FILE, base_fingerprint, read_meta
+    from kvgraft.atomic import atomic_dir
+    from kvgraft.hf.deepseek import STOCK_LATENT_NORM_EPS, _interleave_perm, _stock_rope
+
+    cfg = model.config
+    meta = read_meta(adapter_dir)
+    if meta["base_fingerprint"] != base_fingerprint(cfg):
+        raise ValueError(f"adapter {adapter_dir} was not trained on this model")
+    if set(cfg.attention_kinds) != {"mla"}:
+        raise ValueError("a stock DeepSeek-V3 export needs MLA on every layer")
+    if not cfg.mla_latent_norm:
+        raise ValueError("adapter export needs a base with its own latent norm (mla_latent_norm): the 'fit'/'scale' "
+                         "exports change each layer's latent basis, which a kv_a/kv_b adapter would have to follow")
+    H, dc, dr, dn = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    perm = _interleave_perm(dr)
+    q_fold = _stock_rope(cfg)[1]
+    s = (STOCK_LATENT_NORM_EPS / cfg.rms_norm_eps) ** 0.5
+    mlp = [m for m in meta["modules"] if ".mlp." in m]
+    if mlp:
+        raise ValueError(f"adapter {adapter_dir} has MLP modules ({', '.join(mlp[:3])}{' ...' if len(mlp) > 3 else ''}): "
+                         "PEFT rewrites gate/up/down targets on deepseek_v3 into MoE expert parameters and would drop "
+                         "them silently; export an attention-only adapter (--modules attention)")
+    src = Path(adapter_dir)
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        t64 = t.to(torch.float64)
+        if ".self_attn.q_proj.lora_B." in key:
+            r = t64.shape[1]
+            q = t64.view(H, dn + dr, r) * q_fold
+            t64 = torch.cat([q[:, :dn], q[:, dn:][:, perm]], dim=1).reshape(H * (dn + dr), r)
+        elif ".self_attn.kv_a_proj.lora_B." in key:
+            t64 = torch.cat([t64[:dc] * s, t64[dc:][perm]])
+        out[key.replace(".self_attn.kv_a_proj.", ".self_attn.kv_a_proj_with_mqa.")] = t64.to(t.dtype).contiguous()
+    config = json.loads((src / "adapter_config.json").read_text())
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        config["target_modules"] = [m.replace(".self_attn.kv_a_proj", ".self_attn.kv_a_proj_with_mqa")
+                                    if m.endswith(".self_attn.kv_a_proj") else m for m in targets]
+    with atomic_dir(Path(out_dir), overwrite=True) as tmp:
+        save_file(out, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / META_FILE).write_text(json.dumps(dict(meta, exported_for="deepseek_v3"), indent=2) + "\n")
+    return Path(out_dir)

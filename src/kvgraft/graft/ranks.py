@@ -1,0 +1,164 @@
+"""The one rule for the MLA graft's default ranks, used by ``kvgraft convert`` and ``kvgraft doctor``.
+
+Each converted layer caches ``d_c + d_rope`` values per token: the latent (``kv_lora_rank``, d_c) and
+the shared RoPE key (``qk_rope_head_dim``, d_rope). Given the budget -- a compression factor (default 4:
+``budget = floor(KV width / compression)``, KV width = 2 x num_kv_heads x head_dim) or an explicit d_c --
+the rule picks what was not given:
+
+- **d_rope** = the largest allowed value <= min(64, head_dim, budget / 2) (with an explicit d_c:
+  <= min(64, head_dim, d_c)); allowed = even (RoPE rotates pairs), and for a stock DeepSeek-V3 export
+  an even divisor of head_dim (the stride layout rotates every (head_dim/d_rope)-th frequency) whose
+  frequencies stock DeepSeek-V3 reproduces (dynamic NTK and some yarn settings need d_rope = head_dim).
+  At least one frequency pair (d_rope >= 2) always.
+- **d_c** = budget - d_rope.
+
+So d_c always gets at least half of the budget, and all of it beyond 128 values: at DeepSeek's own
+budget (576) the rule gives DeepSeek's 512 + 64, the shape FlashMLA's kernels are built for. Below
+128 values the budget is split evenly: on the reference model (head_dim 32, 64 values at 4x) the even
+split 32 + 32 measured 1.039x the original's perplexity one-shot against 1.140x for 48 + 16
+(bench/RESULTS.md), so a narrower RoPE key is not a free win on small heads. ``docs/ranks.md`` tabulates
+what the rule picks for common checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvgraft.model.config import ModelConfig
+
+DEFAULT_COMPRESSION = 4.0  # --to mla
+DEFAULT_CED_COMPRESSION = 2.0  # --to ced: several layers read each shared latent
+ROPE_CAP = 64  # DeepSeek-V2/V3's d_rope (next to d_c = 512), FlashMLA's shape
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The chosen ranks. ``budget``: d_c + d_rope when a compression set it (None for explicit ranks);
+    ``how``: one line per value the rule chose (empty when both were given)."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    budget: int | None
+    how: tuple[str, ...] = ()
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    return value
+
+
+def check_compression(compression) -> float:
+    """``compression`` as a float > 1, or ValueError naming the value (0, negative, NaN, inf, not a number)."""
+    if isinstance(compression, bool) or not isinstance(compression, (int, float)):
+        raise ValueError(f"compression ({compression!r}) must be a number > 1 (original bytes / converted bytes)")
+    if not math.isfinite(compression) or compression <= 1:
+        raise ValueError(f"compression ({compression}) must be a finite number > 1 (original bytes / converted "
+                         "bytes per token)")
+    return float(compression)
+
+
+def stock_rope_problem(config: ModelConfig, d_rope: int) -> str | None:
+    """Why a stock DeepSeek-V3 export cannot carry ``config``'s RoPE at this d_rope (None: it can)."""
+    if d_rope > config.head_dim or config.head_dim % d_rope or d_rope % 2:
+        return (f"the stock DeepSeek-V3 layout (rope selection 'stride') needs an even d_rope dividing head_dim "
+                f"({config.head_dim}), got {d_rope}")
+    if config.rope.rope_type in ("default", "linear", "llama3"):  # functions of each base frequency alone
+        return None
+    from kvgraft.errors import UnsupportedModelError
+    from kvgraft.hf.deepseek import _stock_rope
+
+    try:
+        _stock_rope(config.replace(qk_rope_head_dim=d_rope))
+    except UnsupportedModelError as exc:
+        return str(exc)
+    return None
+
+
+def _allowed(config: ModelConfig, stock: bool) -> list[int]:
+    """d_rope values the rule may pick, ascending."""
+    hd = config.head_dim
+    values = [v for v in range(2, hd + 1, 2) if not stock or hd % v == 0]
+    if stock:
+        values = [v for v in values if stock_rope_problem(config, v) is None]
+    return values
+
+
+def default_ranks(
+    config: ModelConfig,
+    *,
+    compression: float | None = None,
+    kv_lora_rank: int | None = None,
+    qk_rope_head_dim: int | None = None,
+    stock: bool = False,
+    default_compression: float = DEFAULT_COMPRESSION,
+) -> Ranks:
+    """(d_c, d_rope) for grafting ``config`` by the rule above; explicit values are kept as given.
+
+    ``compression`` and ``kv_lora_rank`` are two ways to set the budget: give at most one (neither:
+    ``default_compression``). ``stock``: the result must export to stock DeepSeek-V3. Raises ValueError
+    naming the value for a non-positive rank, a compression that is not a finite number > 1, both budgets,
+    or a budget too small for one RoPE pair plus a latent. Structural limits (d_rope even and within the
+    model's RoPE width, d_c within its KV width) are ``GraftConfig``'s to check.
+    """
+    if kv_lora_rank is not None:
+        _positive_int("kv_lora_rank", kv_lora_rank)
+        if compression is not None:
+            raise ValueError(f"give the budget once: compression ({compression}) or kv_lora_rank ({kv_lora_rank}), "
+                             "not both (--compression sets d_c from the KV width)")
+    if qk_rope_head_dim is not None:
+        _positive_int("qk_rope_head_dim", qk_rope_head_dim)
+    if kv_lora_rank is not None and qk_rope_head_dim is not None:
+        return Ranks(kv_lora_rank, qk_rope_head_dim, None)
+    hd, width = config.head_dim, config.kv_width
+    how: list[str] = []
+    budget = None
+    if kv_lora_rank is None:
+        compression = check_compression(default_compression if compression is None else compression)
+        budget = int(width / compression)
+        if qk_rope_head_dim is not None:
+            d_c = budget - qk_rope_head_dim
+            if d_c <= 0:
+                raise ValueError(
+                    f"compression {compression:g}x leaves {budget} cached values per layer (KV width {width} / "
+                    f"{compression:g}), not enough for qk_rope_head_dim ({qk_rope_head_dim}) plus a latent; "
+                    "lower the compression or the RoPE width")
+            how.append(f"d_c = budget - d_rope = {budget} - {qk_rope_head_dim} = {d_c} (budget: KV width {width} / "
+                       f"{compression:g}x)")
+            return Ranks(d_c, qk_rope_head_dim, budget, tuple(how))
+        if budget < 3:
+            raise ValueError(
+                f"compression {compression:g}x leaves {budget} cached values per layer (KV width {width} / "
+                f"{compression:g}): MLA needs at least 3 (one RoPE pair plus a latent); lower the compression")
+        cap = min(ROPE_CAP, hd, budget // 2)
+        what = f"min(64, head_dim {hd}, budget/2 = {budget // 2})"
+    else:
+        cap = min(ROPE_CAP, hd, kv_lora_rank)
+        what = f"min(64, head_dim {hd}, d_c {kv_lora_rank})"
+    allowed = _allowed(config, stock)
+    kind = "even divisor of head_dim that stock DeepSeek-V3 can rotate" if stock else "even value"
+    fitting = [v for v in allowed if v <= cap]
+    limit = budget - 1 if budget is not None else None  # leave at least one latent value
+    if fitting:
+        d_rope = fitting[-1]
+    elif allowed and (limit is None or allowed[0] <= limit):
+        d_rope = allowed[0]  # one frequency pair (or stock's smallest workable width) above the cap
+        what += "; none fits, so the smallest workable d_rope"
+    else:
+        reason = "" if not stock else (
+            "; stock DeepSeek-V3 export: " + (stock_rope_problem(config, hd) or "no even divisor of head_dim fits"))
+        raise ValueError(
+            f"no RoPE width fits: compression leaves {budget} cached values per layer{reason}; lower the "
+            "compression, or export kvgraft's own format (--format kvgraft)")
+    how.append(f"d_rope = largest {kind} <= {what}: {d_rope}")
+    if budget is None:
+        return Ranks(kv_lora_rank, d_rope, None, tuple(how))
+    d_c = budget - d_rope
+    how.insert(0, f"budget = KV width / compression = {width} / {compression:g} = {budget} values per layer")
+    how.append(f"d_c = budget - d_rope = {d_c}")
+    return Ranks(d_c, d_rope, budget, tuple(how))
+
+
+__all__ = ["DEFAULT_CED_COMPRESSION", "DEFAULT_COMPRESSION", "ROPE_CAP", "Ranks", "check_compression",
+           "default_ranks", "stock_rope_problem"]

@@ -1,0 +1,74 @@
+"""The adapt recipe and its commands end to end on the shipped encoder-decoder (a few steps): PEFT files,
+the certificate in the metadata, a resumable run, the study table, the probe table, and clean errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvgraft.cli import main
+from kvgraft.train.adapt import AdaptConfig, adapt
+
+FAST = dict(steps=4, micro_batch_size=4, warmup_steps=1, val_examples=8, test_examples=8, accuracy_examples=4,
+            progress=False)
+
+
+def test_adapt_writes_a_peft_adapter_with_its_certificate_and_reads_a_finished_run_back(tmp_path):
+    r = adapt("kvgraft-ced-8m", "geometry", tmp_path / "run",
+              AdaptConfig(preset="decoder-half-r16", freeze_kv_writers=True, **FAST))
+    adapter = tmp_path / "run" / "adapter"
+    assert {p.name for p in adapter.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors",
+                                                   "kvgraft_adapter.json"}
+    meta = json.loads((adapter / "kvgraft_adapter.json").read_text())
+    assert meta["certificate"]["shares_cache"] and meta["placement"]["freeze_kv_writers"]
+    assert r["protocol_steps"] == [2, 3, 4] and r["val_loss_protocol"] > 0 and 0 <= r["test_accuracy"] <= 1
+    assert not (tmp_path / "run" / "checkpoints").exists()  # the resume state is dropped once finished
+    again = AdaptConfig(preset="decoder-half-r16", freeze_kv_writers=True, **FAST)
+    assert adapt("kvgraft-ced-8m", "geometry", tmp_path / "run", again) == r  # a finished run is read back
+    with pytest.raises(ValueError, match="another configuration"):
+        adapt("kvgraft-ced-8m", "geometry", tmp_path / "run", AdaptConfig(**FAST))
+
+
+def test_adapt_resumes_an_interrupted_run_to_the_same_adapter(tmp_path):
+    whole = adapt("kvgraft-ced-8m", "geometry", tmp_path / "whole", AdaptConfig(**FAST))
+    cfg = AdaptConfig(**FAST)
+    part = adapt("kvgraft-ced-8m", "geometry", tmp_path / "part",
+                 AdaptConfig(**{**FAST, "max_time_s": 0.0}))  # stops (with a checkpoint) after one step
+    assert part == {"stopped_early": True, "step": 1}
+    assert (tmp_path / "part" / "checkpoints").is_dir()
+    resumed = adapt("kvgraft-ced-8m", "geometry", tmp_path / "part", cfg)
+    assert resumed["val_loss"] == whole["val_loss"] and resumed["test_loss"] == whole["test_loss"]
+
+
+def test_cli_dry_run_and_errors(tmp_path, capsys):
+    assert main(["adapt", "kvgraft-ced-8m", "--task", "geometry", "--out", str(tmp_path / "x"), "--preset",
+                 "decoder-half-r16", "--freeze-kv-writers", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.7.mlp.down_proj" in out and "model.layers.4.self_attn.compressor" not in out
+    assert "shares the cache" in out and not (tmp_path / "x").exists()
+    assert main(["adapt", "kvgraft-ced-8m", "--task", "geometry", "--out", str(tmp_path / "x"),
+                 "--layers", "9", "--rank", "4", "--dry-run"]) == 2
+    assert "layers [9] do not exist" in capsys.readouterr().err
+    assert main(["adapt", "--task", "nope", "--out", str(tmp_path / "y"), "--preset", "huge"]) == 2
+    assert "unknown adapter preset 'huge'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_study_table_and_probe_table(tmp_path):
+    from kvgraft.train.experiment import placement_study
+
+    study = placement_study("kvgraft-ced-8m", "geometry", tmp_path / "study", seeds=2, steps=10,
+                            configs=("encoder-half-r16", "decoder-half-r16"), lr=2e-3, micro_batch_size=4,
+                            accuracy_examples=2, progress=False, val_examples=8, test_examples=8)
+    assert len(study["decoder_minus_encoder_per_seed"]) == 2
+    text = (tmp_path / "study" / "study.md").read_text()
+    assert "| decoder-half-r16 |" in text and (tmp_path / "study" / "curves.png").stat().st_size > 1000
+    adapter = tmp_path / "study" / "runs" / "decoder-half-r16" / "seed0" / "adapter"
+    assert main(["probe", str(adapter), "--task", "geometry", "--steps", "2", "--micro-batch-size", "4",
+                 "--val-examples", "8", "--out", str(tmp_path / "probe")]) == 0
+    table = (tmp_path / "probe" / "probe.md").read_text()
+    assert "| o_proj |" in table and "| mlp.down_proj |" in table
+    rows = json.loads((tmp_path / "probe" / "probe.json").read_text())["rows"]
+    assert sum(r["param_share"] for r in rows) == pytest.approx(1.0)
+    assert sum(r["grad_energy_share"] for r in rows) == pytest.approx(1.0)
