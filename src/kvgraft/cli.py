@@ -382,6 +382,29 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    adapters = {}
+    for spec in args.adapter or ():
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--adapter {spec!r} must be NAME=PATH")
+        if name in adapters:
+            raise ValueError(f"--adapter names {name!r} twice")
+        adapters[name] = path
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port ({args.port}) must be in 1..65535")
+    from kvgraft.serve.server import build_server, serve
+
+    server = build_server(args.model, adapters, model_name=args.model_name, max_seqs=args.max_seqs,
+                          max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue,
+                          max_tokens_limit=args.max_tokens_limit, max_request_bytes=args.max_request_bytes,
+                          adapter_dir=args.adapter_dir)
+    print(f"serving {server.config.model_name} with adapters {', '.join(adapters) or 'none'} on "
+          f"http://{args.host}:{args.port}/v1", flush=True)
+    serve(server, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Only light imports here (no torch, no transformers): `kvgraft --help` runs in a fraction of a second.
     from kvgraft.data.corpus import DEFAULT_SOURCES, SOURCES
@@ -602,6 +625,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-examples", type=int, default=224)
     p.add_argument("--out", default=None, help="directory for probe.md and probe.json")
     p.set_defaults(func=cmd_probe)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the engine, many adapters on one base "
+                                     "(/v1/completions, /v1/chat/completions, /v1/models, /metrics)")
+    p.add_argument("model", nargs="?", default=None, help=model_help)
+    p.add_argument("--adapter", action="append", metavar="NAME=PATH",
+                   help="load an adapter directory (kvgraft adapt's OUT/adapter) under NAME (repeatable)")
+    p.add_argument("--adapter-dir", default=None,
+                   help="directory that /v1/load_lora_adapter may load from (default: loading over HTTP is off)")
+    p.add_argument("--model-name", default=None, help="the base's name in requests (default: its directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-seqs", type=int, default=16, help="requests running at once")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --max-seqs; more get 429")
+    p.add_argument("--max-tokens-limit", type=int, default=1024, help="the most max_tokens a request may ask")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

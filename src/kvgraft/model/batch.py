@@ -12,18 +12,47 @@ Both contexts offer the same three storage operations to the layers, so a layer 
 positions), ``compress`` (a kv_source layer's compressor writes the shared segment) and ``segment``
 (read a shared segment). Cross-layer sharing is the ``layer -> source`` map in the config: a reader
 names its source layer and gets what the source stored in this step.
+
+**Adapters.** ``BatchContext(..., adapter_ids=...)`` names each row's adapter (None: the base). Groups are
+keyed by (new tokens, adapter), so every group has one adapter (``Group.adapter``). A module that adds
+per-row adapter deltas (``kvgraft.serve.adapters.MultiLoraLinear``) reads the step it runs in through
+:func:`current_context` (the model sets it for the duration of a forward, per thread) and, inside a
+layer's loop over groups (:meth:`BatchContext.each_group` marks the active group), the group's adapter;
+outside that loop its input is the packed token axis and :meth:`BatchContext.adapter_tokens` gives each
+adapter's token indices. Absorbed latent decode reads weights through ``kvgraft.model.latent.linear_weight``
+inside the group loop, so a group's one adapter decides the weight the door returns.
 Shapes: G rows of a group, T new tokens per row, S keys, W a window, E an entry's width.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from kvgraft.model.cache import PagedKVCache
 
 _FAR = -(10**9)  # position of a ring slot never written: outside every window
+_local = threading.local()
+
+
+def current_context() -> "_Context | None":
+    """The step context of the forward running on this thread (None outside a forward)."""
+    return getattr(_local, "ctx", None)
+
+
+@contextmanager
+def active_context(ctx: "_Context") -> Iterator[None]:
+    """Make ``ctx`` the current context of this thread for the duration of a forward (nestable)."""
+    prev = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    try:
+        yield
+    finally:
+        _local.ctx = prev
 
 
 @dataclass
@@ -38,6 +67,7 @@ class Group:
     table: torch.Tensor | None = None  # (G, blocks) block tables, padded with block 0 (masked)
     slots: torch.Tensor | None = None  # (G,) state slots
     max_end: int = 0  # max over rows of start + T
+    adapter: object = None  # the adapter of every row of the group (None: the base model)
 
     @property
     def G(self) -> int:
@@ -60,6 +90,22 @@ class Group:
 class _Context:
     groups: list[Group]
     scratch: dict
+    active_group: int | None = None  # the group a layer is processing (inside each_group), else None
+    has_adapters: bool = False  # some row names an adapter
+
+    def each_group(self) -> Iterator[tuple[int, Group]]:
+        """``enumerate(self.groups)``, marking each as the active group while the caller processes it
+        (modules applied to a group's tensors, e.g. adapter layers, read ``active_group``)."""
+        try:
+            for gi, g in enumerate(self.groups):
+                self.active_group = gi
+                yield gi, g
+        finally:
+            self.active_group = None
+
+    def adapter_tokens(self) -> dict[object, torch.Tensor]:
+        """Adapter -> indices of its rows' tokens on the packed token axis (adapters only, not the base)."""
+        return {}
 
     def window_mask(self, gi: int, kpos: torch.Tensor, window: int | None, key: object) -> torch.Tensor:
         """(G, T, S) bool: query i sees key j iff j <= i and, with a window W, i - j < W."""
@@ -107,7 +153,8 @@ class BatchContext(_Context):
 
     ``seqs[r]`` adds ``new_tokens[r]`` tokens (packed in row order on the token axis); construction
     reserves their blocks (copy on write included) and :meth:`commit` records them after the forward.
-    ``adapter_ids[r]`` names the row's adapter (None: the base model); carried for the layers.
+    ``adapter_ids[r]`` names the row's adapter (None: the base model); rows are grouped by (new tokens,
+    adapter), and adapter layers read the rows of each adapter through :meth:`adapter_tokens` / the group.
     """
 
     def __init__(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[int],
@@ -128,6 +175,8 @@ class BatchContext(_Context):
             cache.extend(s, t)
         self.cache, self.seqs, self.new_tokens = cache, list(seqs), list(new_tokens)
         self.adapter_ids = list(adapter_ids) if adapter_ids is not None else [None] * len(seqs)
+        self.has_adapters = any(a is not None for a in self.adapter_ids)
+        self._adapter_tokens: dict[object, torch.Tensor] | None = None
         self.starts = [cache.length(s) for s in seqs]
         self.scratch: dict = {"compress_rate": cache.layout.compress_rate}
         dev, bs = cache.device, cache.block_size
@@ -136,13 +185,14 @@ class BatchContext(_Context):
             offsets.append(n)
             n += t
         self.num_tokens = n
+        self.offsets = offsets
         self.positions = torch.cat([torch.arange(s, s + t) for s, t in zip(self.starts, new_tokens)]).to(dev)[None]
         self.last_index = torch.tensor([o + t - 1 for o, t in zip(offsets, new_tokens)], device=dev)
-        by_t: dict[int, list[int]] = {}
+        by_t: dict[tuple[int, object], list[int]] = {}  # rows by (new tokens, adapter)
         for r, t in enumerate(new_tokens):
-            by_t.setdefault(t, []).append(r)
+            by_t.setdefault((t, self.adapter_ids[r]), []).append(r)
         self.groups = []
-        for t, rows in by_t.items():
+        for (t, adapter), rows in by_t.items():
             starts = [self.starts[r] for r in rows]
             ends = [s + t for s in starts]
             nb = -(-max(ends) // bs)
@@ -151,7 +201,19 @@ class BatchContext(_Context):
             tok = torch.cat([torch.arange(offsets[r], offsets[r] + t) for r in rows]).to(dev)
             qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None]
             self.groups.append(Group(rows, t, qpos, tok, torch.tensor(starts, device=dev), table,
-                                     torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev), max(ends)))
+                                     torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev), max(ends),
+                                     adapter))
+
+    def adapter_tokens(self) -> dict[object, torch.Tensor]:
+        """Adapter -> indices (on the packed token axis) of the tokens of its rows; the base is left out."""
+        if self._adapter_tokens is None:
+            by: dict[object, list[int]] = {}
+            for r, a in enumerate(self.adapter_ids):
+                if a is not None:
+                    by.setdefault(a, []).extend(range(self.offsets[r], self.offsets[r] + self.new_tokens[r]))
+            dev = self.cache.device
+            self._adapter_tokens = {a: torch.tensor(ix, dtype=torch.long, device=dev) for a, ix in by.items()}
+        return self._adapter_tokens
 
     def commit(self) -> None:
         """Record the step's tokens in the cache (the model calls this once every layer ran)."""

@@ -139,11 +139,11 @@ class CEDAttention(LatentAttention):
         layer rotates (``rope_tables``). The indexer's training loss goes to ``ctx.scratch["aux"]``."""
         K, dk = self.num_kv_heads, self.dn + self.dr
         if self.is_source:
-            for gi, g in enumerate(ctx.groups):
+            for gi, g in ctx.each_group():
                 ctx.compress(self.layer, gi, self.compressor, g.take(x), g.take(cos), g.take(sin))
         q, entry = self._qkv(x, cos, sin)
         out = None
-        for gi, g in enumerate(ctx.groups):
+        for gi, g in ctx.each_group():
             qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, dk)
             win, kpos = ctx.kv(self.layer, gi, g.take(entry))  # (G, S, K (dk + dv))
             G, S = win.shape[:2]

@@ -8,7 +8,8 @@ Keys and values are recovered per head by the up-projection ``kv_b``:
 The attention math over latents (expanded and absorbed paths, weights read through one door) is
 ``kvgraft.model.latent.LatentAttention``, shared with the causal encoder-decoder. This module adds MLA's
 own projections and, for inference decode, folds of W_UK into the query projection and W_UV into the
-output projection where they save FLOPs (rebuilt whenever a weight, or an adapter's delta, changes).
+output projection where they save FLOPs (rebuilt whenever a weight, or an adapter's delta, changes; a few
+folds are kept, one per adapter of a mixed-adapter batch).
 
 RoPE pairs use the rotate-half layout over d_rope; pair ``j`` rotates at the model's base frequency
 ``rope_freq_index[j]`` (so a conversion can keep any subset of the original frequencies).
@@ -70,7 +71,10 @@ class MLAttention(LatentAttention):
         q_in = config.head_dim if self.qk_norm else h
         self.fold_q = q_in * self.dc <= q_in * self.dn + self.dn * self.dc
         self.fold_o = self.dc * h <= self.dc * self.dv + self.dv * h
-        self._folded: tuple | None = None
+        # folds by the weights they came from: one entry per adapter a mixed-adapter batch decodes with
+        # (the adapter registry raises fold_cache_size to the number of loaded adapters + 1)
+        self._folded: dict[tuple, tuple] = {}
+        self.fold_cache_size = 2
 
     def latent_entry(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(B, T, h) -> the cache entry (B, T, d_c + d_rope): latent then rotated RoPE key."""
@@ -86,7 +90,7 @@ class MLAttention(LatentAttention):
         cos, sin = cos[..., self.rope_cols], sin[..., self.rope_cols]  # (B, N, dr)
         entry = self.latent_entry(x, cos, sin) if self.writes_kv else None
         out = None
-        for gi, g in enumerate(ctx.groups):
+        for gi, g in ctx.each_group():
             xg, cg, sg = g.take(x), g.take(cos), g.take(sin)
             entries, kpos = ctx.kv(self.source, gi, None if entry is None else g.take(entry))  # (G, S, dc + dr)
             absorbed = self._absorbed(g.T, ctx)
@@ -140,9 +144,12 @@ class MLAttention(LatentAttention):
         wkv, bkv = self.weights("kv_b_proj")
         wo, bo = self.weights("o_proj")
         params = [wq, wkv, wo] + ([self.q_mix] if self.qk_norm else []) + [b for b in (bq, bkv, bo) if b is not None]
-        key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
-        if self._folded is not None and self._folded[0] == key:
-            return self._folded[1]
+        # keyed by identity and version; an entry keeps its tensors alive, so an id is never reused under it
+        key = tuple((id(p), -1 if p.is_inference() else p._version, p.dtype) for p in params)
+        hit = self._folded.pop(key, None)
+        if hit is not None and all(a is b for a, b in zip(hit[0], params)):
+            self._folded[key] = hit  # most recently used last
+            return hit[1]
         H, dc, dn, dr = self.num_heads, self.dc, self.dn, self.dr
         w_uk, w_uv, _, b_v = self.split_kv_b()
         q_w = q_b = o_w = o_b = None
@@ -164,8 +171,10 @@ class MLAttention(LatentAttention):
             if b_v is not None:
                 extra = torch.einsum("ohv,hv->o", wo3, b_v)
                 o_b = extra if o_b is None else o_b + extra
-        self._folded = (key, (q_w, q_b, o_w, o_b))
-        return self._folded[1]
+        while len(self._folded) >= max(1, self.fold_cache_size):
+            self._folded.pop(next(iter(self._folded)))  # least recently used
+        self._folded[key] = (params, (q_w, q_b, o_w, o_b))
+        return q_w, q_b, o_w, o_b
 
     def _decode_folded(self, x, cos, sin, entries, mask) -> torch.Tensor:
         """Absorbed decode with the up-projections folded into the query and output projections:

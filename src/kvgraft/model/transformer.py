@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention
-from kvgraft.model.batch import BatchContext, DenseContext
+from kvgraft.model.batch import BatchContext, DenseContext, active_context
 from kvgraft.model.cache import PagedKVCache, static_cache
 from kvgraft.model.ced import CEDAttention, Compressor, rope_tables
 from kvgraft.model.config import ModelConfig
@@ -81,7 +81,7 @@ class GQAttention(nn.Module):
             k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)  # (B, N, K, d)
             entry = torch.cat([k.reshape(B, N, K * d), self.v_proj(x)], dim=-1)  # (B, N, 2 K d)
         out = None
-        for gi, g in enumerate(ctx.groups):
+        for gi, g in ctx.each_group():
             qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, d)
             keys, kpos = ctx.kv(self.source, gi, None if entry is None else g.take(entry))  # (G, S, 2 K d)
             G, S = keys.shape[:2]
@@ -210,14 +210,15 @@ class Transformer(nn.Module):
         # Backward stops at the first trainable layer: the layers below it run without autograd and keep
         # no activations (a decoder-side adapter trains through the decoder only), checkpointing or not.
         first = self.first_trainable_layer() if torch.is_grad_enabled() else 0
-        for i, block in enumerate(self.layers):
-            if i < first:
-                with torch.no_grad():
+        with active_context(ctx):  # adapter layers read the step's rows from it (kvgraft.model.batch)
+            for i, block in enumerate(self.layers):
+                if i < first:
+                    with torch.no_grad():
+                        x = block(x, cos, sin, ctx)
+                elif self.gradient_checkpointing and self.training and ctx.cache is None:
+                    x = checkpoint(block, x, cos, sin, ctx, use_reentrant=False)
+                else:
                     x = block(x, cos, sin, ctx)
-            elif self.gradient_checkpointing and self.training and ctx.cache is None:
-                x = checkpoint(block, x, cos, sin, ctx, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, ctx)
         aux = ctx.scratch.get("aux")
         # the indexers' training loss (None without one); the training loop adds it to the step's loss
         self.aux_loss = torch.stack(aux).sum() if aux else None

@@ -7,6 +7,12 @@ phases), samples each finished row with its own parameters and generator, and re
 request produced. When the cache runs out of blocks, the most recently admitted request is preempted:
 its blocks are freed and it is re-queued to recompute prompt + output so far (never a crash, and the
 same tokens: sampling state is per request). ``cancel(id)`` stops a request at once.
+
+Adapters (``kvgraft.serve.adapters``): ``load_adapter(name, path)`` installs a kvgraft adapter directory
+while the engine runs (between steps), ``add_request(..., adapter=name)`` runs a request with it (rows of
+one step may use different adapters, or none), ``unload_adapter(name)`` removes it: refused while
+unfinished requests use it, unless ``wait=True``, which refuses new requests for it and unloads it once
+the last one finishes.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache
+from kvgraft.serve.adapters import Adapter, AdapterBusyError, AdapterError, AdapterFiles, AdapterRegistry
 from kvgraft.serve.sampling import SamplingParams, sample_next
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -30,7 +38,7 @@ class Request:
     id: int
     prompt: list[int]
     sampling: SamplingParams
-    adapter: object = None
+    adapter: str | None = None  # a loaded adapter's name; None: the base model
     output: list[int] = field(default_factory=list)
     status: str = WAITING
     finish_reason: str | None = None  # "length" | "stop" | "cancelled"
@@ -92,12 +100,45 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._next_id = 0
         self.stats = {"steps": 0, "tokens": 0, "preemptions": 0, "peak_used_bytes": 0}
+        self.adapters = AdapterRegistry(model)
+
+    # ---- adapters ----------------------------------------------------------------------------------
+    def load_adapter(self, name: str, source: str | Path | AdapterFiles) -> Adapter:
+        """Install an adapter directory (or files read with ``self.adapters.read``) under ``name``.
+        Refuses another base's adapter, a name already loaded and what the adapter layer cannot apply."""
+        return self.adapters.load(name, source)
+
+    def unload_adapter(self, name: str, wait: bool = False) -> bool:
+        """Unload ``name``. With unfinished requests on it: AdapterBusyError, or with ``wait`` refuse new
+        requests for it and unload it once they finish. True when unloaded now."""
+        adapter = self.adapters.get(name)
+        busy = self._requests_of(name)
+        if not busy:
+            self.adapters.unload(name)
+            return True
+        if not wait:
+            raise AdapterBusyError(f"adapter {name!r} has {len(busy)} unfinished requests ({busy[:8]}); cancel them "
+                                   "or unload with wait=True (it then unloads when they finish)")
+        adapter.draining = True
+        return False
+
+    def _requests_of(self, name: str) -> list[int]:
+        return [r.id for r in (*self.running, *self.waiting) if r.adapter == name]
+
+    def _reap_adapters(self) -> None:
+        for name in [n for n, a in self.adapters.adapters.items() if a.draining]:
+            if not self._requests_of(name):
+                self.adapters.unload(name)
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
-                    adapter: object = None) -> int:
-        """Queue a request; its id. Raises ValueError for a request the cache could never hold."""
+                    adapter: str | None = None) -> int:
+        """Queue a request (with a loaded adapter's name, or None for the base); its id. Raises ValueError
+        for a request the cache could never hold, UnknownAdapterError (listing the loaded ones) for an
+        adapter that is not loaded."""
         sampling = sampling or SamplingParams()
+        if adapter is not None and self.adapters.get(adapter).draining:
+            raise AdapterError(f"adapter {adapter!r} is being unloaded; it takes no new requests")
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids must hold at least one token")
@@ -139,6 +180,7 @@ class Engine:
         if req in self.waiting:
             self.waiting.remove(req)
         self._finish(req, "cancelled")
+        self._reap_adapters()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -222,6 +264,8 @@ class Engine:
             if reason:
                 self._finish(req, reason)
             outputs.append(StepOutput(req.id, [tok], reason is not None, reason))
+        if any(r.status == FINISHED for r, _ in rows):
+            self._reap_adapters()
         return outputs
 
     def run(self) -> None:
@@ -230,13 +274,17 @@ class Engine:
             if not self.step() and not self.running:
                 raise RuntimeError("the engine scheduled nothing while requests wait (cache too small?)")
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[list[int]]:
-        """Generated ids per prompt (prompt excluded), running the engine until all are done."""
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams],
+                 adapters: str | None | Sequence[str | None] = None) -> list[list[int]]:
+        """Generated ids per prompt (prompt excluded), running the engine until all are done; ``adapters``:
+        one adapter name (or None) for all prompts, or one per prompt."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        names = [adapters] * len(prompts) if adapters is None or isinstance(adapters, str) else list(adapters)
+        if len(names) != len(prompts):
+            raise ValueError(f"{len(names)} adapters for {len(prompts)} prompts")
+        ids = [self.add_request(p, s, a) for p, s, a in zip(prompts, params, names)]
         self.run()
         return [self.pop_finished(i).output for i in ids]
 
