@@ -571,8 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ship)
 
     p = sub.add_parser("adapt", help="train a placement-aware LoRA adapter (PEFT format, sharing certificate)")
-    p.add_argument("base", nargs="?", default=None, help="base model (default: kvgraft-ced-8m's placement rules "
-                   "apply to any kvgraft/Llama-family model; default model kvgraft-llama-8m)")
+    p.add_argument("base", nargs="?", default=None, help="base model directory or shipped name (default: "
+                   "kvgraft-llama-8m; kvgraft-ced-8m is the causal encoder-decoder the placements are made for)")
     p.add_argument("--task", required=True, help="task directory (kvgraft tasks NAME --out DIR) or name: geometry, ui-reply")
     p.add_argument("--out", required=True, help="run directory (adapter in OUT/adapter, result in OUT/result.json)")
     p.add_argument("--preset", default="decoder-half-r16",
