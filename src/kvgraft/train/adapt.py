@@ -151,10 +151,13 @@ def answer_accuracy(model, tokenizer, task_name: str, examples, max_new_tokens: 
         return float("nan")
     eos = tokenizer_eos_id(tokenizer)
     prompts = [_ids(tokenizer, ex.prompt) for ex in examples]
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    engine = Engine(model, max_seqs=min(64, len(prompts)), max_batch_tokens=2048,
-                    max_seq_len=min(longest, model.config.max_position_embeddings))
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=() if eos is None else (eos,))
+    limit = model.config.max_position_embeddings
+    if any(len(p) >= limit for p in prompts):
+        raise ValueError(f"a prompt is {max(len(p) for p in prompts)} tokens; the model takes {limit}")
+    params = [SamplingParams(max_new_tokens=min(max_new_tokens, limit - len(p)),
+                             stop_token_ids=() if eos is None else (eos,)) for p in prompts]
+    longest = max(len(p) + s.max_new_tokens for p, s in zip(prompts, params))
+    engine = Engine(model, max_seqs=min(64, len(prompts)), max_batch_tokens=2048, max_seq_len=longest)
     outs = engine.generate(prompts, params)
     texts = [tokenizer.decode(o) for o in outs]
     return sum(is_correct(task_name, ex, t) for ex, t in zip(examples, texts)) / len(examples)
