@@ -31,3 +31,23 @@ def grouped_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(p, v).view(B, K, G, T, -1).reshape(B, H, T, -1)
+
+
+def grouped_attention_head_major(
+    q: torch.Tensor,  # (G, H, T, D)
+    k: torch.Tensor,  # (K, G, S, D): each head's keys contiguous (the paged cache's GQA layout)
+    v: torch.Tensor,  # (K, G, S, Dv)
+    mask: torch.Tensor,  # (G, T, S) bool, True = attend
+    scale: float,
+) -> torch.Tensor:
+    """``grouped_attention`` over head-major keys/values: the (small) queries are rearranged instead of
+    the cache, so the step reads each head's keys in place. Returns (G, H, T, Dv); fp32 softmax."""
+    G, H, T, D = q.shape
+    K = k.shape[0]
+    R = H // K
+    qk = q.reshape(G, K, R * T, D).transpose(0, 1)  # (K, G, R*T, D)
+    scores = torch.matmul(qk, k.transpose(-1, -2)).float() * scale  # (K, G, R*T, S)
+    scores = scores.masked_fill(~mask.repeat(1, R, 1)[None], float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(v.dtype)
+    y = torch.matmul(p, v)  # (K, G, R*T, Dv)
+    return y.transpose(0, 1).reshape(G, K, R, T, -1).reshape(G, H, T, -1)

@@ -223,12 +223,22 @@ class BatchContext(_Context):
     # ---- storage operations -------------------------------------------------------------------
     def kv(self, layer: int, gi: int, entries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Writer (``entries`` (G, T, E)): store the new entries of ``layer``; reader (None): fetch what
-        the writer ``layer`` stored this step. Returns (keys (G, S, E), key positions (G, S))."""
+        the writer ``layer`` stored this step. Returns (keys (G, S, E), key positions (G, S)); a GQA layer's
+        paged keys come head-major, (2K, G, S, head_dim)."""
         key = ("kv", layer, gi)
         if entries is None:
             return self.scratch[key]
         g, c = self.groups[gi], self.cache
-        if layer in c.paged:
+        if layer in c.head_major:  # GQA: (2K, G, S, d), keys then values per head, each head contiguous
+            pool = c.paged[layer]
+            H2, _, bs, d = pool.shape
+            pos = g.qpos
+            flat = (g.table.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
+            src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
+            pool.view(H2, -1, d).index_copy_(1, flat, src)
+            keys = pool[:, g.table].view(H2, g.G, -1, d)[:, :, : g.max_end]
+            out = (keys, torch.arange(g.max_end, device=keys.device).expand(g.G, -1))
+        elif layer in c.paged:
             pool = c.paged[layer]
             bs = c.block_size
             pos = g.qpos  # (G, T)

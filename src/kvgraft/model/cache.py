@@ -126,7 +126,14 @@ class PagedKVCache:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.paged = {layer: zeros(num_blocks, block_size, w) for layer, w in layout.paged.items()}
+        # GQA layers store keys and values head-major, (2K, blocks, block_size, head_dim): gathering a batch's
+        # blocks then yields each head's keys contiguous, which decode attention reads without another copy.
+        # Other paged layers store one row per token, (blocks, block_size, width).
+        self.head_major = {layer: (2 * config.num_kv_heads, config.head_dim) for layer in layout.paged
+                           if config.attention_kinds[layer] == "gqa"}
+        self.paged = {layer: zeros(self.head_major[layer][0], num_blocks, block_size, self.head_major[layer][1])
+                      if layer in self.head_major else zeros(num_blocks, block_size, w)
+                      for layer, w in layout.paged.items()}
         self.segments = {s: zeros(num_blocks, block_size // m, w) for s, w in layout.segments.items()}
         self.rings = {layer: zeros(max_seqs, self.ring_len, w) for layer, w in layout.rings.items()}
         self.pending = {s: zeros(max_seqs, m - 1, w) for s, w in layout.pending.items()}
@@ -221,9 +228,13 @@ class PagedKVCache:
         first = s.length // self.block_size
         if new_tokens and first < len(s.blocks) and self._refcount[s.blocks[first]] > 1:
             old, new = s.blocks[first], self._allocate()
-            for pools in (self.paged, self.segments):
-                for t in pools.values():
+            for layer, t in self.paged.items():
+                if layer in self.head_major:
+                    t[:, new] = t[:, old]
+                else:
                     t[new] = t[old]
+            for t in self.segments.values():
+                t[new] = t[old]
             self._release(old)
             s.blocks[first] = new
         while len(s.blocks) * self.block_size < end:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention
+from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention, grouped_attention_head_major
 from kvgraft.model.batch import BatchContext, DenseContext, active_context
 from kvgraft.model.cache import PagedKVCache, static_cache
 from kvgraft.model.ced import CEDAttention, Compressor, rope_tables
@@ -83,8 +83,20 @@ class GQAttention(nn.Module):
         out = None
         for gi, g in ctx.each_group():
             qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, d)
-            keys, kpos = ctx.kv(self.source, gi, None if entry is None else g.take(entry))  # (G, S, 2 K d)
-            G, S = keys.shape[:2]
+            keys, kpos = ctx.kv(self.source, gi, None if entry is None else g.take(entry))
+            if keys.dim() == 4:  # the paged cache's head-major layout, (2K, G, S, d)
+                G = keys.shape[1]
+                k_hm, v_hm = keys[:K], keys[K:]
+                mask = ctx.window_mask(gi, kpos, self.window, "kv")
+                if g.T <= DECODE_MAX_NEW_TOKENS:
+                    y = grouped_attention_head_major(qg, k_hm, v_hm, mask, d**-0.5)  # decode step
+                else:
+                    y = F.scaled_dot_product_attention(qg, k_hm.transpose(0, 1), v_hm.transpose(0, 1),
+                                                       attn_mask=mask[:, None], enable_gqa=K != H)
+                y = self.o_proj(y.transpose(1, 2).reshape(G, g.T, H * d))
+                out = g.put(out if out is not None else x.new_empty(B, N, y.shape[-1]), y)
+                continue
+            G, S = keys.shape[:2]  # (G, S, 2 K d): the batch itself, or a window ring
             k = keys[..., : K * d].view(G, S, K, d).transpose(1, 2)
             v = keys[..., K * d:].view(G, S, K, d).transpose(1, 2)
             if ctx.cache is None and ctx.default_positions and (self.window is None or self.window >= g.T):
