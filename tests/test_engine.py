@@ -179,3 +179,25 @@ def test_cancel_frees_the_request_and_bad_requests_are_refused():
                      (dict(top_p=0.0), "top_p"), (dict(seed=1.5), "seed"), (dict(stop=("",)), "stop")]:
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**bad)
+
+
+def test_every_engine_caller_fits_blocks_to_the_compression_rate():
+    """An encoder-decoder whose compression rate does not divide 16 (m = 3): generate, the engine and the
+    decode benchmark choose whole-entry blocks (18 tokens) instead of failing; cached decode == full forward."""
+    from kvgraft.eval.speed import decode_speed
+    from kvgraft.model import generate
+    from kvgraft.model.presets import get_preset
+
+    torch.manual_seed(0)
+    model = Transformer(get_preset("ced-tiny").replace(compress_rate=3, sliding_window=8))
+    model.init_weights(0)
+    model.eval()
+    assert Engine(model).cache.block_size == 18
+    prompt = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
+    out = generate(model, prompt, 6)
+    with torch.no_grad():
+        seq = prompt
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq)[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(out, seq)
+    assert len(decode_speed(model, contexts=(20,), batch_sizes=(2,), new_tokens=3, warmup=1, repeats=1)) == 1

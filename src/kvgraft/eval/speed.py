@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvgraft.model.cache import default_block_size
 from kvgraft.serve.engine import Engine
 from kvgraft.serve.sampling import SamplingParams
 
@@ -105,7 +106,8 @@ def decode_speed(
                     prefills: list[float] = []
                     for _ in range(repeats):
                         total = context + new_tokens + 1
-                        engine = Engine(model, num_blocks=batch * -(-total // 16), block_size=16,
+                        bs = default_block_size(config)
+                        engine = Engine(model, num_blocks=batch * -(-total // bs), block_size=bs,
                                         max_seqs=batch, max_batch_tokens=batch * context, max_seq_len=total,
                                         dtype=dtype)
                         for row in prompt.tolist():

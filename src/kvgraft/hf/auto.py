@@ -167,13 +167,13 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         """Logits (B, T, vocab) of padded rows: the real tokens of each row run as one row of a batch
         context over a throwaway paged cache (rows of different lengths, no padding attended)."""
         from kvgraft.model.batch import BatchContext
-        from kvgraft.model.cache import PagedKVCache
+        from kvgraft.model.cache import PagedKVCache, default_block_size
 
         lens = keep.sum(dim=1).tolist()
         if min(lens) == 0:
             raise ValueError("attention_mask has a row with no tokens")
         cfg = self.config.model_config
-        bs = 16 * (cfg.compress_rate if cfg.is_ced else 1)
+        bs = default_block_size(cfg)
         cache = PagedKVCache(cfg, num_blocks=sum(-(-n // bs) for n in lens), block_size=bs, max_seqs=len(lens),
                              max_seq_len=max(lens), dtype=self.lm_head.weight.dtype, device=input_ids.device)
         ctx = BatchContext(cache, [cache.add_sequence() for _ in lens], lens)
@@ -219,8 +219,9 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         if max_new == 0:
             return input_ids.clone()
         total = max(len(p) for p in prompts) + max_new
-        cfg = self.config.model_config
-        bs = 16 * (cfg.compress_rate if cfg.is_ced else 1)
+        from kvgraft.model.cache import default_block_size
+
+        bs = default_block_size(self.config.model_config)
         engine = Engine(self.to_kvgraft().eval(), num_blocks=B * -(-total // bs), block_size=bs, max_seqs=B,
                         max_batch_tokens=max(sum(len(p) for p in prompts), 256), max_seq_len=total)
         outs = engine.generate(prompts, params)

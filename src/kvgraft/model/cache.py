@@ -301,18 +301,23 @@ class PagedKVCache:
                 t[slot].zero_()
 
 
+def default_block_size(config: ModelConfig, tokens: int = 16) -> int:
+    """``tokens`` rounded up to a multiple of the compression rate (a block holds whole pooled entries)."""
+    m = config.compress_rate if config.is_ced else 1
+    return math.ceil(tokens / m) * m
+
+
 def static_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str, block_size: int | None = None) -> tuple[PagedKVCache, list[int]]:
     """A cache sized for ``batch_size`` sequences of up to ``max_len`` tokens each, and those sequences.
 
-    ``block_size`` defaults to 16 tokens (rounded up to a multiple of the compression rate)."""
+    ``block_size`` defaults to :func:`default_block_size`."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size ({batch_size!r}) must be a positive integer")
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len ({max_len!r}) must be a positive integer")
-    m = config.compress_rate if config.is_ced else 1
     if block_size is None:
-        block_size = math.ceil(16 / m) * m
+        block_size = default_block_size(config)
     per_seq = math.ceil(max_len / block_size)
     cache = PagedKVCache(config, num_blocks=batch_size * per_seq, block_size=block_size, max_seqs=batch_size,
                          max_seq_len=max_len, dtype=dtype, device=device)

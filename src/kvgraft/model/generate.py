@@ -21,7 +21,7 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     eos_token_id: int | None = None,
-    block_size: int = 16,
+    block_size: int | None = None,
 ) -> torch.Tensor:
     """Return (B, T + n) token ids; rows that emitted ``eos_token_id`` are padded with it afterwards.
 
@@ -39,8 +39,11 @@ def generate(
         return input_ids.clone()
     from kvgraft.serve.engine import Engine
 
+    from kvgraft.model.cache import default_block_size
+
     B, T = input_ids.shape
     total = T + max_new_tokens
+    block_size = default_block_size(model.config) if block_size is None else block_size
     engine = Engine(model, num_blocks=B * math.ceil(total / block_size), block_size=block_size, max_seqs=B,
                     max_batch_tokens=max(B * T, 256), max_seq_len=total)
     outs = engine.generate(input_ids.tolist(), params)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kvgraft.model.batch import BatchContext
-from kvgraft.model.cache import PagedKVCache
+from kvgraft.model.cache import PagedKVCache, default_block_size
 from kvgraft.serve.adapters import Adapter, AdapterBusyError, AdapterError, AdapterFiles, AdapterRegistry
 from kvgraft.serve.sampling import SamplingParams, sample_next
 
@@ -62,7 +62,8 @@ class StepOutput:
 class Engine:
     """Continuous batching over one :class:`PagedKVCache`.
 
-    ``num_blocks`` blocks of ``block_size`` tokens (default: room for ``max_seqs`` full-length
+    ``num_blocks`` blocks of ``block_size`` tokens (default 16, rounded up to a multiple of an encoder-decoder's
+    compression rate; ``num_blocks`` default: room for ``max_seqs`` full-length
     sequences); ``max_batch_tokens`` new tokens per step at most; ``max_seq_len`` (default: the model's
     ``max_position_embeddings``) bounds prompt + new tokens; ``detokenize`` turns ids into text for
     stop strings.
@@ -73,7 +74,7 @@ class Engine:
         model: torch.nn.Module,
         *,
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         max_seqs: int = 32,
         max_batch_tokens: int = 512,
         max_seq_len: int | None = None,
@@ -82,6 +83,7 @@ class Engine:
     ) -> None:
         config = model.config
         max_seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
+        block_size = default_block_size(config) if block_size is None else block_size
         for name, value in (("block_size", block_size), ("max_seqs", max_seqs),
                             ("max_batch_tokens", max_batch_tokens), ("max_seq_len", max_seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -187,6 +187,13 @@ def plot_curves(runs: dict[str, list[dict]], path: Path) -> None:
     ax_t.set(title="training loss (mean over seeds)", xlabel="step", ylabel="loss")
     ax_v.set(title="validation loss (mean over seeds)", xlabel="step", ylabel="loss")
     ax_v.legend(fontsize=7)
+    _save(fig, path)
+
+
+def _save(fig, path: Path) -> None:
+    """Write a figure atomically (a reader never sees half a PNG)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=120)
@@ -270,8 +277,4 @@ def _plot_curve(curve: dict, path: Path) -> None:
     lines, labels = ax.get_legend_handles_labels()
     l2, lb2 = ax2.get_legend_handles_labels()
     ax.legend(lines + l2, labels + lb2, fontsize=8, loc="upper left")
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    _save(fig, path)
