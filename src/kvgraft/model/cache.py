@@ -269,8 +269,8 @@ class PagedKVCache:
         return self.nbytes - self.used_bytes
 
     def needed_bytes(self) -> int:
-        """Bytes the live sequences' tokens need without paging (shared blocks counted once is not
-        applied here: each sequence counts its own tokens)."""
+        """Bytes the live sequences' tokens need without paging; each sequence counts its own tokens, so
+        forked sequences that share blocks are counted once per sequence."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return sum(self.layout.values(s.length, self.ring_len) for s in self._seqs.values()) * itemsize
 
