@@ -155,10 +155,17 @@ class BatchContext(_Context):
     reserves their blocks (copy on write included) and :meth:`commit` records them after the forward.
     ``adapter_ids[r]`` names the row's adapter (None: the base model); rows are grouped by (new tokens,
     adapter), and adapter layers read the rows of each adapter through :meth:`adapter_tokens` / the group.
+
+    ``replay=True``: the rows' ``new_tokens`` are the *last* tokens each sequence already holds, run again
+    through some layers (``Transformer.replay``) to rebuild their window rings, e.g. for another adapter:
+    rings are read as empty (the replay's own tokens are the window), shared segments are read and not
+    written, nothing is reserved or committed. ``capture_layer``: the forward keeps the hidden state
+    entering that layer (packed, (1, N, h)) in ``captured``.
     """
 
     def __init__(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[int],
-                 adapter_ids: list[object] | None = None) -> None:
+                 adapter_ids: list[object] | None = None, *, replay: bool = False,
+                 capture_layer: int | None = None) -> None:
         if len(seqs) != len(new_tokens) or not seqs:
             raise ValueError(f"seqs ({len(seqs)}) and new_tokens ({len(new_tokens)}) must be non-empty and of "
                              "equal length")
@@ -168,16 +175,22 @@ class BatchContext(_Context):
             raise ValueError(f"new_tokens {new_tokens} must be positive integers")
         if adapter_ids is not None and len(adapter_ids) != len(seqs):
             raise ValueError(f"adapter_ids has {len(adapter_ids)} entries for {len(seqs)} rows")
-        for s, t in zip(seqs, new_tokens):
-            if not cache.can_extend(s, t):
-                cache.extend(s, t)  # raises the precise error (overflow or no free blocks)
-        for s, t in zip(seqs, new_tokens):
-            cache.extend(s, t)
+        if replay:
+            for s, t in zip(seqs, new_tokens):
+                if t > cache.length(s):
+                    raise ValueError(f"replay of {t} tokens on sequence {s}, which holds {cache.length(s)}")
+        else:
+            for s, t in zip(seqs, new_tokens):
+                if not cache.can_extend(s, t):
+                    cache.extend(s, t)  # raises the precise error (overflow or no free blocks)
+            for s, t in zip(seqs, new_tokens):
+                cache.extend(s, t)
+        self.replay, self.capture_layer, self.captured = replay, capture_layer, None
         self.cache, self.seqs, self.new_tokens = cache, list(seqs), list(new_tokens)
         self.adapter_ids = list(adapter_ids) if adapter_ids is not None else [None] * len(seqs)
         self.has_adapters = any(a is not None for a in self.adapter_ids)
         self._adapter_tokens: dict[object, torch.Tensor] | None = None
-        self.starts = [cache.length(s) for s in seqs]
+        self.starts = [cache.length(s) - (t if replay else 0) for s, t in zip(seqs, new_tokens)]
         self.scratch: dict = {"compress_rate": cache.layout.compress_rate}
         dev, bs = cache.device, cache.block_size
         offsets, n = [], 0
@@ -216,7 +229,10 @@ class BatchContext(_Context):
         return self._adapter_tokens
 
     def commit(self) -> None:
-        """Record the step's tokens in the cache (the model calls this once every layer ran)."""
+        """Record the step's tokens in the cache (the model calls this once every layer ran); a replay
+        adds none."""
+        if self.replay:
+            return
         for s, t in zip(self.seqs, self.new_tokens):
             self.cache.commit(s, t)
 
@@ -229,6 +245,9 @@ class BatchContext(_Context):
         if entries is None:
             return self.scratch[key]
         g, c = self.groups[gi], self.cache
+        if self.replay and layer not in c.rings:
+            raise ValueError(f"a replay rebuilds window rings only; layer {layer} stores paged KV (replay is for "
+                             "the causal encoder-decoder's decoder layers)")
         if layer in c.head_major:  # GQA: (2K, G, S, d), keys then values per head, each head contiguous
             pool = c.paged[layer]
             H2, _, bs, d = pool.shape
@@ -254,7 +273,7 @@ class BatchContext(_Context):
             last = (g.starts - 1)[:, None]
             slot = torch.arange(R, device=ring.device)[None]
             ring_pos = last - torch.remainder(last - slot, W)
-            ring_pos = torch.where(ring_pos >= 0, ring_pos, torch.full_like(ring_pos, _FAR))
+            ring_pos = torch.where((ring_pos >= 0) & (not self.replay), ring_pos, torch.full_like(ring_pos, _FAR))
             keys = torch.cat([ring, entries.to(ring.dtype)], dim=1)
             kpos = torch.cat([ring_pos, g.qpos], dim=1)
             n = min(g.T, R)
@@ -267,6 +286,8 @@ class BatchContext(_Context):
     def compress(self, layer: int, gi: int, compressor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Run kv_source ``layer``'s compressor on the group's new tokens (G, T, h): store every entry
         they complete in the shared segment, keep the rest as the row's pending tokens."""
+        if self.replay:  # the shared segments already hold these tokens (a replay recomputes windows only)
+            return
         g, c = self.groups[gi], self.cache
         m = c.layout.compress_rate
         seg = c.segments[layer]

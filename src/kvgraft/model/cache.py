@@ -85,6 +85,22 @@ def cache_layout(config: ModelConfig) -> CacheLayout:
 
 
 @dataclass
+class CacheSnapshot:
+    """A sequence's cache frozen at ``length`` tokens: its blocks (held, reference counted) and a copy of
+    its per-sequence state. :meth:`PagedKVCache.restore` starts new sequences from it, sharing the blocks;
+    :meth:`PagedKVCache.release` lets the blocks go."""
+
+    blocks: tuple[int, ...]
+    length: int
+    state: dict[tuple[str, int], torch.Tensor]  # ("ring" | "pending", layer) -> the slot's copy
+    released: bool = False
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state.values())
+
+
+@dataclass
 class _Sequence:
     slot: int  # state slot (rings, pending tokens)
     blocks: list[int] = field(default_factory=list)
@@ -172,6 +188,38 @@ class PagedKVCache:
             for t in pools.values():
                 t[c.slot] = t[src.slot]
         return child
+
+    def snapshot(self, seq: int) -> CacheSnapshot:
+        """Freeze ``seq`` as it is now: hold its blocks (the sequence may go on; its next write into a
+        held block copies it first) and copy its per-sequence state."""
+        s = self._get(seq)
+        for b in s.blocks:
+            self._refcount[b] += 1
+        state = {("ring", layer): t[s.slot].clone() for layer, t in self.rings.items()}
+        state.update({("pending", layer): t[s.slot].clone() for layer, t in self.pending.items()})
+        return CacheSnapshot(tuple(s.blocks), s.length, state)
+
+    def restore(self, snap: CacheSnapshot) -> int:
+        """A new sequence holding the snapshot's tokens: its blocks shared (reference counted), its state
+        copied into the new sequence's slot. Raises CacheFullError when no slot is free."""
+        if snap.released:
+            raise ValueError("restore: the snapshot was released")
+        seq = self.add_sequence()
+        s = self._seqs[seq]
+        s.blocks, s.length = list(snap.blocks), snap.length
+        for b in snap.blocks:
+            self._refcount[b] += 1
+        for (kind, layer), t in snap.state.items():
+            (self.rings if kind == "ring" else self.pending)[layer][s.slot] = t
+        return seq
+
+    def release(self, snap: CacheSnapshot) -> None:
+        """Let a snapshot's blocks go (freed when no sequence or other snapshot holds them)."""
+        if snap.released:
+            return
+        for b in snap.blocks:
+            self._release(b)
+        snap.released = True
 
     def free(self, seq: int) -> None:
         """Release a sequence: its blocks (when no other sequence holds them) and its state slot."""
@@ -263,6 +311,11 @@ class PagedKVCache:
     def used_bytes(self) -> int:
         """Bytes of blocks held by some sequence plus the state slots of live sequences."""
         return (self.num_blocks - len(self._free_blocks)) * self.block_bytes + len(self._seqs) * self.slot_bytes
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of blocks held more than once (by several sequences or snapshots), each counted once."""
+        return sum(1 for r in self._refcount if r > 1) * self.block_bytes
 
     @property
     def free_bytes(self) -> int:

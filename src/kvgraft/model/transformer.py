@@ -180,6 +180,26 @@ class Transformer(nn.Module):
         p = self.embed_tokens.weight
         return static_cache(self.config, batch_size, max_len, dtype or p.dtype, p.device, block_size)[0]
 
+    @torch.no_grad()
+    def replay(self, hidden: torch.Tensor, ctx: BatchContext, from_layer: int) -> None:
+        """Run layers ``from_layer``.. again over the last tokens of ``ctx``'s rows (a ``replay=True``
+        context), starting from the hidden states entering ``from_layer`` at those positions ((1, N, h) or
+        (N, h), packed like the rows): rebuilds those layers' window rings, writes nothing else.
+
+        Which positions a replay needs (``kvgraft.serve.prefix.replay_span``): to rebuild the rings of
+        layers ``from_layer``..L-1 at a prefix of T tokens, the last ``W + (L - 1 - from_layer) (W - 1)``."""
+        if not getattr(ctx, "replay", False):
+            raise ValueError("replay needs a BatchContext(..., replay=True)")
+        if not 0 <= from_layer < len(self.layers):
+            raise ValueError(f"from_layer ({from_layer}) must be in [0, {len(self.layers)})")
+        x = hidden.reshape(1, ctx.num_tokens, -1)
+        cos, sin = self.rotary(ctx.positions, x.dtype)
+        if self.config.is_ced:
+            cos, sin = rope_tables(self.config, cos, sin)
+        with active_context(ctx):
+            for block in self.layers[from_layer:]:
+                x = block(x, cos, sin, ctx)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # (B, T); with ctx: (1, N) or (N,) packed rows
@@ -223,7 +243,10 @@ class Transformer(nn.Module):
         # no activations (a decoder-side adapter trains through the decoder only), checkpointing or not.
         first = self.first_trainable_layer() if torch.is_grad_enabled() else 0
         with active_context(ctx):  # adapter layers read the step's rows from it (kvgraft.model.batch)
+            capture = getattr(ctx, "capture_layer", None)
             for i, block in enumerate(self.layers):
+                if i == capture:
+                    ctx.captured = x
                 if i < first:
                     with torch.no_grad():
                         x = block(x, cos, sin, ctx)

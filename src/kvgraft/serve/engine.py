@@ -28,6 +28,7 @@ import torch
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache, default_block_size
 from kvgraft.serve.adapters import Adapter, AdapterBusyError, AdapterError, AdapterFiles, AdapterRegistry
+from kvgraft.serve.prefix import PrefixCache, PrefixEntry, replay_layer, replay_span
 from kvgraft.serve.sampling import SamplingParams, sample_next
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -45,6 +46,10 @@ class Request:
     seq: int | None = None  # the cache sequence while running
     computed: int = 0  # tokens of prompt + output already in the cache
     generator: torch.Generator | None = None
+    owner: object = None  # the adapter's load identity (prefix-cache key); None: the base
+    shares: bool = True  # the adapter's certificate lets it read the base's shared cache groups
+    snapshot_at: int | None = None  # keep the cache in the prefix cache once this many tokens are computed
+    hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, replay-layer inputs)
 
     @property
     def tokens(self) -> list[int]:
@@ -80,12 +85,14 @@ class Engine:
         max_seq_len: int | None = None,
         dtype: torch.dtype | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        prefix_cache: bool = False,
+        prefix_entries: int = 32,
     ) -> None:
         config = model.config
         max_seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
         block_size = default_block_size(config) if block_size is None else block_size
-        for name, value in (("block_size", block_size), ("max_seqs", max_seqs),
-                            ("max_batch_tokens", max_batch_tokens), ("max_seq_len", max_seq_len)):
+        for name, value in (("block_size", block_size), ("max_seqs", max_seqs), ("max_batch_tokens", max_batch_tokens),
+                            ("max_seq_len", max_seq_len), ("prefix_entries", prefix_entries)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
         if num_blocks is None:
@@ -103,12 +110,36 @@ class Engine:
         self._next_id = 0
         self.stats = {"steps": 0, "tokens": 0, "preemptions": 0, "peak_used_bytes": 0}
         self.adapters = AdapterRegistry(model)
+        self.prefix_stats = {"entries": 0, "bytes": 0, "queries": 0, "hits": 0, "replays": 0, "replayed_tokens": 0}
+        self.prefix = PrefixCache(self.cache, prefix_entries, replay_span(config)) if prefix_cache else None
+        self.replay_layer = replay_layer(config)
+        self._uids: dict[str, int] = {}  # adapter name -> load identity (a reloaded name is another adapter)
+        self._next_uid = 0
+        self._replays: list[tuple[Request, PrefixEntry]] = []
+
+    def cache_stats(self) -> dict[str, float]:
+        """Cache bytes (used, free, total, shared = blocks held more than once, private = the rest of used)
+        and the prefix cache's counters (entries, bytes of their copied state, queries, hits, hit rate,
+        decoder replays and the tokens they recomputed)."""
+        c = self.cache
+        shared = c.shared_bytes
+        p = self.prefix_stats
+        if self.prefix is not None:
+            p["entries"], p["bytes"] = len(self.prefix), self.prefix.nbytes
+        return {"used_bytes": c.used_bytes, "free_bytes": c.free_bytes, "total_bytes": c.nbytes,
+                "shared_bytes": shared, "private_bytes": c.used_bytes - shared,
+                "prefix_entries": p["entries"], "prefix_bytes": p["bytes"], "prefix_queries": p["queries"],
+                "prefix_hits": p["hits"], "prefix_hit_rate": p["hits"] / p["queries"] if p["queries"] else 0.0,
+                "replays": p["replays"], "replayed_tokens": p["replayed_tokens"]}
 
     # ---- adapters ----------------------------------------------------------------------------------
     def load_adapter(self, name: str, source: str | Path | AdapterFiles) -> Adapter:
         """Install an adapter directory (or files read with ``self.adapters.read``) under ``name``.
         Refuses another base's adapter, a name already loaded and what the adapter layer cannot apply."""
-        return self.adapters.load(name, source)
+        adapter = self.adapters.load(name, source)
+        self._uids[name] = self._next_uid
+        self._next_uid += 1
+        return adapter
 
     def unload_adapter(self, name: str, wait: bool = False) -> bool:
         """Unload ``name``. With unfinished requests on it: AdapterBusyError, or with ``wait`` refuse new
@@ -116,7 +147,7 @@ class Engine:
         adapter = self.adapters.get(name)
         busy = self._requests_of(name)
         if not busy:
-            self.adapters.unload(name)
+            self._unload(name)
             return True
         if not wait:
             raise AdapterBusyError(f"adapter {name!r} has {len(busy)} unfinished requests ({busy[:8]}); cancel them "
@@ -130,7 +161,13 @@ class Engine:
     def _reap_adapters(self) -> None:
         for name in [n for n, a in self.adapters.adapters.items() if a.draining]:
             if not self._requests_of(name):
-                self.adapters.unload(name)
+                self._unload(name)
+
+    def _unload(self, name: str) -> None:
+        self.adapters.unload(name)
+        uid = self._uids.pop(name, None)
+        if self.prefix is not None and uid is not None:
+            self.prefix.drop_owner(uid)
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -165,6 +202,11 @@ class Engine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
         req = Request(rid, prompt, sampling, adapter, generator=gen)
+        if adapter is not None:
+            req.owner = self._uids[adapter]
+            cert = self.adapters.get(adapter).certificate
+            req.shares = bool(cert.get("shares_cache")) and (
+                self.replay_layer is None or int(cert["first_adapted_layer"]) >= self.replay_layer)
         self.requests[rid] = req
         if sampling.max_new_tokens == 0:
             self._finish(req, "length")
@@ -203,8 +245,10 @@ class Engine:
         for req in sorted(list(self.running), key=lambda r: len(r.tokens) - r.computed):  # decodes first
             if budget == 0 or req not in self.running:
                 continue
-            n = min(len(req.tokens) - req.computed, budget)
+            n = self._chunk(req, req.computed, budget)
             while not self.cache.can_extend(req.seq, n):
+                if self.prefix is not None and self.prefix.evict_one():
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 budget += sum(k for r, k in rows if r is victim)
@@ -218,18 +262,96 @@ class Engine:
             budget -= n
         while self.waiting and budget > 0 and self.cache.free_slots:
             req = self.waiting[0]
-            n = min(len(req.tokens), budget)
-            seq = self.cache.add_sequence()
+            hit = self._match(req)
+            seq = self.cache.restore(hit[0].snap) if hit else self.cache.add_sequence()
+            computed = hit[0].length if hit else 0
+            n = self._chunk(req, computed, budget)
+            while not self.cache.can_extend(seq, n) and self.prefix is not None and self.prefix.evict_one():
+                pass
             if not self.cache.can_extend(seq, n):
                 self.cache.free(seq)
                 break
             self.cache.extend(seq, n)
             self.waiting.popleft()
-            req.seq, req.status, req.computed = seq, RUNNING, 0
+            req.seq, req.status, req.computed = seq, RUNNING, computed
+            if self.prefix is not None and len(req.prompt) > self.cache.block_size:
+                self.prefix_stats["queries"] += 1
+            if hit:
+                entry, replay = hit
+                self.prefix_stats["hits"] += 1
+                if replay:
+                    self._replays.append((req, entry))
+                if entry.hidden is not None and req.snapshot_at is not None:
+                    req.hidden = [(entry.length - entry.hidden.shape[0], entry.hidden)]
             self.running.append(req)
             rows.append((req, n))
             budget -= n
         return rows
+
+    # ---- the prefix cache ------------------------------------------------------------------------
+    def _match(self, req: Request) -> tuple[PrefixEntry, bool] | None:
+        """The prefix entry ``req`` reuses (and whether it needs a decoder replay); decides where its own
+        prompt is kept (``snapshot_at``: all but the prompt's last token)."""
+        req.snapshot_at, req.hidden = None, []
+        if self.prefix is None or len(req.prompt) <= self.cache.block_size:
+            return None
+        hit = self.prefix.match(req.prompt, req.owner, req.shares)
+        T = len(req.prompt) - 1
+        if (not hit or hit[0].length < T) and not self.prefix.covers(req.prompt[:T], req.owner, req.shares):
+            req.snapshot_at = T
+        return hit
+
+    def _chunk(self, req: Request, computed: int, budget: int) -> int:
+        """Tokens of ``req`` to run next: the rest, at most ``budget``, ending at ``snapshot_at`` first."""
+        n = min(len(req.tokens) - computed, budget)
+        if req.snapshot_at is not None and computed < req.snapshot_at:
+            n = min(n, req.snapshot_at - computed)
+        return n
+
+    def _needs_hidden(self, req: Request) -> bool:
+        return req.snapshot_at is not None and req.shares and self.prefix.span is not None
+
+    def _keep_hidden(self, ctx: BatchContext, rows: list[tuple[Request, int]]) -> None:
+        """Keep, for requests whose prompt will be kept, the replay layer's inputs over the replay span."""
+        for i, (req, n) in enumerate(rows):
+            if not self._needs_hidden(req):
+                continue
+            lo = max(req.computed, req.snapshot_at - self.prefix.span)
+            hi = min(req.computed + n, req.snapshot_at)
+            if lo < hi:
+                off = ctx.offsets[i] - req.computed
+                req.hidden.append((lo, ctx.captured[0, off + lo: off + hi].clone()))
+
+    def _keep_prefix(self, req: Request) -> None:
+        """Snapshot ``req``'s cache at ``snapshot_at`` tokens into the prefix cache."""
+        T = req.snapshot_at
+        hidden = None
+        if self._needs_hidden(req):
+            want = T - min(self.prefix.span, T)
+            parts, pos = [], want
+            for start, h in sorted(req.hidden, key=lambda p: p[0]):
+                end = start + h.shape[0]
+                if end <= pos or start > pos:
+                    continue
+                parts.append(h[pos - start:])
+                pos = end
+            if pos >= T:
+                hidden = torch.cat(parts)[: T - want]
+        self.prefix.insert(req.prompt[:T], self.cache.snapshot(req.seq), req.owner, req.shares, hidden)
+        req.snapshot_at, req.hidden = None, []
+
+    def _run_replays(self) -> None:
+        """Rebuild the decoder windows of requests that reuse another adapter's prefix (module
+        ``kvgraft.serve.prefix``: the replay rule)."""
+        for req, entry in self._replays:
+            if req.seq is None:
+                continue
+            n = entry.hidden.shape[0]
+            ctx = BatchContext(self.cache, [req.seq], [n], adapter_ids=[req.adapter], replay=True)
+            self.model.replay(entry.hidden, ctx, self.replay_layer)
+            self.prefix_stats["replays"] += 1
+            self.prefix_stats["replayed_tokens"] += n
+        self._replays = []
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
@@ -237,10 +359,15 @@ class Engine:
         rows = self.schedule()
         if not rows:
             return []
+        self._run_replays()
+        capture = self.prefix is not None and any(self._needs_hidden(r) for r, _ in rows)
         ctx = BatchContext(self.cache, [r.seq for r, _ in rows], [n for _, n in rows],
-                           adapter_ids=[r.adapter for r, _ in rows])
+                           adapter_ids=[r.adapter for r, _ in rows],
+                           capture_layer=self.replay_layer if capture else None)
         ids = torch.tensor([t for r, n in rows for t in r.tokens[r.computed:r.computed + n]], device=self.device)
         logits = self.model(ids, ctx=ctx, last_only=True)[0]  # (rows, vocab)
+        if capture:
+            self._keep_hidden(ctx, rows)
         self.stats["steps"] += 1
         self.stats["tokens"] += ctx.num_tokens
         self.stats["peak_used_bytes"] = max(self.stats["peak_used_bytes"], self.cache.used_bytes)
@@ -248,6 +375,8 @@ class Engine:
         greedy = logits.argmax(dim=-1).tolist()
         for i, (req, n) in enumerate(rows):
             req.computed += n
+            if req.snapshot_at is not None and req.computed == req.snapshot_at:
+                self._keep_prefix(req)
             if req.computed < len(req.tokens):  # a prefill chunk: nothing to sample yet
                 continue
             s = req.sampling
@@ -301,6 +430,7 @@ class Engine:
 
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s cache and put it first in the queue; it recomputes prompt + output later."""
+        self._replays = [(r, e) for r, e in self._replays if r is not req]
         self.cache.free(req.seq)
         req.seq, req.status, req.computed = None, WAITING, 0
         self.running.remove(req)

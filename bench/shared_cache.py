@@ -1,0 +1,192 @@
+"""N adapters over one prompt: one shared cache vs one cache per adapter, and adapter switching.
+
+On the reference causal encoder-decoder (``kvgraft-ced-8m``) with N = 1, 2, 4, 8 random certified
+decoder-side adapters (decoder-half, rank 16, the pivot's KV writers frozen; random weights: cost does not
+depend on what an adapter learned), one shared prompt of ``--prompt`` tokens:
+
+- **shared**: kvgraft's engine with the prefix cache: the base computes the prompt once; every adapter's
+  request reuses its blocks and rebuilds its decoder windows by a decoder replay, then all N decode in
+  one mixed-adapter batch;
+- **private**: one cache per adapter (what vLLM/SGLang do: blocks keyed by adapter): each request
+  prefills the prompt itself.
+
+Printed per N: the bytes the N requests' cache holds once all have their first token (paged blocks, a
+shared block once, plus each request's per-sequence state), its ratio to one request alone with its own
+cache, the prefix entry's own kept state (its copy of the windows and the pivot inputs a replay starts
+from: per prompt, not per adapter, evictable), decode tokens/s of the N-row batch, and the mixed batch
+(N adapters) vs a single-adapter batch of the same size (all rows on adapter 0), measured alternately.
+Then the adapter switch on the cached prompt: a request for another adapter (decoder replay + its last
+prompt token) vs the same request with a full prefill of the prompt (time to its first token).
+
+The reference model was trained on 512-token windows; beyond 512 its text is not meaningful, which does
+not change bytes or time (``--prompt 512`` keeps it in range).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_adapters(base, n: int, root: Path) -> dict[str, Path]:
+    from kvgraft.adapters.lora import AdapterConfig, add_adapter, randomize_adapter, save_adapter
+    from kvgraft.adapters.placement import Placement
+
+    out = {}
+    for i in range(n):
+        pm = add_adapter(copy.deepcopy(base), Placement("decoder-half", ("all-linear",), freeze_kv_writers=True),
+                         AdapterConfig(rank=16))
+        randomize_adapter(pm, 0.02, seed=i)
+        out[f"a{i}"] = save_adapter(pm, root / f"a{i}")
+    return out
+
+
+def new_engine(base, adapters, args, prefix: bool):
+    from kvgraft.serve.engine import Engine
+
+    e = Engine(base, max_seqs=max(8, args.max_n) + 1, max_batch_tokens=args.chunk,
+               max_seq_len=args.prompt + args.new_tokens, prefix_cache=prefix)
+    for name, path in adapters.items():
+        e.load_adapter(name, path)
+    return e
+
+
+def held_bytes(e) -> int:
+    """Bytes the live requests' cache holds: blocks (a shared one once) and their per-sequence state."""
+    return e.cache_stats()["used_bytes"]
+
+
+def run_until_first_tokens(e, ids) -> None:
+    while any(not e.requests[i].output for i in ids):
+        e.step()
+
+
+def step_times(e, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        e.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", default="kvgraft-ced-8m")
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=31)
+    ap.add_argument("--ns", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--chunk", type=int, default=512, help="max tokens per engine step (prefill chunk)")
+    ap.add_argument("--repeats", type=int, default=3, help="adapter-switch timings")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    for name in ("prompt", "new_tokens", "chunk", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
+    if args.new_tokens < 7:
+        ap.error(f"--new-tokens ({args.new_tokens}) must be >= 7 (2 warm-up steps, then blocks of 4 timed steps)")
+    if any(n < 1 for n in args.ns):
+        ap.error(f"--ns {args.ns}: every N must be >= 1")
+    args.max_n = max(args.ns)
+    torch.set_num_threads(args.threads)
+
+    from kvgraft.hf import load_pretrained
+    from kvgraft.reference import resolve_model
+    from kvgraft.serve.prefix import replay_span
+    from kvgraft.serve.sampling import SamplingParams
+
+    base = load_pretrained(resolve_model(args.base)).eval()
+    cfg = base.config
+    if not cfg.is_ced:
+        raise SystemExit(f"{args.base} is not a causal encoder-decoder")
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    sp = SamplingParams(max_new_tokens=args.new_tokens)
+    rounds = (args.new_tokens - 3) // 4
+    print(f"{args.base}: prompt {args.prompt} tokens, {args.new_tokens} new, window {cfg.sliding_window}, "
+          f"replay span {replay_span(cfg)}, {args.threads} threads, fp32")
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = make_adapters(base, args.max_n, Path(tmp))
+        one = None
+        rows = []
+        for n in args.ns:
+            names = [f"a{i}" for i in range(n)]
+            # shared: the base keeps the prompt, then N adapters reuse it
+            e = new_engine(base, adapters, args, prefix=True)
+            e.generate([prompt], SamplingParams(max_new_tokens=1))
+            ids = [e.add_request(prompt, sp, a) for a in names]
+            run_until_first_tokens(e, ids)
+            shared = held_bytes(e)
+            kept = e.cache_stats()["prefix_bytes"]  # the prefix entry's copied state + kept pivot inputs
+            hits, replays = e.cache_stats()["prefix_hits"], e.cache_stats()["replays"]
+            # private: each adapter's request prefills the prompt into its own blocks
+            p = new_engine(base, adapters, args, prefix=False)
+            pids = [p.add_request(prompt, sp, a) for a in names]
+            run_until_first_tokens(p, pids)
+            private = held_bytes(p)
+            del p
+            # the same N rows, all on adapter 0 (a single-adapter batch), over the shared cache
+            s = new_engine(base, adapters, args, prefix=True)
+            s.generate([prompt], SamplingParams(max_new_tokens=1))
+            sids = [s.add_request(prompt, sp, "a0") for _ in names]
+            run_until_first_tokens(s, sids)
+            step_times(e, 2), step_times(s, 2)  # warm-up
+            mixed_t, single_t = [], []
+            for _ in range(rounds):  # alternate blocks of decode steps (a noisy machine)
+                mixed_t += step_times(e, 4)
+                single_t += step_times(s, 4)
+            mixed, single = n / statistics.median(mixed_t), n / statistics.median(single_t)
+            if one is None:
+                one = private if n == 1 else None
+            rows.append((n, shared, kept, private, hits, replays, mixed, single))
+        one = one or rows[0][3] / rows[0][0]
+        print()
+        print("| N adapters | shared cache: the requests hold | vs one request alone | + prefix entry kept | one cache per "
+              "adapter: the requests hold | vs one request alone | shared / private | prefix hits, replays | mixed batch "
+              "tok/s | single-adapter batch tok/s | mixed / single |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for n, shared, kept, private, hits, replays, mixed, single in rows:
+            print(f"| {n} | {shared / 1e6:.2f} MB | {shared / one:.2f}x | {kept / 1e6:.2f} MB | {private / 1e6:.2f} MB | "
+                  f"{private / one:.2f}x | {shared / private:.2f} | {hits}, {replays} | {mixed:.1f} | {single:.1f} | "
+                  f"{mixed / single:.2f}x |")
+
+        # where the bytes go (from the cache layout): what N requests over one prompt share and do not
+        from kvgraft.model.cache import cache_layout
+
+        lay = cache_layout(cfg)
+        item = 4
+        seg = sum(lay.segments.values()) * item / lay.compress_rate  # bytes per prompt token, shared
+        slot = (sum(lay.rings.values()) * min(lay.window, args.prompt + args.new_tokens)
+                + sum(lay.pending.values()) * (lay.compress_rate - 1)) * item  # per request, never shared
+        need = 7 * slot / 0.25 - slot  # 8 requests <= 1.25x of one: seg * T + 8 slot <= 1.25 (seg * T + slot)
+        print()
+        print(f"per prompt token, shared: {seg:.0f} B of compressed segments; per request, private: {slot / 1e3:.0f} kB of "
+              f"window rings ({len(lay.rings)} layers x {lay.window} tokens) and pending tokens. 8 requests hold <= "
+              f"1.25x of one when the segments outweigh 27 requests' rings: a prompt of >= {need / seg:,.0f} tokens.")
+
+        # adapter switch on the cached prompt: replay vs full prefill (time to the first token)
+        replay_t, full_t = [], []
+        for r in range(args.repeats):
+            e = new_engine(base, adapters, args, prefix=True)
+            e.generate([prompt], SamplingParams(max_new_tokens=1), "a0")  # a0 keeps the prompt
+            t = time.perf_counter()
+            e.generate([prompt], SamplingParams(max_new_tokens=1), "a1")  # switch: replay + last token
+            replay_t.append(time.perf_counter() - t)
+            assert e.cache_stats()["replays"] == 1
+            f = new_engine(base, adapters, args, prefix=False)
+            t = time.perf_counter()
+            f.generate([prompt], SamplingParams(max_new_tokens=1), "a1")
+            full_t.append(time.perf_counter() - t)
+        rt, ft = statistics.median(replay_t), statistics.median(full_t)
+        print()
+        print(f"adapter switch on a cached {args.prompt}-token prompt (time to first token, median of {args.repeats}): "
+              f"decoder replay {rt * 1e3:.1f} ms vs full prefill {ft * 1e3:.1f} ms: {ft / rt:.1f}x faster")
+
+
+if __name__ == "__main__":
+    main()

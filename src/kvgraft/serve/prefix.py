@@ -1,0 +1,161 @@
+"""The prefix cache: prompts' caches kept after their requests, reused by later requests and adapters.
+
+An entry is a snapshot of a request's cache after its prompt minus the last token (``T`` tokens): the
+paged blocks it held (reference counted: entry and requests share them, copy on write), a copy of its
+per-sequence state (window rings, pending tokens), who computed it (``owner``: an adapter's load
+identity, None for the base) and, on a causal encoder-decoder, the hidden states entering the pivot
+over the positions a decoder replay needs.
+
+**What is shared is keyed by what is actually shared.** A request reuses the longest entry whose tokens
+start its prompt (at most all but its last token) when either
+
+- the entry was computed with the same adapter (or both base): everything is reused as it is, or
+- both the entry's owner and the request's adapter hold a sharing certificate (the base always does):
+  their shared segments and the windows of every layer before the pivot are the base model's, equal for
+  both (``kvgraft.adapters.certificate``); only the windows from the pivot on depend on the adapter, and
+  they are rebuilt by a **decoder replay** (below). The paged blocks, which grow with the prompt, are
+  referenced, not copied: N certified adapters over one prompt hold its segments once.
+
+Adapters without the certificate (they change a shared segment) reuse only their own entries. On
+GQA/MLA bases every layer's KV is paged and lives in the same blocks, so an entry is reused by the same
+adapter only (there are no windows to replay; a decoder-side adapter changes the KV of every layer it
+touches over the whole prefix).
+
+**The replay rule** (``replay_span``). Layer ``j`` of a causal encoder-decoder reads, besides the
+shared segments (adapter-independent for certified adapters), its own window: the keys and values it
+computed from its input over the last ``W`` tokens. To rebuild layer ``L-1``'s ring at a prefix of
+``T`` tokens, its input is needed at positions ``[T - W, T)``; that input is layer ``L-2``'s output,
+and layer ``L-2``'s output at position ``t`` reads layer ``L-2``'s window over ``(t - W, t]``, so layer
+``L-2``'s input is needed over ``W - 1`` more positions, and so on down. Starting from the pivot ``p``
+(the first layer a certified adapter may change: the hidden state entering it is adapter-independent),
+the positions needed are the last
+
+    S = W + (L - 1 - p) (W - 1)
+
+(all of them when ``T <= S``). The replay runs layers ``p..L-1`` over those positions from the kept
+pivot inputs, reading the rings as empty (its outputs near the start of the span are wrong and never
+used: each layer's result is right from ``W - 1`` positions after its span begins, exactly the span of
+the layer above) and reading the shared segments as they are. The reference causal encoder-decoder
+(W = 64, L = 8, p = 4): S = 253 positions through 4 layers, instead of a full prefill of every layer.
+
+Entries are evicted least-recently-used: beyond ``max_entries``, and whenever the engine needs blocks
+(before it preempts any request).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from kvgraft.model.cache import CacheSnapshot, PagedKVCache
+from kvgraft.model.config import ModelConfig
+
+
+def replay_layer(config: ModelConfig) -> int | None:
+    """The layer a decoder replay starts from (the pivot: the last kv_source layer), or None (no replay:
+    not a causal encoder-decoder)."""
+    return max(config.kv_source_layers) if config.is_ced else None
+
+
+def replay_span(config: ModelConfig) -> int | None:
+    """Positions a decoder replay needs at the end of a prefix (see the module docstring):
+    ``W + (L - 1 - p) (W - 1)``; None when the model has no replay."""
+    p = replay_layer(config)
+    if p is None:
+        return None
+    W = config.sliding_window
+    return W + (config.num_layers - 1 - p) * (W - 1)
+
+
+@dataclass
+class PrefixEntry:
+    tokens: tuple[int, ...]
+    snap: CacheSnapshot
+    owner: object  # the adapter's load identity; None: the base model
+    shares: bool  # computed by the base or a certified adapter: its shared groups are the base's
+    hidden: torch.Tensor | None  # (n, h) inputs of the replay layer at positions [T - n, T), n = min(S, T)
+
+    @property
+    def length(self) -> int:
+        return self.snap.length
+
+    @property
+    def nbytes(self) -> int:
+        h = 0 if self.hidden is None else self.hidden.numel() * self.hidden.element_size()
+        return self.snap.state_bytes + h
+
+
+class PrefixCache:
+    """LRU entries over one :class:`PagedKVCache` (see the module docstring)."""
+
+    def __init__(self, cache: PagedKVCache, max_entries: int, span: int | None) -> None:
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_entries ({max_entries!r}) must be a positive integer")
+        self.cache, self.max_entries, self.span = cache, max_entries, span
+        self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the entries' copied state and kept hidden states (their blocks count in the cache)."""
+        return sum(e.nbytes for e in self._entries.values())
+
+    def match(self, prompt: list[int], owner: object, shares: bool) -> tuple[PrefixEntry, bool] | None:
+        """The longest usable entry for a request (``prompt``, adapter ``owner``, its certificate's
+        ``shares``) and whether it needs a decoder replay; None when none is usable."""
+        best: tuple[PrefixEntry, bool] | None = None
+        best_key = None
+        for key, e in self._entries.items():
+            if e.length > len(prompt) - 1 or (best is not None and e.length < best[0].length):
+                continue
+            exact = e.owner == owner
+            if not exact and not (shares and e.shares and e.hidden is not None and self.span is not None):
+                continue
+            if tuple(prompt[: e.length]) != e.tokens:
+                continue
+            if best is None or e.length > best[0].length or (exact and best[1]):
+                best, best_key = (e, not exact), key
+        if best_key is not None:
+            self._entries.move_to_end(best_key)
+        return best
+
+    def covers(self, tokens: list[int], owner: object, shares: bool) -> bool:
+        """Whether an entry for exactly ``tokens`` is already usable by (owner, shares) without a new one."""
+        t = tuple(tokens)
+        for e in self._entries.values():
+            if e.length == len(t) and e.tokens == t and (e.owner == owner or (shares and e.shares and e.hidden is not None)):
+                return True
+        return False
+
+    def insert(self, tokens: list[int], snap: CacheSnapshot, owner: object, shares: bool,
+               hidden: torch.Tensor | None) -> PrefixEntry:
+        if snap.length != len(tokens):
+            raise ValueError(f"snapshot of {snap.length} tokens for {len(tokens)} tokens")
+        entry = PrefixEntry(tuple(tokens), snap, owner, shares, hidden)
+        self._entries[self._next] = entry
+        self._next += 1
+        while len(self._entries) > self.max_entries:
+            self.evict_one()
+        return entry
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry (its blocks go when nothing else holds them); False if empty."""
+        if not self._entries:
+            return False
+        _, e = self._entries.popitem(last=False)
+        self.cache.release(e.snap)
+        return True
+
+    def drop_owner(self, owner: object) -> None:
+        """Drop the entries only ``owner`` could use (an unloaded adapter's private ones)."""
+        for key in [k for k, e in self._entries.items() if e.owner == owner and not e.shares]:
+            self.cache.release(self._entries.pop(key).snap)
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass
