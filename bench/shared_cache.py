@@ -35,7 +35,12 @@ import torch
 
 
 def make_adapters(base, n: int, root: Path) -> dict[str, Path]:
-    from kvgraft.adapters.lora import AdapterConfig, add_adapter, randomize_adapter, save_adapter
+    from kvgraft.adapters.lora import (
+        AdapterConfig,
+        add_adapter,
+        randomize_adapter,
+        save_adapter,
+    )
     from kvgraft.adapters.placement import Placement
 
     out = {}

@@ -12,7 +12,12 @@ import copy
 import pytest
 import torch
 
-from kvgraft.adapters.lora import AdapterConfig, add_adapter, randomize_adapter, save_adapter
+from kvgraft.adapters.lora import (
+    AdapterConfig,
+    add_adapter,
+    randomize_adapter,
+    save_adapter,
+)
 from kvgraft.adapters.placement import Placement
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.presets import get_preset

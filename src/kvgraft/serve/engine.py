@@ -27,7 +27,13 @@ import torch
 
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache, default_block_size
-from kvgraft.serve.adapters import Adapter, AdapterBusyError, AdapterError, AdapterFiles, AdapterRegistry
+from kvgraft.serve.adapters import (
+    Adapter,
+    AdapterBusyError,
+    AdapterError,
+    AdapterFiles,
+    AdapterRegistry,
+)
 from kvgraft.serve.prefix import PrefixCache, PrefixEntry, replay_layer, replay_span
 from kvgraft.serve.sampling import SamplingParams, sample_next
 
