@@ -13,14 +13,18 @@ positions), ``compress`` (a kv_source layer's compressor writes the shared segme
 (read a shared segment). Cross-layer sharing is the ``layer -> source`` map in the config: a reader
 names its source layer and gets what the source stored in this step.
 
-**Adapters.** ``BatchContext(..., adapter_ids=...)`` names each row's adapter (None: the base). Groups are
-keyed by (new tokens, adapter), so every group has one adapter (``Group.adapter``). A module that adds
-per-row adapter deltas (``kvgraft.serve.adapters.MultiLoraLinear``) reads the step it runs in through
-:func:`current_context` (the model sets it for the duration of a forward, per thread) and, inside a
-layer's loop over groups (:meth:`BatchContext.each_group` marks the active group), the group's adapter;
-outside that loop its input is the packed token axis and :meth:`BatchContext.adapter_tokens` gives each
-adapter's token indices. Absorbed latent decode reads weights through ``kvgraft.model.latent.linear_weight``
-inside the group loop, so a group's one adapter decides the weight the door returns.
+**Adapters.** ``BatchContext(..., adapter_ids=...)`` names each row's adapter (None: the base). Rows of
+different adapters share a group (``Group.adapter`` is then ``MIXED`` and ``Group.adapter_rows`` says
+which rows use which), so a mixed batch runs every per-group operation once, like a single-adapter
+batch. A module that adds per-row adapter deltas (``kvgraft.serve.adapters.MultiLoraLinear``) reads the
+step it runs in through :func:`current_context` (the model sets it for the duration of a forward, per
+thread): inside a layer's loop over groups (:meth:`BatchContext.each_group` marks the active group) the
+group's rows and their adapters; outside that loop its input is the packed token axis and
+:meth:`BatchContext.adapter_tokens` gives each adapter's token indices. Code that reads a weight through
+the one door (``kvgraft.model.latent.linear_weight``: latent attention's kv_b, absorbed decode) cannot
+serve rows of different adapters with one matrix, so it runs per adapter of the group
+(:meth:`each_adapter`). MLA layers fold weights per group, so on MLA models groups are also keyed by
+adapter.
 Shapes: G rows of a group, T new tokens per row, S keys, W a window, E an entry's width.
 """
 
@@ -37,6 +41,14 @@ from kvgraft.model.cache import PagedKVCache
 
 _FAR = -(10**9)  # position of a ring slot never written: outside every window
 _local = threading.local()
+
+
+class _Mixed:
+    def __repr__(self) -> str:
+        return "MIXED"
+
+
+MIXED = _Mixed()  # Group.adapter of a group whose rows use different adapters
 
 
 def current_context() -> "_Context | None":
@@ -67,7 +79,8 @@ class Group:
     table: torch.Tensor | None = None  # (G, blocks) block tables, padded with block 0 (masked)
     slots: torch.Tensor | None = None  # (G,) state slots
     max_end: int = 0  # max over rows of start + T
-    adapter: object = None  # the adapter of every row of the group (None: the base model)
+    adapter: object = None  # the adapter of every row of the group (None: the base model), or MIXED
+    adapter_rows: tuple = ()  # MIXED groups: ((adapter, row indices within the group (tensor)), ...)
 
     @property
     def G(self) -> int:
@@ -91,6 +104,7 @@ class _Context:
     groups: list[Group]
     scratch: dict
     active_group: int | None = None  # the group a layer is processing (inside each_group), else None
+    active_adapter: object = MIXED  # inside ``each_adapter``: the adapter of the rows being processed
     has_adapters: bool = False  # some row names an adapter
 
     def each_group(self) -> Iterator[tuple[int, Group]]:
@@ -103,9 +117,33 @@ class _Context:
         finally:
             self.active_group = None
 
+    def each_adapter(self, gi: int) -> Iterator[tuple[object, torch.Tensor | None]]:
+        """Split group ``gi`` by adapter for code that reads weights through the one door
+        (``kvgraft.model.latent.linear_weight``): yields (adapter, row indices within the group), or once
+        (adapter, None) for a group of one adapter; while each is processed, adapter layers apply that
+        adapter to the sub-batch they are given."""
+        g = self.groups[gi]
+        if g.adapter is not MIXED:
+            yield g.adapter, None
+            return
+        try:
+            for adapter, rows in g.adapter_rows:
+                self.active_adapter = adapter
+                yield adapter, rows
+        finally:
+            self.active_adapter = MIXED
+
     def adapter_tokens(self) -> dict[object, torch.Tensor]:
         """Adapter -> indices of its rows' tokens on the packed token axis (adapters only, not the base)."""
         return {}
+
+    def row_adapters(self, gi: int) -> list[object]:
+        """The adapter of each row of group ``gi``, in the group's row order."""
+        return [self.adapter_ids[r] for r in self.groups[gi].rows]
+
+    def token_adapters(self) -> list[object]:
+        """The adapter of each token on the packed token axis."""
+        return [a for a, t in zip(self.adapter_ids, self.new_tokens) for _ in range(t)]
 
     def window_mask(self, gi: int, kpos: torch.Tensor, window: int | None, key: object) -> torch.Tensor:
         """(G, T, S) bool: query i sees key j iff j <= i and, with a window W, i - j < W."""
@@ -201,11 +239,21 @@ class BatchContext(_Context):
         self.offsets = offsets
         self.positions = torch.cat([torch.arange(s, s + t) for s, t in zip(self.starts, new_tokens)]).to(dev)[None]
         self.last_index = torch.tensor([o + t - 1 for o, t in zip(offsets, new_tokens)], device=dev)
-        by_t: dict[tuple[int, object], list[int]] = {}  # rows by (new tokens, adapter)
+        # rows by new tokens; MLA's folded decode keeps one fold per weight, so its groups also split by adapter
+        split = "mla" in cache.config.attention_kinds
+        by_t: dict[tuple[int, object], list[int]] = {}
         for r, t in enumerate(new_tokens):
-            by_t.setdefault((t, self.adapter_ids[r]), []).append(r)
+            by_t.setdefault((t, self.adapter_ids[r] if split else None), []).append(r)
         self.groups = []
-        for (t, adapter), rows in by_t.items():
+        for (t, _), rows in by_t.items():
+            names = [self.adapter_ids[r] for r in rows]
+            adapter, adapter_rows = names[0], ()
+            if len(set(names)) > 1:
+                by_a: dict[object, list[int]] = {}
+                for i, a in enumerate(names):
+                    by_a.setdefault(a, []).append(i)
+                adapter = MIXED
+                adapter_rows = tuple((a, torch.tensor(ix, device=dev)) for a, ix in by_a.items())
             starts = [self.starts[r] for r in rows]
             ends = [s + t for s in starts]
             nb = -(-max(ends) // bs)
@@ -215,7 +263,7 @@ class BatchContext(_Context):
             qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None]
             self.groups.append(Group(rows, t, qpos, tok, torch.tensor(starts, device=dev), table,
                                      torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev), max(ends),
-                                     adapter))
+                                     adapter, adapter_rows))
 
     def adapter_tokens(self) -> dict[object, torch.Tensor]:
         """Adapter -> indices (on the packed token axis) of the tokens of its rows; the base is left out."""

@@ -160,7 +160,16 @@ class CEDAttention(LatentAttention):
                     smask = self._select(g.take(x), qg, shared, smask, ctx)
                 mask = torch.cat([mask, smask], dim=-1)
             absorbed = ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS and not torch.is_grad_enabled()
-            y = self.attend(qg, k, v, shared, mask, absorbed)  # (G, H, T, dv)
+            y = None
+            for _, rows in ctx.each_adapter(gi):  # kv_b is read through the door: one adapter at a time
+                if rows is None:
+                    y = self.attend(qg, k, v, shared, mask, absorbed)  # (G, H, T, dv)
+                    break
+                if y is None:
+                    y = qg.new_empty(G, self.num_heads, g.T, self.dv)
+                sub = self.attend(qg[rows], k[rows], v[rows], None if shared is None else shared[rows], mask[rows],
+                                  absorbed)
+                y.index_copy_(0, rows, sub.to(y.dtype))
             y = self.o_proj(y.transpose(1, 2).reshape(G, g.T, self.num_heads * self.dv))
             out = g.put(out if out is not None else x.new_empty(*x.shape[:2], y.shape[-1]), y)
         return out

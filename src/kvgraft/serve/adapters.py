@@ -42,9 +42,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgraft.errors import KvgraftError
-from kvgraft.model.batch import current_context
+from kvgraft.model.batch import MIXED, current_context
 from kvgraft.model.latent import LatentAttention, linear_weight
 
+_GATHER_MAX_TOKENS = 64  # steps of at most this many tokens gather per-token A/B (decode); longer: per adapter
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # PEFT options that change what a LoRA layer computes beyond y = W x + scale B A x (refused when set)
 _UNSUPPORTED = ("use_dora", "fan_in_fan_out", "lora_bias", "use_qalora", "use_bdlora", "modules_to_save",
@@ -102,6 +103,7 @@ class MultiLoraLinear(nn.Module):
         super().__init__()
         self.base_layer = base
         self.loras: dict[str, LoraWeights] = {}
+        self._stack: tuple | None = None  # (per-row LoraWeights, A (n, r, in), B (n, out, r) with the scales)
 
     @property
     def in_features(self) -> int:
@@ -120,19 +122,28 @@ class MultiLoraLinear(nn.Module):
         if not self.loras or ctx is None or not ctx.has_adapters:
             return y
         gi = ctx.active_group
-        if gi is not None:  # a group's tensor (G, ...): one adapter for all of it
+        if gi is not None:  # a group's tensor (G, ...), or one adapter's rows of it (each_adapter)
             g = ctx.groups[gi]
-            lw = self.loras.get(g.adapter)
-            if lw is None:
-                return y
+            adapter = ctx.active_adapter if ctx.active_adapter is not MIXED else g.adapter
+            if adapter is not MIXED:
+                lw = self.loras.get(adapter)
+                if lw is None:
+                    return y
+                if ctx.active_adapter is MIXED and x.shape[0] != g.G:
+                    raise RuntimeError(f"adapter layer called inside group {gi} ({g.G} rows) on a tensor of shape "
+                                       f"{tuple(x.shape)}: cannot tell its rows")
+                return y + lw.delta(x)
             if x.shape[0] != g.G:
-                raise RuntimeError(f"adapter layer called inside group {gi} ({g.G} rows) on a tensor of shape "
-                                   f"{tuple(x.shape)}: cannot tell its rows")
-            return y + lw.delta(x)
+                raise RuntimeError(f"adapter layer called inside mixed group {gi} ({g.G} rows) on a tensor of "
+                                   f"shape {tuple(x.shape)}: cannot tell its rows")
+            return self._per_row(x, y, ctx.row_adapters(gi))
         if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != ctx.num_tokens:
             raise RuntimeError(f"adapter layer called outside a group on a tensor of shape {tuple(x.shape)}; "
                                f"expected the packed token axis (1, {ctx.num_tokens}, {x.shape[-1]})")
-        for adapter, idx in ctx.adapter_tokens().items():
+        tokens = ctx.adapter_tokens()
+        if len(tokens) > 1 and ctx.num_tokens <= _GATHER_MAX_TOKENS:  # a few tokens of several adapters
+            return self._per_row(x[0, :, None], y[0, :, None], ctx.token_adapters())[None, :, 0]
+        for adapter, idx in tokens.items():
             lw = self.loras.get(adapter)
             if lw is None:
                 continue
@@ -141,6 +152,29 @@ class MultiLoraLinear(nn.Module):
             else:
                 y = y.index_add(1, idx, lw.delta(x.index_select(1, idx)).to(y.dtype))
         return y
+
+    def _per_row(self, x: torch.Tensor, y: torch.Tensor, adapters: list) -> torch.Tensor:
+        """``y + delta`` for (n, T, in) ``x`` whose row i uses ``adapters[i]`` (None or one without a delta
+        here: none): the per-row A and B gathered once (zero-padded to the largest rank, which is exact;
+        cached while the rows' adapters stay the same), then two batched matmuls for all rows (Punica's
+        gathered matmul in plain PyTorch)."""
+        lws = tuple(self.loras.get(a) if a is not None else None for a in adapters)
+        if self._stack is None or len(self._stack[0]) != len(lws) or any(
+                p is not q for p, q in zip(self._stack[0], lws)):
+            live = [lw for lw in lws if lw is not None]
+            if not live:
+                return y
+            r = max(lw.A.shape[0] for lw in live)
+            A = live[0].A.new_zeros(len(lws), r, self.in_features)
+            B = live[0].B.new_zeros(len(lws), self.out_features, r)
+            for i, lw in enumerate(lws):
+                if lw is not None:
+                    A[i, : lw.A.shape[0]] = lw.A
+                    B[i, :, : lw.B.shape[1]] = lw.B * lw.scale
+            self._stack = (lws, A, B)
+        _, A, B = self._stack
+        delta = torch.bmm(torch.bmm(x.to(A.dtype), A.transpose(1, 2)), B.transpose(1, 2))
+        return y + delta.to(y.dtype)
 
     def effective_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The (weight, bias) the current group's rows see: the one door of ``kvgraft.model.latent``."""
@@ -154,7 +188,13 @@ class MultiLoraLinear(nn.Module):
                 raise RuntimeError(f"a weight read outside a group of a step whose rows use adapters {mine} on this "
                                    "module: no single weight is right for every row")
             return weight, bias
-        lw = self.loras.get(ctx.groups[ctx.active_group].adapter)
+        adapter = ctx.active_adapter if ctx.active_adapter is not MIXED else ctx.groups[ctx.active_group].adapter
+        if adapter is MIXED:
+            if any(a in self.loras for a, _ in ctx.groups[ctx.active_group].adapter_rows):
+                raise RuntimeError("a weight read for a group whose rows use different adapters on this module; "
+                                   "read it per adapter (BatchContext.each_adapter)")
+            return weight, bias
+        lw = self.loras.get(adapter)
         return (weight, bias) if lw is None else (lw.merged(weight), bias)
 
 
@@ -333,6 +373,7 @@ class AdapterRegistry:
                 parent, _, child = module.rpartition(".")
                 setattr(self.model.get_submodule(parent), child, layer)
             layer.loras[name] = lw
+            layer._stack = None
         adapter = Adapter(name, files.path, files.meta, files.certificate, sorted(files.weights), files.rank,
                           files.num_parameters)
         self.adapters[name] = adapter
@@ -346,6 +387,7 @@ class AdapterRegistry:
             layer = self.model.get_submodule(module)
             if isinstance(layer, MultiLoraLinear):
                 layer.loras.pop(name, None)
+                layer._stack = None
                 if not layer.loras:  # back to the plain linear
                     parent, _, child = module.rpartition(".")
                     setattr(self.model.get_submodule(parent), child, layer.base_layer)
