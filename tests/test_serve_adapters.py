@@ -232,3 +232,37 @@ def test_the_door_refuses_a_weight_read_outside_a_group_of_a_mixed_step(tmp_path
     lw = q.loras["all"]
     torch.testing.assert_close(seen["all"], q.base_layer.weight + lw.B @ lw.A * lw.scale)
     assert linear_weight(q)[0] is q.base_layer.weight  # no step: the base
+
+
+def test_a_mixed_group_reads_the_door_per_adapter(tmp_path_factory):
+    """Causal encoder-decoder: rows of two adapters and the base share one group (MIXED); the door refuses
+    one weight for the whole group and gives each adapter its own under each_adapter; the per-row gathered
+    delta equals each row's own adapter's delta."""
+    from kvgraft.model.batch import MIXED, active_context
+    from kvgraft.model.latent import linear_weight
+
+    base, dirs, _ = setup("ced", tmp_path_factory)
+    model = copy.deepcopy(base)
+    engine = Engine(model, max_seqs=3)
+    engine.load_adapter("all", dirs["all"])
+    engine.load_adapter("dec", dirs["dec"])
+    layer = model.config.num_layers - 1
+    kv_b = model.layers[layer].self_attn.kv_b_proj
+    assert set(kv_b.loras) == {"all", "dec"}
+    cache = PagedKVCache(base.config, num_blocks=6, block_size=16, max_seqs=3, max_seq_len=32)
+    seqs = [cache.add_sequence() for _ in range(3)]
+    ctx = BatchContext(cache, seqs, [1, 1, 1], ["all", None, "dec"])
+    assert len(ctx.groups) == 1 and ctx.groups[0].adapter is MIXED
+    x = torch.randn(3, 1, kv_b.in_features)
+    with active_context(ctx):
+        for gi, _ in ctx.each_group():
+            with pytest.raises(RuntimeError, match="different adapters"):
+                linear_weight(kv_b)
+            y = kv_b(x)
+            seen = {a: (rows, linear_weight(kv_b)[0]) for a, rows in ctx.each_adapter(gi)}
+    want = torch.stack([kv_b.base_layer(x[i]) + (kv_b.loras[a].delta(x[i]) if a else 0)
+                        for i, a in enumerate(["all", None, "dec"])])
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert seen[None][0].tolist() == [1] and seen[None][1] is kv_b.base_layer.weight
+    lw = kv_b.loras["dec"]
+    torch.testing.assert_close(seen["dec"][1], kv_b.base_layer.weight + lw.B @ lw.A * lw.scale)
