@@ -172,3 +172,30 @@ def test_prefix_entries_give_way_before_requests_are_preempted(setup):
     outs = e.generate(prompts, SamplingParams(max_new_tokens=8), ["dec", None, "dec"])
     assert outs == [alone(base, dirs, p, a, 8) for p, a in zip(prompts, ["dec", None, "dec"])]
     assert e.stats["preemptions"] == 0
+
+
+def test_llama_base_and_kv_neutral_adapters_share_entries_others_keep_their_own(tmp_path):
+    """GQA base: an adapter on the last layer's output and MLP changes no layer's KV (certified): it and
+    the base reuse each other's kept prompts as they are (no replay); an adapter on the second half's
+    attention reuses only its own. Tokens equal each request alone."""
+    cfg = get_preset("llama-tiny").replace(num_layers=3)
+    torch.manual_seed(0)
+    base = Transformer(cfg)
+    base.init_weights(0)
+    base.eval()
+    specs = {"tail": Placement([2], ("attention-out", "mlp")), "half": Placement("decoder-half", ("attention",))}
+    dirs = {}
+    for i, (name, placement) in enumerate(specs.items()):
+        pm = add_adapter(copy.deepcopy(base), placement, AdapterConfig(rank=4))
+        randomize_adapter(pm, 0.3, seed=5 + i)
+        dirs[name] = save_adapter(pm, tmp_path / name)
+    e = engine(base, dirs, specs, prefix_cache=True)
+    assert e.adapters.get("tail").certificate["shares_cache"]
+    assert not e.adapters.get("half").certificate["shares_cache"]
+    prompt = rand_prompt(40, 9)
+    order = [None, "tail", "half", "half", None]
+    got = [e.generate([prompt], SamplingParams(max_new_tokens=5), a)[0] for a in order]
+    want = [alone(base, dirs, prompt, a, 5) for a in order]
+    assert got == want
+    s = e.cache_stats()
+    assert (s["prefix_hits"], s["replays"]) == (3, 0)  # tail <- base; half <- half; base <- base

@@ -17,9 +17,12 @@ start its prompt (at most all but its last token) when either
   referenced, not copied: N certified adapters over one prompt hold its segments once.
 
 Adapters without the certificate (they change a shared segment) reuse only their own entries. On
-GQA/MLA bases every layer's KV is paged and lives in the same blocks, so an entry is reused by the same
-adapter only (there are no windows to replay; a decoder-side adapter changes the KV of every layer it
-touches over the whole prefix).
+GQA/MLA bases the certificate shares only when the adapter changes no layer's KV at all (e.g. the last
+layer's query, output or MLP): such adapters and the base reuse each other's entries as they are. An
+adapter that changes some layers' KV reuses only its own entries: every layer's KV lives in the same
+paged blocks (one block table per sequence), and rebuilding the adapted layers would mean recomputing
+them over the whole prefix (no windows bound what a full-attention layer reads), so kvgraft does not
+share the layers below the first adapted one there.
 
 **The replay rule** (``replay_span``). Layer ``j`` of a causal encoder-decoder reads, besides the
 shared segments (adapter-independent for certified adapters), its own window: the keys and values it
@@ -113,24 +116,30 @@ class PrefixCache:
         for key, e in self._entries.items():
             if e.length > len(prompt) - 1 or (best is not None and e.length < best[0].length):
                 continue
-            exact = e.owner == owner
-            if not exact and not (shares and e.shares and e.hidden is not None and self.span is not None):
+            replay = self._replay(e, owner, shares)
+            if replay is None or tuple(prompt[: e.length]) != e.tokens:
                 continue
-            if tuple(prompt[: e.length]) != e.tokens:
-                continue
-            if best is None or e.length > best[0].length or (exact and best[1]):
-                best, best_key = (e, not exact), key
+            if best is None or e.length > best[0].length or (not replay and best[1]):
+                best, best_key = (e, replay), key
         if best_key is not None:
             self._entries.move_to_end(best_key)
         return best
 
+    def _replay(self, e: PrefixEntry, owner: object, shares: bool) -> bool | None:
+        """None: ``e`` is not usable by (owner, shares); else whether using it needs a decoder replay."""
+        if e.owner == owner:
+            return False
+        if not (shares and e.shares):
+            return None
+        if self.span is None:  # GQA/MLA: both certified to change no layer's KV: everything is identical
+            return False
+        return True if e.hidden is not None else None
+
     def covers(self, tokens: list[int], owner: object, shares: bool) -> bool:
         """Whether an entry for exactly ``tokens`` is already usable by (owner, shares) without a new one."""
         t = tuple(tokens)
-        for e in self._entries.values():
-            if e.length == len(t) and e.tokens == t and (e.owner == owner or (shares and e.shares and e.hidden is not None)):
-                return True
-        return False
+        return any(e.length == len(t) and e.tokens == t and self._replay(e, owner, shares) is not None
+                   for e in self._entries.values())
 
     def insert(self, tokens: list[int], snap: CacheSnapshot, owner: object, shares: bool,
                hidden: torch.Tensor | None) -> PrefixEntry:
