@@ -55,14 +55,17 @@ def _summ(values: list[float]) -> dict[str, float] | None:
 
 
 def lr_sweep(base, task, out_dir: Path, lrs=SWEEP_LRS, steps: int = 30, preset: str = "all-linear-r16",
-             micro_batch_size: int = 16, progress: bool = True) -> dict[str, Any]:
-    """Short runs at each LR; the pick is the lowest plateau (mean training loss over the last third)."""
+             micro_batch_size: int = 16, progress: bool = True, val_examples: int | None = None) -> dict[str, Any]:
+    """Short runs at each LR; the pick is the lowest plateau (mean training loss over the last third). The
+    runs score ``val_examples`` validation problems (None: all) and one test problem (the pick never
+    reads the test split)."""
     rows = []
     bar = _progress(len(lrs), "lr sweep", progress)
     for lr in lrs:
         r = adapt(base, task, out_dir / f"lr_{lr:g}", AdaptConfig(
             preset=preset, steps=steps, lr=lr, warmup_steps=max(1, steps // 10),
-            micro_batch_size=micro_batch_size, accuracy_examples=0, progress=False))
+            micro_batch_size=micro_batch_size, accuracy_examples=0, progress=False, val_examples=val_examples,
+            test_examples=1))
         losses = [loss for _, loss in r["train_curve"]]
         tail = losses[-max(1, len(losses) // 3):]
         rows.append({"lr": lr, "plateau": statistics.fmean(tail), "early": statistics.fmean(losses[:max(1, len(losses) // 5)]),
@@ -104,7 +107,7 @@ def placement_study(
     sweep = None
     if lr is None:
         sweep = lr_sweep(base, task, out / "sweep", sweep_lrs, sweep_steps, micro_batch_size=micro_batch_size,
-                         progress=progress)
+                         progress=progress, val_examples=val_examples)
         lr = sweep["lr"]
     runs: dict[str, list[dict]] = {c: [] for c in configs}
     bar = _progress(len(configs) * seeds, "placement study", progress)
