@@ -140,9 +140,39 @@ def test_models_health_and_metrics(live):
     metrics = httpx.get(url + "/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     for name in ("kvgraft_queue_depth", "kvgraft_running_requests", "kvgraft_tokens_per_second",
-                 "kvgraft_generated_tokens_total", 'kvgraft_cache_bytes{kind="free"}',
-                 'kvgraft_cache_bytes{kind="shared"}', "kvgraft_adapters_loaded 2.0"):
+                 "kvgraft_generated_tokens_total", "kvgraft_adapters_loaded 2.0", "kvgraft_prefix_cache_entries",
+                 "kvgraft_prefix_cache_hit_rate", "kvgraft_prefix_cache_hits_total",
+                 "kvgraft_prefix_cache_queries_total", "kvgraft_decoder_replays_total"):
         assert name in metrics.text
+    # the cache gauges are the engine's own cache_stats(), read by the engine thread between steps
+    server = live["server"]
+    want = server.engine.cache_stats()
+    deadline = time.monotonic() + 5
+    while True:
+        values = _metric_values(httpx.get(url + "/metrics").text)
+        got = {k: values[f'kvgraft_cache_bytes{{kind="{k}"}}'] for k in ("used", "free", "total", "shared", "private")}
+        if got == {k: float(want[f"{k}_bytes"]) for k in got} or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+        want = server.engine.cache_stats()  # idle: the worker refreshes its snapshot within 0.2 s
+    assert got == {k: float(want[f"{k}_bytes"]) for k in got}
+    assert got["total"] == server.engine.cache.nbytes > 0 and got["used"] + got["free"] == got["total"]
+    assert got["shared"] + got["private"] == got["used"]
+    assert values["kvgraft_prefix_cache_entries"] == want["prefix_entries"]
+    assert values["kvgraft_prefix_cache_hits_total"] == want["prefix_hits"]
+    assert values["kvgraft_prefix_cache_queries_total"] == want["prefix_queries"]
+    assert values["kvgraft_prefix_cache_hit_rate"] == pytest.approx(want["prefix_hit_rate"])
+    assert values["kvgraft_decoder_replays_total"] == want["replays"]
+
+
+def _metric_values(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (comment lines skipped)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
 
 
 def test_errors_are_openai_shaped(live):
@@ -248,3 +278,32 @@ def test_kvgraft_serve_checks_its_arguments_before_loading(capsys):
     assert "names 'a' twice" in capsys.readouterr().err
     assert main(["serve", NAME, "--port", "70000"]) == 2
     assert "--port (70000)" in capsys.readouterr().err
+
+
+def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
+    import kvgraft.serve.server as server_module
+    from kvgraft.cli import main
+
+    seen = []
+
+    class Fake:
+        config = type("C", (), {"model_name": NAME})()
+
+    def fake_build(model, adapters, **kwargs):
+        seen.append((model, adapters, kwargs))
+        return Fake()
+
+    monkeypatch.setattr(server_module, "build_server", fake_build)
+    monkeypatch.setattr(server_module, "serve", lambda *a, **k: None)
+    assert main(["serve", NAME, "--adapter", "a=x", "--max-seqs", "3"]) == 0
+    assert main(["serve", NAME, "--no-prefix-cache"]) == 0
+    (m1, a1, k1), (_, a2, k2) = seen
+    assert (m1, a1, k1["max_seqs"], k1["prefix_cache"]) == (NAME, {"a": "x"}, 3, True)
+    assert (a2, k2["prefix_cache"]) == ({}, False)
+    assert "serving kvgraft-ced-8m" in capsys.readouterr().out
+
+
+def test_build_server_passes_prefix_cache_to_the_engine():
+    on = build_server(BASE, max_seqs=1, max_seq_len=64)
+    off = build_server(BASE, max_seqs=1, max_seq_len=64, prefix_cache=False)
+    assert on.engine.prefix is not None and off.engine.prefix is None

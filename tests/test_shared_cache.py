@@ -199,3 +199,35 @@ def test_llama_base_and_kv_neutral_adapters_share_entries_others_keep_their_own(
     assert got == want
     s = e.cache_stats()
     assert (s["prefix_hits"], s["replays"]) == (3, 0)  # tail <- base; half <- half; base <- base
+
+
+def test_a_shared_system_prompt_is_kept_where_prompts_fork(tmp_path):
+    """Prompts that share a 'system prompt' and differ after it: the second request keeps its cache where
+    it forks from the first one's kept prompt, and later requests (other adapters) start there. A window
+    longer than the short prompts (their rings are kept partly filled). Tokens equal each alone."""
+    cfg = CED.replace(sliding_window=32)
+    torch.manual_seed(1)
+    base = Transformer(cfg)
+    base.init_weights(1)
+    with torch.no_grad():
+        for p in base.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    base.eval()
+    dirs = {}
+    for i, name in enumerate(("dec", "late")):
+        placement, acfg = ADAPTERS[name]
+        pm = add_adapter(copy.deepcopy(base), placement, acfg)
+        randomize_adapter(pm, 0.15, seed=40 + i)
+        dirs[name] = save_adapter(pm, tmp_path / name)
+    system = rand_prompt(24, 77)
+    users = [rand_prompt(n, 80 + n) for n in (5, 9, 3, 12)]
+    route = [None, "dec", "late", "dec"]
+    e = engine(base, dirs, dirs, prefix_cache=True)
+    got = [e.generate([system + u], SamplingParams(max_new_tokens=5), a)[0] for u, a in zip(users, route)]
+    want = [alone(base, dirs, system + u, a, 5) for u, a in zip(users, route)]
+    assert got == want
+    kept = sorted(len(x.tokens) for x in e.prefix._entries.values())
+    assert 24 in kept  # the fork point
+    s = e.cache_stats()
+    assert s["prefix_hits"] == 2 and s["replays"] >= 1  # the third and fourth start from the system prompt

@@ -195,7 +195,8 @@ class PagedKVCache:
         s = self._get(seq)
         for b in s.blocks:
             self._refcount[b] += 1
-        state = {("ring", layer): t[s.slot].clone() for layer, t in self.rings.items()}
+        n = min(s.length, self.ring_len)  # ring slots written so far (all once the context reaches W)
+        state = {("ring", layer): t[s.slot, :n].clone() for layer, t in self.rings.items()}
         state.update({("pending", layer): t[s.slot].clone() for layer, t in self.pending.items()})
         return CacheSnapshot(tuple(s.blocks), s.length, state)
 
@@ -209,8 +210,8 @@ class PagedKVCache:
         s.blocks, s.length = list(snap.blocks), snap.length
         for b in snap.blocks:
             self._refcount[b] += 1
-        for (kind, layer), t in snap.state.items():
-            (self.rings if kind == "ring" else self.pending)[layer][s.slot] = t
+        for (kind, layer), t in snap.state.items():  # (a ring of a short context: its written slots)
+            (self.rings if kind == "ring" else self.pending)[layer][s.slot, : t.shape[0]] = t
         return seq
 
     def release(self, snap: CacheSnapshot) -> None:

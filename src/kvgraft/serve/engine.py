@@ -54,7 +54,7 @@ class Request:
     generator: torch.Generator | None = None
     owner: object = None  # the adapter's load identity (prefix-cache key); None: the base
     shares: bool = True  # the adapter's certificate lets it read the base's shared cache groups
-    snapshot_at: int | None = None  # keep the cache in the prefix cache once this many tokens are computed
+    keep_at: list[int] = field(default_factory=list)  # ascending: keep the cache in the prefix cache there
     hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, replay-layer inputs)
 
     @property
@@ -287,7 +287,7 @@ class Engine:
                 self.prefix_stats["hits"] += 1
                 if replay:
                     self._replays.append((req, entry))
-                if entry.hidden is not None and req.snapshot_at is not None:
+                if entry.hidden is not None and req.keep_at:
                     req.hidden = [(entry.length - entry.hidden.shape[0], entry.hidden)]
             self.running.append(req)
             rows.append((req, n))
@@ -297,54 +297,66 @@ class Engine:
     # ---- the prefix cache ------------------------------------------------------------------------
     def _match(self, req: Request) -> tuple[PrefixEntry, bool] | None:
         """The prefix entry ``req`` reuses (and whether it needs a decoder replay); decides where its own
-        prompt is kept (``snapshot_at``: all but the prompt's last token)."""
-        req.snapshot_at, req.hidden = None, []
+        prompt is kept (``keep_at``): all but the prompt's last token, and the point where it forks from
+        a kept prompt (a shared system prompt, say), so that later requests sharing that part hit."""
+        req.keep_at, req.hidden = [], []
         if self.prefix is None or len(req.prompt) <= self.cache.block_size:
             return None
         hit = self.prefix.match(req.prompt, req.owner, req.shares)
+        done = hit[0].length if hit else 0
         T = len(req.prompt) - 1
-        if (not hit or hit[0].length < T) and not self.prefix.covers(req.prompt[:T], req.owner, req.shares):
-            req.snapshot_at = T
+        fork = self.prefix.fork_point(req.prompt)
+        for point in (fork, T):
+            if self.cache.block_size <= point <= T and point > done and point not in req.keep_at and \
+                    not self.prefix.covers(req.prompt[:point], req.owner, req.shares):
+                req.keep_at.append(point)
         return hit
 
     def _chunk(self, req: Request, computed: int, budget: int) -> int:
-        """Tokens of ``req`` to run next: the rest, at most ``budget``, ending at ``snapshot_at`` first."""
+        """Tokens of ``req`` to run next: the rest, at most ``budget``, ending at the next keep point first."""
         n = min(len(req.tokens) - computed, budget)
-        if req.snapshot_at is not None and computed < req.snapshot_at:
-            n = min(n, req.snapshot_at - computed)
+        point = next((p for p in req.keep_at if p > computed), None)
+        if point is not None:
+            n = min(n, point - computed)
         return n
 
     def _needs_hidden(self, req: Request) -> bool:
-        return req.snapshot_at is not None and req.shares and self.prefix.span is not None
+        return bool(req.keep_at) and req.shares and self.prefix.span is not None
 
     def _keep_hidden(self, ctx: BatchContext, rows: list[tuple[Request, int]]) -> None:
-        """Keep, for requests whose prompt will be kept, the replay layer's inputs over the replay span."""
+        """Keep, for requests whose prompt will be kept, the replay layer's inputs over the replay spans."""
         for i, (req, n) in enumerate(rows):
             if not self._needs_hidden(req):
                 continue
-            lo = max(req.computed, req.snapshot_at - self.prefix.span)
-            hi = min(req.computed + n, req.snapshot_at)
+            lo = max(req.computed, req.keep_at[0] - self.prefix.span)
+            hi = min(req.computed + n, req.keep_at[-1])
             if lo < hi:
                 off = ctx.offsets[i] - req.computed
                 req.hidden.append((lo, ctx.captured[0, off + lo: off + hi].clone()))
 
     def _keep_prefix(self, req: Request) -> None:
-        """Snapshot ``req``'s cache at ``snapshot_at`` tokens into the prefix cache."""
-        T = req.snapshot_at
+        """Snapshot ``req``'s cache at its first keep point (``req.computed`` tokens) into the prefix cache."""
+        T = req.keep_at.pop(0)
         hidden = None
-        if self._needs_hidden(req):
+        if req.shares and self.prefix.span is not None:
             want = T - min(self.prefix.span, T)
             parts, pos = [], want
             for start, h in sorted(req.hidden, key=lambda p: p[0]):
                 end = start + h.shape[0]
                 if end <= pos or start > pos:
                     continue
-                parts.append(h[pos - start:])
-                pos = end
+                parts.append(h[pos - start: T - start])
+                pos = min(end, T)
+                if pos >= T:
+                    break
             if pos >= T:
-                hidden = torch.cat(parts)[: T - want]
+                hidden = torch.cat(parts)
         self.prefix.insert(req.prompt[:T], self.cache.snapshot(req.seq), req.owner, req.shares, hidden)
-        req.snapshot_at, req.hidden = None, []
+        if req.keep_at:  # drop what the next keep point's span does not need
+            first = req.keep_at[0] - self.prefix.span if self.prefix.span else 0
+            req.hidden = [(st, h) for st, h in req.hidden if st + h.shape[0] > first]
+        else:
+            req.hidden = []
 
     def _run_replays(self) -> None:
         """Rebuild the decoder windows of requests that reuse another adapter's prefix (module
@@ -381,7 +393,7 @@ class Engine:
         greedy = logits.argmax(dim=-1).tolist()
         for i, (req, n) in enumerate(rows):
             req.computed += n
-            if req.snapshot_at is not None and req.computed == req.snapshot_at:
+            if req.keep_at and req.computed == req.keep_at[0]:
                 self._keep_prefix(req)
             if req.computed < len(req.tokens):  # a prefill chunk: nothing to sample yet
                 continue

@@ -1,6 +1,8 @@
 """The prefix cache: prompts' caches kept after their requests, reused by later requests and adapters.
 
-An entry is a snapshot of a request's cache after its prompt minus the last token (``T`` tokens): the
+An entry is a snapshot of a request's cache after its prompt minus the last token (``T`` tokens), or at
+the point where its prompt forks from a kept one (a shared system prompt, say: the next request that
+shares it hits): the
 paged blocks it held (reference counted: entry and requests share them, copy on write), a copy of its
 per-sequence state (window rings, pending tokens), who computed it (``owner``: an adapter's load
 identity, None for the base) and, on a causal encoder-decoder, the hidden states entering the pivot
@@ -134,6 +136,21 @@ class PrefixCache:
         if self.span is None:  # GQA/MLA: both certified to change no layer's KV: everything is identical
             return False
         return True if e.hidden is not None else None
+
+    def fork_point(self, prompt: list[int]) -> int:
+        """The longest common prefix of ``prompt`` with a kept prompt it does not fully contain (0 if none):
+        where the two fork, e.g. the end of a shared system prompt."""
+        best = 0
+        for e in self._entries.values():
+            n = min(len(prompt), e.length)
+            if n <= best:
+                continue
+            d = 0
+            while d < n and prompt[d] == e.tokens[d]:
+                d += 1
+            if d < e.length:
+                best = max(best, d)
+        return best
 
     def covers(self, tokens: list[int], owner: object, shares: bool) -> bool:
         """Whether an entry for exactly ``tokens`` is already usable by (owner, shares) without a new one."""

@@ -159,7 +159,7 @@ class EngineWorker:
         self._paused = threading.Event()
         self._thread: threading.Thread | None = None
         self.snapshot: dict = {}
-        self._shared, self._shared_at = 0, -1.0
+        self._cache_at = -1.0
         self.adapters: dict[str, dict] = {}
         self._update_adapters()
         self._update_snapshot()
@@ -309,16 +309,18 @@ class EngineWorker:
         self.adapters = {n: a.info() for n, a in self.engine.adapters.adapters.items()}
 
     def _update_snapshot(self) -> None:
-        e, c = self.engine, self.engine.cache
+        """Called in the engine thread between steps: what /metrics reads. ``Engine.cache_stats()`` (cache
+        bytes by kind, the prefix cache's counters) is taken at most every 0.2 s, as a shared-block count
+        scans the block table."""
+        e = self.engine
+        snap = {"waiting": len(e.waiting), "running": len(e.running), "steps": e.stats["steps"],
+                "preemptions": e.stats["preemptions"], "adapters": len(e.adapters),
+                "cache": self.snapshot.get("cache", {})}
         now = time.monotonic()
-        if now - self._shared_at > 0.5:  # a scan of every block: at most twice a second
-            self._shared_at = now
-            self._shared = sum(1 for b in range(c.num_blocks) if c.refcount(b) > 1) * c.block_bytes
-        shared = min(self._shared, c.used_bytes)
-        self.snapshot = {"waiting": len(e.waiting), "running": len(e.running), "steps": e.stats["steps"],
-                         "preemptions": e.stats["preemptions"], "cache_used": c.used_bytes,
-                         "cache_free": c.free_bytes, "cache_total": c.nbytes, "cache_shared": shared,
-                         "cache_private": c.used_bytes - shared, "adapters": len(e.adapters)}
+        if now - self._cache_at > 0.2:
+            self._cache_at = now
+            snap["cache"] = dict(e.cache_stats())
+        self.snapshot = snap  # one assignment: readers see a whole snapshot
 
 
 # ---- request bodies -----------------------------------------------------------------------------------
@@ -745,10 +747,29 @@ class _Metrics:
         for outcome, n in w.counts.items():
             requests.add_metric([outcome], n)
         yield requests
-        cache = GaugeMetricFamily("kvgraft_cache_bytes", "paged KV cache bytes", labels=["kind"])
+        c = s.get("cache", {})
+        cache = GaugeMetricFamily("kvgraft_cache_bytes", "paged KV cache bytes: used, free, total; shared (blocks "
+                                  "held by more than one sequence or prefix-cache entry, each counted once) and "
+                                  "private (the rest of used)", labels=["kind"])
         for kind in ("used", "free", "total", "shared", "private"):
-            cache.add_metric([kind], s.get(f"cache_{kind}", 0))
+            cache.add_metric([kind], c.get(f"{kind}_bytes", 0))
         yield cache
+        yield GaugeMetricFamily("kvgraft_prefix_cache_entries", "prefix-cache entries held",
+                                value=c.get("prefix_entries", 0))
+        yield GaugeMetricFamily("kvgraft_prefix_cache_state_bytes", "bytes of prefix-cache entries outside the "
+                                "paged cache: copied per-sequence state and hidden states kept for decoder replay "
+                                "(their blocks count in kvgraft_cache_bytes)",
+                                value=c.get("prefix_bytes", 0))
+        yield GaugeMetricFamily("kvgraft_prefix_cache_hit_rate", "prefix-cache hits / queries since the start",
+                                value=c.get("prefix_hit_rate", 0.0))
+        yield CounterMetricFamily("kvgraft_prefix_cache_queries", "prefix-cache look-ups",
+                                  value=c.get("prefix_queries", 0))
+        yield CounterMetricFamily("kvgraft_prefix_cache_hits", "prefix-cache look-ups that found a cached prefix",
+                                  value=c.get("prefix_hits", 0))
+        yield CounterMetricFamily("kvgraft_decoder_replays", "adapter switches on a cached prefix served by "
+                                  "replaying the decoder layers", value=c.get("replays", 0))
+        yield CounterMetricFamily("kvgraft_decoder_replayed_tokens", "token positions recomputed by decoder replays",
+                                  value=c.get("replayed_tokens", 0))
         yield GaugeMetricFamily("kvgraft_adapters_loaded", "adapters loaded", value=s.get("adapters", 0))
         yield CounterMetricFamily("kvgraft_engine_steps", "engine steps", value=s.get("steps", 0))
         yield CounterMetricFamily("kvgraft_preemptions", "requests preempted (recomputed later)",
@@ -759,9 +780,11 @@ class _Metrics:
 # ---- building and running -------------------------------------------------------------------------------
 def build_server(base: str | Path, adapters: dict[str, str | Path] | None = None, *, model_name: str | None = None,
                  max_seqs: int = 16, max_batch_tokens: int = 512, max_seq_len: int | None = None,
-                 num_blocks: int | None = None, **config) -> KvgraftServer:
+                 num_blocks: int | None = None, prefix_cache: bool = True, **config) -> KvgraftServer:
     """Load ``base`` (a model directory or shipped reference name) and its tokenizer, start adapters, build
-    the server (not started: run it with uvicorn, or :func:`serve`). ``config``: :class:`ServerConfig` fields."""
+    the server (not started: run it with uvicorn, or :func:`serve`). ``prefix_cache``: the engine's prefix
+    cache (on by default; ``kvgraft serve --no-prefix-cache`` turns it off). ``config``: :class:`ServerConfig`
+    fields."""
     from kvgraft.hf import load_pretrained, load_tokenizer_dir
     from kvgraft.reference import resolve_model
     from kvgraft.serve.engine import Engine
@@ -777,7 +800,7 @@ def build_server(base: str | Path, adapters: dict[str, str | Path] | None = None
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     engine = Engine(model, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len,
-                    num_blocks=num_blocks, detokenize=detok)
+                    num_blocks=num_blocks, detokenize=detok, prefix_cache=prefix_cache)
     for name, adapter_path in (adapters or {}).items():
         if name == cfg.model_name:
             raise ValueError(f"an adapter cannot take the base model's name {name!r}")
