@@ -73,7 +73,6 @@ CASES = [
      ("kvgraft.graft.convert.graft_mla",)),
     (["convert", "{inf}", "--out", "{outs}/m"], "tensor model.norm.weight (64,) holds 0 NaN and 2 Inf",
      ("kvgraft.graft.convert.graft_mla",)),
-    (["convert", "{mistral}", "--out", "{outs}/m", "--format", "deepseek_v3"], "use a sliding window", NO_GRAFT),
     (["convert", "/nonexistent/model", "--out", "{outs}/m"], "/nonexistent/model", NO_GRAFT),
     # -- doctor
     (["doctor", "{tiny}", "--kv-lora-rank", "0"], "kv_lora_rank (0)", ()),

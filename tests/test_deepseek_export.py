@@ -1,8 +1,11 @@
 """Export of all-MLA kvgraft models as stock DeepSeek-V3 checkpoints (kvgraft.hf.deepseek).
 
 Tiny random Llama-like models are grafted to MLA (stride RoPE selection), exported, and loaded with stock
-transformers: a model with its own latent norm must match exactly (prefill, decode, RoPE scalings, biases);
-one without must come out close, "fit" closer than "scale"; what stock DeepSeek-V3 cannot express is refused.
+transformers: a model with its own latent norm must match exactly (prefill, decode, RoPE scalings, biases), and
+so must one without (the default "pad" latent), with q/k/v biases (Qwen2: the query bias through stock's
+low-rank query path) and with yarn at d_rope < head_dim; a sliding window is exact up to its length; the "fit"
+and "scale" approximations come out close, "fit" closer; what stock DeepSeek-V3 cannot express is refused,
+naming what would make it possible.
 Run with ``-s`` to see the measured export errors.
 """
 
@@ -87,7 +90,8 @@ def test_exact_export_of_a_latent_norm_model(norm_model, tmp_path):
     assert report.latent_norm == "exact" and report.path == out
     assert report.max_abs_logit_diff <= 1e-4 and report.mean_kl <= 1e-8
     assert {p.name for p in out.iterdir()} == {
-        "config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json"}
+        "config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json", "README.md"}
+    assert "**Exact**" in (out / "README.md").read_text() and report.exact and not report.approximations
 
     stock, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
     stock.eval()
@@ -117,11 +121,17 @@ def test_exact_export_of_a_latent_norm_model(norm_model, tmp_path):
             torch.testing.assert_close(logits, full[:, 11 + step], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["llama3_stride2", "yarn_mscale", "eps_1e-3", "biases", "tied"])
+@pytest.mark.parametrize("case", ["llama3_stride2", "yarn_mscale", "yarn_stride2_truncate", "yarn_stride2_exact_range",
+                                  "eps_1e-3", "biases", "tied"])
 def test_exact_export_parity_variants(case, tmp_path):
-    """RoPE scalings (with a stride > 1 frequency selection), yarn's softmax mscale, a non-default norm eps and
-    k/v/o biases (kv_b's bias folded into o_proj's) all export exactly for a latent-norm model."""
-    if case == "llama3_stride2":
+    """RoPE scalings (with a stride > 1 frequency selection), yarn's softmax mscale, yarn at d_rope < head_dim
+    (its correction range re-expressed for dim = d_rope), a non-default norm eps and k/v/o biases (kv_b's bias
+    folded into o_proj's) all export exactly for a latent-norm model."""
+    if case.startswith("yarn_stride2"):  # d_rope 16 of head_dim 32; truncate stays on when the range allows
+        original = 16 if case == "yarn_stride2_truncate" else 32
+        base = _base(2, head_dim=32, rope=RopeConfig(rope_type="yarn", factor=4.0,
+                                                     original_max_position_embeddings=original))
+    elif case == "llama3_stride2":
         rope = RopeConfig(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=16)
         base = _base(2, head_dim=32, rope=rope)  # d_rope 16 of head_dim 32: every other frequency
@@ -150,6 +160,13 @@ def test_exact_export_parity_variants(case, tmp_path):
         assert raw["rope_parameters"]["rope_type"] == raw["rope_scaling"]["type"] == base.config.rope.rope_type
     if case == "yarn_mscale":  # stock's softmax mscale^2 is folded into q_proj
         assert raw["rope_parameters"]["mscale_all_dim"] == 1.0
+    if case.startswith("yarn_stride2"):
+        assert raw["rope_parameters"].get("truncate", True) is (case == "yarn_stride2_truncate")
+        assert raw["rope_parameters"]["beta_fast"] != 32  # re-expressed for dim = d_rope
+        with torch.no_grad():  # also at positions past the original context, where yarn's ramp matters
+            stock = load_stock(tmp_path / "ds")
+            ids = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(4))
+            torch.testing.assert_close(stock(ids).logits, model(ids), atol=1e-4, rtol=0)
     assert raw["tie_word_embeddings"] is False
 
 
@@ -166,7 +183,7 @@ def test_fit_beats_scale_and_the_reported_errors(tmp_path):
         for strategy in ("scale", "fit"):
             out = tmp_path / f"{rank}-{strategy}"
             report = export_deepseek_v3(model, out, latent_norm=strategy, calibration=CAL_FIT)
-            assert report.latent_norm == strategy and report.measured_on == "calibration"
+            assert report.latent_norm == strategy and report.measured_on.startswith("the calibration tail")
             held = measure_export_error(model, out, HELD_OUT)
             results[budget, strategy] = (report.max_abs_logit_diff, report.mean_kl, *held)
             assert all(math.isfinite(x) for x in results[budget, strategy])
@@ -181,8 +198,9 @@ def test_fit_beats_scale_and_the_reported_errors(tmp_path):
 def test_fit_without_calibration_falls_back_to_scale(tmp_path):
     model = _graft(_base(2), kv_lora_rank=24)
     with pytest.warns(UserWarning, match="falling back to 'scale'"):
-        report = export_deepseek_v3(model, tmp_path / "ds")
-    assert report.latent_norm == "scale" and report.measured_on == "random"
+        report = export_deepseek_v3(model, tmp_path / "ds", latent_norm="fit")
+    assert not report.exact and any("latent RMSNorm approximated" in a for a in report.approximations)
+    assert report.latent_norm == "scale" and report.measured_on.startswith("random")
     assert math.isfinite(report.max_abs_logit_diff) and math.isfinite(report.mean_kl)
     assert report.max_abs_logit_diff < 1.0
     load_stock(tmp_path / "ds")  # loads cleanly
@@ -197,36 +215,117 @@ def _mla_config(**changes) -> ModelConfig:
 
 
 @pytest.mark.parametrize("case,match", [
-    ("progressive", r"layers \[1\] use GQA.*convert all layers"),
-    ("sliding_window", "sliding window"),
-    ("norm_rope_selection", "rope_selection='stride'"),
-    ("q_bias", "q_proj of layers .* non-zero bias"),
-    ("qk_norm", "qk_norm"),
-    ("kv_sharing", "kv_slots"),
-    ("yarn_stride2", "yarn"),
-    ("dynamic_stride2", "dynamic"),
+    ("progressive", r"layers \[1\] use GQA.*drop --layers"),
+    ("norm_rope_selection", "--rope-selection stride"),
+    ("qk_norm", "qk_norm='linearise'"),
+    ("kv_sharing", "kv_slots.*--to mla"),
+    ("yarn_stride8", "yarn.*--rope-dim 32"),
+    ("dynamic_stride2", "dynamic.*--rope-dim 32"),
+    ("mlp_bias", "MLP of layers .* non-zero biases"),
 ])
 def test_refusals_name_the_problem(case, match, tmp_path):
     if case == "progressive":
         model = _graft(_base(2), 24, layers=(0,))
-    elif case == "sliding_window":
-        model = _graft(_base(2, window=8), 24)
     elif case == "norm_rope_selection":
         model = _graft(_base(2), 24, selection="norm")
-    elif case == "q_bias":
-        model = _graft(_base(2, bias=True, q_bias=True), 24)
     elif case == "qk_norm":
         model = Transformer(_mla_config(qk_norm=True))
     elif case == "kv_sharing":
         model = Transformer(_mla_config(kv_slots=(0, 0)))
-    elif case == "yarn_stride2":  # the correction range is truncated in units of dim: 32 and 16 disagree here
-        model = Transformer(_mla_config(head_dim=32, max_position_embeddings=256, rope=RopeConfig(
-            rope_type="yarn", factor=4.0, original_max_position_embeddings=64)))
+    elif case == "yarn_stride8":  # the ramp ends past stock's last pair: no beta_fast/beta_slow can match it
+        model = Transformer(_mla_config(head_dim=32, qk_rope_head_dim=4, qk_nope_head_dim=32, v_head_dim=32,
+                                        max_position_embeddings=64, rope=RopeConfig(
+            rope_type="yarn", theta=10.0, factor=4.0, original_max_position_embeddings=400)))
+    elif case == "mlp_bias":
+        model = Transformer(_mla_config(mlp_bias=True))
+        model.init_weights(0)
+        with torch.no_grad():
+            model.layers[1].mlp.up_proj.bias.fill_(0.1)
     else:
         model = Transformer(_mla_config(head_dim=32, rope=RopeConfig(rope_type="dynamic", factor=2.0)))
     with pytest.raises(UnsupportedModelError, match=match):
         export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
     assert not (tmp_path / "ds").exists()
+
+
+# ---- exact without a latent norm, query biases, sliding windows ------------------------------------------
+
+def test_pad_latent_is_exact_without_a_latent_norm(tmp_path):
+    """The default "pad" latent: d_c + 1 exported values, the stock norm pinned by a constant coordinate; exact
+    in prefill and in stock transformers' cached decode, also on inputs far larger than calibration's."""
+    model = _graft(_base(2), kv_lora_rank=24)
+    assert not model.config.mla_latent_norm
+    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    assert report.latent_norm == "pad" and report.exact and report.kv_lora_rank == 25
+    assert report.max_abs_logit_diff <= 1e-4 and report.mean_kl <= 1e-9
+    assert report.perplexity["deepseek_v3"] == pytest.approx(report.perplexity["kvgraft"], rel=1e-5)
+    raw = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert raw["kv_lora_rank"] == 25 and raw["attention_bias"] is True and raw["kvgraft_export"]["exact"] is True
+    stock = load_stock(tmp_path / "ds")
+    with torch.no_grad():
+        torch.testing.assert_close(stock(IDS).logits, model(IDS), atol=1e-4, rtol=0)
+        prompt = IDS[:, :12]
+        gen = stock.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+        mine = generate(model, prompt, max_new_tokens=6)
+        assert torch.equal(gen.sequences, mine)
+        full = model(mine)
+        for step, logits in enumerate(gen.logits):
+            torch.testing.assert_close(logits, full[:, 11 + step], atol=1e-4, rtol=0)
+        # the pin holds for any input: embeddings 1000x larger than the model ever saw
+        for m in (model, stock.model):
+            emb = m.embed_tokens
+            emb.weight.mul_(1000)
+        try:
+            torch.testing.assert_close(stock(IDS).logits, model(IDS), atol=1e-3, rtol=1e-5)
+        finally:
+            for m in (model, stock.model):
+                m.embed_tokens.weight.div_(1000)
+
+
+def test_qwen2_style_biases_export_exactly(tmp_path):
+    """q/k/v/o biases (the query bias too): the query through q_a_proj (bias) -> q_a_layernorm -> q_b_proj with
+    q_lora_rank = hidden + 1, exact."""
+    model = _graft(_base(2, bias=True, q_bias=True), kv_lora_rank=24)
+    assert model.layers[0].self_attn.q_proj.bias.abs().max() > 0
+    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    assert report.exact and report.q_lora_rank == 64 + 1 and report.extra_parameters > 0
+    assert any("query bias" in f for f in report.folded)
+    assert report.max_abs_logit_diff <= 1e-4, report
+    raw = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert raw["q_lora_rank"] == 65 and raw["attention_bias"] is True
+    stock = load_stock(tmp_path / "ds")
+    assert stock.model.layers[0].self_attn.q_proj is None
+    with torch.no_grad():
+        exact_err = float((stock(IDS).logits - model(IDS)).abs().max())
+        assert exact_err <= 1e-4
+        # zeroing the query bias instead (the closest model without the low-rank path) is far worse
+        for b in model.layers:
+            b.self_attn.q_proj.bias.zero_()
+        assert float((stock(IDS).logits - model(IDS)).abs().max()) > 100 * exact_err
+
+
+def test_sliding_window_is_exact_up_to_the_window(tmp_path):
+    model = _graft(_base(2, window=8), kv_lora_rank=24)
+    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    assert not report.exact and report.exact_up_to_tokens == 8
+    assert report.max_abs_logit_diff_within_window <= 1e-4
+    assert report.max_abs_logit_diff > 1e-3  # CAL is 32 tokens long: beyond the window the two differ
+    raw = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert raw["kvgraft_export"]["exact_up_to_tokens"] == 8 and raw["kvgraft_export"]["exact"] is False
+    card = (tmp_path / "ds" / "README.md").read_text()
+    assert "Exact for contexts up to 8 tokens" in card and "sliding window of 8" in card
+    assert any("exact up to 8 tokens" in line for line in report.summary())
+    stock = load_stock(tmp_path / "ds")
+    with torch.no_grad():
+        torch.testing.assert_close(stock(IDS[:, :8]).logits, model(IDS[:, :8]), atol=1e-4, rtol=0)
+
+
+def test_bfloat16_export_of_the_pinned_constructions(tmp_path):
+    """The pinned constants (powers of two) fit bf16; the export loads and tracks the fp32 model."""
+    model = _graft(_base(2, bias=True, q_bias=True), kv_lora_rank=24)
+    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, dtype=torch.bfloat16)
+    assert report.max_abs_logit_diff < 0.1 * float(model(IDS).abs().max()), report
 
 
 def test_existing_output_needs_overwrite(norm_model, tmp_path):

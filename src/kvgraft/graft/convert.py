@@ -4,7 +4,11 @@
 The output directory is written atomically (an interrupted conversion leaves nothing). It is itself the
 converted model in kvgraft's own format (``model_type: kvgraft``; ``kvgraft eval OUT`` works), plus
 ``conversion.json`` (what was done, with timings), the tokenizer and the eval slices of the input when it
-has them, and, with ``--format deepseek_v3`` or ``both``, a stock DeepSeek-V3 export in ``deepseek_v3/``.
+has them, and, with ``--format deepseek_v3`` or ``both``, a stock DeepSeek-V3 export in ``deepseek_v3/``
+(``kvgraft.hf.deepseek``; what is exact for each family: ``docs/export.md``). For that format the graft keeps
+one latent value for the export's constant coordinate (its exact latent norm), linearises Qwen3's q/k norms,
+and the export's report (exactness, measured error and calibration-tail perplexities) is printed and
+recorded in ``conversion.json``.
 """
 
 from __future__ import annotations
@@ -63,6 +67,29 @@ def load_calibration(
         raise ValueError(f"calibration {path} holds token ids in [{int(ids.min())}, {int(ids.max())}], outside the "
                          f"model's vocabulary [0, {vocab_size}); was it tokenized for another model?")
     return ids
+
+
+TAIL_SEQUENCES = 8  # calibration sequences (the last ones) that the reported errors are measured on
+
+
+@torch.no_grad()
+def _tail_figures(original, converted, ids: torch.Tensor) -> dict:
+    """Perplexity of the original and the converted model, and their max |logit diff|, on ``ids``."""
+    from kvgraft.hf.deepseek import _perplexity
+
+    device = original.embed_tokens.weight.device
+    was = original.training, converted.training
+    original.eval()
+    converted.eval()
+    try:
+        a = original(ids.to(device)).double().cpu()
+        b = converted(ids.to(device)).double().cpu()
+    finally:
+        original.train(was[0])
+        converted.train(was[1])
+    return {"sequences": ids.shape[0], "seq_len": ids.shape[1], "original_perplexity": _perplexity(a, ids),
+            "converted_perplexity": _perplexity(b, ids),
+            "converted_max_abs_logit_diff_vs_original": float((a - b).abs().max())}
 
 
 def convert(
@@ -154,15 +181,29 @@ def convert(
                               qk_rope_head_dim=qk_rope_head_dim, stock=stock,
                               default_compression=DEFAULT_CED_COMPRESSION if to == "ced" else DEFAULT_COMPRESSION)
         d_c, d_rope, rank_notes = ranks.kv_lora_rank, ranks.qk_rope_head_dim, ranks.how
+        if stock and kv_lora_rank is None and d_c > 1:
+            # the stock export pins DeepSeek-V3's latent RMSNorm with one constant latent coordinate
+            # (kvgraft.hf.deepseek, latent_norm "pad"): graft one value less so the export caches the budget
+            d_c -= 1
+            rank_notes = (*rank_notes, (
+                f"stock DeepSeek-V3 export: one of the d_c values is a constant coordinate that makes its latent "
+                f"RMSNorm exact, so the graft keeps d_c = {d_c} and the export caches {d_c + 1} + {d_rope}"))
     if rope_selection == "auto":  # the best measured ("norm") unless a stock export needs DeepSeek's layout
         rope_selection = "stride" if stock else "shared" if to == "ced" else "norm"
     graft = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
                         rope_selection=rope_selection, layerwise=layerwise, layers=layers,
                         rope_expectation=rope_expectation and objective != "weights",
-                        qk_norm="linearise" if to == "ced" else "keep")
+                        # stock DeepSeek-V3 has no per-head q/k norms: the stock export takes their linear fits
+                        qk_norm="linearise" if to == "ced" or (stock and config.qk_norm) else "keep")
     if rope_selection == "stride" and (d_rope > config.head_dim or config.head_dim % d_rope):
+        divisors = [v for v in range(2, config.head_dim + 1, 2) if config.head_dim % v == 0]
+        why = ""
+        if stock and d_rope > config.head_dim:
+            why = (f" (stock DeepSeek-V3 rotates each frequency once in its one shared RoPE key, so the RoPE parts of "
+                   f"{config.num_kv_heads} KV heads cannot all keep their rotation: --rope-dim {config.head_dim} is "
+                   "the closest stock export, its measured error printed)")
         raise ValueError(f"rope selection 'stride' needs d_rope ({d_rope}) to divide head_dim ({config.head_dim}); "
-                         f"pass --rope-dim with a divisor of {config.head_dim} or leave it to the default rule")
+                         f"pass --rope-dim with one of {divisors} or leave it to the default rule{why}")
     # the config the graft will produce (its RoPE layout stands in for the one calibration will choose)
     predicted = config
     if not already_mla:
@@ -215,12 +256,16 @@ def convert(
         converted, ced_report = graft_ced(converted, ced_graft, calib, progress=progress)
     t_convert = time.perf_counter() - t1
     params = sum(p.numel() for p in original.parameters())
+    tail = None
+    if calib is not None:  # the calibration tail: what the stock export's error is measured on too
+        tail = _tail_figures(original, converted, calib[-TAIL_SEQUENCES:])
     del original  # a 7B model should not be held twice while writing
     record = {
         "source": str(src),
         "to": to,
         "graft": None if already_mla else asdict(graft),
         "ranks_chosen": list(rank_notes),
+        "qk_norm_linearised_for_stock_export": bool(stock and config.qk_norm),
         "share_graft": ced_report,
         "kv_cache_bytes_bf16": {str(n): {"original": config.kv_cache_bytes(n, 2),
                                          "converted": converted.config.kv_cache_bytes(n, 2)} for n in (512, 4096)},
@@ -232,6 +277,7 @@ def convert(
         "seconds": {"load": t_load, "convert": t_convert},
         "parameters": {"original": params, "converted": sum(p.numel() for p in converted.parameters())},
         "convert_seconds_per_million_params": t_convert / (params / 1e6),
+        "calibration_tail": tail,
         "formats": [],
     }
     with atomic_dir(out, overwrite=overwrite) as tmp:
@@ -242,10 +288,22 @@ def convert(
         if output_format in ("deepseek_v3", "both"):
             from kvgraft.hf.deepseek import export_deepseek_v3
 
-            report = export_deepseek_v3(converted, tmp / "deepseek_v3", tokenizer_dir=tok_dir, calibration=calib)
+            report = export_deepseek_v3(converted, tmp / "deepseek_v3", tokenizer_dir=tok_dir, calibration=calib,
+                                        tail_sequences=TAIL_SEQUENCES, verbose=False)
+            report.path = out / "deepseek_v3"  # where it ends up, not the temporary directory
             record["formats"].append("deepseek_v3")
-            record["deepseek_v3"] = report.to_dict() if hasattr(report, "to_dict") else asdict(report)
-            record["deepseek_v3"]["path"] = str(out / "deepseek_v3")  # where it ends up, not the temporary path
+            record["deepseek_v3"] = report.to_dict()
+            stock_bytes = converted.config.num_layers * (report.kv_lora_rank + converted.config.qk_rope_head_dim) * 2
+            record["deepseek_v3"]["kv_bytes_per_token_bf16"] = stock_bytes
+            record["deepseek_v3"]["compression"] = config.kv_bytes_per_token(2) / stock_bytes
+            if progress:
+                print("\n".join(report.summary()), flush=True)
+                if tail is not None:
+                    print(f"  calibration tail, against the original: perplexity {tail['original_perplexity']:.4g} "
+                          f"(original) -> {tail['converted_perplexity']:.4g} (converted; the export adds the error "
+                          f"above), max |logit diff| {tail['converted_max_abs_logit_diff_vs_original']:.3g}"
+                          + ("; Qwen3's per-head q/k norms are replaced by their least-squares linear fits (stock "
+                             "DeepSeek-V3 has no place for them)" if config.qk_norm else ""), flush=True)
         if (src / "eval").is_dir():
             shutil.copytree(src / "eval", tmp / "eval")
         (tmp / "conversion.json").write_text(json.dumps(record, indent=2, default=str) + "\n")

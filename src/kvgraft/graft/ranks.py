@@ -146,11 +146,19 @@ def default_ranks(
         d_rope = allowed[0]  # one frequency pair (or stock's smallest workable width) above the cap
         what += "; none fits, so the smallest workable d_rope"
     else:
-        reason = "" if not stock else (
-            "; stock DeepSeek-V3 export: " + (stock_rope_problem(config, hd) or "no even divisor of head_dim fits"))
+        reason, fix = "", "lower the compression"
+        if stock and allowed:  # only stock's widths are too wide: say which, why, and the budget they need
+            smaller = [v for v in range(2, allowed[0], 2) if hd % v == 0]
+            why = stock_rope_problem(config, smaller[-1]) if smaller else None
+            need = allowed[0] + 1
+            reason = (f"; a stock DeepSeek-V3 export of this model needs d_rope in {allowed}"
+                      + (f" (at d_rope {smaller[-1]}: {why})" if why else "") + f", so at least {need} values")
+            fix = (f"pass --compression {math.floor(width / need * 1000) / 1000:g} or lower (or --kv-lora-rank with --rope-dim {allowed[0]})")
+        elif stock:
+            reason = "; stock DeepSeek-V3 export: " + (stock_rope_problem(config, hd) or "no even divisor of head_dim fits")
         raise ValueError(
-            f"no RoPE width fits: compression leaves {budget} cached values per layer{reason}; lower the "
-            "compression, or export kvgraft's own format (--format kvgraft)")
+            f"no RoPE width fits: compression leaves {budget} cached values per layer{reason}; {fix}, or export "
+            "kvgraft's own format (--format kvgraft)")
     how.append(f"d_rope = largest {kind} <= {what}: {d_rope}")
     if budget is None:
         return Ranks(kv_lora_rank, d_rope, None, tuple(how))

@@ -7,18 +7,40 @@ checkpoints: dense SwiGLU MLPs only (``first_k_dense_replace = num_hidden_layers
 layer), ``q_lora_rank: null`` (a plain ``q_proj``), ``num_key_value_heads = num_attention_heads``,
 ``rope_interleave: true``.
 
-What is exact and what is not:
+What is exact and what is not (``docs/export.md`` has the per-family table):
 - q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, norms, MLP, embeddings: exact. The RoPE rows are permuted
   from kvgraft's rotate-half layout to DeepSeek's interleaved one (q per head, and the shared RoPE key);
   a yarn ``mscale_all_dim`` softmax factor that stock applies and kvgraft does not is folded into q_proj;
   a kv_b_proj bias is folded exactly (its key half adds the same amount to every logit of a query, so
   softmax ignores it; its value half passes through attention, whose weights sum to one, into the o_proj
-  bias). A q_proj bias cannot be expressed and is refused unless zero.
+  bias); a kv_a_proj bias goes to kv_a_proj_with_mqa's (``attention_bias``).
+- A q_proj bias (Qwen2, Llama attention_bias): stock's q_proj has no bias, but its low-rank query path has
+  one (q_a_proj) followed by an RMSNorm (q_a_layernorm) and q_b_proj. The query goes through it with
+  q_lora_rank = min(hidden, H (d_nope + d_rope)) + 1: q_a x = [P x ; A0], A0 a constant (power of two) so large
+  against a bound on |P x| over *every* input (the input RMSNorm bounds |x / g|^2 by hidden) that the norm's
+  rms is constant to a relative 5e-11; the norm weight turns the result into [P x ; 1] and q_b = [W_q, b_q]
+  (or [I, b_q]). Exact; costs about hidden^2 parameters per layer.
 - The latent RMSNorm: stock DeepSeek-V3 always normalises the latent (``kv_a_layernorm``). A model built
-  with ``mla_latent_norm=True`` exports exactly. Otherwise the export is an approximation: the norm is
-  made as close to a constant scale as possible ("scale": a constant weight equal to the latent's typical
-  rms; "fit": also an invertible change of latent basis making the rms as constant as possible over
-  calibration tokens). ``ExportReport`` carries the measured logit error.
+  with ``mla_latent_norm=True`` exports exactly. Otherwise the default ("pad") is exact by the same
+  construction: one extra latent coordinate holds a constant A0 (kv_a bias) that pins the norm's rms, the
+  norm weight undoes it and kv_b gives that coordinate a zero column (d_c + 1 cached values; ``kvgraft
+  convert --format deepseek_v3`` grafts d_c - 1 so the export stays within the budget). The older
+  approximations remain: "scale" (a constant weight equal to the latent's typical rms) and "fit" (also an
+  invertible change of latent basis making the rms as constant as possible over calibration tokens); they keep
+  d_c (say, FlashMLA's 512) at a measured cost.
+- A sliding window (Mistral): stock DeepSeek-V3 has none, so the export is the closest stock model (full
+  attention): exact for contexts up to the window, said in config.json (``kvgraft_export``), README.md and the
+  report, and measured on both sides of the window.
+- RoPE: stock rotates pair j at theta^(-2j/d_rope), kvgraft's 'stride' selection keeps every
+  (head_dim/d_rope)-th frequency: the same for default/linear/llama3; yarn's ramp is re-expressed for dim =
+  d_rope (beta_fast/beta_slow solved, truncate kept where the range allows) and exact; dynamic NTK only at
+  d_rope = head_dim. With several KV heads stock's one shared RoPE key rotates each frequency once, so the
+  exact full-budget kvgraft layout (d_rope = num_kv_heads x head_dim) cannot be expressed: the closest export
+  keeps d_rope = head_dim and the graft's error against the original is measured.
+- Refused, naming what would make it possible: GQA layers left (convert all layers), per-head q/k norms
+  (graft with qk_norm='linearise', which convert does for this format), shared caches (--to ced), a
+  non-stride RoPE layout, non-zero MLP biases (nothing can carry them).
+``ExportReport`` carries the measured logit error, KL and perplexities on the calibration tail.
 
 transformers builds ``kv_a_layernorm`` with eps 1e-6 whatever ``rms_norm_eps`` says, while vLLM and SGLang
 use ``rms_norm_eps``. The export is exact in transformers; when ``rms_norm_eps != 1e-6`` the serving stacks
@@ -30,6 +52,7 @@ log a warning and load it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -44,7 +67,7 @@ from kvgraft.model.rope import rope_frequencies
 from kvgraft.model.transformer import Transformer
 
 
-LATENT_NORM_STRATEGIES = ("fit", "scale")
+LATENT_NORM_STRATEGIES = ("pad", "fit", "scale")
 # transformers' DeepseekV3Attention builds kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
 STOCK_LATENT_NORM_EPS = 1e-6
 FLASH_MLA_KV_LORA_RANK = 512
@@ -55,11 +78,20 @@ FLASH_MLA_ROPE_HEAD_DIM = 64
 class ExportReport:
     """What ``export_deepseek_v3`` wrote and how far the checkpoint is from the kvgraft model.
 
-    ``latent_norm``: "exact" (the model has its own latent norm), "scale" or "fit".
-    ``max_abs_logit_diff`` / ``mean_kl`` (KL(ours || exported) per token, nats): measured in fp32 with stock
-    transformers on ``measured_on`` ("calibration" or "random") ids; None when not measured.
-    ``latent_rms_cv``: per layer, std/mean of the exported latent's rms over calibration tokens (0 when the
-    export is exact; what the norm approximation cannot absorb). ``warnings``: fast-path and fallback notes.
+    ``latent_norm``: "exact" (the model has its own latent norm), "pad" (exact: a constant latent coordinate
+    pins the stock norm's rms), "scale" or "fit" (approximations). ``exact``: the exported model computes the
+    kvgraft model's function for every input (to fp rounding; the pinned constructions add at most
+    ``PIN_DELTA`` / 2 relative error to a latent or query scale); False lists the reasons in
+    ``approximations``. ``exact_up_to_tokens``: contexts up to this length are exact even when ``exact`` is
+    False (a sliding window exported as full attention).
+    ``max_abs_logit_diff`` / ``mean_kl`` (KL(ours || exported) per token, nats) / ``perplexity`` ({"kvgraft":,
+    "deepseek_v3":}, next-token perplexity): measured in fp32 with stock transformers on ``measured_on`` ids (the
+    calibration tail, or random ids); ``max_abs_logit_diff_within_window``: the same on the first
+    ``exact_up_to_tokens`` positions. None when not measured.
+    ``kv_lora_rank`` / ``q_lora_rank``: the exported ranks; ``extra_parameters``: parameters the export adds
+    over the kvgraft model (pad coordinate, low-rank query path).
+    ``latent_rms_cv``: per layer, std/mean of the exported latent's rms over calibration tokens ("fit"/"scale"
+    only). ``warnings``: fast-path, serving-stack and fallback notes.
     """
 
     path: Path
@@ -69,6 +101,46 @@ class ExportReport:
     measured_on: str | None = None
     latent_rms_cv: tuple[float, ...] = ()
     warnings: list[str] = field(default_factory=list)
+    exact: bool = True
+    approximations: list[str] = field(default_factory=list)
+    exact_up_to_tokens: int | None = None
+    max_abs_logit_diff_within_window: float | None = None
+    perplexity: dict | None = None
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    extra_parameters: int = 0
+    folded: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["path"] = str(self.path)
+        out["latent_rms_cv"] = list(self.latent_rms_cv)
+        return out
+
+    def summary(self) -> list[str]:
+        """The report as printed lines (what ``kvgraft convert --format deepseek_v3`` shows)."""
+        if self.exact:
+            what = "exact"
+        elif self.exact_up_to_tokens is not None:
+            what = f"exact up to {self.exact_up_to_tokens} tokens of context, approximate beyond"
+        else:
+            what = "approximate"
+        lines = [(f"stock DeepSeek-V3 export -> {self.path}: {what} (latent norm {self.latent_norm}; "
+                  f"kv_lora_rank {self.kv_lora_rank}, q_lora_rank {self.q_lora_rank})")]
+        lines += [f"  folded: {f}" for f in self.folded]
+        lines += [f"  not exact: {a}" for a in self.approximations]
+        if self.max_abs_logit_diff is not None:
+            m = (f"  measured on {self.measured_on}: max |logit diff| vs the kvgraft model "
+                 f"{self.max_abs_logit_diff:.3g}, mean KL {self.mean_kl:.3g} nats")
+            if self.perplexity:
+                m += (f", perplexity {self.perplexity['kvgraft']:.4g} (kvgraft) -> "
+                      f"{self.perplexity['deepseek_v3']:.4g} (deepseek_v3)")
+            lines.append(m)
+        if self.max_abs_logit_diff_within_window is not None:
+            lines.append(f"  within the first {self.exact_up_to_tokens} tokens: max |logit diff| "
+                         f"{self.max_abs_logit_diff_within_window:.3g}")
+        lines += [f"  note: {w}" for w in self.warnings]
+        return lines
 
 
 # ---- what stock DeepSeek-V3 can express ---------------------------------------------------------------
@@ -83,35 +155,37 @@ def stride_rope_index(config: ModelConfig) -> tuple[int, ...] | None:
 
 
 def _config_problems(config: ModelConfig) -> list[str]:
+    """What stock DeepSeek-V3 cannot express in ``config``, each naming what would make the export possible."""
     problems = []
     gqa = [i for i, k in enumerate(config.attention_kinds) if k != "mla"]
     if gqa:
         problems.append(
             f"layers {gqa} use GQA attention ({len(gqa)} of {config.num_layers}); stock DeepSeek-V3 runs MLA in "
-            "every layer, so convert all layers (graft_mla with GraftConfig(layers=None)) before exporting"
-        )
-    if "sliding_attention" in config.layer_types:
-        sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
-        problems.append(
-            f"layers {sliding} use a sliding window ({config.sliding_window}); stock DeepSeek-V3 has no sliding "
-            "windows (every layer attends to the whole context)"
+            "every layer, so convert all layers (drop --layers; GraftConfig(layers=None)) before exporting"
         )
     if config.qk_norm:
-        problems.append("qk_norm (per-head q/k RMSNorm, Qwen3) has no place in stock DeepSeek-V3's attention")
+        problems.append(
+            "qk_norm (per-head q/k RMSNorm, Qwen3) has no place in stock DeepSeek-V3's attention (its only query "
+            "norm, q_a_layernorm, normalises all heads together); graft with GraftConfig(qk_norm='linearise'), "
+            "which kvgraft convert --format deepseek_v3 does, to export the closest model (error measured)"
+        )
     if config.kv_slots != tuple(range(config.num_layers)):
         problems.append(
-            f"kv_slots {config.kv_slots} share caches across layers; stock DeepSeek-V3 has one cache per layer"
+            f"kv_slots {config.kv_slots} share caches across layers; stock DeepSeek-V3 has one cache per layer "
+            "(convert with --to mla, not --to ced)"
         )
     if not gqa:
         stride = stride_rope_index(config)
         bad = [i for i in range(config.num_layers) if config.rope_freq_index[i] != stride]
         if bad:
+            fix = ("graft with --rope-selection stride (rope_selection='stride')" if stride is not None else
+                   f"graft with --rope-dim set to an even divisor of head_dim {config.head_dim} and --rope-selection "
+                   "stride")
             problems.append(
                 f"the RoPE frequency layout of layers {bad} (rope_freq_index {config.rope_freq_index[bad[0]]}) is "
                 f"not stock DeepSeek-V3's, which rotates RoPE pair j at theta^(-2j/d_rope), i.e. frequency "
-                f"indices {stride if stride is not None else '(0, s, 2s, ...)'} of head_dim/2; graft with "
-                "rope_selection='stride' to export to stock DeepSeek-V3 (the 'norm' selection needs kvgraft's "
-                "own format)"
+                f"indices {stride if stride is not None else '(0, s, 2s, ...)'} of head_dim/2 (d_rope = "
+                f"{config.qk_rope_head_dim}); {fix}"
             )
     return problems
 
@@ -119,18 +193,13 @@ def _config_problems(config: ModelConfig) -> list[str]:
 def _weight_problems(model: Transformer) -> list[str]:
     problems = []
     cfg = model.config
-    if cfg.qkv_bias:
-        nonzero = [i for i, b in enumerate(model.layers) if _nonzero(b.self_attn.q_proj.bias)]
-        if nonzero:
-            problems.append(
-                f"q_proj of layers {nonzero} has a non-zero bias (q/k/v biases, e.g. Qwen2); stock DeepSeek-V3's "
-                "q_proj has no bias and a query bias cannot be folded exactly (kv_b_proj and kv_a_proj biases can)"
-            )
     if cfg.mlp_bias:
         nonzero = [i for i, b in enumerate(model.layers)
                    if any(_nonzero(getattr(b.mlp, n).bias) for n in ("gate_proj", "up_proj", "down_proj"))]
         if nonzero:
-            problems.append(f"the MLP of layers {nonzero} has non-zero biases; stock DeepSeek-V3's MLP has none")
+            problems.append(
+                f"the MLP of layers {nonzero} has non-zero biases; stock DeepSeek-V3's MLP has none, and no flag "
+                "can fold them (the MLP's input is RMS-normalised, with no constant component to carry a bias)")
     return problems
 
 
@@ -138,13 +207,52 @@ def _nonzero(t: torch.Tensor | None) -> bool:
     return t is not None and bool(t.detach().abs().max() > 0)
 
 
+def _yarn_range_for_stock(rope: RopeConfig, d: int, dr: int, max_pos: int) -> tuple[float, float, bool] | None:
+    """(beta_fast, beta_slow, truncate) making stock's yarn at dim = d_rope ramp exactly as kvgraft's at dim =
+    head_dim over the stride frequencies, or None when no setting does.
+
+    kvgraft's ramp at frequency i = s*j (s = head_dim / d_rope) is clamp((s j - low) / (high - low)), with
+    low/high its correction range in units of head_dim; stock's at pair j is clamp((j - low') / (high' - low'))
+    in units of d_rope, so low' = low / s and high' = high / s. Stock's range comes from beta_fast/beta_slow
+    (find_correction_dim(beta) = d_rope ln(L / (2 pi beta)) / (2 ln theta)), solved here for those targets:
+    with truncate (floor/ceil, what vLLM's and SGLang's DeepSeek yarn always do) when they are integers,
+    without it otherwise. None when stock would clamp high' at d_rope - 1 below the target.
+    """
+    original = rope.original_max_position_embeddings or max_pos
+    s = d // dr
+
+    def cdim(beta: float) -> float:
+        return d * math.log(original / (beta * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = cdim(rope.beta_fast or 32), cdim(rope.beta_slow or 1)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    tiny = low == high
+    if tiny:
+        high += 0.001
+    lo_t, hi_t = low / s, high / s
+    if hi_t > dr - 1:
+        return None
+    truncate = float(lo_t).is_integer() and float(hi_t).is_integer() and not tiny
+    lo_raw, hi_raw = (lo_t + 0.5, hi_t - 0.5) if truncate else (lo_t, hi_t)
+    if lo_t == 0:
+        lo_raw = -0.5  # any value <= 0 clamps to 0
+
+    def beta(target: float) -> float:
+        return original / (2 * math.pi) * rope.theta ** (-2 * target / dr)
+
+    return beta(lo_raw), beta(hi_raw), truncate
+
+
 def _stock_rope(config: ModelConfig) -> tuple[dict, float, list[str]]:
     """(rope_parameters for config.json, factor to fold into q_proj, notes); raises when stock cannot match ours.
 
     Stock DeepSeek-V3 computes its frequencies with dim = qk_rope_head_dim; ours come from dim = head_dim at
-    the stride indices. Equal for default/linear/llama3 (functions of each base frequency alone); dynamic NTK
-    rescales the base with an exponent dim/(dim-2) and yarn places its ramp in units of dim, so those match
-    only in special cases (always when d_rope == head_dim): checked numerically, refused otherwise.
+    the stride indices. Equal for default/linear/llama3 (functions of each base frequency alone). Yarn places
+    its ramp in units of dim: when d_rope < head_dim, beta_fast/beta_slow (and truncate) are re-expressed for
+    dim = d_rope so the ramp falls on the same frequencies (``_yarn_range_for_stock``). Dynamic NTK rescales
+    the base with an exponent dim/(dim-2): it matches only at d_rope = head_dim. Checked numerically.
     """
     rope: RopeConfig = config.rope
     d, dr, max_pos = config.head_dim, config.qk_rope_head_dim, config.max_position_embeddings
@@ -153,21 +261,28 @@ def _stock_rope(config: ModelConfig) -> tuple[dict, float, list[str]]:
         raise UnsupportedModelError(
             f"rope_type 'dynamic' cannot be exported to stock DeepSeek-V3 with qk_rope_head_dim {dr} != head_dim "
             f"{d}: beyond max_position_embeddings it rescales the base as base * r^(dim/(dim-2)), and stock uses "
-            f"dim = {dr} where kvgraft uses {d}, so the frequencies would differ (graft with qk_rope_head_dim = "
-            "head_dim, or export kvgraft's own format)"
+            f"dim = {dr} where kvgraft uses {d}, so the frequencies would differ; graft with --rope-dim {d} "
+            "(qk_rope_head_dim = head_dim), or use --format kvgraft"
         )
     idx = list(stride_rope_index(config))
     ours, our_scale = rope_frequencies(rope, d, max_pos)
-    stock, stock_scale = rope_frequencies(rope, dr, max_pos)
+    stock_rope = rope
+    notes = []
+    if kind == "yarn" and dr != d:
+        solved = _yarn_range_for_stock(rope, d, dr, max_pos)
+        if solved is not None:
+            beta_fast, beta_slow, truncate = solved
+            stock_rope = dataclasses.replace(rope, beta_fast=beta_fast, beta_slow=beta_slow, truncate=truncate)
+    stock, stock_scale = rope_frequencies(stock_rope, dr, max_pos)
     if not torch.allclose(ours[idx].double(), stock.double(), rtol=1e-6, atol=0) or abs(our_scale - stock_scale) > 1e-9:
         raise UnsupportedModelError(
-            f"rope_type {kind!r} with these parameters cannot be exported exactly to stock DeepSeek-V3: stock "
-            f"computes its frequencies for dim = qk_rope_head_dim = {dr}, kvgraft for dim = head_dim = {d} at every "
-            f"{d // dr}-th frequency, and for {kind} they differ (max relative difference "
-            f"{float(((ours[idx] - stock) / stock).abs().max()):.3g}; yarn's correction range is truncated in "
-            "units of dim). Graft with qk_rope_head_dim = head_dim to export it"
+            f"rope_type {kind!r} with these parameters cannot be exported exactly to stock DeepSeek-V3 at "
+            f"qk_rope_head_dim {dr}: stock computes its frequencies for dim = {dr}, kvgraft for dim = head_dim = {d} "
+            f"at every {d // dr}-th frequency, and no stock {kind} setting gives the same ones (max relative "
+            f"difference {float(((ours[idx] - stock) / stock).abs().max()):.3g}; yarn's correction range would "
+            f"need to reach past pair {dr - 1}); graft with --rope-dim {d} (qk_rope_head_dim = head_dim), or use "
+            "--format kvgraft"
         )
-    notes = []
     params: dict = {"rope_type": kind, "rope_theta": float(rope.theta)}
     if kind in ("linear", "dynamic"):
         params["factor"] = float(rope.factor)
@@ -180,8 +295,14 @@ def _stock_rope(config: ModelConfig) -> tuple[dict, float, list[str]]:
         params["original_max_position_embeddings"] = int(original)
         params["factor"] = float(rope.factor if rope.factor is not None else max_pos / original)
         for name in ("beta_fast", "beta_slow"):
-            if getattr(rope, name):
-                params[name] = float(getattr(rope, name))
+            if getattr(stock_rope, name):
+                params[name] = float(getattr(stock_rope, name))
+        if stock_rope is not rope:
+            notes.append(
+                f"yarn: beta_fast/beta_slow re-expressed for dim = qk_rope_head_dim = {dr} ({params['beta_fast']:.6g} / "
+                f"{params['beta_slow']:.6g}, truncate {stock_rope.truncate}) so that stock's ramp falls on the same "
+                f"frequencies as kvgraft's at head_dim {d}: exact"
+            )
         # Both mscales explicit, so that transformers and DeepSeek's own yarn (vLLM/SGLang: attention factor
         # mscale(f, mscale) / mscale(f, mscale_all_dim), defaults 1 and 0) agree with kvgraft, which uses the
         # ratio only when both are set and mscale(f, 1) otherwise.
@@ -191,9 +312,9 @@ def _stock_rope(config: ModelConfig) -> tuple[dict, float, list[str]]:
             params["mscale"], params["mscale_all_dim"] = 1.0, 0.0
         if rope.attention_factor is not None:
             params["attention_factor"] = float(rope.attention_factor)
-        if not rope.truncate:
+        if not stock_rope.truncate:
             params["truncate"] = False
-        if rope.attention_factor is not None or not rope.truncate:
+        if rope.attention_factor is not None or not stock_rope.truncate:
             notes.append(
                 "yarn attention_factor / truncate=false are honoured by transformers but not by DeepSeek's own yarn "
                 "(vLLM/SGLang 'deepseek_yarn'), which derives the attention factor from mscale/mscale_all_dim and "
@@ -248,12 +369,87 @@ def deepseek_v3_fast_path(config: ModelConfig, original_kv_width: int | None = N
 
 @dataclass
 class _Latent:
-    """How one layer's latent maps to stock: c' = M c (kv_a rows), kv_b' = kv_b @ B, norm weight g."""
+    """How one layer's latent maps to stock: c' = M c + offset (kv_a rows and bias), kv_b' = kv_b @ B, norm
+    weight g. M is (d_c', d_c) and B (d_c, d_c'): d_c' = d_c + 1 for "pad"."""
 
-    M: torch.Tensor  # (dc, dc)
-    B: torch.Tensor  # (dc, dc)
-    g: torch.Tensor  # (dc,)
+    M: torch.Tensor  # (dc', dc)
+    B: torch.Tensor  # (dc, dc')
+    g: torch.Tensor  # (dc',)
     cv: float = 0.0
+    offset: torch.Tensor | None = None  # (dc',): added to the kv_a bias (needs attention_bias)
+    bound: float = 0.0  # "pad": bound on the relative error of the latent's scale (0: none)
+
+
+# The pinned-rms constructions ("pad" latent, low-rank query) keep |varying part|^2 / constant^2 below this
+PIN_DELTA = 1e-10
+
+
+def _pow2_above(x: float) -> float:
+    return 2.0 ** math.ceil(math.log2(max(x, 1e-30)))
+
+
+def _pinned_constant(weight: torch.Tensor | None, bias: torch.Tensor | None, input_norm: torch.Tensor) -> float:
+    """A constant A0 (a power of two) with |W x + b|^2 <= PIN_DELTA A0^2 for every attention input x.
+
+    x = g * h / sqrt(ms(h) + eps) (the input RMSNorm), so |x / g|^2 <= hidden and
+    |W x + b| <= ||W diag(g)||_2 sqrt(hidden) + |b|: a bound from the weights alone, for any input.
+    """
+    h = input_norm.numel()
+    if weight is None:  # the identity: ||diag(g)||_2 = max |g|
+        bound = float(input_norm.double().abs().max()) * h ** 0.5
+    else:
+        bound = float(torch.linalg.matrix_norm(weight.double() * input_norm.double(), ord=2)) * h ** 0.5
+    if bias is not None:
+        bound += float(bias.double().norm())
+    return _pow2_above(max(bound, 1e-6) / PIN_DELTA ** 0.5)
+
+
+def _pad_latent(attn, input_norm: torch.Tensor) -> _Latent:
+    """Exact latent for a model without its own latent norm: one extra latent coordinate holds a constant A0
+    (from the kv_a bias) so large that the stock norm's rms is constant to within PIN_DELTA / 2 for every
+    input; the norm weight R0 = that rms undoes it, and kv_b ignores the extra coordinate (a zero column)."""
+    dc = attn.dc
+    W_a = attn.kv_a_proj.weight.detach().to("cpu", torch.float64)[:dc]
+    b_a = attn.kv_a_proj.bias
+    b_c = None if b_a is None else b_a.detach().to("cpu", torch.float64)[:dc]
+    A0 = _pinned_constant(W_a, b_c, input_norm.detach().to("cpu", torch.float64))
+    R0 = (A0 * A0 / (dc + 1) + STOCK_LATENT_NORM_EPS) ** 0.5
+    eye = torch.eye(dc, dtype=torch.float64)
+    M = torch.cat([eye, torch.zeros(1, dc, dtype=torch.float64)])
+    offset = torch.zeros(dc + 1, dtype=torch.float64)
+    offset[dc] = A0
+    g = torch.full((dc + 1,), R0, dtype=torch.float64)
+    g[dc] = 1.0
+    return _Latent(M=M, B=M.T.clone(), g=g, cv=0.0, offset=offset, bound=PIN_DELTA / 2)
+
+
+@dataclass
+class _LowRankQuery:
+    """A query with a bias through stock's q_a_proj (bias) -> q_a_layernorm -> q_b_proj (no bias).
+
+    q_a x = [P x ; A0] with A0 pinning the norm's rms (as for "pad"), the norm weight turning it into
+    [P x ; 1], and q_b = [Q, b]: Q P = W_q, so q = W_q x + b for every input (to within PIN_DELTA / 2).
+    """
+
+    a_weight: torch.Tensor  # (r, h)
+    a_bias: torch.Tensor  # (r,)
+    norm: torch.Tensor  # (r,)
+    b_weight: torch.Tensor  # (H (dn + dr), r)
+
+
+def _low_rank_query(wq: torch.Tensor, bq: torch.Tensor, input_norm: torch.Tensor) -> _LowRankQuery:
+    """``wq`` (Hq, h) and ``bq`` (Hq,): the stock-ordered query weight and bias (fp64)."""
+    Hq, h = wq.shape
+    P, Q = (torch.eye(h, dtype=torch.float64), wq) if h <= Hq else (wq, torch.eye(Hq, dtype=torch.float64))
+    r = P.shape[0] + 1
+    A0 = _pinned_constant(None if h <= Hq else P, None, input_norm.to("cpu", torch.float64))
+    R0 = (A0 * A0 / r + STOCK_LATENT_NORM_EPS) ** 0.5
+    a_bias = torch.zeros(r, dtype=torch.float64)
+    a_bias[-1] = A0
+    norm = torch.full((r,), R0, dtype=torch.float64)
+    norm[-1] = R0 / A0
+    return _LowRankQuery(a_weight=torch.cat([P, torch.zeros(1, h, dtype=torch.float64)]), a_bias=a_bias,
+                         norm=norm, b_weight=torch.cat([Q, bq[:, None]], dim=1))
 
 
 @torch.no_grad()
@@ -394,9 +590,9 @@ def _interleave_perm(dr: int) -> torch.Tensor:
 
 
 def _stock_tensors(
-    model: Transformer, latents: list[_Latent], q_fold: float, attention_bias: bool
+    model: Transformer, latents: list[_Latent], q_fold: float, attention_bias: bool, low_rank_q: bool
 ) -> dict[str, torch.Tensor]:
-    """fp64 CPU tensors under DeepSeek-V3's names."""
+    """fp64 CPU tensors under DeepSeek-V3's names (``low_rank_q``: queries through q_a/q_a_layernorm/q_b)."""
     cfg = model.config
     H, h = cfg.num_heads, cfg.hidden_size
     dc, dr, dn, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
@@ -405,14 +601,26 @@ def _stock_tensors(
     def t(x: torch.Tensor) -> torch.Tensor:
         return x.detach().to("cpu", torch.float64)
 
+    def q_rows(x: torch.Tensor) -> torch.Tensor:  # (H (dn + dr), ...) rows in stock's order, yarn fold applied
+        x = x.reshape(H, dn + dr, -1) * q_fold
+        return torch.cat([x[:, :dn], x[:, dn:][:, perm]], dim=1).reshape(H * (dn + dr), -1)
+
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": t(model.embed_tokens.weight),
                                     "model.norm.weight": t(model.norm.weight),
                                     "lm_head.weight": t(model.lm_head.weight).clone()}  # untied even if tied
     for i, block in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn, lat = block.self_attn, latents[i]
-        q = t(attn.q_proj.weight).view(H, dn + dr, h) * q_fold
-        q = torch.cat([q[:, :dn], q[:, dn:][:, perm]], dim=1).reshape(H * (dn + dr), h)
+        q = q_rows(t(attn.q_proj.weight))
+        if low_rank_q:
+            bq = t(attn.q_proj.bias) if attn.q_proj.bias is not None else torch.zeros(q.shape[0], dtype=torch.float64)
+            lr = _low_rank_query(q, q_rows(bq)[:, 0], t(block.input_layernorm.weight))
+            out[p + "self_attn.q_a_proj.weight"] = lr.a_weight
+            out[p + "self_attn.q_a_proj.bias"] = lr.a_bias
+            out[p + "self_attn.q_a_layernorm.weight"] = lr.norm
+            out[p + "self_attn.q_b_proj.weight"] = lr.b_weight
+        else:
+            out[p + "self_attn.q_proj.weight"] = q
         a = t(attn.kv_a_proj.weight)
         kv_a = torch.cat([lat.M @ a[:dc], a[dc:][perm]])
         kv_b = t(attn.kv_b_proj.weight) @ lat.B
@@ -421,14 +629,14 @@ def _stock_tensors(
         if attn.kv_b_proj.bias is not None:  # key half: softmax-invariant; value half: through to o_proj
             b_v = t(attn.kv_b_proj.bias).view(H, dn + dv)[:, dn:].reshape(-1)
             o_bias = o_bias + o @ b_v
-        out[p + "self_attn.q_proj.weight"] = q
         out[p + "self_attn.kv_a_proj_with_mqa.weight"] = kv_a
         out[p + "self_attn.kv_a_layernorm.weight"] = lat.g.clone()
         out[p + "self_attn.kv_b_proj.weight"] = kv_b
         out[p + "self_attn.o_proj.weight"] = o
         if attention_bias:
             b = t(attn.kv_a_proj.bias) if attn.kv_a_proj.bias is not None else torch.zeros(dc + dr, dtype=torch.float64)
-            out[p + "self_attn.kv_a_proj_with_mqa.bias"] = torch.cat([lat.M @ b[:dc], b[dc:][perm]])
+            b_lat = lat.M @ b[:dc] + (lat.offset if lat.offset is not None else 0.0)
+            out[p + "self_attn.kv_a_proj_with_mqa.bias"] = torch.cat([b_lat, b[dc:][perm]])
             out[p + "self_attn.o_proj.bias"] = o_bias
         for name in ("gate_proj", "up_proj", "down_proj"):
             out[f"{p}mlp.{name}.weight"] = t(getattr(block.mlp, name).weight)
@@ -437,9 +645,9 @@ def _stock_tensors(
     return out
 
 
-def _attention_bias_needed(model: Transformer) -> bool:
+def _attention_bias_needed(model: Transformer, latents: list[_Latent], low_rank_q: bool) -> bool:
     cfg = model.config
-    if cfg.o_bias:
+    if cfg.o_bias or low_rank_q or any(lat.offset is not None for lat in latents):
         return True
     for block in model.layers:
         attn = block.self_attn
@@ -448,8 +656,20 @@ def _attention_bias_needed(model: Transformer) -> bool:
     return False
 
 
-def deepseek_v3_config(config: ModelConfig, rope_parameters: dict, attention_bias: bool, dtype: str) -> dict:
-    """config.json of the stock checkpoint (DeepSeek's field names; MoE fields present but unused)."""
+def _q_bias_layers(model: Transformer) -> list[int]:
+    return [i for i, b in enumerate(model.layers) if _nonzero(b.self_attn.q_proj.bias)]
+
+
+def deepseek_v3_config(
+    config: ModelConfig, rope_parameters: dict, attention_bias: bool, dtype: str, *,
+    kv_lora_rank: int | None = None, q_lora_rank: int | None = None, export_info: dict | None = None,
+) -> dict:
+    """config.json of the stock checkpoint (DeepSeek's field names; MoE fields present but unused).
+
+    ``kv_lora_rank``/``q_lora_rank``: the exported ranks when they differ from the model's ("pad" latent, a
+    query bias through the low-rank query path). ``export_info`` is written as ``kvgraft_export`` (what is
+    exact and up to which context; transformers keeps unknown fields as attributes, vLLM ignores them).
+    """
     L = config.num_layers
     rope_scaling = None
     if rope_parameters["rope_type"] != "default":  # older readers (transformers 4, vLLM) read rope_scaling
@@ -464,8 +684,8 @@ def deepseek_v3_config(config: ModelConfig, rope_parameters: dict, attention_bia
         "num_hidden_layers": L,
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_heads,  # MLA expands keys/values per query head
-        "q_lora_rank": None,
-        "kv_lora_rank": config.kv_lora_rank,
+        "q_lora_rank": q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank if kv_lora_rank is None else kv_lora_rank,
         "qk_rope_head_dim": config.qk_rope_head_dim,
         "qk_nope_head_dim": config.qk_nope_head_dim,
         "v_head_dim": config.v_head_dim,
@@ -498,7 +718,7 @@ def deepseek_v3_config(config: ModelConfig, rope_parameters: dict, attention_bia
         "use_cache": True,
         "dtype": dtype,
         "torch_dtype": dtype,
-    }
+    } | ({"kvgraft_export": export_info} if export_info else {})
 
 
 # ---- export ------------------------------------------------------------------------------------------
@@ -509,31 +729,44 @@ def export_deepseek_v3(
     out_dir: str | Path,
     tokenizer_dir: str | Path | None = None,
     overwrite: bool = False,
-    latent_norm: str = "fit",
+    latent_norm: str = "pad",
     calibration: torch.Tensor | None = None,
     *,
     dtype: torch.dtype | None = None,
     measure: bool = True,
     max_fit_tokens: int = 8192,
+    verbose: bool = False,
+    tail_sequences: int = 8,
 ) -> ExportReport:
     """Write ``model`` (every layer MLA) as a stock DeepSeek-V3 checkpoint at ``out_dir``.
 
     ``latent_norm`` applies only to models without their own latent norm (``mla_latent_norm=False``):
-    "fit" (needs ``calibration`` token ids (N, T); falls back to "scale" with a warning) or "scale". "scale"
-    keeps the latent basis (normalised to unit mean rms) and sets the norm weight to the constant that best
-    restores the latent's magnitude on calibration tokens (about its mean rms; without calibration, estimated
-    from the weights for isotropic unit-rms attention inputs). "fit" also changes the latent basis,
-    c' = M c and kv_b' = kv_b M^-1, with M^T M = ``fit_latent_metric(latents)``, so that rms(c') is as
-    constant as possible.
-    ``calibration`` also serves the error measurement (random ids without it). ``dtype``: of the written
-    tensors (default: the model's). ``measure``: load the result with stock transformers and measure it.
-    Raises UnsupportedModelError naming what stock DeepSeek-V3 cannot express.
+    "pad" (default, exact): the exported latent has one more coordinate (d_c + 1), a constant so large that
+    stock's kv_a_layernorm divides every token by the same rms (to within ``PIN_DELTA`` / 2, from a bound on
+    the weights, whatever the input); the norm weight undoes that constant and kv_b ignores the coordinate.
+    It costs one cached value per token and layer (and moves d_c off FlashMLA's 512: graft d_c = 511 for
+    that). "fit" (needs ``calibration`` token ids (N, T); falls back to "scale" with a warning) and "scale"
+    keep d_c and approximate the norm: "scale" keeps the latent basis (normalised to unit mean rms) and sets
+    the norm weight to the constant that best restores the latent's magnitude on calibration tokens (about
+    its mean rms; without calibration, estimated from the weights for isotropic unit-rms attention inputs).
+    "fit" also changes the latent basis, c' = M c and kv_b' = kv_b M^-1, with M^T M =
+    ``fit_latent_metric(latents)``, so that rms(c') is as constant as possible.
+    A query bias (Qwen2, attention_bias) goes through stock's low-rank query path, exactly by the same
+    construction: q_lora_rank = min(hidden, H (d_nope + d_rope)) + 1. A sliding window is exported as full
+    attention: exact for contexts up to the window, stated in config.json (``kvgraft_export``), README.md and
+    the report, and measured on both sides of it.
+    ``calibration``: the last ``tail_sequences`` rows serve the error measurement (max |logit diff|, KL,
+    perplexity; random ids without it). ``dtype``: of the written tensors (default: the model's).
+    ``measure``: load the result with stock transformers and measure it. ``verbose``: print the report.
+    Raises UnsupportedModelError naming what stock DeepSeek-V3 cannot express and what would make it possible.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"{out_dir} already exists; pass overwrite=True to replace it")
     if latent_norm not in LATENT_NORM_STRATEGIES:
         raise ValueError(f"latent_norm {latent_norm!r} is not one of {', '.join(LATENT_NORM_STRATEGIES)}")
+    if isinstance(tail_sequences, bool) or not isinstance(tail_sequences, int) or tail_sequences < 1:
+        raise ValueError(f"tail_sequences ({tail_sequences!r}) must be a positive integer")
     cfg = model.config
     problems = _config_problems(cfg) + _weight_problems(model)
     if problems:
@@ -547,9 +780,21 @@ def export_deepseek_v3(
         if not tokenizer_files:
             raise CheckpointError(f"tokenizer directory {tokenizer_dir} has none of {', '.join(TOKENIZER_FILES)}")
 
-    notes = deepseek_v3_fast_path(cfg) + rope_notes
     for note in rope_notes:
-        warnings.warn(note, stacklevel=2)
+        if not note.endswith(": exact"):  # serving-stack caveats; an exact re-expression is only reported
+            warnings.warn(note, stacklevel=2)
+    notes = list(rope_notes)
+    approximations: list[str] = []
+    folded: list[str] = []
+    window = None
+    if "sliding_attention" in cfg.layer_types:
+        window = cfg.sliding_window
+        sliding = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
+        approximations.append(
+            f"layers {sliding} attend within a sliding window of {window} tokens; stock DeepSeek-V3 has no sliding "
+            f"window, so they are exported with full attention (the closest stock model): exact for contexts up to "
+            f"{window} tokens, different beyond"
+        )
     was_training = model.training
     model.eval()
     try:
@@ -562,6 +807,14 @@ def export_deepseek_v3(
                     f"(eps {STOCK_LATENT_NORM_EPS}) matches exactly; vLLM/SGLang apply rms_norm_eps there, i.e. an "
                     f"effective latent-norm eps of {cfg.rms_norm_eps ** 2 / STOCK_LATENT_NORM_EPS:.3g}"
                 )
+        elif latent_norm == "pad":
+            strategy = "pad"
+            latents = [_pad_latent(b.self_attn, b.input_layernorm.weight) for b in model.layers]
+            folded.append(
+                f"latent RMSNorm: one constant latent coordinate (kv_lora_rank {cfg.kv_lora_rank} -> "
+                f"{cfg.kv_lora_rank + 1}) pins stock's kv_a_layernorm to a constant rms (relative error <= "
+                f"{PIN_DELTA / 2:.0e} for any input), undone by its weight; +1 cached value per token and layer"
+            )
         else:
             strategy = latent_norm
             if strategy == "fit" and calibration is None:
@@ -576,26 +829,107 @@ def export_deepseek_v3(
                                b.input_layernorm.weight.detach())
                 for i, b in enumerate(model.layers)
             ]
-        attention_bias = _attention_bias_needed(model)
+            approximations.append(
+                f"latent RMSNorm approximated ('{strategy}'): stock always normalises the latent and this model "
+                "has no latent norm (latent_norm='pad' makes it exact at one more cached value per token)"
+            )
+        q_bias_layers = _q_bias_layers(model) if cfg.qkv_bias else []
+        low_rank_q = bool(q_bias_layers)
+        H, h = cfg.num_heads, cfg.hidden_size
+        Hq = H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        q_lora_rank = min(h, Hq) + 1 if low_rank_q else None
+        dc_out = latents[0].M.shape[0]
+        extra = 0
+        if strategy == "pad":
+            extra += cfg.num_layers * (h + 2 + H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        if low_rank_q:
+            extra += cfg.num_layers * (q_lora_rank * h + 2 * q_lora_rank + Hq * q_lora_rank - Hq * h)
+            folded.append(
+                f"query bias (layers {q_bias_layers}): stock's q_proj has no bias, so the queries go through its "
+                f"low-rank path q_a_proj (with bias) -> q_a_layernorm -> q_b_proj with q_lora_rank {q_lora_rank} "
+                f"(min(hidden {h}, heads x qk_head_dim {Hq}) + 1): a constant coordinate pins the norm's rms "
+                f"(relative error <= {PIN_DELTA / 2:.0e}) and carries the bias; "
+                f"+{cfg.num_layers * (q_lora_rank * h + 2 * q_lora_rank + Hq * q_lora_rank - Hq * h):,} parameters"
+            )
+        if any(_nonzero(b.self_attn.kv_b_proj.bias) for b in model.layers):
+            folded.append("key bias: adds the same amount to every logit of a query (softmax ignores it); value "
+                          "bias: through attention (weights sum to one) into o_proj's bias")
+        if any(_nonzero(b.self_attn.kv_a_proj.bias) for b in model.layers):
+            folded.append("latent / RoPE-key bias: kv_a_proj_with_mqa's bias (attention_bias)")
+        notes = deepseek_v3_fast_path(cfg.replace(kv_lora_rank=dc_out), cfg.kv_width) + notes
+        attention_bias = _attention_bias_needed(model, latents, low_rank_q)
         dtype = dtype or model.embed_tokens.weight.dtype
         dtype_name = str(dtype).removeprefix("torch.")
-        tensors = _stock_tensors(model, latents, q_fold, attention_bias)
+        tensors = _stock_tensors(model, latents, q_fold, attention_bias, low_rank_q)
         tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
-        config_json = deepseek_v3_config(cfg, rope_parameters, attention_bias, dtype_name)
-        write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files, {}, overwrite)
+        bad = [k for k, v in tensors.items() if not bool(torch.isfinite(v).all())]
+        if bad:
+            raise UnsupportedModelError(
+                f"the export overflows {dtype_name} in {bad[0]} ({len(bad)} tensors); export in bfloat16 or float32 "
+                "(dtype=...), or use latent_norm='fit'")
+        info = {"exact": not approximations, "latent_norm": strategy}
+        if window is not None:
+            info |= {"exact_up_to_tokens": window, "sliding_window_of_the_source": window,
+                     "note": (f"the source model attends within a sliding window of {window} tokens; this stock "
+                              f"DeepSeek-V3 model uses full attention: identical for contexts up to {window} tokens, "
+                              "different beyond")}
+        config_json = deepseek_v3_config(cfg, rope_parameters, attention_bias, dtype_name, kv_lora_rank=dc_out,
+                                         q_lora_rank=q_lora_rank, export_info=info)
         report = ExportReport(path=out_dir, latent_norm=strategy, warnings=notes,
-                              latent_rms_cv=tuple(lat.cv for lat in latents))
+                              latent_rms_cv=tuple(lat.cv for lat in latents), exact=not approximations,
+                              approximations=approximations, exact_up_to_tokens=window, kv_lora_rank=dc_out,
+                              q_lora_rank=q_lora_rank, extra_parameters=extra, folded=folded)
+        write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files,
+                             {"README.md": export_card(report)}, overwrite)
         if measure:
             if calibration is not None:
-                ids, report.measured_on = calibration[:8], "calibration"
+                ids = calibration[-tail_sequences:]
+                report.measured_on = f"the calibration tail ({ids.shape[0]} x {ids.shape[1]} tokens)"
             else:
                 t = min(64, cfg.max_position_embeddings)
                 ids = torch.randint(0, cfg.vocab_size, (4, t), generator=torch.Generator().manual_seed(0))
-                report.measured_on = "random"
-            report.max_abs_logit_diff, report.mean_kl = measure_export_error(model, out_dir, ids)
+                report.measured_on = f"random ids ({ids.shape[0]} x {ids.shape[1]} tokens)"
+            m = measure_export(model, out_dir, ids, window=window)
+            report.max_abs_logit_diff, report.mean_kl = m["max_abs_logit_diff"], m["mean_kl"]
+            report.perplexity = m["perplexity"]
+            report.max_abs_logit_diff_within_window = m.get("max_abs_logit_diff_within_window")
+            (out_dir / "README.md").write_text(export_card(report), encoding="utf-8")
     finally:
         model.train(was_training)
+    if verbose:
+        print("\n".join(report.summary()), flush=True)
     return report
+
+
+def export_card(report: ExportReport) -> str:
+    """README.md of the export: what it is, what is exact, what is not, and the measured error."""
+    lines = ["# Stock DeepSeek-V3 export (kvgraft)", "",
+             ("Loads with unmodified `transformers.AutoModelForCausalLM` (`model_type: deepseek_v3`, no remote code). "
+              "Converted from a grafted kvgraft model by `kvgraft convert --format deepseek_v3`."), "",
+             "## Exactness", ""]
+    if report.exact:
+        lines.append("**Exact**: this model computes the same function as the kvgraft model it was exported from "
+                     "(up to floating-point rounding).")
+    elif report.exact_up_to_tokens is not None:
+        lines.append(f"**Exact for contexts up to {report.exact_up_to_tokens} tokens**; approximate beyond.")
+    else:
+        lines.append("**Approximate**: the closest stock DeepSeek-V3 model; the measured cost is below.")
+    lines.append("")
+    lines += [f"- folded exactly: {f}" for f in report.folded]
+    lines += [f"- not exact: {a}" for a in report.approximations]
+    if report.max_abs_logit_diff is not None:
+        lines += ["", "## Measured", "", f"On {report.measured_on}, fp32, against the kvgraft model:", "",
+                  f"- max |logit difference|: {report.max_abs_logit_diff:.3g}",
+                  f"- mean KL(kvgraft || export): {report.mean_kl:.3g} nats per token"]
+        if report.perplexity:
+            lines.append(f"- perplexity: {report.perplexity['kvgraft']:.4g} (kvgraft) vs "
+                         f"{report.perplexity['deepseek_v3']:.4g} (this export)")
+        if report.max_abs_logit_diff_within_window is not None:
+            lines.append(f"- max |logit difference| within the first {report.exact_up_to_tokens} tokens: "
+                         f"{report.max_abs_logit_diff_within_window:.3g}")
+    if report.warnings:
+        lines += ["", "## Notes", ""] + [f"- {w}" for w in report.warnings]
+    return "\n".join(lines) + "\n"
 
 
 @torch.no_grad()
@@ -611,13 +945,7 @@ def load_stock(export_dir: str | Path, dtype: torch.dtype = torch.float32):
 
 
 @torch.no_grad()
-def measure_export_error(model: Transformer, export_dir: str | Path, ids: torch.Tensor) -> tuple[float, float]:
-    """(max |logit difference|, mean KL(ours || exported) per token) on ``ids`` (B, T), both in fp32.
-
-    The exported checkpoint is loaded with stock transformers (CPU); ``model`` runs on a float32 copy when
-    it is not float32 already.
-    """
-    stock = load_stock(export_dir)
+def _logits_pair(model: Transformer, stock, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ours = model if model.embed_tokens.weight.dtype == torch.float32 else copy.deepcopy(model).float()
     was_training = ours.training
     ours.eval()
@@ -626,19 +954,57 @@ def measure_export_error(model: Transformer, export_dir: str | Path, ids: torch.
         a = ours(ids.to(device)).double().cpu()
     finally:
         ours.train(was_training)
-    b = stock(ids.cpu()).logits.double()
+    return a, stock(ids.cpu()).logits.double()
+
+
+def _kl(a: torch.Tensor, b: torch.Tensor) -> float:
     log_p, log_q = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
-    return float((a - b).abs().max()), float(kl)
+    return float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+
+
+def _perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    if ids.shape[1] < 2:
+        return float("nan")
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return float(torch.exp(nll))
+
+
+@torch.no_grad()
+def measure_export(model: Transformer, export_dir: str | Path, ids: torch.Tensor, window: int | None = None) -> dict:
+    """max |logit diff|, mean KL(ours || exported) and both perplexities on ``ids`` (B, T), fp32; with ``window``
+    also the max |logit diff| over the first ``window`` positions (where a windowed model is exactly exported)."""
+    stock = load_stock(export_dir)
+    a, b = _logits_pair(model, stock, ids)
+    out = {"max_abs_logit_diff": float((a - b).abs().max()), "mean_kl": _kl(a, b),
+           "perplexity": {"kvgraft": _perplexity(a, ids), "deepseek_v3": _perplexity(b, ids)}}
+    if window is not None:
+        w = min(window, ids.shape[1])
+        a_w, b_w = _logits_pair(model, stock, ids[:, :w])
+        out["max_abs_logit_diff_within_window"] = float((a_w - b_w).abs().max())
+    return out
+
+
+@torch.no_grad()
+def measure_export_error(model: Transformer, export_dir: str | Path, ids: torch.Tensor) -> tuple[float, float]:
+    """(max |logit difference|, mean KL(ours || exported) per token) on ``ids`` (B, T), both in fp32.
+
+    The exported checkpoint is loaded with stock transformers (CPU); ``model`` runs on a float32 copy when
+    it is not float32 already.
+    """
+    m = measure_export(model, export_dir, ids)
+    return m["max_abs_logit_diff"], m["mean_kl"]
 
 
 __all__ = [
+    "PIN_DELTA",
     "ExportReport",
     "deepseek_v3_config",
     "deepseek_v3_fast_path",
+    "export_card",
     "export_deepseek_v3",
     "fit_latent_metric",
     "load_stock",
+    "measure_export",
     "measure_export_error",
     "stride_rope_index",
 ]
