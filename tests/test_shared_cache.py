@@ -231,3 +231,20 @@ def test_a_shared_system_prompt_is_kept_where_prompts_fork(tmp_path):
     assert 24 in kept  # the fork point
     s = e.cache_stats()
     assert s["prefix_hits"] == 2 and s["replays"] >= 1  # the third and fourth start from the system prompt
+
+
+def test_the_prefix_cache_keeps_within_its_byte_budget(setup):
+    """Kept state (ring copies, pivot inputs) stays under prefix_max_bytes: older entries are evicted, an
+    entry larger than the whole budget is not kept; a bad budget is refused before any work."""
+    base, dirs = setup
+    e = engine(base, dirs, ["dec"], prefix_cache=True, prefix_max_bytes=60_000)
+    for i in range(5):
+        e.generate([rand_prompt(30 + i, 200 + i)], SamplingParams(max_new_tokens=2), "dec")
+        assert 0 < e.cache_stats()["prefix_bytes"] <= 60_000
+    one = e.prefix._entries[next(reversed(e.prefix._entries))].nbytes
+    assert len(e.prefix) == 60_000 // one or len(e.prefix) == 60_000 // one - 1
+    tiny = engine(base, dirs, [], prefix_cache=True, prefix_max_bytes=1000)
+    tiny.generate([rand_prompt(40, 3)], SamplingParams(max_new_tokens=2))
+    assert len(tiny.prefix) == 0 and tiny.cache.free_blocks == tiny.cache.num_blocks
+    with pytest.raises(ValueError, match="prefix_max_bytes"):
+        Engine(base, prefix_cache=True, prefix_max_bytes=-1)

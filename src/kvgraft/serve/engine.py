@@ -77,7 +77,9 @@ class Engine:
     compression rate; ``num_blocks`` default: room for ``max_seqs`` full-length
     sequences); ``max_batch_tokens`` new tokens per step at most; ``max_seq_len`` (default: the model's
     ``max_position_embeddings``) bounds prompt + new tokens; ``detokenize`` turns ids into text for
-    stop strings.
+    stop strings. ``prefix_cache``: keep prompts' caches for later requests and certified adapters
+    (``kvgraft.serve.prefix``), at most ``prefix_entries`` entries and ``prefix_max_bytes`` of kept state
+    outside the pools (default: a quarter of the pools' bytes).
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         prefix_cache: bool = False,
         prefix_entries: int = 32,
+        prefix_max_bytes: int | None = None,
     ) -> None:
         config = model.config
         max_seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
@@ -101,6 +104,9 @@ class Engine:
                             ("max_seq_len", max_seq_len), ("prefix_entries", prefix_entries)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        if prefix_max_bytes is not None and (isinstance(prefix_max_bytes, bool) or not isinstance(prefix_max_bytes, int)
+                                             or prefix_max_bytes < 0):
+            raise ValueError(f"prefix_max_bytes ({prefix_max_bytes!r}) must be a non-negative integer or None")
         if num_blocks is None:
             num_blocks = max_seqs * math.ceil(max_seq_len / block_size)
         param = next(model.parameters())
@@ -117,7 +123,10 @@ class Engine:
         self.stats = {"steps": 0, "tokens": 0, "preemptions": 0, "peak_used_bytes": 0}
         self.adapters = AdapterRegistry(model)
         self.prefix_stats = {"entries": 0, "bytes": 0, "queries": 0, "hits": 0, "replays": 0, "replayed_tokens": 0}
-        self.prefix = PrefixCache(self.cache, prefix_entries, replay_span(config)) if prefix_cache else None
+        if prefix_max_bytes is None:  # kept state outside the pools: at most a quarter of the pools' size
+            prefix_max_bytes = self.cache.nbytes // 4
+        self.prefix = PrefixCache(self.cache, prefix_entries, replay_span(config), prefix_max_bytes) \
+            if prefix_cache else None
         self.replay_layer = replay_layer(config)
         self._uids: dict[str, int] = {}  # adapter name -> load identity (a reloaded name is another adapter)
         self._next_uid = 0

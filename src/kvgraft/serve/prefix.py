@@ -43,8 +43,9 @@ used: each layer's result is right from ``W - 1`` positions after its span begin
 the layer above) and reading the shared segments as they are. The reference causal encoder-decoder
 (W = 64, L = 8, p = 4): S = 253 positions through 4 layers, instead of a full prefill of every layer.
 
-Entries are evicted least-recently-used: beyond ``max_entries``, and whenever the engine needs blocks
-(before it preempts any request).
+Entries are evicted least-recently-used: beyond ``max_entries`` or ``max_bytes`` of kept state (the
+copies of window rings and kept hidden states, outside the paged pools), and whenever the engine needs
+blocks (before it preempts any request).
 """
 
 from __future__ import annotations
@@ -95,12 +96,15 @@ class PrefixEntry:
 class PrefixCache:
     """LRU entries over one :class:`PagedKVCache` (see the module docstring)."""
 
-    def __init__(self, cache: PagedKVCache, max_entries: int, span: int | None) -> None:
+    def __init__(self, cache: PagedKVCache, max_entries: int, span: int | None, max_bytes: int | None = None) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_entries ({max_entries!r}) must be a positive integer")
-        self.cache, self.max_entries, self.span = cache, max_entries, span
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ValueError(f"max_bytes ({max_bytes!r}) must be a non-negative integer or None")
+        self.cache, self.max_entries, self.span, self.max_bytes = cache, max_entries, span, max_bytes
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
         self._next = 0
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -108,7 +112,7 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the entries' copied state and kept hidden states (their blocks count in the cache)."""
-        return sum(e.nbytes for e in self._entries.values())
+        return self._bytes
 
     def match(self, prompt: list[int], owner: object, shares: bool) -> tuple[PrefixEntry, bool] | None:
         """The longest usable entry for a request (``prompt``, adapter ``owner``, its certificate's
@@ -159,13 +163,20 @@ class PrefixCache:
                    for e in self._entries.values())
 
     def insert(self, tokens: list[int], snap: CacheSnapshot, owner: object, shares: bool,
-               hidden: torch.Tensor | None) -> PrefixEntry:
+               hidden: torch.Tensor | None) -> PrefixEntry | None:
+        """Keep a snapshot (this cache now owns it); evicts the least recently used entries beyond
+        ``max_entries`` or ``max_bytes`` of kept state. None (snapshot released) if it alone exceeds
+        ``max_bytes``."""
         if snap.length != len(tokens):
             raise ValueError(f"snapshot of {snap.length} tokens for {len(tokens)} tokens")
         entry = PrefixEntry(tuple(tokens), snap, owner, shares, hidden)
+        if self.max_bytes is not None and entry.nbytes > self.max_bytes:  # would never fit: not kept
+            self.cache.release(snap)
+            return None
         self._entries[self._next] = entry
         self._next += 1
-        while len(self._entries) > self.max_entries:
+        self._bytes += entry.nbytes
+        while len(self._entries) > self.max_entries or (self.max_bytes is not None and self._bytes > self.max_bytes):
             self.evict_one()
         return entry
 
@@ -174,13 +185,17 @@ class PrefixCache:
         if not self._entries:
             return False
         _, e = self._entries.popitem(last=False)
-        self.cache.release(e.snap)
+        self._drop(e)
         return True
+
+    def _drop(self, e: PrefixEntry) -> None:
+        self.cache.release(e.snap)
+        self._bytes -= e.nbytes
 
     def drop_owner(self, owner: object) -> None:
         """Drop the entries only ``owner`` could use (an unloaded adapter's private ones)."""
         for key in [k for k, e in self._entries.items() if e.owner == owner and not e.shares]:
-            self.cache.release(self._entries.pop(key).snap)
+            self._drop(self._entries.pop(key))
 
     def clear(self) -> None:
         while self.evict_one():
