@@ -3,6 +3,10 @@
 For a few new tokens against a long cache, plain matmuls with the query heads of a group folded
 into the query axis beat ``scaled_dot_product_attention`` on the CPU (which, with ``enable_gqa``,
 expands K/V per query head); the result is the same (tested against it).
+
+The score matrix (query heads x keys, fp32) is the only large temporary of a step, so it is touched as
+few times as possible: the softmax scale multiplies the (small) query before the matmul, and the mask is
+applied in place, broadcast over the heads of a group (no repeated copy of the mask, no scaled copy).
 """
 
 from __future__ import annotations
@@ -24,11 +28,11 @@ def grouped_attention(
     B, H, T, D = q.shape
     K = k.shape[1]
     G = H // K
-    qg = q.reshape(B, K, G * T, D)  # heads of one group side by side on the query axis
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # (B, K, G*T, S)
-    if mask is not None:
-        mask = mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, G, 1)[:, None]  # (.., G*T, S)
-        scores = scores.masked_fill(~mask, float("-inf"))
+    qg = (q * scale).reshape(B, K, G * T, D)  # heads of one group side by side on the query axis
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # (B, K, G*T, S)
+    if mask is not None:  # in place, broadcast over the G heads of a group: (.., K, G, T, S)
+        blocked = ~mask if mask.dim() == 2 else (~mask)[:, None, None]
+        scores.view(B, K, G, T, -1).masked_fill_(blocked, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(p, v).view(B, K, G, T, -1).reshape(B, H, T, -1)
 
@@ -45,9 +49,9 @@ def grouped_attention_head_major(
     G, H, T, D = q.shape
     K = k.shape[0]
     R = H // K
-    qk = q.reshape(G, K, R * T, D).transpose(0, 1)  # (K, G, R*T, D)
-    scores = torch.matmul(qk, k.transpose(-1, -2)).float() * scale  # (K, G, R*T, S)
-    scores = scores.masked_fill(~mask.repeat(1, R, 1)[None], float("-inf"))
+    qk = (q * scale).reshape(G, K, R * T, D).transpose(0, 1)  # (K, G, R*T, D)
+    scores = torch.matmul(qk, k.transpose(-1, -2)).float()  # (K, G, R*T, S)
+    scores.view(K, G, R, T, -1).masked_fill_((~mask)[None, :, None], float("-inf"))  # broadcast over K, R
     p = torch.softmax(scores, dim=-1).to(v.dtype)
     y = torch.matmul(p, v)  # (K, G, R*T, Dv)
     return y.transpose(0, 1).reshape(G, K, R, T, -1).reshape(G, H, T, -1)

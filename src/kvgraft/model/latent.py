@@ -11,7 +11,15 @@ Two equivalent paths (tested to agree):
 **Weights through one door.** Every path that reads a projection's matrix directly (absorbed decode,
 folds) calls :func:`linear_weight`, which returns the weight a forward of the module would apply: a
 module may define ``effective_weight() -> (weight, bias)`` (an adapter wrapper), and a PEFT LoRA layer's
-active, unmerged deltas are added. So an adapter on q, kv_b or o is never bypassed at decode.
+active, unmerged deltas are added. So an adapter on q, kv_b or o is never bypassed at decode. Outside
+autograd the merged PEFT weight is kept on the layer and reused while the base weight, the adapter's
+factors, its scaling and the active adapters are unchanged (checked by identity and in-place version), so
+a decode step never re-merges, and a fold keyed on the weight's identity (MLA's) stays valid.
+
+**Absorbed decode is one batched matmul for the scores and one for the values, over all heads and rows**
+(no loop over heads): the query heads sit side by side on the query axis against the one shared latent
+head (G, 1, H T, d_c + d_rope) x (G, 1, d_c + d_rope, N); W_UK / W_UV are applied as batched matmuls over
+the (small) per-head queries and outputs. The softmax scale multiplies the query, not the score matrix.
 Shapes: G rows, H query heads, K window heads, T queries, S window keys, N latents.
 """
 
@@ -30,12 +38,45 @@ def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     base = getattr(module, "base_layer", None)
     if base is not None and hasattr(module, "get_delta_weight"):  # a PEFT LoRA layer
         weight, bias = linear_weight(base)
-        if not getattr(module, "disable_adapters", False) and not getattr(module, "merged", False):
-            for name in module.active_adapters:
-                if name in module.lora_A:
-                    weight = weight + module.get_delta_weight(name).to(weight.dtype)
-        return weight, bias
+        if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
+            return weight, bias
+        names = [n for n in module.active_adapters if n in module.lora_A]
+        if not names:
+            return weight, bias
+        if torch.is_grad_enabled():  # training: the merge must stay in the graph
+            return _merge_peft(module, weight, names), bias
+        key = _peft_key(module, weight, names)
+        hit = getattr(module, "_kvgraft_merged", None)
+        if hit is not None and hit[0] == key and all(a is b for a, b in zip(hit[1], _peft_tensors(module, weight, names))):
+            return hit[2], bias
+        merged = _merge_peft(module, weight, names)
+        # the tensors the key names are held, so no id in the key can be reused while the entry lives
+        module._kvgraft_merged = (key, _peft_tensors(module, weight, names), merged)
+        return merged, bias
     return module.weight, module.bias
+
+
+def _merge_peft(module: nn.Module, weight: torch.Tensor, names: list[str]) -> torch.Tensor:
+    for name in names:
+        weight = weight + module.get_delta_weight(name).to(weight.dtype)
+    return weight
+
+
+def _peft_tensors(module: nn.Module, weight: torch.Tensor, names: list[str]) -> list[torch.Tensor]:
+    out = [weight]
+    for name in names:
+        out += [module.lora_A[name].weight, module.lora_B[name].weight]
+    return out
+
+
+def _version(t: torch.Tensor) -> tuple:
+    return id(t), -1 if t.is_inference() else t._version, t.dtype, t.device
+
+
+def _peft_key(module: nn.Module, weight: torch.Tensor, names: list[str]) -> tuple:
+    scaling = getattr(module, "scaling", {})
+    return (tuple(names), tuple(scaling.get(n) for n in names),
+            tuple(_version(t) for t in _peft_tensors(module, weight, names)))
 
 
 class LatentAttention(nn.Module):
@@ -100,6 +141,7 @@ class LatentAttention(nn.Module):
         the window scores under one softmax. Window heads are read per group (the query heads of a group
         side by side on the query axis), not repeated."""
         G, H, T, _ = q.shape
+        q = q * self.scale  # the softmax scale on the (small) query, not on the score matrix
         parts = []
         if k is not None:
             K, S = k.shape[1], k.shape[2]
@@ -114,7 +156,7 @@ class LatentAttention(nn.Module):
                 s_lat = s_lat + torch.einsum("ghtn,hn->ght", q_nope, bk)[..., None]
             parts.append(s_lat)
         scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        scores = scores.float().mul_(self.scale).masked_fill_(~mask[:, None], float("-inf"))
+        scores = scores.float().masked_fill_(~mask[:, None], float("-inf"))
         p = torch.softmax(scores, dim=-1).to(q.dtype)
         y = None
         Sw = 0
