@@ -248,3 +248,28 @@ def test_the_prefix_cache_keeps_within_its_byte_budget(setup):
     assert len(tiny.prefix) == 0 and tiny.cache.free_blocks == tiny.cache.num_blocks
     with pytest.raises(ValueError, match="prefix_max_bytes"):
         Engine(base, prefix_cache=True, prefix_max_bytes=-1)
+
+
+def test_rows_of_several_adapters_prefill_and_decode_in_one_group(setup, monkeypatch):
+    """Prompts of one length for different adapters (and the base) run as one mixed group: the prefill
+    (expanded latent path, kv_b per adapter) and the decode (absorbed, base kv_b plus per-row low-rank
+    deltas) give each request its tokens alone."""
+    import kvgraft.serve.engine as engine_mod
+    from kvgraft.model.batch import MIXED
+
+    seen = []
+
+    class Spy(BatchContext):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            seen.append([(g.T, g.adapter is MIXED, g.G) for g in self.groups])
+
+    base, dirs = setup
+    route = ["dec", "late", None, "enc", "dec"]
+    prompts = [rand_prompt(37, 300 + i) for i in range(len(route))]
+    e = engine(base, dirs, max_batch_tokens=256)
+    monkeypatch.setattr(engine_mod, "BatchContext", Spy)
+    got = e.generate(prompts, SamplingParams(max_new_tokens=7), route)
+    monkeypatch.undo()
+    assert seen[0] == [(37, True, 5)] and seen[1] == [(1, True, 5)]
+    assert got == [alone(base, dirs, p, a, 7) for p, a in zip(prompts, route)]

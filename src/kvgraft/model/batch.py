@@ -137,6 +137,17 @@ class _Context:
         """Adapter -> indices of its rows' tokens on the packed token axis (adapters only, not the base)."""
         return {}
 
+    @contextmanager
+    def base_weights(self) -> Iterator[None]:
+        """Within: adapter layers act as the base (the door returns base weights), e.g. while a caller
+        adds per-row adapter deltas itself."""
+        prev = self.active_adapter
+        self.active_adapter = None
+        try:
+            yield
+        finally:
+            self.active_adapter = prev
+
     def row_adapters(self, gi: int) -> list[object]:
         """The adapter of each row of group ``gi``, in the group's row order."""
         return [self.adapter_ids[r] for r in self.groups[gi].rows]

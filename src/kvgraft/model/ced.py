@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS
+from kvgraft.model.batch import MIXED
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.latent import LatentAttention
 from kvgraft.model.norm import RMSNorm
@@ -160,16 +161,18 @@ class CEDAttention(LatentAttention):
                     smask = self._select(g.take(x), qg, shared, smask, ctx)
                 mask = torch.cat([mask, smask], dim=-1)
             absorbed = ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS and not torch.is_grad_enabled()
-            y = None
-            for _, rows in ctx.each_adapter(gi):  # kv_b is read through the door: one adapter at a time
-                if rows is None:
-                    y = self.attend(qg, k, v, shared, mask, absorbed)  # (G, H, T, dv)
-                    break
-                if y is None:
-                    y = qg.new_empty(G, self.num_heads, g.T, self.dv)
-                sub = self.attend(qg[rows], k[rows], v[rows], None if shared is None else shared[rows], mask[rows],
-                                  absorbed)
-                y.index_copy_(0, rows, sub.to(y.dtype))
+            kv_b = getattr(self, "kv_b_proj", None)
+            loras = getattr(kv_b, "loras", {})
+            if g.adapter is not MIXED or not any(a in loras for a, _ in g.adapter_rows):
+                y = self.attend(qg, k, v, shared, mask, absorbed)  # (G, H, T, dv): one kv_b for every row
+            elif absorbed:  # rows of several adapters on kv_b: the base kv_b plus each row's low-rank delta
+                with ctx.base_weights():
+                    y = self.attend(qg, k, v, shared, mask, absorbed, kv_b_delta=kv_b.row_factors(ctx.row_adapters(gi)))
+            else:  # expanded: kv_b through the door, one adapter at a time
+                y = qg.new_empty(G, self.num_heads, g.T, self.dv)
+                for _, rows in ctx.each_adapter(gi):
+                    sub = self.attend(qg[rows], k[rows], v[rows], shared[rows], mask[rows], absorbed)
+                    y.index_copy_(0, rows, sub.to(y.dtype))
             y = self.o_proj(y.transpose(1, 2).reshape(G, g.T, self.num_heads * self.dv))
             out = g.put(out if out is not None else x.new_empty(*x.shape[:2], y.shape[-1]), y)
         return out

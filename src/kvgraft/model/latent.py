@@ -112,10 +112,15 @@ class LatentAttention(nn.Module):
         latents: torch.Tensor | None,  # (G, N, >= dc + dr): latent then rotated RoPE key, or None
         mask: torch.Tensor,  # (G, T, S + N) bool, True = attend
         absorbed: bool,
+        kv_b_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """(G, H, T, dv): one softmax over [window keys ; latents]."""
+        """(G, H, T, dv): one softmax over [window keys ; latents]. ``kv_b_delta`` (absorbed only): per-row
+        LoRA factors (A (G, r, dc), B (G, H (dn + dv), r), scale folded in) added to the door's kv_b, so
+        rows of different adapters attend in one call (W_UK + B_k A and W_UV + B_v A, applied low-rank)."""
         if absorbed:
-            return self._attend_absorbed(q, k, v, latents, mask)
+            return self._attend_absorbed(q, k, v, latents, mask, kv_b_delta)
+        if kv_b_delta is not None:
+            raise ValueError("kv_b_delta is for the absorbed path")
         return self._attend_expanded(q, k, v, latents, mask)
 
     def _attend_expanded(self, q, k, v, latents, mask) -> torch.Tensor:
@@ -136,7 +141,7 @@ class LatentAttention(nn.Module):
         v_all = values[0] if len(values) == 1 else torch.cat(values, dim=2)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[:, None], scale=self.scale)
 
-    def _attend_absorbed(self, q, k, v, latents, mask) -> torch.Tensor:
+    def _attend_absorbed(self, q, k, v, latents, mask, kv_b_delta=None) -> torch.Tensor:
         """Scores against the latents directly (W_UK folded into the query, W_UV applied after), next to
         the window scores under one softmax. Window heads are read per group (the query heads of a group
         side by side on the query axis), not repeated."""
@@ -149,7 +154,13 @@ class LatentAttention(nn.Module):
         if latents is not None:
             w_uk, w_uv, bk, bv = self.split_kv_b()
             q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
-            q_lat = torch.cat([torch.matmul(q_nope, w_uk), q_rope], dim=-1)  # (G, H, T, dc + dr)
+            q_c = torch.matmul(q_nope, w_uk)  # (G, H, T, dc)
+            if kv_b_delta is not None:  # + q_nope B_k A per row: (G, H, T, dn) (G, H, dn, r) (G, 1, r, dc)
+                A, B = kv_b_delta
+                B = B.view(G, H, self.dn + self.dv, -1)
+                b_k, b_v = B[:, :, : self.dn], B[:, :, self.dn:]
+                q_c = q_c + torch.matmul(torch.matmul(q_nope, b_k.to(q.dtype)), A[:, None].to(q.dtype))
+            q_lat = torch.cat([q_c, q_rope], dim=-1)  # (G, H, T, dc + dr)
             entry = latents[:, None, :, : self.dc + self.dr]
             s_lat = torch.matmul(q_lat.reshape(G, 1, H * T, -1), entry.transpose(-1, -2)).view(G, H, T, -1)
             if bk is not None:  # the key bias adds q_nope . b_k to every latent logit of a head
@@ -168,6 +179,9 @@ class LatentAttention(nn.Module):
             c = latents[:, None, :, : self.dc]
             y_lat = torch.matmul(p_lat.reshape(G, 1, H * T, -1), c).view(G, H, T, self.dc)
             y_l = torch.matmul(y_lat, w_uv.transpose(-1, -2))
+            if kv_b_delta is not None:  # + y_lat A^T B_v^T per row
+                y_r = torch.matmul(y_lat, A[:, None].transpose(-1, -2).to(y_lat.dtype))  # (G, H, T, r)
+                y_l = y_l + torch.matmul(y_r, b_v.transpose(-1, -2).to(y_lat.dtype))
             if bv is not None:  # the value bias, weighted by the mass on latents (all of it without a window)
                 y_l = y_l + p_lat.sum(-1, keepdim=True) * bv[None, :, None, :]
             y = y_l if y is None else y + y_l

@@ -153,17 +153,16 @@ class MultiLoraLinear(nn.Module):
                 y = y.index_add(1, idx, lw.delta(x.index_select(1, idx)).to(y.dtype))
         return y
 
-    def _per_row(self, x: torch.Tensor, y: torch.Tensor, adapters: list) -> torch.Tensor:
-        """``y + delta`` for (n, T, in) ``x`` whose row i uses ``adapters[i]`` (None or one without a delta
-        here: none): the per-row A and B gathered once (zero-padded to the largest rank, which is exact;
-        cached while the rows' adapters stay the same), then two batched matmuls for all rows (Punica's
-        gathered matmul in plain PyTorch)."""
+    def row_factors(self, adapters: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-row LoRA factors for rows using ``adapters``: A (n, r, in) and B (n, out, r) with each
+        adapter's scale folded into B (zero rows for the base or an adapter without a delta here; ranks
+        zero-padded to the largest); None when no row has a delta. Cached while the rows keep their adapters."""
         lws = tuple(self.loras.get(a) if a is not None else None for a in adapters)
         if self._stack is None or len(self._stack[0]) != len(lws) or any(
                 p is not q for p, q in zip(self._stack[0], lws)):
             live = [lw for lw in lws if lw is not None]
             if not live:
-                return y
+                return None
             r = max(lw.A.shape[0] for lw in live)
             A = live[0].A.new_zeros(len(lws), r, self.in_features)
             B = live[0].B.new_zeros(len(lws), self.out_features, r)
@@ -172,7 +171,17 @@ class MultiLoraLinear(nn.Module):
                     A[i, : lw.A.shape[0]] = lw.A
                     B[i, :, : lw.B.shape[1]] = lw.B * lw.scale
             self._stack = (lws, A, B)
-        _, A, B = self._stack
+        return self._stack[1], self._stack[2]
+
+    def _per_row(self, x: torch.Tensor, y: torch.Tensor, adapters: list) -> torch.Tensor:
+        """``y + delta`` for (n, T, in) ``x`` whose row i uses ``adapters[i]`` (None or one without a delta
+        here: none): the per-row A and B gathered once (zero-padded to the largest rank, which is exact;
+        cached while the rows' adapters stay the same), then two batched matmuls for all rows (Punica's
+        gathered matmul in plain PyTorch)."""
+        factors = self.row_factors(adapters)
+        if factors is None:
+            return y
+        A, B = factors
         delta = torch.bmm(torch.bmm(x.to(A.dtype), A.transpose(1, 2)), B.transpose(1, 2))
         return y + delta.to(y.dtype)
 
