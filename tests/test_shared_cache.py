@@ -273,3 +273,32 @@ def test_rows_of_several_adapters_prefill_and_decode_in_one_group(setup, monkeyp
     monkeypatch.undo()
     assert seen[0] == [(37, True, 5)] and seen[1] == [(1, True, 5)]
     assert got == [alone(base, dirs, p, a, 7) for p, a in zip(prompts, route)]
+
+
+def test_shared_bytes_counts_blocks_held_more_than_once(setup):
+    """The running count behind cache.shared_bytes equals a scan of the reference counts through forks,
+    snapshots, copy on write and frees."""
+    base, _ = setup
+    e = Engine(base, max_seqs=4, max_batch_tokens=64)
+    c = e.cache
+
+    def scan():
+        return sum(1 for b in range(c.num_blocks) if c.refcount(b) > 1) * c.block_bytes
+
+    a = c.add_sequence()
+    c.extend(a, 40)
+    c.commit(a, 40)
+    assert c.shared_bytes == scan() == 0
+    b = c.fork(a)
+    snap = c.snapshot(a)
+    assert c.shared_bytes == scan() == 3 * c.block_bytes
+    c.extend(b, 1)  # copy on write of the last, partly filled block
+    assert c.shared_bytes == scan() == 3 * c.block_bytes  # still held by a and the snapshot
+    r = c.restore(snap)
+    c.free(a)
+    assert c.shared_bytes == scan()
+    c.release(snap)
+    c.free(r)
+    assert c.shared_bytes == scan() == 0
+    c.free(b)
+    assert c.free_blocks == c.num_blocks

@@ -154,6 +154,7 @@ class PagedKVCache:
         self.rings = {layer: zeros(max_seqs, self.ring_len, w) for layer, w in layout.rings.items()}
         self.pending = {s: zeros(max_seqs, m - 1, w) for s, w in layout.pending.items()}
         self._refcount = [0] * num_blocks
+        self._multi = 0  # blocks held more than once
         self._free_blocks: deque[int] = deque(range(num_blocks))
         self._free_slots: deque[int] = deque(range(max_seqs))
         self._seqs: dict[int, _Sequence] = {}
@@ -183,7 +184,7 @@ class PagedKVCache:
         c = self._seqs[child]
         c.blocks, c.length = list(src.blocks), src.length
         for b in src.blocks:
-            self._refcount[b] += 1
+            self._incref(b)
         for pools in (self.rings, self.pending):
             for t in pools.values():
                 t[c.slot] = t[src.slot]
@@ -194,7 +195,7 @@ class PagedKVCache:
         held block copies it first) and copy its per-sequence state."""
         s = self._get(seq)
         for b in s.blocks:
-            self._refcount[b] += 1
+            self._incref(b)
         n = min(s.length, self.ring_len)  # ring slots written so far (all once the context reaches W)
         state = {("ring", layer): t[s.slot, :n].clone() for layer, t in self.rings.items()}
         state.update({("pending", layer): t[s.slot].clone() for layer, t in self.pending.items()})
@@ -209,7 +210,7 @@ class PagedKVCache:
         s = self._seqs[seq]
         s.blocks, s.length = list(snap.blocks), snap.length
         for b in snap.blocks:
-            self._refcount[b] += 1
+            self._incref(b)
         for (kind, layer), t in snap.state.items():  # (a ring of a short context: its written slots)
             (self.rings if kind == "ring" else self.pending)[layer][s.slot, : t.shape[0]] = t
         return seq
@@ -316,7 +317,7 @@ class PagedKVCache:
     @property
     def shared_bytes(self) -> int:
         """Bytes of blocks held more than once (by several sequences or snapshots), each counted once."""
-        return sum(1 for r in self._refcount if r > 1) * self.block_bytes
+        return self._multi * self.block_bytes
 
     @property
     def free_bytes(self) -> int:
@@ -344,8 +345,15 @@ class PagedKVCache:
         self._refcount[b] = 1
         return b
 
+    def _incref(self, b: int) -> None:
+        if self._refcount[b] == 1:
+            self._multi += 1
+        self._refcount[b] += 1
+
     def _release(self, b: int) -> None:
         self._refcount[b] -= 1
+        if self._refcount[b] == 1:
+            self._multi -= 1
         if self._refcount[b] == 0:
             self._free_blocks.append(b)
 
