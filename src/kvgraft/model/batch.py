@@ -81,6 +81,7 @@ class Group:
     max_end: int = 0  # max over rows of start + T
     adapter: object = None  # the adapter of every row of the group (None: the base model), or MIXED
     adapter_rows: tuple = ()  # MIXED groups: ((adapter, row indices within the group (tensor)), ...)
+    run: int | None = None  # one row whose blocks are consecutive (first block id): read as a view, no copy
 
     @property
     def G(self) -> int:
@@ -202,8 +203,10 @@ class BatchContext(_Context):
 
     ``seqs[r]`` adds ``new_tokens[r]`` tokens (packed in row order on the token axis); construction
     reserves their blocks (copy on write included) and :meth:`commit` records them after the forward.
-    ``adapter_ids[r]`` names the row's adapter (None: the base model); rows are grouped by (new tokens,
-    adapter), and adapter layers read the rows of each adapter through :meth:`adapter_tokens` / the group.
+    ``adapter_ids[r]`` names the row's adapter (None: the base model); rows are grouped by new tokens (and
+    by adapter on MLA models), and adapter layers read each row's adapter through :meth:`adapter_tokens`,
+    :meth:`row_adapters` or the group. A group of one row whose blocks are consecutive reads its pools as
+    views (no copy; ``views``).
 
     ``replay=True``: the rows' ``new_tokens`` are the *last* tokens each sequence already holds, run again
     through some layers (``Transformer.replay``) to rebuild their window rings, e.g. for another adapter:
@@ -211,6 +214,8 @@ class BatchContext(_Context):
     written, nothing is reserved or committed. ``capture_layer``: the forward keeps the hidden state
     entering that layer (packed, (1, N, h)) in ``captured``.
     """
+
+    views = True  # read a single row's consecutive blocks as a view of the pool (False: always gather)
 
     def __init__(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[int],
                  adapter_ids: list[object] | None = None, *, replay: bool = False,
@@ -270,11 +275,14 @@ class BatchContext(_Context):
             nb = -(-max(ends) // bs)
             tables = [cache.block_table(seqs[r])[:nb] for r in rows]
             table = torch.tensor([tb + [0] * (nb - len(tb)) for tb in tables], dtype=torch.long, device=dev)
+            tb = tables[0]
+            run = tb[0] if self.views and len(rows) == 1 and len(tb) == nb and tb == list(range(tb[0], tb[0] + nb)) \
+                else None
             tok = torch.cat([torch.arange(offsets[r], offsets[r] + t) for r in rows]).to(dev)
             qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None]
             self.groups.append(Group(rows, t, qpos, tok, torch.tensor(starts, device=dev), table,
                                      torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev), max(ends),
-                                     adapter, adapter_rows))
+                                     adapter, adapter_rows, run))
 
     def adapter_tokens(self) -> dict[object, torch.Tensor]:
         """Adapter -> indices (on the packed token axis) of the tokens of its rows; the base is left out."""
@@ -314,7 +322,11 @@ class BatchContext(_Context):
             flat = (g.table.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
             src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
             pool.view(H2, -1, d).index_copy_(1, flat, src)
-            keys = pool[:, g.table].view(H2, g.G, -1, d)[:, :, : g.max_end]
+            if g.run is not None:  # one row in consecutive blocks: a view of the pool
+                nb = g.table.shape[1]
+                keys = pool[:, g.run:g.run + nb].reshape(H2, 1, nb * bs, d)[:, :, : g.max_end]
+            else:
+                keys = pool[:, g.table].view(H2, g.G, -1, d)[:, :, : g.max_end]
             out = (keys, torch.arange(g.max_end, device=keys.device).expand(g.G, -1))
         elif layer in c.paged:
             pool = c.paged[layer]
@@ -322,7 +334,10 @@ class BatchContext(_Context):
             pos = g.qpos  # (G, T)
             flat = g.table.gather(1, pos // bs) * bs + pos % bs
             pool.view(-1, pool.shape[-1]).index_copy_(0, flat.reshape(-1), entries.reshape(-1, entries.shape[-1]).to(pool.dtype))
-            keys = pool[g.table].view(g.G, -1, pool.shape[-1])[:, : g.max_end]
+            if g.run is not None:
+                keys = pool[g.run:g.run + g.table.shape[1]].reshape(1, -1, pool.shape[-1])[:, : g.max_end]
+            else:
+                keys = pool[g.table].view(g.G, -1, pool.shape[-1])[:, : g.max_end]
             kpos = torch.arange(g.max_end, device=keys.device).expand(g.G, -1)
             out = (keys, kpos)
         else:  # a ring of the last W tokens: [ring as it was ; new tokens], then the ring is updated
@@ -387,7 +402,10 @@ class BatchContext(_Context):
             m = c.layout.compress_rate
             seg = c.segments[source]
             N = g.max_end // m
-            entries = seg[g.table].view(g.G, -1, seg.shape[-1])[:, :N]
+            if g.run is not None:
+                entries = seg[g.run:g.run + g.table.shape[1]].reshape(1, -1, seg.shape[-1])[:, :N]
+            else:
+                entries = seg[g.table].view(g.G, -1, seg.shape[-1])[:, :N]
             first = (torch.arange(N, device=entries.device) * m).expand(g.G, -1)
             self.scratch[key] = (entries, first)
         return self.scratch[key]
