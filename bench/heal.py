@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -52,8 +53,14 @@ def main() -> None:
     record = original_training(src)
     pre_tokens = record["tokens_seen"]
     converted = out / "mla-4x"
+    convert_record = None
     if not converted.exists():
-        convert(src, converted, compression=4.0)  # the convert defaults
+        t0 = time.perf_counter()
+        convert_record = convert(src, converted, compression=4.0, progress=False)  # the convert defaults
+        print(f"converted at the defaults in {time.perf_counter() - t0:.1f} s wall "
+              f"(graft {convert_record['seconds']['convert']:.1f} s; ranks d_c "
+              f"{convert_record['graft']['kv_lora_rank']}, d_rope {convert_record['graft']['qk_rope_head_dim']}, "
+              f"rope selection {convert_record['graft']['rope_selection']})", flush=True)
     original = load_pretrained(src, dtype=torch.float32)
     seq = original.config.max_position_embeddings
     val = PackedDataset(Path(args.data) / "tokens" / "validation.npy", seq)
@@ -75,7 +82,8 @@ def main() -> None:
         curves[name] = [(0, first)] + [(r["tokens"], math.exp(r["val_loss"])) for r in rows if "val_loss" in r]
     target = 1.02 * math.exp(base_loss)
     summary = {"original_val_ppl": math.exp(base_loss), "one_shot_val_ppl": math.exp(one_shot),
-               "pretraining_tokens": pre_tokens, "fraction_budget": args.fraction, "variants": {}}
+               "pretraining_tokens": pre_tokens, "fraction_budget": args.fraction,
+               "graft": json.loads((converted / "conversion.json").read_text()).get("graft"), "variants": {}}
     print(f"\n{'variant':<20} {'final ppl':>10} {'vs original':>12} {'tokens to within 2%':>24}")
     print("(ppl of the original before healing; the control shows what the same tokens do to it)")
     for name, pts in curves.items():

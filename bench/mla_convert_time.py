@@ -1,7 +1,13 @@
 """Conversion time per million parameters: the reference model and a random model of 1B-parameter shape.
 
     .venv/bin/python bench/mla_convert_time.py [--big-layers 16]
+    .venv/bin/python bench/mla_convert_time.py --objectives default --calibration-tokens 32768  # convert's defaults
 
+Objective "default" is what ``kvgraft convert`` runs with no flags (attention-aware, layer-wise, RoPE
+expectation, rope selection "norm", 4x, ranks from ``default_ranks``); the others use the older fixed
+ranks (d_rope = head_dim/2). Each row splits the time into the graft's phases (``graft_mla(timings=)``):
+statistics and propagation scale with calibration tokens x parameters (forward work), factorisation
+with layers x the per-layer fp64 matrix sizes only.
 The 1B shape is Llama-3.2-1B-like (hidden 2048, 32 query / 8 KV heads of 64, SwiGLU 8192, vocab 32000)
 with random weights: conversion cost depends on shapes, not on what the weights learned. Each
 objective is timed on both models in one run; calibration is the same number of tokens for both.
@@ -15,14 +21,13 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_shapes import random_model
+
 from kvgraft.graft.mla import GraftConfig, graft_mla
+from kvgraft.graft.ranks import default_ranks
 from kvgraft.hf import load_pretrained
 from kvgraft.model import Transformer
 from kvgraft.reference import resolve_model
-
-
 
 
 def time_conversions(model: Transformer, calib: torch.Tensor, objectives: list[str], label: str) -> list[dict]:
@@ -32,16 +37,24 @@ def time_conversions(model: Transformer, calib: torch.Tensor, objectives: list[s
     d_c = cfg.kv_width // 4 - d_rope  # 4x compression
     rows = []
     for objective in objectives:
-        g = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
-                        layerwise=objective != "weights")
+        if objective == "default":
+            ranks = default_ranks(cfg, compression=4.0)
+            g = GraftConfig(kv_lora_rank=ranks.kv_lora_rank, qk_rope_head_dim=ranks.qk_rope_head_dim,
+                            objective="attention", rope_selection="norm", layerwise=True, rope_expectation=True)
+        else:
+            g = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
+                            layerwise=objective != "weights")
+        timings: dict = {}
         t0 = time.perf_counter()
-        graft_mla(model, g, None if objective == "weights" else calib, progress=False)
+        graft_mla(model, g, None if objective == "weights" else calib, progress=False, timings=timings)
         seconds = time.perf_counter() - t0
         rows.append({"model": label, "params": params, "objective": objective, "seconds": seconds,
-                     "seconds_per_million_params": seconds / (params / 1e6),
+                     "seconds_per_million_params": seconds / (params / 1e6), "phases": timings,
+                     "kv_lora_rank": g.kv_lora_rank, "rope_dim": g.qk_rope_head_dim,
                      "calibration_tokens": 0 if objective == "weights" else calib.numel()})
         print(f"{label:<24} {params / 1e6:8.1f}M params  {objective:<12} {seconds:8.1f} s  "
-              f"{seconds / (params / 1e6) * 1e3:8.2f} ms per M params", flush=True)
+              f"{seconds / (params / 1e6) * 1e3:8.2f} ms per M params  (" +
+              ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()) + ")", flush=True)
     return rows
 
 
@@ -50,7 +63,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--big-layers", type=int, default=16, help="layers of the 1B-shape model (16 -> 1.1B)")
     ap.add_argument("--calibration-tokens", type=int, default=1024)
-    ap.add_argument("--objectives", nargs="+", default=["weights", "activations", "attention"])
+    ap.add_argument("--objectives", nargs="+", default=["weights", "activations", "attention"],
+                    choices=["weights", "activations", "attention", "default"])
+    ap.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (convert uses 512)")
     ap.add_argument("--out", default="runs/bench/mla_convert_time")
     ap.add_argument("--only", choices=["reference", "big"], default=None, help="time just one of the two models")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -59,7 +74,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = []
-    seq = 256
+    seq = args.seq_len
     n = max(1, args.calibration_tokens // seq)
     print(f"torch threads {torch.get_num_threads()}; calibration {n * seq} tokens")
     if args.only != "big":

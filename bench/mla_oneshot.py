@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=32768)
     ap.add_argument("--calibration-tokens", type=int, default=32768)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--shrinkage", type=float, default=None,
+                    help="GraftConfig.calibration_shrinkage (default: GraftConfig's, 0.5; the table in RESULTS.md "
+                         "before 2026-12-01 used 0)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -75,8 +78,9 @@ def main() -> None:
                 continue
             for name in args.methods:
                 objective, selection, layerwise, expectation = METHODS[name]
+                extra = {} if args.shrinkage is None else {"calibration_shrinkage": args.shrinkage}
                 g = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
-                                rope_selection=selection, layerwise=layerwise, rope_expectation=expectation)
+                                rope_selection=selection, layerwise=layerwise, rope_expectation=expectation, **extra)
                 t0 = time.perf_counter()
                 new = graft_mla(model, g, calib, progress=False)
                 seconds = time.perf_counter() - t0

@@ -11,18 +11,25 @@ converted layers 0..l-1 produce, so each layer corrects for the error of those b
 from __future__ import annotations
 
 import dataclasses
-
+import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from kvgraft.graft.mla_math import GQAWeights, convert_layer, head_rotations, pair_scores, shared_rope_pairs
+from kvgraft.graft.mla_math import (
+    GQAWeights,
+    convert_layer,
+    head_rotations,
+    pair_scores,
+    shared_rope_pairs,
+)
 from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.batch import DenseContext
 
 OBJECTIVES = ("weights", "activations", "attention")
-ROPE_SELECTIONS = ("stride", "norm", "shared")
+ROPE_SELECTIONS = ("stride", "norm", "shared", "prefix")
 QK_NORMS = ("keep", "linearise")
 
 
@@ -34,7 +41,9 @@ class GraftConfig:
     qk_rope_head_dim: int
     objective: str = "activations"  # weights | activations | attention
     # stride (stock DeepSeek-V3 exportable) | norm (per layer, kvgraft format) | shared (by measured
-    # contribution, one frequency layout for all layers: what a causal encoder-decoder needs)
+    # contribution, one frequency layout for all layers: what a causal encoder-decoder needs) | prefix (the
+    # principal rotated head at the d_rope/2 fastest frequencies; stock DeepSeek-V3 could hold it with
+    # rope_theta^(d_rope/head_dim), which the exporter does not write yet)
     rope_selection: str = "stride"
     layerwise: bool = True  # calibrate each layer on the converted layers' activations
     balance_kv: bool = True
@@ -46,6 +55,11 @@ class GraftConfig:
     # linear latent can reproduce it); "keep" keeps the query norm (q_norm + a per-head map q_mix),
     # "linearise" fits it too, so the result has no norms inside attention (what the share graft needs).
     qk_norm: str = "keep"
+    # Shrink each layer's calibration second moment toward the weights-only fit's isotropic one,
+    # C <- (1 - s) C + s (tr C / h) I, before the factorisation (0: the calibrated fit as measured,
+    # 1: weights only in the activations' scale). Guards the fit against text unlike the calibration's;
+    # 0.5 measured best on held-out and out-of-domain text, both formats (bench/mla_ood.py, RESULTS.md).
+    calibration_shrinkage: float = 0.5
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank <= 0:
@@ -58,6 +72,9 @@ class GraftConfig:
             raise ValueError(f"rope_selection {self.rope_selection!r} is not one of {', '.join(ROPE_SELECTIONS)}")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
+        s = self.calibration_shrinkage
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
+            raise ValueError(f"calibration_shrinkage ({s!r}) must be a number in [0, 1]")
 
     def check_against(self, config: ModelConfig) -> None:
         """Raise ValueError naming the value when this graft cannot apply to ``config``."""
@@ -114,14 +131,27 @@ def graft_mla(
     calibration: torch.Tensor | None = None,  # (N, T) token ids; needed unless objective == "weights"
     batch_size: int = 8,
     progress: bool = True,
+    timings: dict | None = None,
 ) -> Transformer:
-    """Return a new model with the chosen layers converted to MLA (``model`` is left untouched)."""
+    """Return a new model with the chosen layers converted to MLA (``model`` is left untouched).
+
+    ``timings``: a dict that receives the seconds spent in each phase: "statistics" (calibration second
+    moments, attention-distance profiles, RoPE pair scores: forward work over the calibration tokens),
+    "factorisation" (the per-layer fp64 math of ``convert_layer``, independent of the number of calibration
+    tokens) and "propagation" (running the converted layers, and the original ones unless layer-wise, over
+    the calibration tokens). On a CUDA model the per-layer math runs on its GPU (fp64), else on the CPU.
+    """
+    clock = timings if timings is not None else {}
+    for key in ("statistics", "factorisation", "propagation"):
+        clock.setdefault(key, 0.0)
     config = model.config
     g.check_against(config)
     if g.objective != "weights" and calibration is None:
         raise ValueError(f"objective {g.objective!r} needs calibration tokens (or use objective='weights')")
     layers = set(g.layers if g.layers is not None else range(config.num_layers))
     device = model.embed_tokens.weight.device
+    # the per-layer fp64 math runs where the model is when that is an accelerator, else on the CPU
+    math_device = device if device.type == "cuda" else None
     converted: dict[int, object] = {}
     rope_index: dict[int, tuple[int, ...]] = {}
 
@@ -136,12 +166,15 @@ def graft_mla(
 
     shared_pairs: dict[int, list[tuple[int, int]]] = {}
     if g.rope_selection == "shared":
+        t0 = time.perf_counter()
         shared_pairs = _shared_pairs(model, g, sorted(layers), calibration, batch_size, progress)
+        clock["statistics"] += time.perf_counter() - t0
 
     bar = tqdm(range(config.num_layers), desc="graft MLA", unit="layer", disable=not progress)
     for layer in bar:
         block = model.layers[layer]
         C = None
+        t0 = time.perf_counter()
         if calibration is not None:
             source = x_new if g.layerwise else x_orig
             C = _second_moment(block.input_layernorm, source, batch_size)
@@ -163,18 +196,36 @@ def graft_mla(
             if g.rope_expectation and calibration is not None:
                 profile = _distance_profile(block, source, cos, sin, batch_size)
                 expectation = rope_expectation(profile, model.rotary.inv_freq.double().cpu())
-            mla = convert_layer(
-                weights, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                head_dim=config.head_dim, kv_lora_rank=g.kv_lora_rank, d_rope=g.qk_rope_head_dim, C=C,
-                objective=g.objective, rope_selection=g.rope_selection, balance_kv=g.balance_kv,
-                rope_attention_scaling=model.rotary.attention_scaling, q_norm_weight=q_norm,
-                rope_expectation=expectation, pairs=shared_pairs.get(layer),
-            )
+            t1 = time.perf_counter()
+            clock["statistics"] += t1 - t0
+            layer_args = {
+                "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
+                "head_dim": config.head_dim, "kv_lora_rank": g.kv_lora_rank, "d_rope": g.qk_rope_head_dim,
+                "C": shrink_second_moment(C, g.calibration_shrinkage),
+                "objective": g.objective, "rope_selection": g.rope_selection, "balance_kv": g.balance_kv,
+                "rope_attention_scaling": model.rotary.attention_scaling, "q_norm_weight": q_norm,
+                "rope_expectation": expectation, "pairs": shared_pairs.get(layer),
+            }
+            mla = None
+            if math_device is not None:  # fp64 on the GPU: the O(rows x h^2) products and the eigh take seconds there
+                try:
+                    mla = convert_layer(weights, device=math_device, **layer_args)
+                except RuntimeError as exc:  # e.g. no fp64 solver on this device: the CPU path always works
+                    warnings.warn(f"layer {layer}: the factorisation failed on {math_device} ({exc}); "
+                                  "running it on the CPU", stacklevel=2)
+                    math_device = None
+            if mla is None:
+                mla = convert_layer(weights, **layer_args)
             converted[layer] = mla
             rope_index[layer] = mla.rope_freq_index
+            clock["factorisation"] += time.perf_counter() - t1
+        else:
+            clock["statistics"] += time.perf_counter() - t0
+        t2 = time.perf_counter()
         if calibration is not None:
-            # advance both streams one layer; the converted stream uses a one-layer MLA stand-in
-            x_orig_next = _run_block(block, x_orig, cos, sin, config, layer, batch_size)
+            # advance the stream(s) one layer; the converted stream uses a one-layer MLA stand-in. Layer-wise
+            # calibration reads only the converted stream, so the original one is not run then.
+            x_orig_next = None if g.layerwise else _run_block(block, x_orig, cos, sin, config, layer, batch_size)
             if g.layerwise and layer in layers:
                 tmp_cfg = mla_model_config(config, GraftConfig(
                     g.kv_lora_rank, g.qk_rope_head_dim, layers=(layer,), qk_norm=g.qk_norm),
@@ -186,6 +237,7 @@ def graft_mla(
             else:
                 x_new = x_orig_next
             x_orig = x_orig_next
+        clock["propagation"] += time.perf_counter() - t2
     new_config = mla_model_config(config, g, rope_index)
     new = Transformer(new_config).to(device)
     state = {k: v for k, v in model.state_dict().items()}
@@ -228,10 +280,21 @@ def _shared_pairs(model: Transformer, g: GraftConfig, layers: list[int], calibra
             if g.rope_expectation:
                 profile = _distance_profile(block, x, cos, sin, batch_size)
                 expectation = rope_expectation(profile, model.rotary.inv_freq.double().cpu())
-            scores[layer] = pair_scores(w, C, head_rotations(w.k, C, K, d), H, K, d, expectation)
+            Cs = shrink_second_moment(C, g.calibration_shrinkage)
+            scores[layer] = pair_scores(w, Cs, head_rotations(w.k, Cs, K, d), H, K, d, expectation)
         x = _run_block(block, x, cos, sin, config, layer, batch_size)
     chosen = shared_rope_pairs([scores[layer] for layer in layers], g.qk_rope_head_dim)
     return dict(zip(layers, chosen))
+
+
+def shrink_second_moment(C: torch.Tensor | None, shrinkage: float) -> torch.Tensor | None:
+    """``(1 - s) C + s (tr C / h) I``: the calibrated second moment pulled toward the isotropic one of the
+    weights-only fit, at the same total energy (``s = 0`` returns ``C`` itself)."""
+    if C is None or not shrinkage:
+        return C
+    h = C.shape[0]
+    iso = torch.eye(h, dtype=C.dtype, device=C.device) * (torch.diagonal(C).sum() / h)
+    return (1.0 - shrinkage) * C + shrinkage * iso
 
 
 def _second_moment(norm, x: torch.Tensor, batch_size: int) -> torch.Tensor:

@@ -64,50 +64,60 @@ def _pair_rows(head: int, f: int, d: int) -> list[int]:
     return [head * d + f, head * d + f + d // 2]
 
 
-def head_rotations(w_k: Tensor, C: Tensor, num_kv_heads: int, d: int) -> Tensor:
+def head_rotations(w_k: Tensor, C: Tensor, num_kv_heads: int, d: int, w_kC: Tensor | None = None) -> Tensor:
     """(d/2, K, K) orthogonal U_f, rows sorted by decreasing key energy at frequency f.
 
     Energy of a head combination u at frequency f: sum over the pair's two coordinates of
     E[(u . k_f)^2] = u^T G_f u with G_f[j, j'] = sum_c W_{j,f,c} C W_{j',f,c}^T.
+    ``w_kC``: ``w_k @ C`` when the caller has it (one h x h product per layer instead of one per frequency).
     """
     K = num_kv_heads
-    U = torch.empty(d // 2, K, K, dtype=w_k.dtype)
+    if w_kC is None:
+        w_kC = w_k @ C
+    U = torch.empty(d // 2, K, K, dtype=w_k.dtype, device=w_k.device)
     for f in range(d // 2):
-        first = w_k[[j * d + f for j in range(K)]]  # (K, h)
-        second = w_k[[j * d + f + d // 2 for j in range(K)]]
-        G = first @ C @ first.T + second @ C @ second.T  # (K, K)
-        evals, evecs = torch.linalg.eigh(G)
+        first = [j * d + f for j in range(K)]
+        second = [j * d + f + d // 2 for j in range(K)]
+        G = w_kC[first] @ w_k[first].T + w_kC[second] @ w_k[second].T  # (K, K)
+        evals, evecs = torch.linalg.eigh((G + G.T) / 2)
         U[f] = evecs[:, evals.argsort(descending=True)].T
     return U
 
 
 def pair_scores(
     w: GQAWeights, C: Tensor, U: Tensor, num_heads: int, num_kv_heads: int, d: int,
-    rope_expectation: Tensor | None = None,
+    rope_expectation: Tensor | None = None, w_qC: Tensor | None = None, w_kC: Tensor | None = None,
 ) -> Tensor:
     """(K, d/2) contribution of each rotated (m, f) pair: sqrt E|q'|^2 * sqrt E|k'|^2 summed over heads.
 
     The 2-norm criterion of MHA2MLA, applied after the head rotation. With ``rope_expectation`` each
     frequency is weighted by what replacing its rotation R by E[R] loses, sqrt(1 - c^2 - s^2)
     (E||R - E[R]||_F^2 = 2 (1 - c^2 - s^2)): slow frequencies barely rotate over the distances
-    attention uses, so they can give up RoPE cheaply.
+    attention uses, so they can give up RoPE cheaply. ``w_qC``/``w_kC``: ``w.q @ C``/``w.k @ C`` when the
+    caller has them.
     """
     K, H = num_kv_heads, num_heads
     group, half = H // K, d // 2
 
-    def pair_norms(rows: Tensor) -> Tensor:  # (heads*d, h) -> (heads, d/2): sqrt E|pair|^2
-        energy = ((rows @ C) * rows).sum(-1).clamp_min(0).view(-1, d)
+    def pair_norms(rows: Tensor, rowsC: Tensor) -> Tensor:  # (heads*d, h) -> (heads, d/2): sqrt E|pair|^2
+        energy = (rowsC * rows).sum(-1).clamp_min(0).view(-1, d)
         return (energy[:, :half] + energy[:, half:]).sqrt()
 
-    q_norms = pair_norms(w.q)  # (H, d/2)
-    k_heads = w.k.view(K, 2, half, -1)  # (K, coordinate, f, h) in the rotate-half layout
-    rot_k = torch.einsum("fmj,jcfh->mcfh", U, k_heads).reshape(K * d, -1)  # rows of the rotated heads
-    k_norms = pair_norms(rot_k)  # (K, d/2): energy of rotated head m at frequency f
+    if w_qC is None:
+        w_qC = w.q @ C
+    if w_kC is None:
+        w_kC = w.k @ C
+    q_norms = pair_norms(w.q, w_qC)  # (H, d/2)
+
+    def rotate(rows: Tensor) -> Tensor:  # rows of the rotated heads, (K*d, h); (K, coordinate, f, h) layout
+        return torch.einsum("fmj,jcfh->mcfh", U, rows.reshape(K, 2, half, -1)).reshape(K * d, -1)
+
+    k_norms = pair_norms(rotate(w.k), rotate(w_kC))  # (K, d/2): energy of rotated head m at frequency f
     # |U_f[m, g(i)]| * |q_i,f| summed over the query heads i, per (m, f)
-    coef = U.abs()[:, :, torch.arange(H) // group]  # (d/2, K, H)
+    coef = U.abs()[:, :, torch.arange(H, device=U.device) // group]  # (d/2, K, H)
     score = torch.einsum("fmi,if->mf", coef, q_norms) * k_norms
     if rope_expectation is not None:
-        spread = (1 - rope_expectation.to(score.dtype).pow(2).sum(-1)).clamp_min(0).sqrt()  # (d/2,)
+        spread = (1 - rope_expectation.to(device=score.device, dtype=score.dtype).pow(2).sum(-1)).clamp_min(0).sqrt()  # (d/2,)
         score = score * spread[None, :]
     return score
 
@@ -116,7 +126,8 @@ def choose_rope_pairs(kind: str, d_rope: int, num_kv_heads: int, d: int, scores:
     """The kept (m, f) pairs, ordered as the RoPE key's pairs.
 
     "stride": the principal rotated head at every (d/d_rope)-th frequency -- DeepSeek's own frequency
-    layout, so the result exports to stock DeepSeek-V3 (d_rope <= d). "norm": the d_rope/2 pairs with
+    layout, so the result exports to stock DeepSeek-V3 (d_rope <= d). "prefix": the principal rotated head at
+    the d_rope/2 fastest frequencies (stock DeepSeek-V3 with rope_theta^(d_rope/d)). "norm": the d_rope/2 pairs with
     the largest measured contribution, from any rotated head (kvgraft format).
     """
     n = d_rope // 2
@@ -124,6 +135,12 @@ def choose_rope_pairs(kind: str, d_rope: int, num_kv_heads: int, d: int, scores:
         if d_rope > d or d % d_rope:
             raise ValueError(f"rope selection 'stride' needs d_rope ({d_rope}) to divide head_dim ({d})")
         return [(0, f) for f in range(0, d // 2, d // d_rope)]
+    if kind == "prefix":
+        # the principal rotated head at the d_rope/2 fastest frequencies: pair j rotates at theta^(-2j/d), which
+        # stock DeepSeek-V3 computes as theta'^(-2j/d_rope) with rope_theta' = theta^(d_rope/d) (default RoPE)
+        if d_rope > d:
+            raise ValueError(f"rope selection 'prefix' needs d_rope ({d_rope}) <= head_dim ({d})")
+        return [(0, f) for f in range(n)]
     if kind == "norm":
         if scores is None:
             raise ValueError("rope selection 'norm' needs pair scores")
@@ -132,7 +149,7 @@ def choose_rope_pairs(kind: str, d_rope: int, num_kv_heads: int, d: int, scores:
         flat = scores.flatten().argsort(descending=True)[:n]
         pairs = [(int(i) // (d // 2), int(i) % (d // 2)) for i in flat]
         return sorted(pairs, key=lambda p: (p[1], p[0]))
-    raise ValueError(f"unknown rope selection {kind!r}; expected 'stride' or 'norm'")
+    raise ValueError(f"unknown rope selection {kind!r}; expected 'stride', 'prefix' or 'norm'")
 
 
 def shared_rope_pairs(scores: list[Tensor], d_rope: int) -> list[list[tuple[int, int]]]:
@@ -178,6 +195,7 @@ def convert_layer(
     q_norm_weight: Tensor | None = None,
     rope_expectation: Tensor | None = None,
     pairs: list[tuple[int, int]] | None = None,
+    device: str | torch.device | None = None,
 ) -> MLAWeights:
     """Convert one GQA layer to MLA (kvgraft layout: d_nope = d_v = head_dim).
 
@@ -196,33 +214,48 @@ def convert_layer(
 
     ``C``: E[x x^T] of the layer's attention input on calibration text, or None for weights only.
     ``objective``: "weights" | "activations" | "attention" (see module docstring).
+    ``device``: where the fp64 math runs (default: the weights' device); the returned weights live there.
     """
     H, K, d = num_heads, num_kv_heads, head_dim
     h = w.q.shape[1]
     group = H // K
     dtype = torch.float64
-    w = GQAWeights(*(None if t is None else t.to(dtype) for t in (
+    dev = w.q.device if device is None else torch.device(device)  # where the fp64 math runs (CPU or a GPU)
+    w = GQAWeights(*(None if t is None else t.to(device=dev, dtype=dtype) for t in (
         w.q, w.k, w.v, w.o, w.q_bias, w.k_bias, w.v_bias, w.o_bias)))
+    if rope_expectation is not None:
+        rope_expectation = rope_expectation.to(device=dev, dtype=dtype)
+    if q_norm_weight is not None:
+        q_norm_weight = q_norm_weight.to(dev)
     if objective not in ("weights", "activations", "attention"):
         raise ValueError(f"unknown objective {objective!r}; expected weights, activations or attention")
     if objective == "weights" or C is None:
         if objective != "weights":
             raise ValueError(f"objective {objective!r} needs calibration statistics")
-        C = torch.eye(h, dtype=dtype)
-    C = C.to(dtype)
+        C = torch.eye(h, dtype=dtype, device=dev)
+    identity_C = objective == "weights"
+    C = C.to(device=dev, dtype=dtype)
+    # The h x h products with C, once per layer (the dominant cost at real widths: O(rows x h^2) each)
+    def times_C(W: Tensor) -> Tensor:
+        return W.clone() if identity_C else W @ C
+
+    need_q = objective == "attention" or (pairs is None and rope_selection == "norm")
+    w_qC = times_C(w.q) if need_q else None
+    w_kC, w_vC = times_C(w.k), times_C(w.v)
 
     # ---- 1. RoPE decoupling ------------------------------------------------------------------
-    U = head_rotations(w.k, C, K, d)  # (d/2, K, K)
+    U = head_rotations(w.k, C, K, d, w_kC)  # (d/2, K, K)
     if pairs is None:
-        scores = pair_scores(w, C, U, H, K, d, rope_expectation) if rope_selection == "norm" else None
+        scores = pair_scores(w, C, U, H, K, d, rope_expectation, w_qC=w_qC, w_kC=w_kC) \
+            if rope_selection == "norm" else None
         pairs = choose_rope_pairs(rope_selection, d_rope, K, d, scores)
     n = len(pairs)
     # shared RoPE key rows: pair j -> rows j and j + n (rotate-half over d_rope)
     def rotated_k_rows(m: int, f: int, wk: Tensor) -> Tensor:  # (2, ...) rows of k'_{m,f}
         return torch.einsum("j,jc...->c...", U[f][m], torch.stack([wk[_pair_rows(j, f, d)] for j in range(K)]))
 
-    k_rope = torch.empty(2 * n, h, dtype=dtype)
-    k_rope_b = torch.zeros(2 * n, dtype=dtype) if w.k_bias is not None else None
+    k_rope = torch.empty(2 * n, h, dtype=dtype, device=dev)
+    k_rope_b = torch.zeros(2 * n, dtype=dtype, device=dev) if w.k_bias is not None else None
     for j, (m, f) in enumerate(pairs):
         rows = rotated_k_rows(m, f, w.k)
         k_rope[j], k_rope[j + n] = rows[0], rows[1]
@@ -231,12 +264,15 @@ def convert_layer(
             k_rope_b[j], k_rope_b[j + n] = b[0], b[1]
     # residual (no-RoPE) keys per group: k - sum_{kept} U_f[m, g] k'_{m,f}
     k_res = w.k.clone()
+    k_resC = w_kC.clone()  # k_res @ C, by the same row operations
     k_res_b = None if w.k_bias is None else w.k_bias.clone()
     for m, f in pairs:
         rows = rotated_k_rows(m, f, w.k)
+        rowsC = rotated_k_rows(m, f, w_kC)
         brow = None if w.k_bias is None else rotated_k_rows(m, f, w.k_bias[:, None])[:, 0]
         for g in range(K):
             k_res[_pair_rows(g, f, d)] -= U[f][m, g] * rows
+            k_resC[_pair_rows(g, f, d)] -= U[f][m, g] * rowsC
             if k_res_b is not None:
                 k_res_b[_pair_rows(g, f, d)] -= U[f][m, g] * brow
 
@@ -244,16 +280,18 @@ def convert_layer(
     W_y = torch.cat([k_res, w.v])  # (2Kd, h)
     b_y = None
     if w.k_bias is not None or w.v_bias is not None:
-        zeros = torch.zeros(K * d, dtype=dtype)
+        zeros = torch.zeros(K * d, dtype=dtype, device=dev)
         b_y = torch.cat([k_res_b if k_res_b is not None else zeros, w.v_bias if w.v_bias is not None else zeros])
-    M = torch.eye(2 * K * d, dtype=dtype)
-    M_inv = torch.eye(2 * K * d, dtype=dtype)
+    M = torch.eye(2 * K * d, dtype=dtype, device=dev)
+    M_inv = torch.eye(2 * K * d, dtype=dtype, device=dev)
     if objective == "attention":
         for g in range(K):
             rows = slice(g * d, (g + 1) * d)
             # keys: logit error q^T (k - k_hat) summed over the group's query heads
             Wq = w.q[group * g * d:(group * g + group) * d].view(group, d, h)
-            Sq = sum(Wq[i] @ C @ Wq[i].T for i in range(group))
+            WqC = w_qC[group * g * d:(group * g + group) * d].view(group, d, h)
+            Sq = sum(WqC[i] @ Wq[i].T for i in range(group))
+            Sq = (Sq + Sq.T) / 2
             s, s_inv = _sqrtm_psd(Sq)
             M[rows, rows], M_inv[rows, rows] = s, s_inv
             # values: output error W_O,i (v - v_hat) summed over the group's heads
@@ -262,14 +300,17 @@ def convert_layer(
             s, s_inv = _sqrtm_psd(So)
             vr = slice(K * d + g * d, K * d + (g + 1) * d)
             M[vr, vr], M_inv[vr, vr] = s, s_inv
+    G = torch.cat([k_resC, w_vC]) @ W_y.T  # W_y C W_y^T, (2Kd, 2Kd)
+    S = M @ ((G + G.T) / 2) @ M.T
     if balance_kv:
-        S = M @ W_y @ C @ W_y.T @ M.T
         e_k, e_v = torch.diagonal(S)[: K * d].sum(), torch.diagonal(S)[K * d:].sum()
         if e_k > 0 and e_v > 0:
             alpha = (e_v / e_k).sqrt()
             M[: K * d] *= alpha
             M_inv[:, : K * d] /= alpha
-    S = M @ W_y @ C @ W_y.T @ M.T
+            D = torch.ones(2 * K * d, dtype=dtype, device=dev)
+            D[: K * d] = alpha
+            S = S * D[:, None] * D[None, :]  # = (D M) W_y C W_y^T (D M)^T
     evals, evecs = torch.linalg.eigh((S + S.T) / 2)
     top = evecs[:, evals.argsort(descending=True)[:kv_lora_rank]]  # (2Kd, dc)
     A = top.T @ M @ W_y  # (dc, h): the latent down-projection
@@ -278,20 +319,20 @@ def convert_layer(
     # ---- 3. assemble MLA weights (per query head; GQA groups replicated) -----------------------
     scale = ((d + 2 * n) / d) ** 0.5  # new softmax scale 1/sqrt(d + d_rope) -> fold the ratio into q
     nope_scale = scale * rope_attention_scaling**2  # no-RoPE dims lose RoPE's cos/sin factor
-    nope_map = torch.eye(d, dtype=dtype)  # (d, d) applied to each head's query before the no-RoPE dot
+    nope_map = torch.eye(d, dtype=dtype, device=dev)  # (d, d) applied to each head's query before the no-RoPE dot
     if rope_expectation is not None:
         # pair (f, f + d/2) <- M_f^T (q_f, q_{f+d/2}),  M_f^T = [[c, -s], [s, c]]
         half = d // 2
         c, s_ = rope_expectation[:, 0].to(dtype), rope_expectation[:, 1].to(dtype)
-        idx = torch.arange(half)
-        nope_map = torch.zeros(d, d, dtype=dtype)
+        idx = torch.arange(half, device=dev)
+        nope_map = torch.zeros(d, d, dtype=dtype, device=dev)
         nope_map[idx, idx], nope_map[idx, idx + half] = c, -s_
         nope_map[idx + half, idx], nope_map[idx + half, idx + half] = s_, c
     nope_map = nope_map * nope_scale
     q_nope = torch.einsum("ed,kdh->keh", nope_map, w.q.view(H, d, h))
-    q_rope = torch.empty(H, 2 * n, h, dtype=dtype)
+    q_rope = torch.empty(H, 2 * n, h, dtype=dtype, device=dev)
     qb_nope = None if w.q_bias is None else w.q_bias.view(H, d) @ nope_map.T
-    qb_rope = None if w.q_bias is None else torch.empty(H, 2 * n, dtype=dtype)
+    qb_rope = None if w.q_bias is None else torch.empty(H, 2 * n, dtype=dtype, device=dev)
     for i in range(H):
         g = i // group
         for j, (m, f) in enumerate(pairs):
@@ -304,7 +345,7 @@ def convert_layer(
     q_bias = None if w.q_bias is None else torch.cat([qb_nope, qb_rope], dim=1).reshape(-1)
     q_mix = None
     if q_norm_weight is not None:  # the same per-head linear map, applied after the query norm
-        q_mix = torch.zeros(H, d + 2 * n, d, dtype=dtype)
+        q_mix = torch.zeros(H, d + 2 * n, d, dtype=dtype, device=dev)
         q_mix[:, :d] = nope_map
         for i in range(H):
             for j, (m, f) in enumerate(pairs):
@@ -314,7 +355,7 @@ def convert_layer(
         q_proj, q_bias = w.q, w.q_bias
 
     B_k, B_v = B[: K * d].view(K, d, -1), B[K * d:].view(K, d, -1)
-    heads = torch.arange(H) // group
+    heads = torch.arange(H, device=dev) // group
     kv_b = torch.cat([B_k[heads], B_v[heads]], dim=1).reshape(H * 2 * d, kv_lora_rank)
     kv_b_bias = None
     if b_y is not None:
@@ -323,9 +364,9 @@ def convert_layer(
     kv_a = torch.cat([A, k_rope])
     kv_a_bias = None
     if k_rope_b is not None:
-        kv_a_bias = torch.cat([torch.zeros(kv_lora_rank, dtype=dtype), k_rope_b])
+        kv_a_bias = torch.cat([torch.zeros(kv_lora_rank, dtype=dtype, device=dev), k_rope_b])
     elif w.q_bias is not None or w.v_bias is not None:
-        kv_a_bias = torch.zeros(kv_lora_rank + 2 * n, dtype=dtype)
+        kv_a_bias = torch.zeros(kv_lora_rank + 2 * n, dtype=dtype, device=dev)
     return MLAWeights(
         q_proj=q_proj, kv_a_proj=kv_a, kv_b_proj=kv_b, o_proj=w.o, rope_freq_index=tuple(f for _, f in pairs),
         q_bias=q_bias, kv_a_bias=kv_a_bias, kv_b_bias=kv_b_bias, o_bias=w.o_bias, q_mix=q_mix,
