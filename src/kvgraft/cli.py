@@ -204,6 +204,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, device=args.device, to=args.to,
         kv_source_layers=tuple(args.kv_source_layers) if args.kv_source_layers else None,
         sliding_window=args.sliding_window, compress_rate=args.compress_rate,
+        calibration_shrinkage=args.calibration_shrinkage,
     )
     if args.to == "ced":
         share = record["share_graft"]
@@ -506,6 +507,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "deepseek_v3/both")
     p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
                    help="calibrate each layer on the converted layers' activations")
+    p.add_argument("--calibration-shrinkage", type=float, default=0.5,
+                   help="shrink each layer's calibration second moment toward the weights-only fit's, in [0, 1] "
+                        "(0: the calibrated fit as measured; default 0.5, measured to generalise better out of "
+                        "domain: bench/RESULTS.md)")
     p.add_argument("--rope-expectation", action=argparse.BooleanOptionalAction, default=True,
                    help="pairs that lose RoPE keep their expected rotation under the layer's measured attention "
                         "distances (instead of none)")

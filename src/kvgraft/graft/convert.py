@@ -115,6 +115,7 @@ def convert(
     kv_source_layers: tuple[int, ...] | None = None,
     sliding_window: int = 64,
     compress_rate: int = 1,
+    calibration_shrinkage: float = 0.5,
 ) -> dict:
     """Convert ``model`` (a local checkpoint directory) to MLA and write it to ``out``.
 
@@ -193,6 +194,7 @@ def convert(
     graft = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
                         rope_selection=rope_selection, layerwise=layerwise, layers=layers,
                         rope_expectation=rope_expectation and objective != "weights",
+                        calibration_shrinkage=calibration_shrinkage,
                         # stock DeepSeek-V3 has no per-head q/k norms: the stock export takes their linear fits
                         qk_norm="linearise" if to == "ced" or (stock and config.qk_norm) else "keep")
     if rope_selection == "stride" and (d_rope > config.head_dim or config.head_dim % d_rope):
