@@ -42,7 +42,7 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     from kvgraft.data import prepare_data
 
     summary = prepare_data(args.out, sources=args.sources, vocab_size=args.vocab_size, seed=args.seed,
-                           files=args.files)
+                           files=args.files, tokenizer=args.tokenizer)
     for split, s in summary["splits"].items():
         print(f"{split:>10}: {s['documents']:>6} documents, {s['tokens']:>9,} tokens")
     return 0
@@ -423,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="corpus sources (Debian packages, installed with apt-get when missing)")
     p.add_argument("--files", nargs="*", default=[], help="extra text files, one document each")
     p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--tokenizer", default=None,
+                   help="reuse this directory's tokenizer.json (e.g. a shipped model's) instead of training one: "
+                        "rebuilds that model's data with exactly its token ids")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_prepare_data)
 

@@ -38,8 +38,14 @@ def prepare_data(
     test_fraction: float = 0.02,
     min_frequency: int = 2,
     progress: bool = True,
+    tokenizer: str | Path | None = None,
 ) -> dict:
     """Build the corpus, train the tokenizer on its train split, tokenize all splits.
+
+    ``tokenizer``: a directory holding a ``tokenizer.json`` (a model directory, or an earlier run's
+    ``tokenizer/``) to reuse instead of training one: a model's own data rebuilt with it has exactly the
+    model's token ids (a freshly trained BPE may break ties between equal-count merges differently).
+    Its vocabulary size must equal ``vocab_size``.
 
     Returns (and writes to ``out_dir/prepare.json``) a summary with paths and, per
     split, documents, text bytes (UTF-8 of the documents, separators excluded), tokens
@@ -52,6 +58,18 @@ def prepare_data(
     from kvgraft.data.tokenizer import _check_vocab_size
 
     _check_vocab_size(vocab_size)
+    tok_src = None
+    if tokenizer is not None:
+        tok_src = Path(tokenizer)
+        if not (tok_src / "tokenizer.json").is_file():
+            raise CorpusError(f"--tokenizer {tok_src}: no tokenizer.json there (give a model directory or a "
+                              "prepare-data tokenizer/ directory)")
+        from tokenizers import Tokenizer
+
+        size = Tokenizer.from_file(str(tok_src / "tokenizer.json")).get_vocab_size()
+        if size != vocab_size:
+            raise CorpusError(f"--tokenizer {tok_src} has {size} entries but --vocab-size is {vocab_size}; "
+                              f"pass --vocab-size {size}")
     out = Path(out_dir).resolve()
     if out.exists() and not out.is_dir():
         raise CorpusError(f"--out {out} exists and is not a directory")
@@ -60,7 +78,7 @@ def prepare_data(
                                               if not (out / name).exists()]
     try:
         return _prepare(out, sources, vocab_size, seed, files, val_fraction, test_fraction, min_frequency,
-                        progress)
+                        progress, tok_src)
     except BaseException:
         for path in created:  # leave nothing behind (a rerun of a finished directory keeps its outputs)
             shutil.rmtree(path, ignore_errors=True)
@@ -68,15 +86,22 @@ def prepare_data(
 
 
 def _prepare(out: Path, sources, vocab_size, seed, files, val_fraction, test_fraction, min_frequency,
-             progress) -> dict:
+             progress, tok_src: Path | None = None) -> dict:
     manifest = build_corpus(
         out / "corpus", sources=sources, files=files, val_fraction=val_fraction,
         test_fraction=test_fraction, seed=seed,
     )
-    tok_dir = train_tokenizer(
-        manifest.path("train"), vocab_size, out_dir=out / "tokenizer", min_frequency=min_frequency,
-        show_progress=progress,
-    )
+    if tok_src is None:
+        tok_dir = train_tokenizer(
+            manifest.path("train"), vocab_size, out_dir=out / "tokenizer", min_frequency=min_frequency,
+            show_progress=progress,
+        )
+    else:  # reuse: copy the tokenizer files as they are
+        tok_dir = out / "tokenizer"
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tok_src / name).is_file():
+                shutil.copyfile(tok_src / name, tok_dir / name)
     splits: dict[str, dict] = {}
     for split in SPLITS:
         text_file = manifest.path(split)
@@ -105,6 +130,7 @@ def _prepare(out: Path, sources, vocab_size, seed, files, val_fraction, test_fra
         "vocab_size": vocab_size,
         "corpus_dir": str(out / "corpus"),
         "tokenizer_dir": str(tok_dir),
+        "tokenizer_from": str(tok_src) if tok_src is not None else None,
         "splits": splits,
     }
     atomic_write_text(out / "prepare.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
