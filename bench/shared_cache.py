@@ -117,7 +117,6 @@ def main() -> None:
           f"replay span {replay_span(cfg)}, {args.threads} threads, fp32")
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(base, args.max_n, Path(tmp))
-        one = None
         rows = []
         for n in args.ns:
             names = [f"a{i}" for i in range(n)]
@@ -146,10 +145,8 @@ def main() -> None:
                 mixed_t += step_times(e, 4)
                 single_t += step_times(s, 4)
             mixed, single = n / statistics.median(mixed_t), n / statistics.median(single_t)
-            if one is None:
-                one = private if n == 1 else None
             rows.append((n, shared, kept, private, hits, replays, mixed, single))
-        one = one or rows[0][3] / rows[0][0]
+        one = rows[0][3] / rows[0][0]  # one request alone with its own cache (private bytes / N)
         print()
         print("| N adapters | shared cache: the requests hold | vs one request alone | + prefix entry kept | one cache per "
               "adapter: the requests hold | vs one request alone | shared / private | prefix hits, replays | mixed batch "
