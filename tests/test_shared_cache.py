@@ -130,8 +130,7 @@ def test_replay_rebuilds_the_windows_a_full_prefill_writes(setup):
                 hidden = ctx.captured[0, -n:]
                 rctx = BatchContext(c, [seq], [n], adapter_ids=["dec"], replay=True)
                 base.replay(hidden, rctx, p)
-        slot = c.slot(seq)
-        rings[mode] = {layer: t[slot].clone() for layer, t in c.rings.items()}
+        rings[mode] = {layer: c.ring(seq, layer) for layer in c.rings}
         assert c.length(seq) == len(prompt)
     for layer in range(CED.num_layers):
         torch.testing.assert_close(rings["replay"][layer], rings["full"][layer], rtol=1e-4, atol=1e-5)
@@ -234,18 +233,21 @@ def test_a_shared_system_prompt_is_kept_where_prompts_fork(tmp_path):
 
 
 def test_the_prefix_cache_keeps_within_its_byte_budget(setup):
-    """Kept state (ring copies, pivot inputs) stays under prefix_max_bytes: older entries are evicted, an
-    entry larger than the whole budget is not kept; a bad budget is refused before any work."""
+    """Kept state outside the pools (pivot inputs, pending tokens) stays under prefix_max_bytes: older
+    entries are evicted, an entry larger than the whole budget is not kept (its blocks and ring blocks
+    go); a bad budget is refused before any work."""
     base, dirs = setup
-    e = engine(base, dirs, ["dec"], prefix_cache=True, prefix_max_bytes=60_000)
+    e = engine(base, dirs, ["dec"], prefix_cache=True, prefix_max_bytes=15_000)
     for i in range(5):
         e.generate([rand_prompt(30 + i, 200 + i)], SamplingParams(max_new_tokens=2), "dec")
-        assert 0 < e.cache_stats()["prefix_bytes"] <= 60_000
+        assert 0 < e.cache_stats()["prefix_bytes"] <= 15_000
     one = e.prefix._entries[next(reversed(e.prefix._entries))].nbytes
-    assert len(e.prefix) == 60_000 // one or len(e.prefix) == 60_000 // one - 1
+    assert len(e.prefix) == 15_000 // one or len(e.prefix) == 15_000 // one - 1
+    assert 1 < len(e.prefix) < 5
     tiny = engine(base, dirs, [], prefix_cache=True, prefix_max_bytes=1000)
     tiny.generate([rand_prompt(40, 3)], SamplingParams(max_new_tokens=2))
     assert len(tiny.prefix) == 0 and tiny.cache.free_blocks == tiny.cache.num_blocks
+    assert tiny.cache.used_bytes == 0  # ring blocks too
     with pytest.raises(ValueError, match="prefix_max_bytes"):
         Engine(base, prefix_cache=True, prefix_max_bytes=-1)
 
@@ -276,24 +278,30 @@ def test_rows_of_several_adapters_prefill_and_decode_in_one_group(setup, monkeyp
 
 
 def test_shared_bytes_counts_blocks_held_more_than_once(setup):
-    """The running count behind cache.shared_bytes equals a scan of the reference counts through forks,
-    snapshots, copy on write and frees."""
+    """The running count behind cache.shared_bytes equals a scan of the reference counts (token blocks
+    and window-ring blocks) through forks, snapshots, copy on write and frees."""
     base, _ = setup
-    e = Engine(base, max_seqs=4, max_batch_tokens=64)
+    e = Engine(base, max_seqs=4, max_batch_tokens=64, block_size=4)  # rings of W = 8: two ring blocks of 4
     c = e.cache
 
     def scan():
-        return sum(1 for b in range(c.num_blocks) if c.refcount(b) > 1) * c.block_bytes
+        rings = sum(g.block_bytes for gi, g in enumerate(c.ring_groups) for b in range(g.num_blocks)
+                    if c.ring_refcount(gi, b) > 1)
+        return sum(1 for b in range(c.num_blocks) if c.refcount(b) > 1) * c.block_bytes + rings
 
     a = c.add_sequence()
-    c.extend(a, 40)
-    c.commit(a, 40)
+    c.extend(a, 42)
+    c.commit(a, 42)
     assert c.shared_bytes == scan() == 0
     b = c.fork(a)
     snap = c.snapshot(a)
-    assert c.shared_bytes == scan() == 3 * c.block_bytes
-    c.extend(b, 1)  # copy on write of the last, partly filled block
-    assert c.shared_bytes == scan() == 3 * c.block_bytes  # still held by a and the snapshot
+    assert len(c.ring_groups) == 2 and c.ring_blocks_per_seq == 2
+    both = 11 * c.block_bytes + 2 * sum(g.block_bytes for g in c.ring_groups)
+    assert c.shared_bytes == scan() == both
+    c.extend(b, 1)  # copy on write of the last, partly filled block and of the ring block position 42 lands in
+    assert c.shared_bytes == scan() == both  # still held by a and the snapshot
+    for gi in range(2):  # ring slot 42 % 8 = 2 is in ring block 0: b's own copy; ring block 1 still shared
+        assert c.ring_table(b, gi)[0] != c.ring_table(a, gi)[0] and c.ring_table(b, gi)[1] == c.ring_table(a, gi)[1]
     r = c.restore(snap)
     c.free(a)
     assert c.shared_bytes == scan()
@@ -302,3 +310,39 @@ def test_shared_bytes_counts_blocks_held_more_than_once(setup):
     assert c.shared_bytes == scan() == 0
     c.free(b)
     assert c.free_blocks == c.num_blocks
+
+
+def test_adapters_over_one_prompt_share_the_encoder_windows(setup):
+    """N requests over one kept prompt (the base and two certified adapters) reference the prompt's
+    encoder window-ring blocks (one copy, reference counted, copied only where a step writes), while each
+    certified adapter holds its own decoder rings (rebuilt by its replay); tokens equal each alone."""
+    base, dirs = setup
+    prompt = rand_prompt(45, 77)
+    kw = dict(block_size=4, max_batch_tokens=64)  # W = 8: two ring blocks of 4 slots per ring
+    e = engine(base, dirs, ["dec", "late"], prefix_cache=True, **kw)
+    e.generate([prompt], SamplingParams(max_new_tokens=1))
+    (entry,) = e.prefix._entries.values()
+    c = e.cache
+    assert len(c.ring_groups) == 2 and c.ring_groups[1].layers[0] == replay_layer(CED) and c.ring_blocks_per_seq == 2
+    T = entry.length  # the kept prompt: all but its last token
+    ids = [e.add_request(prompt, SamplingParams(max_new_tokens=5), a) for a in ("dec", "late", None)]
+    e.step()  # restores (+ replays) and the last prompt token, which writes ring slot T % 8
+    seqs = [e.requests[i].seq for i in ids]
+    written = T % 8 // 4  # the ring block the step wrote; the other one is still the kept prompt's
+    other = 1 - written
+    enc = entry.snap.rings[0]
+    for s in seqs:  # encoder: the kept block referenced by all, the written one copied per sequence
+        assert c.ring_table(s, 0)[other] == enc[other]
+        assert c.ring_table(s, 0)[written] != enc[written]
+    assert c.ring_refcount(0, enc[other]) == 1 + len(seqs)
+    dec_blocks = [set(c.ring_table(s, 1)) for s in seqs[:2]]  # certified adapters: their own decoder rings
+    assert not dec_blocks[0] & dec_blocks[1] and not dec_blocks[0] & set(entry.snap.rings[1])
+    assert c.ring_table(seqs[2], 1)[other] == entry.snap.rings[1][other]  # the base reuses the kept decoder rings
+    while e.has_unfinished():
+        e.step()
+    got = [e.pop_finished(i).output for i in ids]
+    for out, a in zip(got, ("dec", "late", None)):
+        solo = engine(base, dirs, [a] if a else [], max_seqs=1, **kw)
+        assert out == solo.generate([prompt], SamplingParams(max_new_tokens=5), a)[0]
+    e.prefix.clear()
+    assert c.used_bytes == 0 and all(len(g.free) == g.num_blocks for g in c.ring_groups)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgraft.model.cache import PagedKVCache
+from kvgraft.model.cache import CacheFullError, PagedKVCache
 
 _FAR = -(10**9)  # position of a ring slot never written: outside every window
 _local = threading.local()
@@ -82,6 +82,7 @@ class Group:
     adapter: object = None  # the adapter of every row of the group (None: the base model), or MIXED
     adapter_rows: tuple = ()  # MIXED groups: ((adapter, row indices within the group (tensor)), ...)
     run: int | None = None  # one row whose blocks are consecutive (first block id): read as a view, no copy
+    rings: tuple = ()  # per ring group: (G, ring blocks) ring-block tables (never-written blocks read as block 0)
 
     @property
     def G(self) -> int:
@@ -233,6 +234,16 @@ class BatchContext(_Context):
             for s, t in zip(seqs, new_tokens):
                 if t > cache.length(s):
                     raise ValueError(f"replay of {t} tokens on sequence {s}, which holds {cache.length(s)}")
+            # a replay writes the rings of the groups from the cache's ring split on (the decoder): make the
+            # ring blocks it writes private (a restore with recompute_from already gave it fresh ones)
+            groups = {gi for gi, g in enumerate(cache.ring_groups)
+                      if cache.ring_split is None or g.layers[0] >= cache.ring_split}
+            for s, t in zip(seqs, new_tokens):
+                need = cache.ring_blocks_needed(s, cache.length(s) - t, t, groups)
+                if any(k > len(cache.ring_groups[gi].free) for gi, k in need.items()):
+                    raise CacheFullError(f"replay of sequence {s} needs ring blocks {need}; not enough free")
+            for s, t in zip(seqs, new_tokens):
+                cache.reserve_rings(s, cache.length(s) - t, t, groups)
         else:
             for s, t in zip(seqs, new_tokens):
                 if not cache.can_extend(s, t):
@@ -280,9 +291,11 @@ class BatchContext(_Context):
                 else None
             tok = torch.cat([torch.arange(offsets[r], offsets[r] + t) for r in rows]).to(dev)
             qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None]
+            rings = tuple(torch.tensor([[max(b, 0) for b in cache.ring_table(seqs[r], gi)] for r in rows],
+                                       dtype=torch.long, device=dev) for gi in range(len(cache.ring_groups)))
             self.groups.append(Group(rows, t, qpos, tok, torch.tensor(starts, device=dev), table,
                                      torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev), max(ends),
-                                     adapter, adapter_rows, run))
+                                     adapter, adapter_rows, run, rings))
 
     def adapter_tokens(self) -> dict[object, torch.Tensor]:
         """Adapter -> indices (on the packed token axis) of the tokens of its rows; the base is left out."""
@@ -341,9 +354,10 @@ class BatchContext(_Context):
             kpos = torch.arange(g.max_end, device=keys.device).expand(g.G, -1)
             out = (keys, kpos)
         else:  # a ring of the last W tokens: [ring as it was ; new tokens], then the ring is updated
-            ring_pool = c.rings[layer]
-            W, R = c.layout.window, c.ring_len
-            ring = ring_pool.index_select(0, g.slots)  # (G, R, E) copy
+            ring_pool = c.rings[layer]  # (ring blocks, rb, E)
+            W, R, rb = c.layout.window, c.ring_len, c.ring_block
+            rtab = g.rings[c.ring_group_of[layer]]  # (G, R / rb)
+            ring = ring_pool[rtab].view(g.G, R, -1)  # (G, R, E) copy, by ring slot
             last = (g.starts - 1)[:, None]
             slot = torch.arange(R, device=ring.device)[None]
             ring_pos = last - torch.remainder(last - slot, W)
@@ -351,8 +365,10 @@ class BatchContext(_Context):
             keys = torch.cat([ring, entries.to(ring.dtype)], dim=1)
             kpos = torch.cat([ring_pos, g.qpos], dim=1)
             n = min(g.T, R)
-            idx = g.qpos[:, g.T - n:] % W  # (G, n)
-            ring_pool[g.slots[:, None], idx] = entries[:, g.T - n:].to(ring_pool.dtype)
+            idx = g.qpos[:, g.T - n:] % W  # (G, n) ring slots
+            flat = rtab.gather(1, idx // rb) * rb + idx % rb
+            ring_pool.view(-1, ring_pool.shape[-1]).index_copy_(
+                0, flat.reshape(-1), entries[:, g.T - n:].reshape(-1, entries.shape[-1]).to(ring_pool.dtype))
             out = (keys, kpos)
         self.scratch[key] = out
         return out

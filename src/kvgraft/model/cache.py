@@ -10,11 +10,19 @@ Two kinds of storage, both preallocated once:
   ``block_size / m`` pooled entries per block. Blocks are reference counted: two sequences may point at
   the same blocks (a fork, a shared prefix); whoever writes into a shared block first gets a private
   copy (copy on write), so sharing is never visible.
-- **Per-sequence state** is what stays bounded whatever the context: every sliding-window layer keeps
-  a *ring* of its last ``W`` tokens (Mistral-style windows and the encoder-decoder's per-layer windows;
-  slot ``j`` holds the latest position ``p`` with ``p % W == j``), and each kv_source layer with m > 1
-  keeps the entries and gate scores of the (at most m - 1) tokens of its incomplete block. A sequence
-  takes one state slot; a fork copies it.
+- **Window rings** stay bounded whatever the context: every sliding-window layer keeps a *ring* of its
+  last ``W`` tokens (Mistral-style windows and the encoder-decoder's per-layer windows; ring slot ``j``
+  holds the latest position ``p`` with ``p % W == j``). Rings are paged too: a ring is ``W / rb`` *ring
+  blocks* of ``rb = gcd(W, block_size)`` slots, held
+  by reference count with copy on write like token blocks. The ring layers are split into **ring
+  groups** that share one ring-block table per sequence: on a causal encoder-decoder, the layers before
+  the pivot (the last kv_source layer: the *encoder*, whose windows a certified adapter never changes)
+  and the layers from the pivot on (the *decoder*). Sequences started from one snapshot (N adapters over
+  one prompt) reference the encoder's ring blocks and the shared segments, and hold only their own
+  decoder rings (:meth:`PagedKVCache.restore` with ``recompute_from``); a step that writes into a shared
+  ring block copies that block first (one ring block per group per decode step at most).
+- **Per-sequence state**: each kv_source layer with m > 1 keeps the entries and gate scores of the (at
+  most m - 1) tokens of its incomplete block. A sequence takes one state slot; a fork copies it.
 
 ``cache_layout(config)`` is the one table of what each layer stores; ``ModelConfig.kv_cache_bytes``
 and this class's allocation both derive from it (tested equal). Layers never touch the pools
@@ -92,7 +100,8 @@ class CacheSnapshot:
 
     blocks: tuple[int, ...]
     length: int
-    state: dict[tuple[str, int], torch.Tensor]  # ("ring" | "pending", layer) -> the slot's copy
+    state: dict[tuple[str, int], torch.Tensor]  # ("pending", layer) -> the slot's copy
+    rings: tuple[tuple[int, ...], ...] = ()  # per ring group: ring-block ids (held), -1 = never written
     released: bool = False
 
     @property
@@ -102,16 +111,31 @@ class CacheSnapshot:
 
 @dataclass
 class _Sequence:
-    slot: int  # state slot (rings, pending tokens)
+    slot: int  # state slot (pending tokens)
     blocks: list[int] = field(default_factory=list)
     length: int = 0  # tokens committed
+    rings: list[list[int]] = field(default_factory=list)  # per ring group: ring-block ids, -1 = not allocated
+
+
+class _RingGroup:
+    """Ring layers sharing one ring-block table per sequence, with their own allocator."""
+
+    def __init__(self, layers: tuple[int, ...], num_blocks: int, block_bytes: int) -> None:
+        self.layers, self.num_blocks, self.block_bytes = layers, num_blocks, block_bytes
+        self.refcount = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.multi = 0  # ring blocks held more than once
 
 
 class PagedKVCache:
-    """Paged pools + per-sequence state slots, with a block allocator and reference counts.
+    """Paged pools + paged window rings + per-sequence state slots, with block allocators and reference counts.
 
-    ``num_blocks`` blocks of ``block_size`` tokens are shared by all sequences; ``max_seqs`` sequences
+    ``num_blocks`` token blocks of ``block_size`` tokens are shared by all sequences; ``max_seqs`` sequences
     can be live at once; ``max_seq_len`` bounds one sequence (and sizes the rings: ``min(W, max_seq_len)``).
+    ``ring_blocks``: ring blocks per ring group (default: every live sequence's whole rings,
+    ``max_seqs * ring_len / ring_block``, the memory of one ring per slot; more leaves room for snapshots
+    that keep rings after their sequence moved on). ``ring_split``: the first layer of the second ring
+    group (default: a causal encoder-decoder's pivot, the last kv_source layer; None: one group).
     """
 
     def __init__(
@@ -123,6 +147,8 @@ class PagedKVCache:
         max_seq_len: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        ring_blocks: int | None = None,
+        ring_split: int | None | str = "pivot",
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_seqs", max_seqs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -137,11 +163,28 @@ class PagedKVCache:
                              "holds whole pooled entries")
         self.config, self.block_size, self.num_blocks, self.max_seqs = config, block_size, num_blocks, max_seqs
         self.max_seq_len, self.dtype, self.device = max_seq_len, dtype, torch.device(device)
-        self.ring_len = min(layout.window, max_seq_len) if layout.window else 0
+        self.ring_len, self.ring_block, self.ring_blocks_per_seq = R, rb, nrb = \
+            ring_geometry(config, block_size, max_seq_len)
+        if ring_split == "pivot":
+            ring_split = max(config.kv_source_layers) if config.is_ced and config.kv_source_layers else None
+        ring_layers = sorted(layout.rings)
+        bounds = [] if ring_split is None else [ring_split]
+        if ring_split is not None and (isinstance(ring_split, bool) or not isinstance(ring_split, int)
+                                       or not 0 <= ring_split <= config.num_layers):
+            raise ValueError(f"ring_split ({ring_split!r}) must be a layer index in [0, {config.num_layers}] or None")
+        parts = [[layer for layer in ring_layers if layer < bounds[0]], [layer for layer in ring_layers if layer >= bounds[0]]] \
+            if bounds else [ring_layers]
+        parts = [p for p in parts if p]
+        if ring_blocks is None:
+            ring_blocks = max_seqs * nrb
+        if nrb and (isinstance(ring_blocks, bool) or not isinstance(ring_blocks, int) or ring_blocks < nrb):
+            raise ValueError(f"ring_blocks ({ring_blocks!r}) must be an integer >= one sequence's ring ({nrb} blocks)")
+        self.ring_split = ring_split if len(parts) > 1 else None
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
+        itemsize = torch.empty((), dtype=dtype).element_size()
         # GQA layers store keys and values head-major, (2K, blocks, block_size, head_dim): gathering a batch's
         # blocks then yields each head's keys contiguous, which decode attention reads without another copy.
         # Other paged layers store one row per token, (blocks, block_size, width).
@@ -151,7 +194,11 @@ class PagedKVCache:
                       if layer in self.head_major else zeros(num_blocks, block_size, w)
                       for layer, w in layout.paged.items()}
         self.segments = {s: zeros(num_blocks, block_size // m, w) for s, w in layout.segments.items()}
-        self.rings = {layer: zeros(max_seqs, self.ring_len, w) for layer, w in layout.rings.items()}
+        # rings: (ring blocks, rb, width) per layer; a sequence's ring is its group's table of nrb blocks
+        self.ring_groups = [_RingGroup(tuple(p), ring_blocks, itemsize * rb * sum(layout.rings[x] for x in p))
+                            for p in parts] if nrb else []
+        self.ring_group_of = {layer: i for i, g in enumerate(self.ring_groups) for layer in g.layers}
+        self.rings = {layer: zeros(ring_blocks, rb, w) for layer, w in layout.rings.items()} if nrb else {}
         self.pending = {s: zeros(max_seqs, m - 1, w) for s, w in layout.pending.items()}
         self._refcount = [0] * num_blocks
         self._multi = 0  # blocks held more than once
@@ -159,11 +206,9 @@ class PagedKVCache:
         self._free_slots: deque[int] = deque(range(max_seqs))
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
-        itemsize = torch.empty((), dtype=dtype).element_size()
         self.block_bytes = itemsize * (block_size * sum(layout.paged.values())
                                        + block_size // m * sum(layout.segments.values()))
-        self.slot_bytes = itemsize * (self.ring_len * sum(layout.rings.values())
-                                      + (m - 1) * sum(layout.pending.values()))
+        self.slot_bytes = itemsize * (m - 1) * sum(layout.pending.values())
 
     # ---- sequences ---------------------------------------------------------------------------------
     def add_sequence(self) -> int:
@@ -172,48 +217,90 @@ class PagedKVCache:
             raise CacheFullError(f"all {self.max_seqs} sequence slots are in use")
         seq = self._next_id
         self._next_id += 1
-        self._seqs[seq] = _Sequence(self._free_slots.popleft())
+        self._seqs[seq] = _Sequence(self._free_slots.popleft(),
+                                    rings=[[-1] * self.ring_blocks_per_seq for _ in self.ring_groups])
         self._clear_state(self._seqs[seq].slot)
         return seq
 
     def fork(self, seq: int) -> int:
-        """A new sequence holding the same tokens: same blocks (reference counted, not copied), a copy of
-        the per-sequence state. Later writes of either side copy a shared block first."""
+        """A new sequence holding the same tokens: same blocks and ring blocks (reference counted, not
+        copied), a copy of the per-sequence state. Later writes of either side copy a shared block first."""
         src = self._get(seq)
         child = self.add_sequence()
         c = self._seqs[child]
         c.blocks, c.length = list(src.blocks), src.length
         for b in src.blocks:
             self._incref(b)
-        for pools in (self.rings, self.pending):
-            for t in pools.values():
-                t[c.slot] = t[src.slot]
+        c.rings = [list(t) for t in src.rings]
+        self._ring_incref(c.rings)
+        for t in self.pending.values():
+            t[c.slot] = t[src.slot]
         return child
 
     def snapshot(self, seq: int) -> CacheSnapshot:
-        """Freeze ``seq`` as it is now: hold its blocks (the sequence may go on; its next write into a
-        held block copies it first) and copy its per-sequence state."""
+        """Freeze ``seq`` as it is now: hold its blocks and ring blocks (the sequence may go on; its next
+        write into a held block copies it first) and copy its per-sequence state."""
         s = self._get(seq)
         for b in s.blocks:
             self._incref(b)
-        n = min(s.length, self.ring_len)  # ring slots written so far (all once the context reaches W)
-        state = {("ring", layer): t[s.slot, :n].clone() for layer, t in self.rings.items()}
-        state.update({("pending", layer): t[s.slot].clone() for layer, t in self.pending.items()})
-        return CacheSnapshot(tuple(s.blocks), s.length, state)
+        self._ring_incref(s.rings)
+        state = {("pending", layer): t[s.slot].clone() for layer, t in self.pending.items()}
+        return CacheSnapshot(tuple(s.blocks), s.length, state, tuple(tuple(t) for t in s.rings))
 
-    def restore(self, snap: CacheSnapshot) -> int:
-        """A new sequence holding the snapshot's tokens: its blocks shared (reference counted), its state
-        copied into the new sequence's slot. Raises CacheFullError when no slot is free."""
+    def restore(self, snap: CacheSnapshot, recompute_from: int | None = None) -> int:
+        """A new sequence holding the snapshot's tokens: its blocks and ring blocks shared (reference
+        counted), its state copied into the new sequence's slot.
+
+        ``recompute_from`` (a ring-group boundary, e.g. a causal encoder-decoder's pivot): the ring groups
+        from that layer on are *not* shared; the new sequence gets fresh ring blocks for them, which a
+        decoder replay (``Transformer.replay``) then fills, e.g. for another adapter. Raises CacheFullError
+        (changing nothing) when no slot or not enough ring blocks are free."""
         if snap.released:
             raise ValueError("restore: the snapshot was released")
+        fresh = self._fresh_groups(recompute_from)
+        need = self.restore_ring_blocks(snap, recompute_from)
+        for gi, n in need.items():
+            if n > len(self.ring_groups[gi].free):
+                raise CacheFullError(f"restore needs {n} ring blocks of group {gi}, "
+                                     f"{len(self.ring_groups[gi].free)} free of {self.ring_groups[gi].num_blocks}")
         seq = self.add_sequence()
         s = self._seqs[seq]
         s.blocks, s.length = list(snap.blocks), snap.length
         for b in snap.blocks:
             self._incref(b)
-        for (kind, layer), t in snap.state.items():  # (a ring of a short context: its written slots)
-            (self.rings if kind == "ring" else self.pending)[layer][s.slot, : t.shape[0]] = t
+        for gi, table in enumerate(snap.rings):
+            if gi in fresh:
+                for k in range(need[gi]):
+                    s.rings[gi][k] = self._ring_allocate(gi)
+            else:
+                s.rings[gi] = list(table)
+                self._ring_incref([table], gi)
+        for (kind, layer), t in snap.state.items():
+            self.pending[layer][s.slot] = t
         return seq
+
+    def restore_ring_blocks(self, snap: CacheSnapshot, recompute_from: int | None = None) -> dict[int, int]:
+        """Fresh ring blocks per ring group that ``restore(snap, recompute_from)`` takes."""
+        n = -(-min(snap.length, self.ring_len) // self.ring_block) if self.ring_len else 0
+        return {gi: n for gi in self._fresh_groups(recompute_from)}
+
+    def _fresh_groups(self, recompute_from: int | None) -> set[int]:
+        if recompute_from is None:
+            return set()
+        if isinstance(recompute_from, bool) or not isinstance(recompute_from, int):
+            raise ValueError(f"recompute_from ({recompute_from!r}) must be a layer index or None")
+        if any(layer >= recompute_from for layer in list(self.paged) + list(self.segments)) and \
+                not self.config.is_ced:
+            raise ValueError(f"recompute_from={recompute_from}: layers from there store paged KV, which a restore "
+                             "shares as it is (only window rings can be recomputed by a replay)")
+        fresh = set()
+        for gi, g in enumerate(self.ring_groups):
+            if g.layers[0] >= recompute_from:
+                fresh.add(gi)
+            elif g.layers[-1] >= recompute_from:
+                raise ValueError(f"recompute_from={recompute_from} splits ring group {list(g.layers)}; ring groups "
+                                 f"start at layers {[x.layers[0] for x in self.ring_groups]}")
+        return fresh
 
     def release(self, snap: CacheSnapshot) -> None:
         """Let a snapshot's blocks go (freed when no sequence or other snapshot holds them)."""
@@ -221,6 +308,7 @@ class PagedKVCache:
             return
         for b in snap.blocks:
             self._release(b)
+        self._ring_release(snap.rings)
         snap.released = True
 
     def free(self, seq: int) -> None:
@@ -230,6 +318,7 @@ class PagedKVCache:
             raise KeyError(f"unknown sequence {seq}")
         for b in s.blocks:
             self._release(b)
+        self._ring_release(s.rings)
         self._free_slots.append(s.slot)
 
     def length(self, seq: int) -> int:
@@ -238,11 +327,28 @@ class PagedKVCache:
     def block_table(self, seq: int) -> list[int]:
         return list(self._get(seq).blocks)
 
+    def ring_table(self, seq: int, group: int) -> list[int]:
+        """Ring-block ids of ``seq``'s ring group ``group`` (-1: not written yet)."""
+        return list(self._get(seq).rings[group])
+
+    def ring(self, seq: int, layer: int) -> torch.Tensor:
+        """A copy of ``seq``'s ring of ``layer``, (ring_len, width) by ring slot (zeros where never written)."""
+        table = self._get(seq).rings[self.ring_group_of[layer]]
+        pool = self.rings[layer]
+        out = torch.zeros(len(table), *pool.shape[1:], dtype=pool.dtype, device=pool.device)
+        for k, b in enumerate(table):
+            if b >= 0:
+                out[k] = pool[b]
+        return out.reshape(-1, pool.shape[-1])
+
     def slot(self, seq: int) -> int:
         return self._get(seq).slot
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]
+
+    def ring_refcount(self, group: int, block: int) -> int:
+        return self.ring_groups[group].refcount[block]
 
     @property
     def sequences(self) -> list[int]:
@@ -250,7 +356,7 @@ class PagedKVCache:
 
     # ---- allocation ------------------------------------------------------------------------------
     def blocks_needed(self, seq: int, new_tokens: int) -> int:
-        """Free blocks that ``extend(seq, new_tokens)`` would take (new blocks plus copy on write)."""
+        """Free token blocks that ``extend(seq, new_tokens)`` would take (new blocks plus copy on write)."""
         s = self._get(seq)
         end = s.length + new_tokens
         need = max(0, math.ceil(end / self.block_size) - len(s.blocks)) if self.block_bytes else 0
@@ -259,9 +365,58 @@ class PagedKVCache:
             need += 1
         return need
 
+    def _ring_touched(self, start: int, n: int) -> list[int]:
+        """Ring-block indices that positions [start, start + n) write (their last ring_len positions)."""
+        if not self.ring_len or n <= 0:
+            return []
+        if n >= self.ring_len:
+            return list(range(self.ring_blocks_per_seq))
+        W = self.layout.window
+        return sorted({(p % W) // self.ring_block for p in range(start + n - min(n, self.ring_len), start + n)})
+
+    def ring_blocks_needed(self, seq: int, start: int, n: int, groups=None) -> dict[int, int]:
+        """Per ring group, free ring blocks that writing positions [start, start + n) takes (blocks never
+        written plus copies of shared ones)."""
+        s = self._get(seq)
+        touched = self._ring_touched(start, n)
+        out = {}
+        for gi, g in enumerate(self.ring_groups):
+            if groups is not None and gi not in groups:
+                continue
+            table = s.rings[gi]
+            out[gi] = sum(1 for k in touched if table[k] < 0 or g.refcount[table[k]] > 1)
+        return out
+
+    def reserve_rings(self, seq: int, start: int, n: int, groups=None) -> None:
+        """Make the ring blocks that positions [start, start + n) write private to ``seq`` (allocate blocks
+        never written, copy shared ones first), in ``groups`` (default all)."""
+        need = self.ring_blocks_needed(seq, start, n, groups)
+        for gi, k in need.items():
+            if k > len(self.ring_groups[gi].free):
+                raise CacheFullError(f"sequence {seq} needs {k} more ring blocks of group {gi}, "
+                                     f"{len(self.ring_groups[gi].free)} free of {self.ring_groups[gi].num_blocks}")
+        s = self._get(seq)
+        for gi in need:
+            if not need[gi]:
+                continue
+            g, table = self.ring_groups[gi], s.rings[gi]
+            for k in self._ring_touched(start, n):
+                old = table[k]
+                if old >= 0 and g.refcount[old] == 1:
+                    continue
+                new = self._ring_allocate(gi)
+                if old >= 0:  # copy on write
+                    for layer in g.layers:
+                        self.rings[layer][new] = self.rings[layer][old]
+                    self._ring_release_one(gi, old)
+                table[k] = new
+
     def can_extend(self, seq: int, new_tokens: int) -> bool:
-        return self._get(seq).length + new_tokens <= self.max_seq_len and \
-            self.blocks_needed(seq, new_tokens) <= len(self._free_blocks)
+        s = self._get(seq)
+        if s.length + new_tokens > self.max_seq_len or self.blocks_needed(seq, new_tokens) > len(self._free_blocks):
+            return False
+        need = self.ring_blocks_needed(seq, s.length, new_tokens)
+        return all(k <= len(self.ring_groups[gi].free) for gi, k in need.items())
 
     def extend(self, seq: int, new_tokens: int) -> None:
         """Make room for ``new_tokens`` more tokens: allocate blocks, copy a shared block before it is written."""
@@ -273,6 +428,7 @@ class PagedKVCache:
             raise CacheFullError(
                 f"sequence {seq} needs {self.blocks_needed(seq, new_tokens)} more blocks for {new_tokens} tokens, "
                 f"{len(self._free_blocks)} free of {self.num_blocks}")
+        self.reserve_rings(seq, s.length, new_tokens)
         if not self.block_bytes:
             return
         first = s.length // self.block_size
@@ -297,7 +453,7 @@ class PagedKVCache:
     # ---- accounting ------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes allocated for the pools and state slots (fixed at construction)."""
+        """Bytes allocated for the pools, rings and state slots (fixed at construction)."""
         pools = (self.paged, self.segments, self.rings, self.pending)
         return sum(t.numel() * t.element_size() for p in pools for t in p.values())
 
@@ -311,13 +467,16 @@ class PagedKVCache:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of blocks held by some sequence plus the state slots of live sequences."""
-        return (self.num_blocks - len(self._free_blocks)) * self.block_bytes + len(self._seqs) * self.slot_bytes
+        """Bytes of blocks and ring blocks held by some sequence or snapshot plus the state slots of live
+        sequences."""
+        rings = sum((g.num_blocks - len(g.free)) * g.block_bytes for g in self.ring_groups)
+        return (self.num_blocks - len(self._free_blocks)) * self.block_bytes + rings + len(self._seqs) * self.slot_bytes
 
     @property
     def shared_bytes(self) -> int:
-        """Bytes of blocks held more than once (by several sequences or snapshots), each counted once."""
-        return self._multi * self.block_bytes
+        """Bytes of blocks and ring blocks held more than once (by several sequences or snapshots), each
+        counted once."""
+        return self._multi * self.block_bytes + sum(g.multi * g.block_bytes for g in self.ring_groups)
 
     @property
     def free_bytes(self) -> int:
@@ -357,10 +516,49 @@ class PagedKVCache:
         if self._refcount[b] == 0:
             self._free_blocks.append(b)
 
+    def _ring_allocate(self, gi: int) -> int:
+        g = self.ring_groups[gi]
+        b = g.free.popleft()
+        g.refcount[b] = 1
+        return b
+
+    def _ring_incref(self, tables, only: int | None = None) -> None:
+        for gi, table in enumerate(tables):
+            g = self.ring_groups[gi if only is None else only]
+            for b in table:
+                if b >= 0:
+                    if g.refcount[b] == 1:
+                        g.multi += 1
+                    g.refcount[b] += 1
+
+    def _ring_release_one(self, gi: int, b: int) -> None:
+        g = self.ring_groups[gi]
+        g.refcount[b] -= 1
+        if g.refcount[b] == 1:
+            g.multi -= 1
+        if g.refcount[b] == 0:
+            g.free.append(b)
+
+    def _ring_release(self, tables) -> None:
+        for gi, table in enumerate(tables):
+            for b in table:
+                if b >= 0:
+                    self._ring_release_one(gi, b)
+
     def _clear_state(self, slot: int) -> None:
-        for pools in (self.rings, self.pending):
-            for t in pools.values():
-                t[slot].zero_()
+        for t in self.pending.values():
+            t[slot].zero_()
+
+
+def ring_geometry(config: ModelConfig, block_size: int, max_seq_len: int) -> tuple[int, int, int]:
+    """(ring length R = min(W, max_seq_len), ring block rb = gcd(R, block_size), ring blocks per sequence
+    and group R / rb); zeros without window layers."""
+    layout = cache_layout(config)
+    if not layout.window or not layout.rings:
+        return 0, 0, 0
+    R = min(layout.window, max_seq_len)
+    rb = math.gcd(R, block_size)
+    return R, rb, R // rb
 
 
 def default_block_size(config: ModelConfig, tokens: int = 16) -> int:

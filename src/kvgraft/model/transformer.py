@@ -192,6 +192,10 @@ class Transformer(nn.Module):
             raise ValueError("replay needs a BatchContext(..., replay=True)")
         if not 0 <= from_layer < len(self.layers):
             raise ValueError(f"from_layer ({from_layer}) must be in [0, {len(self.layers)})")
+        split = ctx.cache.ring_split
+        if split is not None and from_layer < split:
+            raise ValueError(f"from_layer ({from_layer}) is below the cache's ring split ({split}): a replay rebuilds "
+                             "the decoder's rings only; the encoder's are shared between sequences")
         x = hidden.reshape(1, ctx.num_tokens, -1)
         cos, sin = self.rotary(ctx.positions, x.dtype)
         if self.config.is_ced:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kvgraft.model.batch import BatchContext
-from kvgraft.model.cache import PagedKVCache, default_block_size
+from kvgraft.model.cache import CacheFullError, PagedKVCache, default_block_size, ring_geometry
 from kvgraft.serve.adapters import (
     Adapter,
     AdapterBusyError,
@@ -111,8 +111,12 @@ class Engine:
             num_blocks = max_seqs * math.ceil(max_seq_len / block_size)
         param = next(model.parameters())
         self.model = model
+        # with the prefix cache, kept prompts hold window-ring blocks too: a quarter more ring blocks than the
+        # live sequences' rings (the default budget of kept state, below, is also a quarter of the pools)
+        nrb = ring_geometry(config, block_size, max_seq_len)[2]
+        ring_blocks = max_seqs * nrb + max(nrb, max_seqs * nrb // 4) if prefix_cache and nrb else None
         self.cache = PagedKVCache(config, num_blocks, block_size, max_seqs, max_seq_len,
-                                  dtype or param.dtype, param.device)
+                                  dtype or param.dtype, param.device, ring_blocks=ring_blocks)
         self.max_batch_tokens = max_batch_tokens
         self.detokenize = detokenize
         self.device = param.device
@@ -278,7 +282,18 @@ class Engine:
         while self.waiting and budget > 0 and self.cache.free_slots:
             req = self.waiting[0]
             hit = self._match(req)
-            seq = self.cache.restore(hit[0].snap) if hit else self.cache.add_sequence()
+            seq = None
+            if hit:  # a replay rebuilds the decoder's rings: those come fresh, the rest is shared
+                recompute = self.replay_layer if hit[1] else None
+                while seq is None:
+                    try:
+                        seq = self.cache.restore(hit[0].snap, recompute_from=recompute)
+                    except CacheFullError:
+                        if not self._evict_other(hit[0]):
+                            hit = None
+                            break
+            if seq is None:
+                seq = self.cache.add_sequence()
             computed = hit[0].length if hit else 0
             n = self._chunk(req, computed, budget)
             while not self.cache.can_extend(seq, n) and self.prefix is not None and self.prefix.evict_one():
@@ -304,6 +319,10 @@ class Engine:
         return rows
 
     # ---- the prefix cache ------------------------------------------------------------------------
+    def _evict_other(self, keep: PrefixEntry) -> bool:
+        """Evict the least recently used prefix entry other than ``keep``; False if there is none."""
+        return self.prefix is not None and self.prefix.evict_one(spare=keep)
+
     def _match(self, req: Request) -> tuple[PrefixEntry, bool] | None:
         """The prefix entry ``req`` reuses (and whether it needs a decoder replay); decides where its own
         prompt is kept (``keep_at``): all but the prompt's last token, and the point where it forks from

@@ -2,9 +2,8 @@
 
 An entry is a snapshot of a request's cache after its prompt minus the last token (``T`` tokens), or at
 the point where its prompt forks from a kept one (a shared system prompt, say: the next request that
-shares it hits): the
-paged blocks it held (reference counted: entry and requests share them, copy on write), a copy of its
-per-sequence state (window rings, pending tokens), who computed it (``owner``: an adapter's load
+shares it hits): the paged blocks and window-ring blocks it held (reference counted: entry and requests
+share them, copy on write), a copy of its pending tokens, who computed it (``owner``: an adapter's load
 identity, None for the base) and, on a causal encoder-decoder, the hidden states entering the pivot
 over the positions a decoder replay needs.
 
@@ -15,8 +14,10 @@ start its prompt (at most all but its last token) when either
 - both the entry's owner and the request's adapter hold a sharing certificate (the base always does):
   their shared segments and the windows of every layer before the pivot are the base model's, equal for
   both (``kvgraft.adapters.certificate``); only the windows from the pivot on depend on the adapter, and
-  they are rebuilt by a **decoder replay** (below). The paged blocks, which grow with the prompt, are
-  referenced, not copied: N certified adapters over one prompt hold its segments once.
+  they are rebuilt by a **decoder replay** (below) into fresh ring blocks (``PagedKVCache.restore(...,
+  recompute_from=pivot)``). The segment blocks and the encoder's ring blocks are referenced, not copied:
+  N certified adapters over one prompt hold its segments and its encoder windows once (a decode step
+  copies only the ring block it writes).
 
 Adapters without the certificate (they change a shared segment) reuse only their own entries. On
 GQA/MLA bases the certificate shares only when the adapter changes no layer's KV at all (e.g. the last
@@ -43,9 +44,9 @@ used: each layer's result is right from ``W - 1`` positions after its span begin
 the layer above) and reading the shared segments as they are. The reference causal encoder-decoder
 (W = 64, L = 8, p = 4): S = 253 positions through 4 layers, instead of a full prefill of every layer.
 
-Entries are evicted least-recently-used: beyond ``max_entries`` or ``max_bytes`` of kept state (the
-copies of window rings and kept hidden states, outside the paged pools), and whenever the engine needs
-blocks (before it preempts any request).
+Entries are evicted least-recently-used: beyond ``max_entries`` or ``max_bytes`` of kept state outside
+the pools (kept hidden states, pending tokens), and whenever the engine needs blocks or ring blocks
+(before it preempts any request).
 """
 
 from __future__ import annotations
@@ -180,12 +181,13 @@ class PrefixCache:
             self.evict_one()
         return entry
 
-    def evict_one(self) -> bool:
-        """Drop the least recently used entry (its blocks go when nothing else holds them); False if empty."""
-        if not self._entries:
+    def evict_one(self, spare: PrefixEntry | None = None) -> bool:
+        """Drop the least recently used entry other than ``spare`` (its blocks go when nothing else holds
+        them); False if there is none."""
+        key = next((k for k, e in self._entries.items() if e is not spare), None)
+        if key is None:
             return False
-        _, e = self._entries.popitem(last=False)
-        self._drop(e)
+        self._drop(self._entries.pop(key))
         return True
 
     def _drop(self, e: PrefixEntry) -> None:
