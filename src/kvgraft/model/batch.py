@@ -76,13 +76,14 @@ class Group:
     qpos: torch.Tensor  # (G, T) positions of the new tokens
     tok: torch.Tensor | None = None  # (G*T,) indices into the packed token axis; None: the dense batch
     starts: torch.Tensor | None = None  # (G,) tokens each row had cached before this step
-    table: torch.Tensor | None = None  # (G, blocks) block tables, padded with block 0 (masked)
+    table: torch.Tensor | None = None  # (G, blocks) block tables of the first unit, padded with block 0 (masked)
     slots: torch.Tensor | None = None  # (G,) state slots
     max_end: int = 0  # max over rows of start + T
     adapter: object = None  # the adapter of every row of the group (None: the base model), or MIXED
     adapter_rows: tuple = ()  # MIXED groups: ((adapter, row indices within the group (tensor)), ...)
     run: int | None = None  # one row whose blocks are consecutive (first block id): read as a view, no copy
     rings: tuple = ()  # per ring group: (G, ring blocks) ring-block tables (never-written blocks read as block 0)
+    tables: tuple = ()  # per unit (paged layer or segment: cache.unit_of_*): (G, blocks), shared by units of one span
 
     @property
     def G(self) -> int:
@@ -212,7 +213,10 @@ class BatchContext(_Context):
     ``replay=True``: the rows' ``new_tokens`` are the *last* tokens each sequence already holds, run again
     through some layers (``Transformer.replay``) to rebuild their window rings, e.g. for another adapter:
     rings are read as empty (the replay's own tokens are the window), shared segments are read and not
-    written, nothing is reserved or committed. ``capture_layer``: the forward keeps the hidden state
+    written, nothing is reserved or committed. On full-attention layers a replay runs over all the
+    sequence's tokens and ``write_from`` names the first layer whose paged KV it rewrites (into blocks
+    the sequence holds alone: ``PagedKVCache.restore(..., recompute_from=)``); layers below read what the
+    shared blocks hold. ``capture_layer``: the forward keeps the hidden state
     entering that layer (packed, (1, N, h)) in ``captured``.
     """
 
@@ -220,7 +224,7 @@ class BatchContext(_Context):
 
     def __init__(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[int],
                  adapter_ids: list[object] | None = None, *, replay: bool = False,
-                 capture_layer: int | None = None) -> None:
+                 capture_layer: int | None = None, write_from: int | None = None) -> None:
         if len(seqs) != len(new_tokens) or not seqs:
             raise ValueError(f"seqs ({len(seqs)}) and new_tokens ({len(new_tokens)}) must be non-empty and of "
                              "equal length")
@@ -250,6 +254,18 @@ class BatchContext(_Context):
                     cache.extend(s, t)  # raises the precise error (overflow or no free blocks)
             for s, t in zip(seqs, new_tokens):
                 cache.extend(s, t)
+        if write_from is not None:
+            if not replay:
+                raise ValueError("write_from is for a replay (BatchContext(..., replay=True))")
+            if isinstance(write_from, bool) or not isinstance(write_from, int) or not 0 <= write_from < cache.config.num_layers:
+                raise ValueError(f"write_from ({write_from!r}) must be a layer index in [0, {cache.config.num_layers})")
+            cut = next((u for u, (k, x) in enumerate(cache.units) if x >= write_from), len(cache.units))
+            for s in seqs:  # the layers it rewrites must hold their own blocks (a restore with recompute_from)
+                for u in range(cut, len(cache.units)):
+                    if any(cache.refcount(b, u) > 1 for b in cache.block_table(s, u)):
+                        raise ValueError(f"replay of sequence {s} would write blocks of layer {cache.units[u][1]} "
+                                         "that other sequences share; restore it with recompute_from first")
+        self.write_from = write_from
         self.replay, self.capture_layer, self.captured = replay, capture_layer, None
         self.cache, self.seqs, self.new_tokens = cache, list(seqs), list(new_tokens)
         self.adapter_ids = list(adapter_ids) if adapter_ids is not None else [None] * len(seqs)
@@ -284,18 +300,23 @@ class BatchContext(_Context):
             starts = [self.starts[r] for r in rows]
             ends = [s + t for s in starts]
             nb = -(-max(ends) // bs)
-            tables = [cache.block_table(seqs[r])[:nb] for r in rows]
-            table = torch.tensor([tb + [0] * (nb - len(tb)) for tb in tables], dtype=torch.long, device=dev)
+            cuts = sorted({u for r in rows for u in cache.span_starts(seqs[r])})  # unit spans: one unless split
+            by_cut = {}
+            for u in cuts:
+                tables = [cache.block_table(seqs[r], u)[:nb] for r in rows]
+                by_cut[u] = torch.tensor([tb + [0] * (nb - len(tb)) for tb in tables], dtype=torch.long, device=dev)
+            unit_tables = tuple(by_cut[max(c for c in cuts if c <= u)] for u in range(len(cache.units)))
+            table = by_cut[0]
             tb = tables[0]
-            run = tb[0] if self.views and len(rows) == 1 and len(tb) == nb and tb == list(range(tb[0], tb[0] + nb)) \
-                else None
+            run = tb[0] if self.views and len(cuts) == 1 and len(rows) == 1 and len(tb) == nb and \
+                tb == list(range(tb[0], tb[0] + nb)) else None
             tok = torch.cat([torch.arange(offsets[r], offsets[r] + t) for r in rows]).to(dev)
             qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None]
             rings = tuple(torch.tensor([[max(b, 0) for b in cache.ring_table(seqs[r], gi)] for r in rows],
                                        dtype=torch.long, device=dev) for gi in range(len(cache.ring_groups)))
             self.groups.append(Group(rows, t, qpos, tok, torch.tensor(starts, device=dev), table,
                                      torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev), max(ends),
-                                     adapter, adapter_rows, run, rings))
+                                     adapter, adapter_rows, run, rings, unit_tables))
 
     def adapter_tokens(self) -> dict[object, torch.Tensor]:
         """Adapter -> indices (on the packed token axis) of the tokens of its rows; the base is left out."""
@@ -325,32 +346,40 @@ class BatchContext(_Context):
         if entries is None:
             return self.scratch[key]
         g, c = self.groups[gi], self.cache
+        write = True
         if self.replay and layer not in c.rings:
-            raise ValueError(f"a replay rebuilds window rings only; layer {layer} stores paged KV (replay is for "
-                             "the causal encoder-decoder's decoder layers)")
+            if self.write_from is None:
+                raise ValueError(f"layer {layer} stores paged KV: a replay over it needs write_from (the first layer "
+                                 "whose KV it rebuilds; the layers below are read as the cache holds them)")
+            write = layer >= self.write_from  # below: the shared blocks already hold exactly these entries
         if layer in c.head_major:  # GQA: (2K, G, S, d), keys then values per head, each head contiguous
             pool = c.paged[layer]
+            table = g.tables[c.unit_of_paged[layer]]
             H2, _, bs, d = pool.shape
-            pos = g.qpos
-            flat = (g.table.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
-            src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
-            pool.view(H2, -1, d).index_copy_(1, flat, src)
+            if write:
+                pos = g.qpos
+                flat = (table.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
+                src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
+                pool.view(H2, -1, d).index_copy_(1, flat, src)
             if g.run is not None:  # one row in consecutive blocks: a view of the pool
-                nb = g.table.shape[1]
+                nb = table.shape[1]
                 keys = pool[:, g.run:g.run + nb].reshape(H2, 1, nb * bs, d)[:, :, : g.max_end]
             else:
-                keys = pool[:, g.table].view(H2, g.G, -1, d)[:, :, : g.max_end]
+                keys = pool[:, table].view(H2, g.G, -1, d)[:, :, : g.max_end]
             out = (keys, torch.arange(g.max_end, device=keys.device).expand(g.G, -1))
         elif layer in c.paged:
             pool = c.paged[layer]
+            table = g.tables[c.unit_of_paged[layer]]
             bs = c.block_size
-            pos = g.qpos  # (G, T)
-            flat = g.table.gather(1, pos // bs) * bs + pos % bs
-            pool.view(-1, pool.shape[-1]).index_copy_(0, flat.reshape(-1), entries.reshape(-1, entries.shape[-1]).to(pool.dtype))
+            if write:
+                pos = g.qpos  # (G, T)
+                flat = table.gather(1, pos // bs) * bs + pos % bs
+                pool.view(-1, pool.shape[-1]).index_copy_(0, flat.reshape(-1),
+                                                          entries.reshape(-1, entries.shape[-1]).to(pool.dtype))
             if g.run is not None:
-                keys = pool[g.run:g.run + g.table.shape[1]].reshape(1, -1, pool.shape[-1])[:, : g.max_end]
+                keys = pool[g.run:g.run + table.shape[1]].reshape(1, -1, pool.shape[-1])[:, : g.max_end]
             else:
-                keys = pool[g.table].view(g.G, -1, pool.shape[-1])[:, : g.max_end]
+                keys = pool[table].view(g.G, -1, pool.shape[-1])[:, : g.max_end]
             kpos = torch.arange(g.max_end, device=keys.device).expand(g.G, -1)
             out = (keys, kpos)
         else:  # a ring of the last W tokens: [ring as it was ; new tokens], then the ring is updated
@@ -381,12 +410,13 @@ class BatchContext(_Context):
         g, c = self.groups[gi], self.cache
         m = c.layout.compress_rate
         seg = c.segments[layer]
+        table = g.tables[c.unit_of_segment[layer]]
         epb = seg.shape[1]  # entries per block
         entries = compressor.token_entries(x, cos, sin)  # (G, T, E)
         E = entries.shape[-1]
         if m == 1:
             pos = g.qpos
-            flat = g.table.gather(1, pos // epb) * epb + pos % epb
+            flat = table.gather(1, pos // epb) * epb + pos % epb
             seg.view(-1, E).index_copy_(0, flat.reshape(-1), entries.reshape(-1, E).to(seg.dtype))
             return
         scores = compressor.gate_scores(x, g.qpos)  # (G, T, D)
@@ -406,7 +436,7 @@ class BatchContext(_Context):
             if n:
                 blocks = compressor.pool(all_e[:, :n], all_s[:, :n])  # (Gs, n / m, E)
                 e = (g.starts[sub] // m)[:, None] + torch.arange(n // m, device=blocks.device)[None]
-                flat = g.table[sub].gather(1, e // epb) * epb + e % epb
+                flat = table[sub].gather(1, e // epb) * epb + e % epb
                 seg.view(-1, E).index_copy_(0, flat.reshape(-1), blocks.reshape(-1, E).to(seg.dtype))
 
     def segment(self, source: int, gi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -417,11 +447,12 @@ class BatchContext(_Context):
             g, c = self.groups[gi], self.cache
             m = c.layout.compress_rate
             seg = c.segments[source]
+            table = g.tables[c.unit_of_segment[source]]
             N = g.max_end // m
             if g.run is not None:
-                entries = seg[g.run:g.run + g.table.shape[1]].reshape(1, -1, seg.shape[-1])[:, :N]
+                entries = seg[g.run:g.run + table.shape[1]].reshape(1, -1, seg.shape[-1])[:, :N]
             else:
-                entries = seg[g.table].view(g.G, -1, seg.shape[-1])[:, :N]
+                entries = seg[table].view(g.G, -1, seg.shape[-1])[:, :N]
             first = (torch.arange(N, device=entries.device) * m).expand(g.G, -1)
             self.scratch[key] = (entries, first)
         return self.scratch[key]

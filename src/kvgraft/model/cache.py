@@ -35,6 +35,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvgraft.model.config import ModelConfig
@@ -98,11 +99,16 @@ class CacheSnapshot:
     its per-sequence state. :meth:`PagedKVCache.restore` starts new sequences from it, sharing the blocks;
     :meth:`PagedKVCache.release` lets the blocks go."""
 
-    blocks: tuple[int, ...]
+    spans: tuple[tuple[int, tuple[int, ...]], ...]  # (first unit, block ids) per layer span (held)
     length: int
     state: dict[tuple[str, int], torch.Tensor]  # ("pending", layer) -> the slot's copy
     rings: tuple[tuple[int, ...], ...] = ()  # per ring group: ring-block ids (held), -1 = never written
     released: bool = False
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """The block ids of the first layer span (all layers' when the snapshot has one span)."""
+        return self.spans[0][1] if self.spans else ()
 
     @property
     def state_bytes(self) -> int:
@@ -112,7 +118,7 @@ class CacheSnapshot:
 @dataclass
 class _Sequence:
     slot: int  # state slot (pending tokens)
-    blocks: list[int] = field(default_factory=list)
+    spans: list[list] = field(default_factory=lambda: [[0, []]])  # [first unit, block ids] per layer span
     length: int = 0  # tokens committed
     rings: list[list[int]] = field(default_factory=list)  # per ring group: ring-block ids, -1 = not allocated
 
@@ -163,8 +169,8 @@ class PagedKVCache:
                              "holds whole pooled entries")
         self.config, self.block_size, self.num_blocks, self.max_seqs = config, block_size, num_blocks, max_seqs
         self.max_seq_len, self.dtype, self.device = max_seq_len, dtype, torch.device(device)
-        self.ring_len, self.ring_block, self.ring_blocks_per_seq = R, rb, nrb = \
-            ring_geometry(config, block_size, max_seq_len)
+        self.ring_len, self.ring_block, self.ring_blocks_per_seq = ring_geometry(config, block_size, max_seq_len)
+        rb, nrb = self.ring_block, self.ring_blocks_per_seq
         if ring_split == "pivot":
             ring_split = max(config.kv_source_layers) if config.is_ced and config.kv_source_layers else None
         ring_layers = sorted(layout.rings)
@@ -200,9 +206,18 @@ class PagedKVCache:
         self.ring_group_of = {layer: i for i, g in enumerate(self.ring_groups) for layer in g.layers}
         self.rings = {layer: zeros(ring_blocks, rb, w) for layer, w in layout.rings.items()} if nrb else {}
         self.pending = {s: zeros(max_seqs, m - 1, w) for s, w in layout.pending.items()}
-        self._refcount = [0] * num_blocks
-        self._multi = 0  # blocks held more than once
-        self._free_blocks: deque[int] = deque(range(num_blocks))
+        # token blocks: one id space, a reference count per (unit, block): a unit is a paged layer or a
+        # segment; a sequence's layers share one block table except where a restore split them into spans
+        self.units = [("paged", x) for x in sorted(layout.paged)] + [("segment", x) for x in sorted(layout.segments)]
+        self.unit_of_paged = {x: u for u, (k, x) in enumerate(self.units) if k == "paged"}
+        self.unit_of_segment = {x: u for u, (k, x) in enumerate(self.units) if k == "segment"}
+        self.unit_bytes = np.array([itemsize * (block_size * layout.paged[x] if k == "paged"
+                                                else block_size // m * layout.segments[x]) for k, x in self.units],
+                                   dtype=np.int64)
+        U = len(self.units)
+        self._rc = np.zeros((U, num_blocks), dtype=np.int32)
+        self._free_units = np.full(num_blocks, U, dtype=np.int32)  # units in which a block id is free
+        self._free_q: deque[int] = deque(range(num_blocks))  # ids free in every unit (stale entries skipped)
         self._free_slots: deque[int] = deque(range(max_seqs))
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
@@ -228,9 +243,8 @@ class PagedKVCache:
         src = self._get(seq)
         child = self.add_sequence()
         c = self._seqs[child]
-        c.blocks, c.length = list(src.blocks), src.length
-        for b in src.blocks:
-            self._incref(b)
+        c.spans, c.length = [[u, list(t)] for u, t in src.spans], src.length
+        self._incref_spans(c.spans)
         c.rings = [list(t) for t in src.rings]
         self._ring_incref(c.rings)
         for t in self.pending.values():
@@ -241,20 +255,22 @@ class PagedKVCache:
         """Freeze ``seq`` as it is now: hold its blocks and ring blocks (the sequence may go on; its next
         write into a held block copies it first) and copy its per-sequence state."""
         s = self._get(seq)
-        for b in s.blocks:
-            self._incref(b)
+        self._incref_spans(s.spans)
         self._ring_incref(s.rings)
         state = {("pending", layer): t[s.slot].clone() for layer, t in self.pending.items()}
-        return CacheSnapshot(tuple(s.blocks), s.length, state, tuple(tuple(t) for t in s.rings))
+        return CacheSnapshot(tuple((u, tuple(t)) for u, t in s.spans), s.length, state,
+                             tuple(tuple(t) for t in s.rings))
 
     def restore(self, snap: CacheSnapshot, recompute_from: int | None = None) -> int:
         """A new sequence holding the snapshot's tokens: its blocks and ring blocks shared (reference
         counted), its state copied into the new sequence's slot.
 
-        ``recompute_from`` (a ring-group boundary, e.g. a causal encoder-decoder's pivot): the ring groups
-        from that layer on are *not* shared; the new sequence gets fresh ring blocks for them, which a
-        decoder replay (``Transformer.replay``) then fills, e.g. for another adapter. Raises CacheFullError
-        (changing nothing) when no slot or not enough ring blocks are free."""
+        ``recompute_from`` (a layer): what layers from there on store is *not* shared; the new sequence
+        gets fresh blocks for it, which a replay (``Transformer.replay``) then fills, e.g. for another
+        adapter: on a causal encoder-decoder the ring groups from that layer on (a ring-group boundary:
+        the pivot; the shared segments stay shared), on a full-attention model every layer's paged KV from
+        that layer on over all the snapshot's tokens (the layers below stay shared). Raises CacheFullError
+        (changing nothing) when no slot or not enough blocks are free."""
         if snap.released:
             raise ValueError("restore: the snapshot was released")
         fresh = self._fresh_groups(recompute_from)
@@ -263,11 +279,24 @@ class PagedKVCache:
             if n > len(self.ring_groups[gi].free):
                 raise CacheFullError(f"restore needs {n} ring blocks of group {gi}, "
                                      f"{len(self.ring_groups[gi].free)} free of {self.ring_groups[gi].num_blocks}")
+        spans = [[u, list(t)] for u, t in snap.spans]
+        cut = self._unit_cut(recompute_from)
+        n_blocks = -(-snap.length // self.block_size)
+        if cut < len(self.units) and self.block_bytes:  # the units from ``cut`` on come fresh
+            if self._available(cut, len(self.units)) < n_blocks:
+                raise CacheFullError(f"restore needs {n_blocks} blocks for layers from {recompute_from} on, "
+                                     f"{self._available(cut, len(self.units))} free there")
+            spans = self._split(spans, cut)
+            spans = [sp for sp in spans if sp[0] < cut]
+        if not self._free_slots:
+            raise CacheFullError(f"all {self.max_seqs} sequence slots are in use")
         seq = self.add_sequence()
         s = self._seqs[seq]
-        s.blocks, s.length = list(snap.blocks), snap.length
-        for b in snap.blocks:
-            self._incref(b)
+        fresh_span = cut < len(self.units) and self.block_bytes
+        s.spans, s.length = spans + ([[cut, []]] if fresh_span else []), snap.length
+        self._incref_spans(s.spans)  # (the fresh span is still empty)
+        if fresh_span:
+            s.spans[-1][1] = [self._allocate(cut, len(self.units)) for _ in range(n_blocks)]
         for gi, table in enumerate(snap.rings):
             if gi in fresh:
                 for k in range(need[gi]):
@@ -289,10 +318,9 @@ class PagedKVCache:
             return set()
         if isinstance(recompute_from, bool) or not isinstance(recompute_from, int):
             raise ValueError(f"recompute_from ({recompute_from!r}) must be a layer index or None")
-        if any(layer >= recompute_from for layer in list(self.paged) + list(self.segments)) and \
-                not self.config.is_ced:
-            raise ValueError(f"recompute_from={recompute_from}: layers from there store paged KV, which a restore "
-                             "shares as it is (only window rings can be recomputed by a replay)")
+        if self.ring_groups and not self.config.is_ced and recompute_from < self.config.num_layers:
+            raise ValueError(f"recompute_from={recompute_from}: this model's window rings are one group (only a "
+                             "causal encoder-decoder's rings split at its pivot)")
         fresh = set()
         for gi, g in enumerate(self.ring_groups):
             if g.layers[0] >= recompute_from:
@@ -306,8 +334,7 @@ class PagedKVCache:
         """Let a snapshot's blocks go (freed when no sequence or other snapshot holds them)."""
         if snap.released:
             return
-        for b in snap.blocks:
-            self._release(b)
+        self._release_spans(snap.spans)
         self._ring_release(snap.rings)
         snap.released = True
 
@@ -316,16 +343,25 @@ class PagedKVCache:
         s = self._seqs.pop(seq, None)
         if s is None:
             raise KeyError(f"unknown sequence {seq}")
-        for b in s.blocks:
-            self._release(b)
+        self._release_spans(s.spans)
         self._ring_release(s.rings)
         self._free_slots.append(s.slot)
 
     def length(self, seq: int) -> int:
         return self._get(seq).length
 
-    def block_table(self, seq: int) -> list[int]:
-        return list(self._get(seq).blocks)
+    def block_table(self, seq: int, unit: int = 0) -> list[int]:
+        """Block ids of ``seq`` for ``unit`` (a paged layer or segment: ``unit_of_paged`` /
+        ``unit_of_segment``; by default the first)."""
+        return list(self._table(self._get(seq), unit))
+
+    def span_starts(self, seq: int) -> list[int]:
+        """First unit of each of ``seq``'s layer spans ([0] unless a restore split its layers)."""
+        return [u for u, _ in self._get(seq).spans]
+
+    def spans(self, seq: int) -> list[tuple[int, list[int]]]:
+        """``seq``'s layer spans: (first unit, block ids); one span unless a restore split its layers."""
+        return [(u, list(t)) for u, t in self._get(seq).spans]
 
     def ring_table(self, seq: int, group: int) -> list[int]:
         """Ring-block ids of ``seq``'s ring group ``group`` (-1: not written yet)."""
@@ -344,8 +380,8 @@ class PagedKVCache:
     def slot(self, seq: int) -> int:
         return self._get(seq).slot
 
-    def refcount(self, block: int) -> int:
-        return self._refcount[block]
+    def refcount(self, block: int, unit: int = 0) -> int:
+        return int(self._rc[unit, block]) if self.units else 0
 
     def ring_refcount(self, group: int, block: int) -> int:
         return self.ring_groups[group].refcount[block]
@@ -356,14 +392,27 @@ class PagedKVCache:
 
     # ---- allocation ------------------------------------------------------------------------------
     def blocks_needed(self, seq: int, new_tokens: int) -> int:
-        """Free token blocks that ``extend(seq, new_tokens)`` would take (new blocks plus copy on write)."""
-        s = self._get(seq)
+        """Free token blocks that ``extend(seq, new_tokens)`` would take (new blocks plus copy on write),
+        summed over the sequence's layer spans."""
+        return sum(self._span_needs(self._get(seq), new_tokens).values())
+
+    def _span_needs(self, s: _Sequence, new_tokens: int) -> dict[int, int]:
+        """Span index -> blocks it needs for ``new_tokens`` more tokens."""
+        if not self.block_bytes:
+            return {}
         end = s.length + new_tokens
-        need = max(0, math.ceil(end / self.block_size) - len(s.blocks)) if self.block_bytes else 0
         first = s.length // self.block_size  # the block the next token lands in
-        if new_tokens and first < len(s.blocks) and self._refcount[s.blocks[first]] > 1:
-            need += 1
-        return need
+        out = {}
+        for i, (u, table) in enumerate(s.spans):
+            need = max(0, math.ceil(end / self.block_size) - len(table))
+            if new_tokens and first < len(table) and self._shared(i, s, table[first]):
+                need += 1
+            out[i] = need
+        return out
+
+    def _shared(self, i: int, s: _Sequence, b: int) -> bool:
+        lo, hi = self._span_range(s, i)
+        return bool((self._rc[lo:hi, b] > 1).any())
 
     def _ring_touched(self, start: int, n: int) -> list[int]:
         """Ring-block indices that positions [start, start + n) write (their last ring_len positions)."""
@@ -413,8 +462,11 @@ class PagedKVCache:
 
     def can_extend(self, seq: int, new_tokens: int) -> bool:
         s = self._get(seq)
-        if s.length + new_tokens > self.max_seq_len or self.blocks_needed(seq, new_tokens) > len(self._free_blocks):
+        if s.length + new_tokens > self.max_seq_len:
             return False
+        for i, k in self._span_needs(s, new_tokens).items():
+            if k and k > self._available(*self._span_range(s, i)):
+                return False
         need = self.ring_blocks_needed(seq, s.length, new_tokens)
         return all(k <= len(self.ring_groups[gi].free) for gi, k in need.items())
 
@@ -424,27 +476,30 @@ class PagedKVCache:
         end = s.length + new_tokens
         if end > self.max_seq_len:
             raise ValueError(f"cache overflow: {end} tokens > max_seq_len {self.max_seq_len}; allocate a longer cache")
-        if self.blocks_needed(seq, new_tokens) > len(self._free_blocks):
-            raise CacheFullError(
-                f"sequence {seq} needs {self.blocks_needed(seq, new_tokens)} more blocks for {new_tokens} tokens, "
-                f"{len(self._free_blocks)} free of {self.num_blocks}")
+        needs = self._span_needs(s, new_tokens)
+        for i, k in needs.items():
+            if k and k > self._available(*self._span_range(s, i)):
+                raise CacheFullError(
+                    f"sequence {seq} needs {self.blocks_needed(seq, new_tokens)} more blocks for {new_tokens} tokens, "
+                    f"{self._available(*self._span_range(s, i))} free of {self.num_blocks}")
         self.reserve_rings(seq, s.length, new_tokens)
         if not self.block_bytes:
             return
         first = s.length // self.block_size
-        if new_tokens and first < len(s.blocks) and self._refcount[s.blocks[first]] > 1:
-            old, new = s.blocks[first], self._allocate()
-            for layer, t in self.paged.items():
-                if layer in self.head_major:
-                    t[:, new] = t[:, old]
-                else:
-                    t[new] = t[old]
-            for t in self.segments.values():
-                t[new] = t[old]
-            self._release(old)
-            s.blocks[first] = new
-        while len(s.blocks) * self.block_size < end:
-            s.blocks.append(self._allocate())
+        for i, (u, table) in enumerate(s.spans):
+            lo, hi = self._span_range(s, i)
+            if new_tokens and first < len(table) and self._shared(i, s, table[first]):
+                old, new = table[first], self._allocate(lo, hi)
+                for k, x in self.units[lo:hi]:
+                    t = self.paged[x] if k == "paged" else self.segments[x]
+                    if x in self.head_major and k == "paged":
+                        t[:, new] = t[:, old]
+                    else:
+                        t[new] = t[old]
+                self._release_ids(lo, hi, [old])
+                table[first] = new
+            while len(table) * self.block_size < end:
+                table.append(self._allocate(lo, hi))
 
     def commit(self, seq: int, new_tokens: int) -> None:
         """Record ``new_tokens`` written (called once per forward, after every layer ran)."""
@@ -463,20 +518,23 @@ class PagedKVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free_blocks)
+        """Block ids free in every layer."""
+        return int(np.count_nonzero(self._free_units == len(self.units))) if self.units else self.num_blocks
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of blocks and ring blocks held by some sequence or snapshot plus the state slots of live
-        sequences."""
+        """Bytes of blocks (per layer) and ring blocks held by some sequence or snapshot plus the state
+        slots of live sequences."""
         rings = sum((g.num_blocks - len(g.free)) * g.block_bytes for g in self.ring_groups)
-        return (self.num_blocks - len(self._free_blocks)) * self.block_bytes + rings + len(self._seqs) * self.slot_bytes
+        blocks = int(((self._rc > 0).sum(1) * self.unit_bytes).sum()) if self.units else 0
+        return blocks + rings + len(self._seqs) * self.slot_bytes
 
     @property
     def shared_bytes(self) -> int:
-        """Bytes of blocks and ring blocks held more than once (by several sequences or snapshots), each
-        counted once."""
-        return self._multi * self.block_bytes + sum(g.multi * g.block_bytes for g in self.ring_groups)
+        """Bytes of blocks (per layer) and ring blocks held more than once (by several sequences or
+        snapshots), each counted once."""
+        blocks = int(((self._rc > 1).sum(1) * self.unit_bytes).sum()) if self.units else 0
+        return blocks + sum(g.multi * g.block_bytes for g in self.ring_groups)
 
     @property
     def free_bytes(self) -> int:
@@ -499,22 +557,83 @@ class PagedKVCache:
         except KeyError:
             raise KeyError(f"unknown sequence {seq}; live sequences: {sorted(self._seqs)}") from None
 
-    def _allocate(self) -> int:
-        b = self._free_blocks.popleft()
-        self._refcount[b] = 1
+    def _table(self, s: _Sequence, unit: int) -> list[int]:
+        for u, t in reversed(s.spans):
+            if u <= unit:
+                return t
+        raise AssertionError("spans start at unit 0")
+
+    def _span_range(self, s: _Sequence, i: int) -> tuple[int, int]:
+        return s.spans[i][0], (s.spans[i + 1][0] if i + 1 < len(s.spans) else len(self.units))
+
+    def _unit_cut(self, recompute_from: int | None) -> int:
+        """The first unit a restore with ``recompute_from`` gives fresh blocks (len(units): none). On a
+        causal encoder-decoder the segments stay shared (a replay rebuilds window rings only)."""
+        if recompute_from is None or self.config.is_ced:
+            return len(self.units)
+        return next((u for u, (k, x) in enumerate(self.units) if x >= recompute_from), len(self.units))
+
+    @staticmethod
+    def _split(spans: list[list], cut: int) -> list[list]:
+        """Spans with a boundary at unit ``cut`` (the table is the same on both sides)."""
+        out = []
+        for i, (u, t) in enumerate(spans):
+            end = spans[i + 1][0] if i + 1 < len(spans) else None
+            out.append([u, list(t)])
+            if u < cut and (end is None or cut < end):
+                out.append([cut, list(t)])
+        return out
+
+    def _available(self, lo: int, hi: int) -> int:
+        """Block ids free in every unit of [lo, hi)."""
+        if lo == 0 and hi == len(self.units):
+            return int(np.count_nonzero(self._free_units == hi))
+        return int(np.count_nonzero((self._rc[lo:hi] == 0).all(0)))
+
+    def _allocate(self, lo: int = 0, hi: int | None = None) -> int:
+        """A block id free in units [lo, hi), now held once there. All units: the oldest fully free id;
+        a span: preferably an id some other span already holds (keeping fully free ids whole)."""
+        U = len(self.units)
+        hi = U if hi is None else hi
+        if lo == 0 and hi == U:
+            while True:
+                if not self._free_q:
+                    raise CacheFullError(f"no free block ({self.num_blocks} in all)")
+                b = self._free_q.popleft()
+                if self._free_units[b] == U:
+                    break
+        else:
+            free = (self._rc[lo:hi] == 0).all(0)
+            idx = np.flatnonzero(free & (self._free_units < U))
+            if not idx.size:
+                idx = np.flatnonzero(free)
+            if not idx.size:
+                raise CacheFullError(f"no block free in layers {self.units[lo][1]}..{self.units[hi - 1][1]}")
+            b = int(idx[0])
+        self._rc[lo:hi, b] = 1
+        self._free_units[b] -= hi - lo
         return b
 
-    def _incref(self, b: int) -> None:
-        if self._refcount[b] == 1:
-            self._multi += 1
-        self._refcount[b] += 1
+    def _incref_spans(self, spans) -> None:
+        for i, (u, t) in enumerate(spans):
+            if t:
+                hi = spans[i + 1][0] if i + 1 < len(spans) else len(self.units)
+                self._rc[u:hi, np.asarray(t, dtype=np.int64)] += 1
 
-    def _release(self, b: int) -> None:
-        self._refcount[b] -= 1
-        if self._refcount[b] == 1:
-            self._multi -= 1
-        if self._refcount[b] == 0:
-            self._free_blocks.append(b)
+    def _release_ids(self, lo: int, hi: int, ids) -> None:
+        if not len(ids):
+            return
+        ix = np.asarray(ids, dtype=np.int64)
+        self._rc[lo:hi, ix] -= 1
+        self._free_units[ix] += (self._rc[lo:hi, ix] == 0).sum(0).astype(np.int32)
+        U = len(self.units)
+        for b in ix[self._free_units[ix] == U].tolist():
+            self._free_q.append(b)
+
+    def _release_spans(self, spans) -> None:
+        for i, (u, t) in enumerate(spans):
+            hi = spans[i + 1][0] if i + 1 < len(spans) else len(self.units)
+            self._release_ids(u, hi, t)
 
     def _ring_allocate(self, gi: int) -> int:
         g = self.ring_groups[gi]

@@ -54,6 +54,7 @@ class Request:
     generator: torch.Generator | None = None
     owner: object = None  # the adapter's load identity (prefix-cache key); None: the base
     shares: bool = True  # the adapter's certificate lets it read the base's shared cache groups
+    same_below: int | None = None  # full-attention base: the first layer whose KV the adapter changes (None: none)
     keep_at: list[int] = field(default_factory=list)  # ascending: keep the cache in the prefix cache there
     hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, replay-layer inputs)
 
@@ -129,12 +130,12 @@ class Engine:
         self.prefix_stats = {"entries": 0, "bytes": 0, "queries": 0, "hits": 0, "replays": 0, "replayed_tokens": 0}
         if prefix_max_bytes is None:  # kept state outside the pools: at most a quarter of the pools' size
             prefix_max_bytes = self.cache.nbytes // 4
-        self.prefix = PrefixCache(self.cache, prefix_entries, replay_span(config), prefix_max_bytes) \
-            if prefix_cache else None
         self.replay_layer = replay_layer(config)
+        self.prefix = PrefixCache(self.cache, prefix_entries, replay_span(config), prefix_max_bytes,
+                                  replay_from=self.replay_layer) if prefix_cache else None
         self._uids: dict[str, int] = {}  # adapter name -> load identity (a reloaded name is another adapter)
         self._next_uid = 0
-        self._replays: list[tuple[Request, PrefixEntry]] = []
+        self._replays: list[tuple[Request, PrefixEntry, int]] = []
 
     def cache_stats(self) -> dict[str, float]:
         """Cache bytes (used, free, total, shared = blocks held more than once, private = the rest of used)
@@ -226,6 +227,9 @@ class Engine:
             cert = self.adapters.get(adapter).certificate
             req.shares = bool(cert.get("shares_cache")) and (
                 self.replay_layer is None or int(cert["first_adapted_layer"]) >= self.replay_layer)
+            if self.replay_layer is None:  # full-attention base: layers below the first changed KV are shared
+                kv = [int(g.split(":")[1]) for g in cert.get("touched", ()) if g.startswith("kv:")]
+                req.same_below = min(kv) if kv else None
         self.requests[rid] = req
         if sampling.max_new_tokens == 0:
             self._finish(req, "length")
@@ -283,8 +287,8 @@ class Engine:
             req = self.waiting[0]
             hit = self._match(req)
             seq = None
-            if hit:  # a replay rebuilds the decoder's rings: those come fresh, the rest is shared
-                recompute = self.replay_layer if hit[1] else None
+            if hit:  # a replay rebuilds what depends on the adapter: that comes fresh, the rest is shared
+                recompute = hit[1]
                 while seq is None:
                     try:
                         seq = self.cache.restore(hit[0].snap, recompute_from=recompute)
@@ -309,8 +313,8 @@ class Engine:
             if hit:
                 entry, replay = hit
                 self.prefix_stats["hits"] += 1
-                if replay:
-                    self._replays.append((req, entry))
+                if replay is not None:
+                    self._replays.append((req, entry, replay))
                 if entry.hidden is not None and req.keep_at:
                     req.hidden = [(entry.length - entry.hidden.shape[0], entry.hidden)]
             self.running.append(req)
@@ -330,13 +334,15 @@ class Engine:
         req.keep_at, req.hidden = [], []
         if self.prefix is None or len(req.prompt) <= self.cache.block_size:
             return None
-        hit = self.prefix.match(req.prompt, req.owner, req.shares)
+        hit = self.prefix.match(req.prompt, req.owner, req.shares, req.same_below)
         done = hit[0].length if hit else 0
+        if hit and hit[1] is not None and self.prefix.span is None:
+            done -= 1  # a full-attention replay rebuilds the adapter's own layers: keep them too (after it)
         T = len(req.prompt) - 1
         fork = self.prefix.fork_point(req.prompt)
         for point in (fork, T):
             if self.cache.block_size <= point <= T and point > done and point not in req.keep_at and \
-                    not self.prefix.covers(req.prompt[:point], req.owner, req.shares):
+                    not self.prefix.covers(req.prompt[:point], req.owner, req.shares, req.same_below):
                 req.keep_at.append(point)
         return hit
 
@@ -379,7 +385,8 @@ class Engine:
                     break
             if pos >= T:
                 hidden = torch.cat(parts)
-        self.prefix.insert(req.prompt[:T], self.cache.snapshot(req.seq), req.owner, req.shares, hidden)
+        self.prefix.insert(req.prompt[:T], self.cache.snapshot(req.seq), req.owner, req.shares, hidden,
+                           req.same_below)
         if req.keep_at:  # drop what the next keep point's span does not need
             first = req.keep_at[0] - self.prefix.span if self.prefix.span else 0
             req.hidden = [(st, h) for st, h in req.hidden if st + h.shape[0] > first]
@@ -389,12 +396,21 @@ class Engine:
     def _run_replays(self) -> None:
         """Rebuild the decoder windows of requests that reuse another adapter's prefix (module
         ``kvgraft.serve.prefix``: the replay rule)."""
-        for req, entry in self._replays:
+        for req, entry, layer in self._replays:
             if req.seq is None:
                 continue
-            n = entry.hidden.shape[0]
-            ctx = BatchContext(self.cache, [req.seq], [n], adapter_ids=[req.adapter], replay=True)
-            self.model.replay(entry.hidden, ctx, self.replay_layer)
+            if entry.hidden is not None:  # causal encoder-decoder: the decoder over the replay span
+                n = entry.hidden.shape[0]
+                ctx = BatchContext(self.cache, [req.seq], [n], adapter_ids=[req.adapter], replay=True)
+                self.model.replay(entry.hidden, ctx, self.replay_layer)
+            else:  # full-attention base: every position again, rewriting the KV of layers from ``layer`` on
+                n = entry.length
+                ids = torch.tensor(entry.tokens, device=self.device)
+                ctx = BatchContext(self.cache, [req.seq], [n], adapter_ids=[req.adapter], replay=True,
+                                   write_from=layer)
+                self.model.replay(self.model.embed_tokens(ids)[None], ctx, 0)
+                if req.keep_at and req.keep_at[0] == req.computed:  # its own entry: the next request of
+                    self._keep_prefix(req)  # this adapter reuses it as it is (the lower layers are the same blocks)
             self.prefix_stats["replays"] += 1
             self.prefix_stats["replayed_tokens"] += n
         self._replays = []
@@ -476,7 +492,7 @@ class Engine:
 
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s cache and put it first in the queue; it recomputes prompt + output later."""
-        self._replays = [(r, e) for r, e in self._replays if r is not req]
+        self._replays = [(r, e, x) for r, e, x in self._replays if r is not req]
         self.cache.free(req.seq)
         req.seq, req.status, req.computed = None, WAITING, 0
         self.running.remove(req)

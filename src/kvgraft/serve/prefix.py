@@ -83,6 +83,7 @@ class PrefixEntry:
     owner: object  # the adapter's load identity; None: the base model
     shares: bool  # computed by the base or a certified adapter: its shared groups are the base's
     hidden: torch.Tensor | None  # (n, h) inputs of the replay layer at positions [T - n, T), n = min(S, T)
+    same_below: int | None = None  # full-attention bases: layers below this store the base's KV (None: all)
 
     @property
     def length(self) -> int:
@@ -97,12 +98,19 @@ class PrefixEntry:
 class PrefixCache:
     """LRU entries over one :class:`PagedKVCache` (see the module docstring)."""
 
-    def __init__(self, cache: PagedKVCache, max_entries: int, span: int | None, max_bytes: int | None = None) -> None:
+    def __init__(self, cache: PagedKVCache, max_entries: int, span: int | None, max_bytes: int | None = None,
+                 replay_from: int | None = None) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_entries ({max_entries!r}) must be a positive integer")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
             raise ValueError(f"max_bytes ({max_bytes!r}) must be a non-negative integer or None")
         self.cache, self.max_entries, self.span, self.max_bytes = cache, max_entries, span, max_bytes
+        self.replay_from = replay_from  # a causal encoder-decoder's pivot (None: a full-attention base)
+        layers = cache.config.num_layers
+        # full-attention bases share layer ranges only without window rings (one ring group) and with
+        # paged KV to share
+        self._partial = not cache.config.is_ced and not cache.ring_groups and bool(cache.units)
+        self._L = layers
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
         self._next = 0
         self._bytes = 0
@@ -115,32 +123,39 @@ class PrefixCache:
         """Bytes of the entries' copied state and kept hidden states (their blocks count in the cache)."""
         return self._bytes
 
-    def match(self, prompt: list[int], owner: object, shares: bool) -> tuple[PrefixEntry, bool] | None:
+    def match(self, prompt: list[int], owner: object, shares: bool,
+              same_below: int | None = None) -> tuple[PrefixEntry, int | None] | None:
         """The longest usable entry for a request (``prompt``, adapter ``owner``, its certificate's
-        ``shares``) and whether it needs a decoder replay; None when none is usable."""
-        best: tuple[PrefixEntry, bool] | None = None
-        best_key = None
+        ``shares`` and, on a full-attention base, ``same_below``: the layers below it store the base's
+        KV) and the layer a replay rebuilds from (None: used as it is); None when none is usable."""
+        best, best_score, best_key = None, None, None
         for key, e in self._entries.items():
             if e.length > len(prompt) - 1 or (best is not None and e.length < best[0].length):
                 continue
-            replay = self._replay(e, owner, shares)
-            if replay is None or tuple(prompt[: e.length]) != e.tokens:
+            ok, replay = self._use(e, owner, shares, same_below)
+            if not ok or tuple(prompt[: e.length]) != e.tokens:
                 continue
-            if best is None or e.length > best[0].length or (not replay and best[1]):
-                best, best_key = (e, replay), key
+            score = (e.length, replay is None, replay or 0)  # longest, then no replay, then the least to rebuild
+            if best is None or score > best_score:
+                best, best_score, best_key = (e, replay), score, key
         if best_key is not None:
             self._entries.move_to_end(best_key)
         return best
 
-    def _replay(self, e: PrefixEntry, owner: object, shares: bool) -> bool | None:
-        """None: ``e`` is not usable by (owner, shares); else whether using it needs a decoder replay."""
+    def _use(self, e: PrefixEntry, owner: object, shares: bool,
+             same_below: int | None = None) -> tuple[bool, int | None]:
+        """Whether ``e`` is usable by (owner, shares, same_below), and the layer a replay must rebuild
+        from (None: everything is reused as it is)."""
         if e.owner == owner:
-            return False
-        if not (shares and e.shares):
-            return None
-        if self.span is None:  # GQA/MLA: both certified to change no layer's KV: everything is identical
-            return False
-        return True if e.hidden is not None else None
+            return True, None
+        if self.span is not None:  # causal encoder-decoder: certified on both sides, decoder replay
+            return (True, self.replay_from) if shares and e.shares and e.hidden is not None else (False, None)
+        # full-attention base: the layers below both sides' first changed KV are the base's on both
+        b = min(self._L if e.same_below is None else e.same_below, self._L if same_below is None else same_below)
+        if b >= self._L:
+            return True, None
+        usable = self._partial and any(x < b for _, x in self.cache.units)
+        return (True, b) if usable else (False, None)
 
     def fork_point(self, prompt: list[int]) -> int:
         """The longest common prefix of ``prompt`` with a kept prompt it does not fully contain (0 if none):
@@ -157,20 +172,26 @@ class PrefixCache:
                 best = max(best, d)
         return best
 
-    def covers(self, tokens: list[int], owner: object, shares: bool) -> bool:
-        """Whether an entry for exactly ``tokens`` is already usable by (owner, shares) without a new one."""
+    def covers(self, tokens: list[int], owner: object, shares: bool, same_below: int | None = None) -> bool:
+        """Whether an entry for exactly ``tokens`` is already usable by (owner, shares) without a new one
+        (a full-attention base keeps the request's own entry unless it is reusable as it is: its layers
+        below the adapter's first changed KV are the same blocks anyway)."""
         t = tuple(tokens)
-        return any(e.length == len(t) and e.tokens == t and self._replay(e, owner, shares) is not None
-                   for e in self._entries.values())
+        for e in self._entries.values():
+            if e.length == len(t) and e.tokens == t:
+                ok, replay = self._use(e, owner, shares, same_below)
+                if ok and (replay is None or self.span is not None):
+                    return True
+        return False
 
     def insert(self, tokens: list[int], snap: CacheSnapshot, owner: object, shares: bool,
-               hidden: torch.Tensor | None) -> PrefixEntry | None:
+               hidden: torch.Tensor | None, same_below: int | None = None) -> PrefixEntry | None:
         """Keep a snapshot (this cache now owns it); evicts the least recently used entries beyond
         ``max_entries`` or ``max_bytes`` of kept state. None (snapshot released) if it alone exceeds
         ``max_bytes``."""
         if snap.length != len(tokens):
             raise ValueError(f"snapshot of {snap.length} tokens for {len(tokens)} tokens")
-        entry = PrefixEntry(tuple(tokens), snap, owner, shares, hidden)
+        entry = PrefixEntry(tuple(tokens), snap, owner, shares, hidden, same_below)
         if self.max_bytes is not None and entry.nbytes > self.max_bytes:  # would never fit: not kept
             self.cache.release(snap)
             return None
