@@ -1,12 +1,15 @@
 """N adapters over one prompt: one shared cache vs one cache per adapter, and adapter switching.
 
-On the reference causal encoder-decoder (``kvgraft-ced-8m``) with N = 1, 2, 4, 8 random certified
-decoder-side adapters (decoder-half, rank 16, the pivot's KV writers frozen; random weights: cost does not
-depend on what an adapter learned), one shared prompt of ``--prompt`` tokens:
+On the reference causal encoder-decoder (``kvgraft-ced-8m``; ``--base kvgraft-llama-8m`` for the Llama)
+with N = 1, 2, 4, 8 random certified decoder-side adapters (decoder-half, rank 16, the pivot's KV writers
+frozen; random weights: cost does not depend on what an adapter learned), one shared prompt of
+``--prompt`` tokens:
 
 - **shared**: kvgraft's engine with the prefix cache: the base computes the prompt once; every adapter's
-  request reuses its blocks and rebuilds its decoder windows by a decoder replay, then all N decode in
-  one mixed-adapter batch;
+  request reuses its blocks (segments and encoder windows; on the Llama, the KV of the layers below the
+  first one the adapter changes) and rebuilds what depends on it by a replay (the decoder windows over
+  the replay span; on the Llama, the upper layers' KV over the whole prompt), then all N decode in one
+  mixed-adapter batch;
 - **private**: one cache per adapter (what vLLM/SGLang do: blocks keyed by adapter): each request
   prefills the prompt itself.
 
@@ -108,13 +111,12 @@ def main() -> None:
 
     base = load_pretrained(resolve_model(args.base)).eval()
     cfg = base.config
-    if not cfg.is_ced:
-        raise SystemExit(f"{args.base} is not a causal encoder-decoder")
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     sp = SamplingParams(max_new_tokens=args.new_tokens)
     rounds = (args.new_tokens - 3) // 4
-    print(f"{args.base}: prompt {args.prompt} tokens, {args.new_tokens} new, window {cfg.sliding_window}, "
-          f"replay span {replay_span(cfg)}, {args.threads} threads, fp32")
+    shape = (f"window {cfg.sliding_window}, replay span {replay_span(cfg)}" if cfg.is_ced else
+             f"{cfg.num_layers} full-attention layers")
+    print(f"{args.base}: prompt {args.prompt} tokens, {args.new_tokens} new, {shape}, {args.threads} threads, fp32")
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(base, args.max_n, Path(tmp))
         rows = []
@@ -162,14 +164,26 @@ def main() -> None:
 
         lay = cache_layout(cfg)
         item = 4
-        seg = sum(lay.segments.values()) * item / lay.compress_rate  # bytes per prompt token, shared
-        slot = (sum(lay.rings.values()) * min(lay.window, args.prompt + args.new_tokens)
-                + sum(lay.pending.values()) * (lay.compress_rate - 1)) * item  # per request, never shared
-        need = 7 * slot / 0.25 - slot  # 8 requests <= 1.25x of one: seg * T + 8 slot <= 1.25 (seg * T + slot)
         print()
-        print(f"per prompt token, shared: {seg:.0f} B of compressed segments; per request, private: {slot / 1e3:.0f} kB of "
-              f"window rings ({len(lay.rings)} layers x {lay.window} tokens) and pending tokens. 8 requests hold <= "
-              f"1.25x of one when the segments outweigh 27 requests' rings: a prompt of >= {need / seg:,.0f} tokens.")
+        if cfg.is_ced:
+            p = max(cfg.kv_source_layers)  # the pivot: windows below it are shared, from it on per request
+            W = min(lay.window, args.prompt + args.new_tokens)
+            seg = sum(lay.segments.values()) * item / lay.compress_rate  # bytes per prompt token, shared
+            enc = sum(w for x, w in lay.rings.items() if x < p) * W * item  # shared per prompt
+            slot = (sum(w for x, w in lay.rings.items() if x >= p) * W
+                    + sum(lay.pending.values()) * (lay.compress_rate - 1)) * item  # per request
+            # 8 requests <= 1.25x of one: seg T + enc + 8 slot <= 1.25 (seg T + enc + slot)
+            need = (6.75 * slot - 0.25 * enc) / (0.25 * seg)
+            print(f"shared per prompt: {seg:.0f} B of compressed segments per token and {enc / 1e3:.0f} kB of encoder "
+                  f"windows (layers 0-{p - 1}); per request, private: {slot / 1e3:.0f} kB of decoder windows (layers "
+                  f"{p}-{cfg.num_layers - 1} x {lay.window} tokens) and pending tokens (a decode step also copies the "
+                  f"one encoder ring block it writes). 8 requests hold <= 1.25x of one from a prompt of "
+                  f">= {max(0.0, need):,.0f} tokens.")
+        else:
+            per_layer = {x: w * item for x, w in lay.paged.items()}  # bytes per token and layer
+            print(f"per token: {sum(per_layer.values()):,} B over {len(per_layer)} layers; adapters that leave layers "
+                  f"below b untouched share those layers' blocks, so 8 requests hold (b + 8 (L - b)) / L of one "
+                  f"layer-for-layer (L = {cfg.num_layers})")
 
         # adapter switch on the cached prompt: replay vs full prefill (time to the first token)
         replay_t, full_t = [], []

@@ -19,13 +19,21 @@ start its prompt (at most all but its last token) when either
   N certified adapters over one prompt hold its segments and its encoder windows once (a decode step
   copies only the ring block it writes).
 
-Adapters without the certificate (they change a shared segment) reuse only their own entries. On
-GQA/MLA bases the certificate shares only when the adapter changes no layer's KV at all (e.g. the last
-layer's query, output or MLP): such adapters and the base reuse each other's entries as they are. An
-adapter that changes some layers' KV reuses only its own entries: every layer's KV lives in the same
-paged blocks (one block table per sequence), and rebuilding the adapted layers would mean recomputing
-them over the whole prefix (no windows bound what a full-attention layer reads), so kvgraft does not
-share the layers below the first adapted one there.
+Adapters without the certificate (they change a shared segment) reuse only their own entries.
+
+**Full-attention bases (Llama, MLA).** The certificate says which layers' KV an adapter leaves as the
+base's: every layer below ``same_below``, the first layer whose KV-writing projections or input it
+changes. Two parties (entry and request; the base has none changed) share the layers below the lower
+of their two boundaries ``b``. If neither changes any KV, the entry is reused as it is. Otherwise the
+request restores the entry's blocks for layers ``< b`` (reference counted per layer: one block id
+space, a count per layer and block, so a sequence's layers split into spans with their own tables) and
+gets fresh blocks for layers ``>= b``, which a **full replay** fills: every prompt position runs through
+the model again, layers below ``b`` reading the shared blocks (their KV is the base's, bit for bit what
+they would write) and layers from ``b`` writing their own. No window bounds what a full-attention
+layer reads, so the replay costs a prefill's compute; what it saves is memory: N adapters over one
+prompt hold the lower layers once. The request then keeps its own entry, whose lower layers are the
+same shared blocks, so the adapter's next request reuses it as it is. Models with sliding-window layers
+(Mistral) share only entries reused as they are (their rings are one group).
 
 **The replay rule** (``replay_span``). Layer ``j`` of a causal encoder-decoder reads, besides the
 shared segments (adapter-independent for certified adapters), its own window: the keys and values it
