@@ -13,10 +13,10 @@ frozen; random weights: cost does not depend on what an adapter learned), one sh
 - **private**: one cache per adapter (what vLLM/SGLang do: blocks keyed by adapter): each request
   prefills the prompt itself.
 
-Printed per N: the bytes the N requests' cache holds once all have their first token (paged blocks, a
-shared block once, plus each request's per-sequence state), its ratio to one request alone with its own
-cache, the prefix entry's own kept state (its copy of the windows and the pivot inputs a replay starts
-from: per prompt, not per adapter, evictable), decode tokens/s of the N-row batch, and the mixed batch
+Printed per N: the bytes the N requests' cache holds once all have their first token (blocks and ring
+blocks, a shared one once, plus each request's pending tokens), its ratio to one request alone with its
+own cache, what the prefix entries hold beyond that (blocks only they still reference, e.g. the base's
+decoder windows, and the pivot inputs a replay starts from: per prompt, not per adapter, evictable), decode tokens/s of the N-row batch, and the mixed batch
 (N adapters) vs a single-adapter batch of the same size (all rows on adapter 0), measured alternately.
 Then the adapter switch on the cached prompt: a request for another adapter (decoder replay + its last
 prompt token) vs the same request with a full prefill of the prompt (time to its first token).
@@ -127,9 +127,12 @@ def main() -> None:
             e.generate([prompt], SamplingParams(max_new_tokens=1))
             ids = [e.add_request(prompt, sp, a) for a in names]
             run_until_first_tokens(e, ids)
-            shared = held_bytes(e)
-            kept = e.cache_stats()["prefix_bytes"]  # the prefix entry's copied state + kept pivot inputs
             hits, replays = e.cache_stats()["prefix_hits"], e.cache_stats()["replays"]
+            with_entries = held_bytes(e)
+            kept = e.cache_stats()["prefix_bytes"]  # kept state outside the pools (pivot inputs)
+            e.prefix.clear()  # what the requests hold themselves; the rest was the kept entries' own blocks
+            shared = held_bytes(e)
+            kept += with_entries - shared
             # private: each adapter's request prefills the prompt into its own blocks
             p = new_engine(base, adapters, args, prefix=False)
             pids = [p.add_request(prompt, sp, a) for a in names]

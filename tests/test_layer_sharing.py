@@ -157,3 +157,24 @@ def test_a_replay_refuses_shared_blocks_and_a_split_of_window_rings():
     s = m.snapshot(m.add_sequence())
     with pytest.raises(ValueError, match="ring"):
         m.restore(s, recompute_from=2)
+
+
+def test_a_chunked_full_replay_equals_one_replay(setup):
+    """The engine replays a long prompt in chunks of max_batch_tokens (replay_at): the rebuilt layers
+    hold the same KV as a replay in one piece, and as the adapter's own prefill."""
+    base, dirs = setup
+    prompt = rand_prompt(base.config, 70, 21)
+    out = {}
+    for chunk in (16, 4096):
+        e = engine(base, dirs, ["mid"], prefix_cache=True, max_batch_tokens=chunk, max_seqs=2)
+        e.generate([prompt], SamplingParams(max_new_tokens=1))
+        rid = e.add_request(prompt, SamplingParams(max_new_tokens=2), "mid")
+        e.step()
+        seq, c = e.requests[rid].seq, e.cache
+        out[chunk] = {u: c.paged[c.units[u][1]][..., c.block_table(seq, u), :, :].clone() if c.units[u][1] in c.head_major
+                      else c.paged[c.units[u][1]][c.block_table(seq, u)].clone() for u in range(2, len(c.units))}
+        assert e.cache_stats()["replays"] == 1
+    for u in out[16]:
+        torch.testing.assert_close(out[16][u], out[4096][u], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="replay_at"):
+        BatchContext(e.cache, [seq], [4], replay=True, replay_at=[0])

@@ -216,7 +216,8 @@ class BatchContext(_Context):
     written, nothing is reserved or committed. On full-attention layers a replay runs over all the
     sequence's tokens and ``write_from`` names the first layer whose paged KV it rewrites (into blocks
     the sequence holds alone: ``PagedKVCache.restore(..., recompute_from=)``); layers below read what the
-    shared blocks hold. ``capture_layer``: the forward keeps the hidden state
+    shared blocks hold. ``replay_at``: each row's first replayed position (default: its last
+    ``new_tokens``), so such a replay can run in chunks from position 0. ``capture_layer``: the forward keeps the hidden state
     entering that layer (packed, (1, N, h)) in ``captured``.
     """
 
@@ -224,7 +225,8 @@ class BatchContext(_Context):
 
     def __init__(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[int],
                  adapter_ids: list[object] | None = None, *, replay: bool = False,
-                 capture_layer: int | None = None, write_from: int | None = None) -> None:
+                 capture_layer: int | None = None, write_from: int | None = None,
+                 replay_at: list[int] | None = None) -> None:
         if len(seqs) != len(new_tokens) or not seqs:
             raise ValueError(f"seqs ({len(seqs)}) and new_tokens ({len(new_tokens)}) must be non-empty and of "
                              "equal length")
@@ -234,6 +236,14 @@ class BatchContext(_Context):
             raise ValueError(f"new_tokens {new_tokens} must be positive integers")
         if adapter_ids is not None and len(adapter_ids) != len(seqs):
             raise ValueError(f"adapter_ids has {len(adapter_ids)} entries for {len(seqs)} rows")
+        if replay_at is not None:
+            if not replay or write_from is None or len(replay_at) != len(seqs):
+                raise ValueError("replay_at (one first position per row) is for a full-attention replay "
+                                 "(replay=True with write_from)")
+            for s, t, a in zip(seqs, new_tokens, replay_at):
+                if isinstance(a, bool) or not isinstance(a, int) or a < 0 or a + t > cache.length(s):
+                    raise ValueError(f"replay of positions [{a}, {a} + {t}) on sequence {s}, which holds "
+                                     f"{cache.length(s)} tokens")
         if replay:
             for s, t in zip(seqs, new_tokens):
                 if t > cache.length(s):
@@ -271,7 +281,8 @@ class BatchContext(_Context):
         self.adapter_ids = list(adapter_ids) if adapter_ids is not None else [None] * len(seqs)
         self.has_adapters = any(a is not None for a in self.adapter_ids)
         self._adapter_tokens: dict[object, torch.Tensor] | None = None
-        self.starts = [cache.length(s) - (t if replay else 0) for s, t in zip(seqs, new_tokens)]
+        self.starts = list(replay_at) if replay_at is not None else \
+            [cache.length(s) - (t if replay else 0) for s, t in zip(seqs, new_tokens)]
         self.scratch: dict = {"compress_rate": cache.layout.compress_rate}
         dev, bs = cache.device, cache.block_size
         offsets, n = [], 0

@@ -403,12 +403,14 @@ class Engine:
                 n = entry.hidden.shape[0]
                 ctx = BatchContext(self.cache, [req.seq], [n], adapter_ids=[req.adapter], replay=True)
                 self.model.replay(entry.hidden, ctx, self.replay_layer)
-            else:  # full-attention base: every position again, rewriting the KV of layers from ``layer`` on
+            else:  # full-attention base: every position again, in chunks, rewriting layers from ``layer`` on
                 n = entry.length
                 ids = torch.tensor(entry.tokens, device=self.device)
-                ctx = BatchContext(self.cache, [req.seq], [n], adapter_ids=[req.adapter], replay=True,
-                                   write_from=layer)
-                self.model.replay(self.model.embed_tokens(ids)[None], ctx, 0)
+                for a in range(0, n, self.max_batch_tokens):
+                    k = min(self.max_batch_tokens, n - a)
+                    ctx = BatchContext(self.cache, [req.seq], [k], adapter_ids=[req.adapter], replay=True,
+                                       write_from=layer, replay_at=[a])
+                    self.model.replay(self.model.embed_tokens(ids[a:a + k])[None], ctx, 0)
                 if req.keep_at and req.keep_at[0] == req.computed:  # its own entry: the next request of
                     self._keep_prefix(req)  # this adapter reuses it as it is (the lower layers are the same blocks)
             self.prefix_stats["replays"] += 1
