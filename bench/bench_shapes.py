@@ -19,6 +19,8 @@ def random_model(device: str = "cpu", layers: int = 16, seed: int = 0) -> Transf
     with torch.device("meta"):
         model = Transformer(one_b_config(layers))
     model = model.to_empty(device=device)
+    if model.config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie them again
+        model.lm_head.weight = model.embed_tokens.weight
     model.rotary = type(model.rotary)(model.config).to(device)
     model.init_weights(seed)
     return model.eval()

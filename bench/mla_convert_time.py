@@ -30,7 +30,8 @@ from kvgraft.model import Transformer
 from kvgraft.reference import resolve_model
 
 
-def time_conversions(model: Transformer, calib: torch.Tensor, objectives: list[str], label: str) -> list[dict]:
+def time_conversions(model: Transformer, calib: torch.Tensor, objectives: list[str], label: str,
+                     progress: bool = False) -> list[dict]:
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     d_rope = cfg.head_dim // 2
@@ -46,8 +47,9 @@ def time_conversions(model: Transformer, calib: torch.Tensor, objectives: list[s
                             layerwise=objective != "weights")
         timings: dict = {}
         t0 = time.perf_counter()
-        graft_mla(model, g, None if objective == "weights" else calib, progress=False, timings=timings)
+        graft_mla(model, g, None if objective == "weights" else calib, progress=progress, timings=timings)
         seconds = time.perf_counter() - t0
+        timings["other"] = seconds - sum(timings.values())  # building the new model, copying weights
         rows.append({"model": label, "params": params, "objective": objective, "seconds": seconds,
                      "seconds_per_million_params": seconds / (params / 1e6), "phases": timings,
                      "kv_lora_rank": g.kv_lora_rank, "rope_dim": g.qk_rope_head_dim,
@@ -69,6 +71,8 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench/mla_convert_time")
     ap.add_argument("--only", choices=["reference", "big"], default=None, help="time just one of the two models")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--progress", action="store_true",
+                    help="graft's per-layer progress bar with the phase times so far (on stderr)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,12 +84,13 @@ def main() -> None:
     if args.only != "big":
         ref = load_pretrained(resolve_model(args.model), dtype=torch.float32)
         calib = torch.randint(0, ref.config.vocab_size, (n, seq))
-        rows += time_conversions(ref, calib, args.objectives, "reference")
+        rows += time_conversions(ref, calib, args.objectives, "reference", args.progress)
         del ref
     if args.only != "reference":
         big = random_model("cpu", layers=args.big_layers)
         calib = torch.randint(0, big.config.vocab_size, (n, seq))
-        rows += time_conversions(big, calib, args.objectives, f"random 1B-shape ({args.big_layers} layers)")
+        rows += time_conversions(big, calib, args.objectives, f"random 1B-shape ({args.big_layers} layers)",
+                                 args.progress)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")

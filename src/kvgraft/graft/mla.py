@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvgraft.graft.mla_math import (
+    ROPE_ROTATIONS,
     GQAWeights,
     convert_layer,
     head_rotations,
@@ -60,6 +61,10 @@ class GraftConfig:
     # 1: weights only in the activations' scale). Guards the fit against text unlike the calibration's;
     # 0.5 measured best on held-out and out-of-domain text, both formats (bench/mla_ood.py, RESULTS.md).
     calibration_shrinkage: float = 0.5
+    # How the KV heads' RoPE pairs are mixed per frequency before the kept pairs are chosen: "real"
+    # (orthogonal, PCA of the key energy) or "complex" (unitary: the kept rotated head is the best rank-1
+    # complex fit of the heads' pair, a per-head phase folded into the queries; mla_math.head_rotations).
+    rope_rotation: str = "real"
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank <= 0:
@@ -70,6 +75,8 @@ class GraftConfig:
             raise ValueError(f"objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
         if self.rope_selection not in ROPE_SELECTIONS:
             raise ValueError(f"rope_selection {self.rope_selection!r} is not one of {', '.join(ROPE_SELECTIONS)}")
+        if self.rope_rotation not in ROPE_ROTATIONS:
+            raise ValueError(f"rope_rotation {self.rope_rotation!r} is not one of {', '.join(ROPE_ROTATIONS)}")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
         s = self.calibration_shrinkage
@@ -149,6 +156,7 @@ def graft_mla(
     if g.objective != "weights" and calibration is None:
         raise ValueError(f"objective {g.objective!r} needs calibration tokens (or use objective='weights')")
     layers = set(g.layers if g.layers is not None else range(config.num_layers))
+    last = max(layers)  # nothing above the last converted layer is read: the loop stops there
     device = model.embed_tokens.weight.device
     # the per-layer fp64 math runs where the model is when that is an accelerator, else on the CPU
     math_device = device if device.type == "cuda" else None
@@ -170,12 +178,12 @@ def graft_mla(
         shared_pairs = _shared_pairs(model, g, sorted(layers), calibration, batch_size, progress)
         clock["statistics"] += time.perf_counter() - t0
 
-    bar = tqdm(range(config.num_layers), desc="graft MLA", unit="layer", disable=not progress)
+    bar = tqdm(range(last + 1), desc="graft MLA", unit="layer", disable=not progress)
     for layer in bar:
         block = model.layers[layer]
         C = None
         t0 = time.perf_counter()
-        if calibration is not None:
+        if calibration is not None and layer in layers:  # statistics only where a layer is converted
             source = x_new if g.layerwise else x_orig
             C = _second_moment(block.input_layernorm, source, batch_size)
         if layer in layers:
@@ -204,7 +212,7 @@ def graft_mla(
                 "C": shrink_second_moment(C, g.calibration_shrinkage),
                 "objective": g.objective, "rope_selection": g.rope_selection, "balance_kv": g.balance_kv,
                 "rope_attention_scaling": model.rotary.attention_scaling, "q_norm_weight": q_norm,
-                "rope_expectation": expectation, "pairs": shared_pairs.get(layer),
+                "rope_expectation": expectation, "pairs": shared_pairs.get(layer), "rope_rotation": g.rope_rotation,
             }
             mla = None
             if math_device is not None:  # fp64 on the GPU: the O(rows x h^2) products and the eigh take seconds there
@@ -222,9 +230,10 @@ def graft_mla(
         else:
             clock["statistics"] += time.perf_counter() - t0
         t2 = time.perf_counter()
-        if calibration is not None:
+        if calibration is not None and layer < last:
             # advance the stream(s) one layer; the converted stream uses a one-layer MLA stand-in. Layer-wise
-            # calibration reads only the converted stream, so the original one is not run then.
+            # calibration reads only the converted stream, so the original one is not run then; nothing
+            # runs past the last converted layer (its output is never read).
             x_orig_next = None if g.layerwise else _run_block(block, x_orig, cos, sin, config, layer, batch_size)
             if g.layerwise and layer in layers:
                 tmp_cfg = mla_model_config(config, GraftConfig(
@@ -238,8 +247,10 @@ def graft_mla(
                 x_new = x_orig_next
             x_orig = x_orig_next
         clock["propagation"] += time.perf_counter() - t2
+        if progress:
+            bar.set_postfix_str(", ".join(f"{k} {v:.0f} s" for k, v in clock.items()), refresh=False)
     new_config = mla_model_config(config, g, rope_index)
-    new = Transformer(new_config).to(device)
+    new = _uninitialised_like(model, new_config, device)
     state = {k: v for k, v in model.state_dict().items()}
     new_state = new.state_dict()
     for key in new_state:
@@ -249,8 +260,38 @@ def graft_mla(
         new_state[key] = state[key]
     new.load_state_dict(new_state)
     for layer, mla in converted.items():
+        _reset_attention(new.layers[layer].self_attn)
         _load_mla(new.layers[layer].self_attn, mla)
     return new
+
+
+def _uninitialised_like(model: Transformer, config: ModelConfig, device) -> Transformer:
+    """``Transformer(config)`` on ``device`` without its random initialisation (built on the meta device,
+    then allocated there): every persistent tensor is about to be overwritten, and the non-persistent
+    buffers (RoPE's inv_freq) are taken from ``model``, whose RoPE the new model shares. Random init of a
+    1B model costs ~10 s on one CPU thread, and building on the CPU first would hold an 8B model twice."""
+    with torch.device("meta"):
+        new = Transformer(config)
+    new = new.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty gives each module its own tensor; tie them again
+        new.lm_head.weight = new.embed_tokens.weight
+    persistent = set(new.state_dict())
+    old_buffers = dict(model.named_buffers())
+    for name, buf in new.named_buffers():
+        if name in persistent:
+            continue
+        old = old_buffers.get(name)
+        if old is None or old.shape != buf.shape:  # nothing to copy it from: build the model the slow way
+            return Transformer(config).to(device)
+        buf.copy_(old)
+    return new
+
+
+def _reset_attention(attn) -> None:
+    """Zero every parameter of a freshly allocated (uninitialised) attention module, norms to one: what
+    ``_load_mla`` does not write then holds what a constructed module would (zero bias, unit norm)."""
+    for name, p in attn.named_parameters():
+        p.detach().fill_(1.0 if name.endswith("norm.weight") else 0.0)
 
 
 def _shared_pairs(model: Transformer, g: GraftConfig, layers: list[int], calibration: torch.Tensor | None,
@@ -281,8 +322,10 @@ def _shared_pairs(model: Transformer, g: GraftConfig, layers: list[int], calibra
                 profile = _distance_profile(block, x, cos, sin, batch_size)
                 expectation = rope_expectation(profile, model.rotary.inv_freq.double().cpu())
             Cs = shrink_second_moment(C, g.calibration_shrinkage)
-            scores[layer] = pair_scores(w, Cs, head_rotations(w.k, Cs, K, d), H, K, d, expectation)
-        x = _run_block(block, x, cos, sin, config, layer, batch_size)
+            scores[layer] = pair_scores(w, Cs, head_rotations(w.k, Cs, K, d, rotation=g.rope_rotation), H, K, d,
+                                        expectation)
+        if layer < max(layers):  # the last scored layer's output is never read
+            x = _run_block(block, x, cos, sin, config, layer, batch_size)
     chosen = shared_rope_pairs([scores[layer] for layer in layers], g.qk_rope_head_dim)
     return dict(zip(layers, chosen))
 
@@ -347,18 +390,23 @@ def _linearised(block, which: str, x: torch.Tensor | None, C: torch.Tensor | Non
 def _distance_profile(block, x: torch.Tensor, cos, sin, batch_size: int) -> torch.Tensor:
     """(T,) how much attention the original layer pays at each distance delta = query pos - key pos.
 
-    Averaged over heads, queries and calibration sequences; each query's weights sum to one.
+    Averaged over heads, queries and calibration sequences; each query's weights sum to one. Computed one
+    KV group at a time (its query heads side by side on the query axis, the group's key head not repeated):
+    the (B, H/K x T, T) probabilities are summed over batch and heads in fp32 into a (T, T) fp64 total, and
+    the total's diagonals are read off once at the end.
     """
     from kvgraft.model.rope import apply_rope
 
     attn = block.self_attn
     H, K, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    group = H // K
     T = x.shape[1]
-    profile = torch.zeros(T, dtype=torch.float64, device=x.device)
     delta = torch.arange(T, device=x.device)[:, None] - torch.arange(T, device=x.device)[None, :]  # (T, T)
     allowed = delta >= 0
     if attn.window is not None:
         allowed &= delta < attn.window
+    blocked = ~allowed
+    total = torch.zeros(T, T, dtype=torch.float64, device=x.device)
     n = 0
     for start in range(0, x.shape[0], batch_size):
         sl = slice(start, start + batch_size)
@@ -368,12 +416,16 @@ def _distance_profile(block, x: torch.Tensor, cos, sin, batch_size: int) -> torc
         k = attn.k_proj(a).view(B, T, K, d)
         if attn.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos[sl], sin[sl])
-        k = apply_rope(k.transpose(1, 2), cos[sl], sin[sl]).repeat_interleave(H // K, dim=1)
-        logits = (q @ k.transpose(-1, -2)) * d**-0.5  # (B, H, T, T)
-        p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).double()
-        profile.index_add_(0, delta[allowed], p.sum(dim=(0, 1))[allowed])
+        q = apply_rope(q.transpose(1, 2), cos[sl], sin[sl]) * d**-0.5  # (B, H, T, d), softmax scale folded in
+        k = apply_rope(k.transpose(1, 2), cos[sl], sin[sl])  # (B, K, T, d)
+        for j in range(K):
+            qg = q[:, j * group:(j + 1) * group].reshape(B, group * T, d)
+            logits = torch.bmm(qg, k[:, j].transpose(-1, -2)).view(B, group, T, T)
+            logits.masked_fill_(blocked, float("-inf"))
+            total += torch.softmax(logits, dim=-1).sum(dim=(0, 1))
         n += B * H * T
+    profile = torch.zeros(T, dtype=torch.float64, device=x.device)
+    profile.index_add_(0, delta[allowed], total[allowed])
     return (profile / n).cpu()
 
 
@@ -394,11 +446,18 @@ def _run_block(block, x, cos, sin, config, layer, batch_size) -> torch.Tensor:
 
 
 def _build_block(config: ModelConfig, layer: int, original_block, mla, device):
+    """The converted layer for propagation: a new MLA attention between the original block's own norms
+    and MLP (shared, not copied). Built on the meta device and allocated without random initialisation
+    (which took ~0.6 s per 1B-shape layer, mostly the MLP's that is then overwritten)."""
     from kvgraft.model.transformer import Block
 
-    blk = Block(config, layer).to(device)
-    state = {k: v for k, v in original_block.state_dict().items() if not k.startswith("self_attn.")}
-    blk.load_state_dict(state, strict=False)
+    with torch.device("meta"):
+        blk = Block(config, layer)
+    blk.input_layernorm = original_block.input_layernorm
+    blk.post_attention_layernorm = original_block.post_attention_layernorm
+    blk.mlp = original_block.mlp
+    blk.self_attn = blk.self_attn.to_empty(device=device)
+    _reset_attention(blk.self_attn)
     _load_mla(blk.self_attn, mla)
     return blk
 

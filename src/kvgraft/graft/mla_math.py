@@ -64,24 +64,61 @@ def _pair_rows(head: int, f: int, d: int) -> list[int]:
     return [head * d + f, head * d + f + d // 2]
 
 
-def head_rotations(w_k: Tensor, C: Tensor, num_kv_heads: int, d: int, w_kC: Tensor | None = None) -> Tensor:
+def head_rotations(w_k: Tensor, C: Tensor, num_kv_heads: int, d: int, w_kC: Tensor | None = None,
+                   rotation: str = "real") -> Tensor:
     """(d/2, K, K) orthogonal U_f, rows sorted by decreasing key energy at frequency f.
 
     Energy of a head combination u at frequency f: sum over the pair's two coordinates of
     E[(u . k_f)^2] = u^T G_f u with G_f[j, j'] = sum_c W_{j,f,c} C W_{j',f,c}^T.
     ``w_kC``: ``w_k @ C`` when the caller has it (one h x h product per layer instead of one per frequency).
+
+    ``rotation="complex"``: unitary U_f (complex128). A frequency-f pair is a complex number z_j = k_{j,f} +
+    i k_{j,f+d/2} that RoPE multiplies by e^{i delta theta_f}, so complex mixes z'_m = sum_j U_f[m, j] z_j commute
+    with it too; U_f holds the eigenvectors (conjugated) of the Hermitian G_f[j, j'] = E[z_j conj(z_j')], whose
+    real part is the real G_f. The principal z'_0 is then the best rank-1 complex approximation of the K heads'
+    pair (z_g ~ conj(U_f[0, g]) z'_0): a per-head phase as well as a weight, which the queries take
+    (q_{i,f} -> U_f[0, g(i)] q_{i,f}). It keeps at least the real one's energy. Each row's largest entry is made
+    real and positive (one KV head: U_f = 1, the real rotation).
     """
+    if rotation not in ROPE_ROTATIONS:
+        raise ValueError(f"rotation {rotation!r} is not one of {', '.join(ROPE_ROTATIONS)}")
     K = num_kv_heads
     if w_kC is None:
         w_kC = w_k @ C
-    U = torch.empty(d // 2, K, K, dtype=w_k.dtype, device=w_k.device)
+    cplx = rotation == "complex"
+    U = torch.empty(d // 2, K, K, dtype=torch.complex128 if cplx else w_k.dtype, device=w_k.device)
     for f in range(d // 2):
         first = [j * d + f for j in range(K)]
         second = [j * d + f + d // 2 for j in range(K)]
         G = w_kC[first] @ w_k[first].T + w_kC[second] @ w_k[second].T  # (K, K)
-        evals, evecs = torch.linalg.eigh((G + G.T) / 2)
-        U[f] = evecs[:, evals.argsort(descending=True)].T
+        G = (G + G.T) / 2
+        if cplx:
+            Gi = w_kC[second] @ w_k[first].T - w_kC[first] @ w_k[second].T  # Im E[z_j conj(z_j')]
+            G = torch.complex(G.to(torch.float64), ((Gi - Gi.T) / 2).to(torch.float64))
+        evals, evecs = torch.linalg.eigh(G)
+        rows = evecs[:, evals.argsort(descending=True)].mH  # u_m = v_m^H maximises E|u z|^2
+        if cplx:
+            phase = torch.gather(rows, 1, rows.abs().argmax(dim=1, keepdim=True))  # (K, 1)
+            mag = phase.abs()
+            rows = rows * torch.where(mag > 0, phase.conj() / mag.clamp_min(1e-300), torch.ones_like(phase))
+        U[f] = rows
     return U
+
+
+ROPE_ROTATIONS = ("real", "complex")
+
+
+def _mix(u: Tensor, first: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
+    """The pair (first + i second) times the complex (or real) coefficient(s) ``u``, summed over a leading head
+    axis when ``u`` is a vector: (Re, Im) as real tensors."""
+    if u.is_complex():
+        ur, ui = u.real, u.imag
+    else:
+        ur, ui = u, torch.zeros_like(u)
+    if u.dim() == 0:
+        return ur * first - ui * second, ui * first + ur * second
+    return (torch.einsum("j,j...->...", ur, first) - torch.einsum("j,j...->...", ui, second),
+            torch.einsum("j,j...->...", ui, first) + torch.einsum("j,j...->...", ur, second))
 
 
 def pair_scores(
@@ -110,11 +147,17 @@ def pair_scores(
     q_norms = pair_norms(w.q, w_qC)  # (H, d/2)
 
     def rotate(rows: Tensor) -> Tensor:  # rows of the rotated heads, (K*d, h); (K, coordinate, f, h) layout
-        return torch.einsum("fmj,jcfh->mcfh", U, rows.reshape(K, 2, half, -1)).reshape(K * d, -1)
+        r = rows.reshape(K, 2, half, -1)
+        if U.is_complex():  # (u z): Re = ur a - ui b, Im = ui a + ur b
+            ur, ui = U.real.to(rows.dtype), U.imag.to(rows.dtype)
+            re = torch.einsum("fmj,jfh->mfh", ur, r[:, 0]) - torch.einsum("fmj,jfh->mfh", ui, r[:, 1])
+            im = torch.einsum("fmj,jfh->mfh", ui, r[:, 0]) + torch.einsum("fmj,jfh->mfh", ur, r[:, 1])
+            return torch.stack([re, im], dim=1).reshape(K * d, -1)
+        return torch.einsum("fmj,jcfh->mcfh", U, r).reshape(K * d, -1)
 
     k_norms = pair_norms(rotate(w.k), rotate(w_kC))  # (K, d/2): energy of rotated head m at frequency f
     # |U_f[m, g(i)]| * |q_i,f| summed over the query heads i, per (m, f)
-    coef = U.abs()[:, :, torch.arange(H, device=U.device) // group]  # (d/2, K, H)
+    coef = U.abs().to(q_norms.dtype)[:, :, torch.arange(H, device=U.device) // group]  # (d/2, K, H)
     score = torch.einsum("fmi,if->mf", coef, q_norms) * k_norms
     if rope_expectation is not None:
         spread = (1 - rope_expectation.to(device=score.device, dtype=score.dtype).pow(2).sum(-1)).clamp_min(0).sqrt()  # (d/2,)
@@ -196,6 +239,7 @@ def convert_layer(
     rope_expectation: Tensor | None = None,
     pairs: list[tuple[int, int]] | None = None,
     device: str | torch.device | None = None,
+    rope_rotation: str = "real",
 ) -> MLAWeights:
     """Convert one GQA layer to MLA (kvgraft layout: d_nope = d_v = head_dim).
 
@@ -215,6 +259,8 @@ def convert_layer(
     ``C``: E[x x^T] of the layer's attention input on calibration text, or None for weights only.
     ``objective``: "weights" | "activations" | "attention" (see module docstring).
     ``device``: where the fp64 math runs (default: the weights' device); the returned weights live there.
+    ``rope_rotation``: "real" (orthogonal head mixes per frequency) or "complex" (unitary: the kept rotated
+    head is the best rank-1 complex fit of the KV heads' pair, see ``head_rotations``).
     """
     H, K, d = num_heads, num_kv_heads, head_dim
     h = w.q.shape[1]
@@ -244,7 +290,7 @@ def convert_layer(
     w_kC, w_vC = times_C(w.k), times_C(w.v)
 
     # ---- 1. RoPE decoupling ------------------------------------------------------------------
-    U = head_rotations(w.k, C, K, d, w_kC)  # (d/2, K, K)
+    U = head_rotations(w.k, C, K, d, w_kC, rotation=rope_rotation)  # (d/2, K, K), complex128 if "complex"
     if pairs is None:
         scores = pair_scores(w, C, U, H, K, d, rope_expectation, w_qC=w_qC, w_kC=w_kC) \
             if rope_selection == "norm" else None
@@ -252,7 +298,11 @@ def convert_layer(
     n = len(pairs)
     # shared RoPE key rows: pair j -> rows j and j + n (rotate-half over d_rope)
     def rotated_k_rows(m: int, f: int, wk: Tensor) -> Tensor:  # (2, ...) rows of k'_{m,f}
-        return torch.einsum("j,jc...->c...", U[f][m], torch.stack([wk[_pair_rows(j, f, d)] for j in range(K)]))
+        P = torch.stack([wk[_pair_rows(j, f, d)] for j in range(K)])  # (K, 2, ...)
+        return torch.stack(_mix(U[f][m], P[:, 0], P[:, 1]))
+
+    def back(m: int, f: int, g: int, rows: Tensor) -> Tensor:  # (2, ...): group g's part of k'_{m,f}, conj(U) k'
+        return torch.stack(_mix(U[f][m, g].conj(), rows[0], rows[1]))
 
     k_rope = torch.empty(2 * n, h, dtype=dtype, device=dev)
     k_rope_b = torch.zeros(2 * n, dtype=dtype, device=dev) if w.k_bias is not None else None
@@ -271,10 +321,10 @@ def convert_layer(
         rowsC = rotated_k_rows(m, f, w_kC)
         brow = None if w.k_bias is None else rotated_k_rows(m, f, w.k_bias[:, None])[:, 0]
         for g in range(K):
-            k_res[_pair_rows(g, f, d)] -= U[f][m, g] * rows
-            k_resC[_pair_rows(g, f, d)] -= U[f][m, g] * rowsC
+            k_res[_pair_rows(g, f, d)] -= back(m, f, g, rows)
+            k_resC[_pair_rows(g, f, d)] -= back(m, f, g, rowsC)
             if k_res_b is not None:
-                k_res_b[_pair_rows(g, f, d)] -= U[f][m, g] * brow
+                k_res_b[_pair_rows(g, f, d)] -= back(m, f, g, brow)
 
     # ---- 2. joint K/V latent -----------------------------------------------------------------
     W_y = torch.cat([k_res, w.v])  # (2Kd, h)
@@ -336,11 +386,11 @@ def convert_layer(
     for i in range(H):
         g = i // group
         for j, (m, f) in enumerate(pairs):
-            coef = U[f][m, g] * scale
+            coef = U[f][m, g] * scale  # the query pair times U_f[m, g] (complex: a phase too)
             rows = _pair_rows(i, f, d)
-            q_rope[i, j], q_rope[i, j + n] = coef * w.q[rows[0]], coef * w.q[rows[1]]
+            q_rope[i, j], q_rope[i, j + n] = _mix(coef, w.q[rows[0]], w.q[rows[1]])
             if qb_rope is not None:
-                qb_rope[i, j], qb_rope[i, j + n] = coef * w.q_bias[rows[0]], coef * w.q_bias[rows[1]]
+                qb_rope[i, j], qb_rope[i, j + n] = _mix(coef, w.q_bias[rows[0]], w.q_bias[rows[1]])
     q_proj = torch.cat([q_nope, q_rope], dim=1).reshape(H * (d + 2 * n), h)
     q_bias = None if w.q_bias is None else torch.cat([qb_nope, qb_rope], dim=1).reshape(-1)
     q_mix = None
@@ -350,8 +400,9 @@ def convert_layer(
         for i in range(H):
             for j, (m, f) in enumerate(pairs):
                 coef = U[f][m, i // group] * scale
-                q_mix[i, d + j, f] = coef
-                q_mix[i, d + n + j, f + d // 2] = coef
+                cr, ci = (coef.real, coef.imag) if coef.is_complex() else (coef, 0.0)
+                q_mix[i, d + j, f], q_mix[i, d + j, f + d // 2] = cr, -ci
+                q_mix[i, d + n + j, f], q_mix[i, d + n + j, f + d // 2] = ci, cr
         q_proj, q_bias = w.q, w.q_bias
 
     B_k, B_v = B[: K * d].view(K, d, -1), B[K * d:].view(K, d, -1)
