@@ -5,10 +5,11 @@
 
 For each compression and each calibration shrinkage (GraftConfig.calibration_shrinkage), the reference
 model is grafted with the ``kvgraft convert`` defaults (attention-aware, layer-wise, RoPE expectation,
-ranks from ``kvgraft.graft.ranks.default_ranks``) twice: as ``--format kvgraft`` does (rope selection
-"norm") and as ``--format deepseek_v3`` does (rope selection "stride", d_c - 1 so that the exported latent
-RMSNorm's constant coordinate keeps the budget). The stock graft is exported with
-``export_deepseek_v3`` and scored *through stock transformers* (DeepseekV3ForCausalLM). Every model is
+complex head rotation, ranks from ``kvgraft.graft.ranks.default_ranks``) twice: as ``--format kvgraft`` does
+(rope selection "norm") and as ``--format deepseek_v3`` does (rope selection "prefix" with the stock rule's
+d_rope, d_c - 1 so that the exported latent RMSNorm's constant coordinate keeps the budget). The stock graft
+is exported with ``export_deepseek_v3`` and scored *through stock transformers* (DeepseekV3ForCausalLM).
+``--rope-rotation real`` / ``--stock-selection stride`` give the older defaults. Every model is
 scored on the model's in-domain held-out slice (``eval/heldout.npy``) and the out-of-domain text
 (the Debian Reference manual, ``kvgraft.data.ood``); ratios are against the original on the same text.
 """
@@ -26,7 +27,7 @@ import torch
 from kvgraft.eval import perplexity
 from kvgraft.graft.convert import load_calibration
 from kvgraft.graft.mla import GraftConfig, graft_mla
-from kvgraft.graft.ranks import default_ranks
+from kvgraft.graft.ranks import STOCK_ROPE_SELECTION, default_ranks
 from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
 
@@ -43,15 +44,16 @@ class _Stock(torch.nn.Module):
         return self.hf(ids).logits
 
 
-def graft(model, compression: float, stock: bool, shrinkage: float, calib, **overrides) -> tuple:
+def graft(model, compression: float, stock: bool, shrinkage: float, calib, rotation: str = "complex",
+          stock_selection: str = STOCK_ROPE_SELECTION, **overrides) -> tuple:
     cfg = model.config
-    ranks = default_ranks(cfg, compression=compression, stock=stock)
+    ranks = default_ranks(cfg, compression=compression, stock=stock, stock_layout=stock_selection)
     d_c, d_rope = ranks.kv_lora_rank, ranks.qk_rope_head_dim
     if stock and d_c > 1:
         d_c -= 1  # as convert does: the export's constant latent coordinate takes one value of the budget
     kw = {"kv_lora_rank": d_c, "qk_rope_head_dim": d_rope, "objective": "attention",
-              "rope_selection": "stride" if stock else "norm", "layerwise": True, "rope_expectation": True,
-              "calibration_shrinkage": shrinkage}
+              "rope_selection": stock_selection if stock else "norm", "layerwise": True, "rope_expectation": True,
+              "calibration_shrinkage": shrinkage, "rope_rotation": rotation}
     kw.update(overrides)
     g = GraftConfig(**kw)
     t0 = time.perf_counter()
@@ -66,9 +68,13 @@ def main() -> None:
     ap.add_argument("--compressions", type=float, nargs="+", default=[4.0])
     ap.add_argument("--shrinkages", type=float, nargs="+", default=[0.0])
     ap.add_argument("--formats", nargs="+", default=["kvgraft", "deepseek_v3"], choices=["kvgraft", "deepseek_v3"])
-    ap.add_argument("--extra", nargs="*", default=[], metavar="SELECTION:D_ROPE:SHRINKAGE",
+    ap.add_argument("--extra", nargs="*", default=[], metavar="SELECTION:D_ROPE:SHRINKAGE[:ROTATION]",
                     help="more grafts scored in kvgraft format at the stock export's budget (d_c = budget - d_rope - 1, "
-                         "the constant latent coordinate's value left free), e.g. prefix:16:0 (candidate stock layouts)")
+                         "the constant latent coordinate's value left free), e.g. prefix:16:0 (candidate stock layouts); "
+                         "with --extra-stock, stride/prefix ones are exported and scored through stock transformers")
+    ap.add_argument("--extra-stock", action="store_true")
+    ap.add_argument("--rope-rotation", choices=["real", "complex"], default="complex")
+    ap.add_argument("--stock-selection", choices=["prefix", "stride"], default=STOCK_ROPE_SELECTION)
     ap.add_argument("--eval-tokens", type=int, default=65536)
     ap.add_argument("--calibration-tokens", type=int, default=32768)
     ap.add_argument("--threads", type=int, default=None)
@@ -85,6 +91,18 @@ def main() -> None:
     def score(m) -> dict:
         return {k: perplexity(m, v, max_tokens=args.eval_tokens, progress=False).ppl for k, v in texts.items()}
 
+    def stock_score(new) -> tuple[dict, dict]:
+        from kvgraft.hf.deepseek import export_deepseek_v3, load_stock
+
+        with tempfile.TemporaryDirectory() as tmp:
+            report = export_deepseek_v3(new, Path(tmp) / "ds", calibration=calib, tail_sequences=4, verbose=False)
+            params = json.loads((Path(tmp) / "ds" / "config.json").read_text())["rope_parameters"]
+            extra = {"exported_kv_lora_rank": report.kv_lora_rank, "latent_norm": report.latent_norm,
+                     "export_max_abs_logit_diff": report.max_abs_logit_diff, "rope_parameters": params}
+            print(f"  export: max |logit diff| vs kvgraft {report.max_abs_logit_diff:.3g}, kv_lora_rank "
+                  f"{report.kv_lora_rank}, rope {params}", flush=True)
+            return score(_Stock(load_stock(Path(tmp) / "ds"), cfg)), extra
+
     base = score(model)
     print("original: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()), flush=True)
     rows = [{"compression": 1.0, "format": "original", "shrinkage": None, "ppl": base}]
@@ -95,46 +113,51 @@ def main() -> None:
             for fmt in args.formats:
                 stock = fmt == "deepseek_v3"
                 try:
-                    new, g, seconds = graft(model, compression, stock, shrinkage, calib)
+                    new, g, seconds = graft(model, compression, stock, shrinkage, calib, args.rope_rotation,
+                                            args.stock_selection)
                 except ValueError as exc:
                     print(f"skip {compression}x {fmt}: {exc}")
                     continue
                 extra = {}
                 if stock:
-                    from kvgraft.hf.deepseek import export_deepseek_v3, load_stock
-
-                    with tempfile.TemporaryDirectory() as tmp:
-                        report = export_deepseek_v3(new, Path(tmp) / "ds", calibration=calib, tail_sequences=4,
-                                                    verbose=False)
-                        extra = {"exported_kv_lora_rank": report.kv_lora_rank, "latent_norm": report.latent_norm}
-                        scored = score(_Stock(load_stock(Path(tmp) / "ds"), cfg))
+                    scored, extra = stock_score(new)
                 else:
                     scored = score(new)
                 row = {"compression": compression, "format": fmt, "shrinkage": shrinkage,
+                       "rope_selection": g.rope_selection, "rope_rotation": g.rope_rotation,
                        "kv_lora_rank": g.kv_lora_rank, "rope_dim": g.qk_rope_head_dim, "graft_seconds": seconds,
                        "ppl": scored, "ratio": {k: scored[k] / base[k] for k in base}, **extra}
                 rows.append(row)
-                print(f"{compression:g}x {fmt:<12} shrink {shrinkage:<5g} d_c {g.kv_lora_rank:<3} d_rope "
+                print(f"{compression:g}x {fmt + ' ' + g.rope_selection + ' ' + g.rope_rotation:<24} shrink {shrinkage:<5g} d_c {g.kv_lora_rank:<3} d_rope "
                       f"{g.qk_rope_head_dim:<3} " + "  ".join(
                           f"{k} {scored[k]:.3f} ({scored[k] / base[k]:.3f}x)" for k in base)
                       + f"  graft {seconds:.0f} s", flush=True)
                 (out / "results.json").write_text(json.dumps({"model": str(path), "texts": {k: str(v) for k, v in
                                                               texts.items()}, "rows": rows}, indent=2) + "\n")
         for spec in args.extra:
-            selection, d_rope, shrinkage = spec.split(":")
+            selection, d_rope, shrinkage, *rest = spec.split(":")
             d_rope, shrinkage = int(d_rope), float(shrinkage)
+            rotation = rest[0] if rest else args.rope_rotation
             budget = int(cfg.kv_width / compression)
             try:
-                new, g, seconds = graft(model, compression, False, shrinkage, calib, rope_selection=selection,
-                                        qk_rope_head_dim=d_rope, kv_lora_rank=budget - d_rope - 1)
+                new, g, seconds = graft(model, compression, False, shrinkage, calib, rotation,
+                                        rope_selection=selection, qk_rope_head_dim=d_rope,
+                                        kv_lora_rank=budget - d_rope - 1)
             except ValueError as exc:
                 print(f"skip {spec}: {exc}")
                 continue
-            scored = score(new)
-            rows.append({"compression": compression, "format": f"kvgraft ({selection}, stock budget)",
+            extra, how = {}, "kvgraft"
+            if args.extra_stock and selection in ("stride", "prefix"):
+                scored, extra = stock_score(new)
+                how = "deepseek_v3"
+            else:
+                scored = score(new)
+            rows.append({"compression": compression, "format": f"{how} ({selection}, stock budget)",
+                         "rope_selection": selection, "rope_rotation": rotation,
                          "shrinkage": shrinkage, "kv_lora_rank": g.kv_lora_rank, "rope_dim": d_rope,
-                         "graft_seconds": seconds, "ppl": scored, "ratio": {k: scored[k] / base[k] for k in base}})
-            print(f"{compression:g}x {selection + ' (stock budget)':<24} shrink {shrinkage:<5g} d_c {g.kv_lora_rank:<3} "
+                         "graft_seconds": seconds, "ppl": scored, "ratio": {k: scored[k] / base[k] for k in base},
+                         **extra})
+            print(f"{compression:g}x {how + ' ' + selection + ' ' + rotation:<24} shrink {shrinkage:<5g} d_c {g.kv_lora_rank:<3} "
                   f"d_rope {d_rope:<3} " + "  ".join(f"{k} {scored[k]:.3f} ({scored[k] / base[k]:.3f}x)" for k in base)
                   + f"  graft {seconds:.0f} s", flush=True)
             (out / "results.json").write_text(json.dumps({"model": str(path), "texts": {k: str(v) for k, v in

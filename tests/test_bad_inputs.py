@@ -46,8 +46,10 @@ CASES = [
     (["convert", "{tiny}", "--out", "{outs}/m", "--kv-lora-rank", "1000"], "kv_lora_rank (1000)", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{outs}/m", "--kv-lora-rank", "-3"], "kv_lora_rank (-3)", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{outs}/m", "--layers", "9"], "layers [9] out of range", NO_GRAFT),
-    (["convert", "{tiny}", "--out", "{outs}/m", "--format", "deepseek_v3", "--rope-dim", "6"],
-     "rope selection 'stride' needs d_rope (6) to divide head_dim (16)", NO_GRAFT),
+    (["convert", "{tiny}", "--out", "{outs}/m", "--format", "deepseek_v3", "--rope-selection", "stride",
+      "--rope-dim", "6"], "rope selection 'stride' needs d_rope (6) to divide head_dim (16)", NO_GRAFT),
+    (["convert", "{tiny}", "--out", "{outs}/m", "--format", "deepseek_v3", "--rope-selection", "norm"],
+     "rope selection 'norm' cannot be exported to stock DeepSeek-V3", NO_GRAFT),
     # -- convert --to ced: checked on the config the MLA step will produce, before it runs
     (["convert", "{tiny}", "--out", "{outs}/m", "--to", "ced", "--kv-source-layers", "9"],
      "kv_source_layers (9,)", NO_GRAFT),

@@ -221,6 +221,9 @@ def _mla_config(**changes) -> ModelConfig:
     ("kv_sharing", "kv_slots.*--to mla"),
     ("yarn_stride8", "yarn.*--rope-dim 32"),
     ("dynamic_stride2", "dynamic.*--rope-dim 32"),
+    ("yarn_prefix_ramp_past_the_key", r"prefix layout.*past pair 7.*--rope-selection stride"),
+    ("dynamic_prefix", "dynamic.*whatever the rope selection.*--rope-dim 32"),
+    ("mixed_layouts", "not the same in every layer.*--rope-selection stride or prefix"),
     ("mlp_bias", "MLP of layers .* non-zero biases"),
 ])
 def test_refusals_name_the_problem(case, match, tmp_path):
@@ -236,6 +239,16 @@ def test_refusals_name_the_problem(case, match, tmp_path):
         model = Transformer(_mla_config(head_dim=32, qk_rope_head_dim=4, qk_nope_head_dim=32, v_head_dim=32,
                                         max_position_embeddings=64, rope=RopeConfig(
             rope_type="yarn", theta=10.0, factor=4.0, original_max_position_embeddings=400)))
+    elif case == "yarn_prefix_ramp_past_the_key":  # ramp over frequencies 1..8: stock clamps its end at pair 7
+        model = Transformer(_mla_config(head_dim=32, qk_rope_head_dim=8, qk_nope_head_dim=32, v_head_dim=32,
+                                        rope_freq_index=((0, 1, 2, 3),) * 2, rope=RopeConfig(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=400)))
+    elif case == "dynamic_prefix":
+        model = Transformer(_mla_config(head_dim=32, qk_rope_head_dim=8, qk_nope_head_dim=32, v_head_dim=32,
+                                        rope_freq_index=((0, 1, 2, 3),) * 2,
+                                        rope=RopeConfig(rope_type="dynamic", factor=2.0)))
+    elif case == "mixed_layouts":  # layer 0 prefix, layer 1 stride: stock has one layout for all layers
+        model = Transformer(_mla_config(head_dim=32, rope_freq_index=(tuple(range(8)), tuple(range(0, 16, 2)))))
     elif case == "mlp_bias":
         model = Transformer(_mla_config(mlp_bias=True))
         model.init_weights(0)
@@ -246,6 +259,47 @@ def test_refusals_name_the_problem(case, match, tmp_path):
     with pytest.raises(UnsupportedModelError, match=match):
         export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
     assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("rope", ["default", "llama3", "yarn"])
+def test_prefix_layout_exports_exactly(rope, tmp_path):
+    """The 'prefix' RoPE selection (the principal rotated head at the d_rope/2 fastest frequencies, any even
+    d_rope: 12 here, which does not divide head_dim 32) exports exactly: stock's pair j rotates at
+    theta'^(-2j/d_rope), kvgraft's frequency j at theta^(-2j/head_dim), equal for rope_theta' =
+    rope_theta^(d_rope/head_dim); llama3 keeps its parameters (its thresholds see the same wavelengths) and so
+    does yarn (its correction dims, dim / ln theta, are unchanged). Checked past the original context, and in
+    stock transformers' cached decode."""
+    ropes = {"default": RopeConfig(),
+             "llama3": RopeConfig(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=16),
+             "yarn": RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)}
+    base = _base(2, head_dim=32, rope=ropes[rope])
+    g = GraftConfig(kv_lora_rank=24, qk_rope_head_dim=12, objective="activations", rope_selection="prefix",
+                    rope_rotation="complex" if rope == "yarn" else "real")
+    model = graft_mla(base, g, CAL, progress=False).eval()
+    assert model.config.rope_freq_index == ((0, 1, 2, 3, 4, 5),) * 2
+    if rope == "llama3":  # exact in transformers; vLLM/SGLang's DeepSeek code would read it as yarn
+        with pytest.warns(UserWarning, match="deepseek_yarn"):
+            report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    else:
+        report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    assert report.exact and report.latent_norm == "pad"
+    assert report.max_abs_logit_diff <= 1e-4 and report.mean_kl <= 1e-9, report
+    assert any("prefix RoPE layout" in w for w in report.warnings)
+    raw = json.loads((tmp_path / "ds" / "config.json").read_text())
+    params = raw["rope_parameters"]
+    assert params["rope_type"] == ropes[rope].rope_type and raw["qk_rope_head_dim"] == 12
+    assert params["rope_theta"] == pytest.approx(10000.0 ** (12 / 32), rel=1e-12) == raw["rope_theta"]
+    if rope == "yarn":
+        assert "beta_fast" not in params and "truncate" not in params  # yarn's own betas carry over
+    stock = load_stock(tmp_path / "ds")
+    ids = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(stock(ids).logits, model(ids), atol=1e-4, rtol=0)
+        if rope == "default":
+            prompt = ids[:, :12]
+            gen = stock.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+            assert torch.equal(gen, generate(model, prompt, max_new_tokens=6))
 
 
 # ---- exact without a latent norm, query biases, sliding windows ------------------------------------------

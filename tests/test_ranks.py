@@ -33,9 +33,11 @@ def test_the_rule_fits_every_shape(kv_heads, head_dim, compression, stock):
     assert r.kv_lora_rank + r.qk_rope_head_dim == r.budget == budget
     assert r.qk_rope_head_dim >= 2 and r.qk_rope_head_dim % 2 == 0 and r.qk_rope_head_dim <= min(64, head_dim)
     assert r.kv_lora_rank >= r.qk_rope_head_dim or r.qk_rope_head_dim == 2  # d_c gets at least half
-    if stock:
-        assert head_dim % r.qk_rope_head_dim == 0
-    if budget >= 128 and head_dim >= 64 and not stock:
+    if stock:  # the default stock layout ("prefix"): any even width <= 3/4 head_dim (one pair at least)
+        assert r.qk_rope_head_dim <= max(2, 3 * head_dim // 4)
+        s = default_ranks(cfg, compression=compression, stock=True, stock_layout="stride")
+        assert head_dim % s.qk_rope_head_dim == 0 and s.kv_lora_rank + s.qk_rope_head_dim == budget
+    if budget >= 128 and head_dim >= 64 and (not stock or head_dim >= 86):
         assert r.qk_rope_head_dim == 64  # DeepSeek's d_rope once the budget allows it
 
 
@@ -96,5 +98,6 @@ def test_docs_table_matches_the_rule():
         for cell, compression in ((cells[4], 4), (cells[6], 8), (cells[7], 2)):
             r = default_ranks(cfg, compression=compression)
             assert cell == f"{r.kv_lora_rank} + {r.qk_rope_head_dim}", (row, compression)
+        for cell, compression in ((cells[8], 4), (cells[9], 8)):  # the stock export's (prefix layout)
             s = default_ranks(cfg, compression=compression, stock=True)
-            assert (s.kv_lora_rank, s.qk_rope_head_dim) == (r.kv_lora_rank, r.qk_rope_head_dim)
+            assert cell == f"{s.kv_lora_rank} + {s.qk_rope_head_dim}", (row, compression)

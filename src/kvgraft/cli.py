@@ -198,6 +198,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     record = convert(
         args.model, args.out, kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.rope_dim,
         compression=args.compression, objective=args.objective, rope_selection=args.rope_selection,
+        rope_rotation=args.rope_rotation,
         layerwise=args.layerwise, rope_expectation=args.rope_expectation,
         layers=tuple(args.layers) if args.layers else None,
         calibration=args.calibration, calibration_tokens=args.calibration_tokens, output_format=args.format,
@@ -503,11 +504,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", choices=["weights", "activations", "attention"], default="attention",
                    help="latent initialisation: joint SVD of the weights, PCA of K/V outputs on calibration "
                         "text, or attention-aware (key error weighted by queries, value error by W_O)")
-    p.add_argument("--rope-selection", choices=["auto", "stride", "norm", "shared"], default="auto",
-                   help="which RoPE frequencies stay: every k-th (stock DeepSeek-V3 layout) or the largest "
-                        "measured contributions per layer (kvgraft format only), or one layout for all layers "
-                        "by measured contribution (shared); auto: norm, shared with --to ced, stride with --format "
-                        "deepseek_v3/both")
+    p.add_argument("--rope-selection", choices=["auto", "stride", "prefix", "norm", "shared"], default="auto",
+                   help="which RoPE frequencies stay: the fastest d_rope/2 (prefix) or every k-th (stride), "
+                        "both stock DeepSeek-V3 layouts, or the largest measured contributions per layer (norm, "
+                        "kvgraft format only), or one layout for all layers by measured contribution (shared); "
+                        "auto: norm, shared with --to ced, prefix with --format deepseek_v3/both")
+    p.add_argument("--rope-rotation", choices=["real", "complex"], default=None,
+                   help="how the KV heads' RoPE pairs are mixed per frequency before the kept ones are chosen: "
+                        "orthogonal (real) or unitary (complex: each kept pair the best rank-1 complex fit of the "
+                        "heads' pairs, a per-head phase folded into the queries); default complex (--to mla), "
+                        "real (--to ced)")
     p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
                    help="calibrate each layer on the converted layers' activations")
     p.add_argument("--calibration-shrinkage", type=float, default=0.5,

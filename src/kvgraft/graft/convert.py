@@ -24,7 +24,7 @@ import torch
 
 from kvgraft.atomic import atomic_dir
 from kvgraft.graft.mla import GraftConfig, graft_mla, mla_model_config
-from kvgraft.graft.ranks import DEFAULT_CED_COMPRESSION, DEFAULT_COMPRESSION, default_ranks
+from kvgraft.graft.ranks import DEFAULT_CED_COMPRESSION, DEFAULT_COMPRESSION, STOCK_ROPE_SELECTION, default_ranks
 from kvgraft.model import ModelConfig
 
 FORMATS = ("kvgraft", "deepseek_v3", "both")
@@ -116,16 +116,21 @@ def convert(
     sliding_window: int = 64,
     compress_rate: int = 1,
     calibration_shrinkage: float = 0.5,
+    rope_rotation: str | None = None,
 ) -> dict:
     """Convert ``model`` (a local checkpoint directory) to MLA and write it to ``out``.
 
     Ranks not given come from the one rule of ``kvgraft.graft.ranks.default_ranks`` (shared with ``doctor``):
     the budget is KV width / ``compression`` values per layer (default 4x; or an explicit ``kv_lora_rank``),
-    d_rope the largest even width <= min(64, head_dim, budget/2) (a divisor of head_dim for the stock
-    format), d_c the rest. Every argument (and the output path, device and calibration file) is checked
-    before the weights are loaded; weights with NaN/Inf are refused, naming the tensor.
+    d_rope the largest even width <= min(64, head_dim, budget/2) (for the stock format's default prefix
+    layout also <= 3/4 head_dim; a divisor of head_dim with --rope-selection stride), d_c the rest. Every
+    argument (and the output path, device and calibration file) is checked before the weights are loaded;
+    weights with NaN/Inf are refused, naming the tensor.
     Defaults (objective "attention", layer-wise, RoPE expectation, rope_selection "auto" = "norm", or
-    "stride" when a stock DeepSeek-V3 export is asked for) are the best of ``bench/mla_oneshot.py``.
+    "prefix" when a stock DeepSeek-V3 export is asked for) are the best of ``bench/mla_oneshot.py`` and
+    ``bench/mla_ood.py``. ``rope_rotation`` (None: "complex" for ``to="mla"``, "real" for ``to="ced"``): how the
+    KV heads' RoPE pairs are mixed per frequency before the kept ones are chosen (``GraftConfig``); the complex
+    mix (each kept pair the best rank-1 complex fit of the heads' pairs) measured far better in both formats.
     ``device`` holds the model and the calibration activations (e.g. "cuda" for a 7B model); the
     per-layer factorisations run on the CPU in fp64. Returns the record written to ``conversion.json``.
 
@@ -180,6 +185,8 @@ def convert(
     else:
         ranks = default_ranks(config, compression=compression, kv_lora_rank=kv_lora_rank,
                               qk_rope_head_dim=qk_rope_head_dim, stock=stock,
+                              stock_layout=rope_selection if rope_selection in ("stride", "prefix")
+                              else STOCK_ROPE_SELECTION,
                               default_compression=DEFAULT_CED_COMPRESSION if to == "ced" else DEFAULT_COMPRESSION)
         d_c, d_rope, rank_notes = ranks.kv_lora_rank, ranks.qk_rope_head_dim, ranks.how
         if stock and kv_lora_rank is None and d_c > 1:
@@ -189,12 +196,28 @@ def convert(
             rank_notes = (*rank_notes, (
                 f"stock DeepSeek-V3 export: one of the d_c values is a constant coordinate that makes its latent "
                 f"RMSNorm exact, so the graft keeps d_c = {d_c} and the export caches {d_c + 1} + {d_rope}"))
-    if rope_selection == "auto":  # the best measured ("norm") unless a stock export needs DeepSeek's layout
-        rope_selection = "stride" if stock else "shared" if to == "ced" else "norm"
+    if rope_rotation is None:  # complex measured better for MLA (bench/mla_ood.py); the share graft is unmeasured
+        rope_rotation = "real" if to == "ced" else "complex"
+    if rope_selection == "auto":  # the best measured ("norm") unless a stock export needs one of its layouts
+        rope_selection = STOCK_ROPE_SELECTION if stock else "shared" if to == "ced" else "norm"
+    if stock and rope_selection not in ("stride", "prefix"):
+        raise ValueError(
+            f"rope selection {rope_selection!r} cannot be exported to stock DeepSeek-V3 (--format {output_format}): "
+            "its one shared RoPE key rotates each frequency once, in every layer, at theta'^(-2j/d_rope); use "
+            "--rope-selection prefix or stride (or auto), or --format kvgraft")
+    if rope_selection == "prefix" and d_rope > config.head_dim:
+        why = ""
+        if stock:
+            why = (f" (stock DeepSeek-V3 rotates each frequency once in its one shared RoPE key, so the RoPE parts of "
+                   f"{config.num_kv_heads} KV heads cannot all keep their rotation: --rope-dim {config.head_dim} is "
+                   "the closest stock export, its measured error printed)")
+        raise ValueError(f"rope selection 'prefix' needs d_rope ({d_rope}) <= head_dim ({config.head_dim}): it keeps "
+                         f"one rotated head at the d_rope/2 fastest frequencies; pass --rope-dim with an even value <= "
+                         f"{config.head_dim} or leave it to the default rule{why}")
     graft = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
                         rope_selection=rope_selection, layerwise=layerwise, layers=layers,
                         rope_expectation=rope_expectation and objective != "weights",
-                        calibration_shrinkage=calibration_shrinkage,
+                        calibration_shrinkage=calibration_shrinkage, rope_rotation=rope_rotation,
                         # stock DeepSeek-V3 has no per-head q/k norms: the stock export takes their linear fits
                         qk_norm="linearise" if to == "ced" or (stock and config.qk_norm) else "keep")
     if rope_selection == "stride" and (d_rope > config.head_dim or config.head_dim % d_rope):
@@ -211,8 +234,11 @@ def convert(
     if not already_mla:
         graft.check_against(config)
         half = config.head_dim // 2
-        layout = tuple(range(0, half, config.head_dim // d_rope)) if config.head_dim % d_rope == 0 \
-            else tuple(i % half for i in range(d_rope // 2))  # (wider than a head: pairs from several heads)
+        if rope_selection == "prefix":
+            layout = tuple(range(d_rope // 2))
+        else:
+            layout = tuple(range(0, half, config.head_dim // d_rope)) if config.head_dim % d_rope == 0 \
+                else tuple(i % half for i in range(d_rope // 2))  # (wider than a head: pairs from several heads)
         predicted = mla_model_config(config, graft, {i: layout for i in range(config.num_layers)})
     ced_graft = None
     if to == "ced":

@@ -449,9 +449,10 @@ def doctor(
         rope = _rope_dict(config)
         notes.append(f"RoPE scaling {_rope_text(rope)} is carried over to the MLA RoPE key")
     if d_rope <= K * hd and (d_rope > hd or hd % d_rope):
-        notes.append(f"d_rope ({d_rope}) does not divide head_dim ({hd}): the 'stride' RoPE selection "
-                     "(DeepSeek's frequency layout, needed for a stock DeepSeek-V3 export) cannot be used; "
-                     "convert's default 'norm' selection (kvgraft format) can")
+        notes.append(f"d_rope ({d_rope}) does not divide head_dim ({hd}): the 'stride' RoPE selection cannot be "
+                     "used; the 'prefix' one (the stock DeepSeek-V3 export's default) can"
+                     + ("" if d_rope <= hd else f" only with d_rope <= head_dim ({hd})")
+                     + ", and so can convert's default 'norm' selection (kvgraft format)")
 
     blockers = _blockers(config, d_c, d_rope)
     params_after = None

@@ -7,8 +7,13 @@ the rule picks what was not given:
 
 - **d_rope** = the largest allowed value <= min(64, head_dim, budget / 2) (with an explicit d_c:
   <= min(64, head_dim, d_c)); allowed = even (RoPE rotates pairs), and for a stock DeepSeek-V3 export
-  an even divisor of head_dim (the stride layout rotates every (head_dim/d_rope)-th frequency) whose
-  frequencies stock DeepSeek-V3 reproduces (dynamic NTK and some yarn settings need d_rope = head_dim).
+  one whose frequencies stock DeepSeek-V3 reproduces in the export's layout (dynamic NTK and some yarn
+  settings need d_rope = head_dim; the "stride" layout also needs d_rope to divide head_dim). For the stock
+  export's default "prefix" layout (the d_rope/2 fastest frequencies, ``STOCK_ROPE_SELECTION``) the cap is
+  also 3/4 of head_dim: on the reference model (head_dim 32, 4x) the prefix layout at d_rope 24 + d_c 39
+  measured better in and out of domain than 32 + 31 (bench/RESULTS.md), since one shared key that rotates
+  each frequency once spends its last pairs on the slowest frequencies, which barely turn within the
+  context (their expected rotation stands in for them) while d_c is scarce.
   At least one frequency pair (d_rope >= 2) always.
 - **d_c** = budget - d_rope.
 
@@ -30,6 +35,11 @@ from kvgraft.model.config import ModelConfig
 DEFAULT_COMPRESSION = 4.0  # --to mla
 DEFAULT_CED_COMPRESSION = 2.0  # --to ced: several layers read each shared latent
 ROPE_CAP = 64  # DeepSeek-V2/V3's d_rope (next to d_c = 512), FlashMLA's shape
+# The RoPE layout of kvgraft convert --format deepseek_v3/both by default ("stride" or "prefix"), and the
+# share of head_dim its d_rope may take ("prefix" only; measured on the reference model, see above)
+STOCK_ROPE_SELECTION = "prefix"
+STOCK_PREFIX_ROPE_SHARE = 0.75
+STOCK_LAYOUTS = ("stride", "prefix")
 
 
 @dataclass(frozen=True)
@@ -59,29 +69,35 @@ def check_compression(compression) -> float:
     return float(compression)
 
 
-def stock_rope_problem(config: ModelConfig, d_rope: int) -> str | None:
-    """Why a stock DeepSeek-V3 export cannot carry ``config``'s RoPE at this d_rope (None: it can)."""
-    if d_rope > config.head_dim or config.head_dim % d_rope or d_rope % 2:
+def stock_rope_problem(config: ModelConfig, d_rope: int, layout: str = STOCK_ROPE_SELECTION) -> str | None:
+    """Why a stock DeepSeek-V3 export in ``layout`` ("stride" or "prefix") cannot carry ``config``'s RoPE at this
+    d_rope (None: it can)."""
+    if layout not in STOCK_LAYOUTS:
+        raise ValueError(f"stock layout {layout!r} is not one of {', '.join(STOCK_LAYOUTS)}")
+    if layout == "stride" and (d_rope > config.head_dim or config.head_dim % d_rope or d_rope % 2):
         return (f"the stock DeepSeek-V3 layout (rope selection 'stride') needs an even d_rope dividing head_dim "
                 f"({config.head_dim}), got {d_rope}")
-    if config.rope.rope_type in ("default", "linear", "llama3"):  # functions of each base frequency alone
-        return None
+    if layout == "prefix" and (d_rope > config.head_dim or d_rope % 2):
+        return (f"the stock DeepSeek-V3 layout (rope selection 'prefix') needs an even d_rope <= head_dim "
+                f"({config.head_dim}), got {d_rope}")
+    if config.rope.rope_type in ("default", "linear") or (layout == "stride" and config.rope.rope_type == "llama3"):
+        return None  # functions of each base frequency alone, which both layouts reproduce exactly
     from kvgraft.errors import UnsupportedModelError
     from kvgraft.hf.deepseek import _stock_rope
 
     try:
-        _stock_rope(config.replace(qk_rope_head_dim=d_rope))
+        _stock_rope(config.replace(qk_rope_head_dim=d_rope), layout=layout)
     except UnsupportedModelError as exc:
         return str(exc)
     return None
 
 
-def _allowed(config: ModelConfig, stock: bool) -> list[int]:
+def _allowed(config: ModelConfig, stock: bool, layout: str = STOCK_ROPE_SELECTION) -> list[int]:
     """d_rope values the rule may pick, ascending."""
     hd = config.head_dim
-    values = [v for v in range(2, hd + 1, 2) if not stock or hd % v == 0]
+    values = [v for v in range(2, hd + 1, 2) if not stock or layout == "prefix" or hd % v == 0]
     if stock:
-        values = [v for v in values if stock_rope_problem(config, v) is None]
+        values = [v for v in values if stock_rope_problem(config, v, layout) is None]
     return values
 
 
@@ -93,11 +109,13 @@ def default_ranks(
     qk_rope_head_dim: int | None = None,
     stock: bool = False,
     default_compression: float = DEFAULT_COMPRESSION,
+    stock_layout: str = STOCK_ROPE_SELECTION,
 ) -> Ranks:
     """(d_c, d_rope) for grafting ``config`` by the rule above; explicit values are kept as given.
 
     ``compression`` and ``kv_lora_rank`` are two ways to set the budget: give at most one (neither:
-    ``default_compression``). ``stock``: the result must export to stock DeepSeek-V3. Raises ValueError
+    ``default_compression``). ``stock``: the result must export to stock DeepSeek-V3 in ``stock_layout`` (the
+    rope selection, "prefix" or "stride"). Raises ValueError
     naming the value for a non-positive rank, a compression that is not a finite number > 1, both budgets,
     or a budget too small for one RoPE pair plus a latent. Structural limits (d_rope even and within the
     model's RoPE width, d_c within its KV width) are ``GraftConfig``'s to check.
@@ -133,11 +151,18 @@ def default_ranks(
                 f"{compression:g}): MLA needs at least 3 (one RoPE pair plus a latent); lower the compression")
         cap = min(ROPE_CAP, hd, budget // 2)
         what = f"min(64, head_dim {hd}, budget/2 = {budget // 2})"
+        if stock and stock_layout == "prefix":
+            share = int(STOCK_PREFIX_ROPE_SHARE * hd)
+            cap = min(cap, share)
+            what = f"min(64, 3/4 head_dim = {share}, budget/2 = {budget // 2}) (stock, prefix layout)"
     else:
         cap = min(ROPE_CAP, hd, kv_lora_rank)
         what = f"min(64, head_dim {hd}, d_c {kv_lora_rank})"
-    allowed = _allowed(config, stock)
-    kind = "even divisor of head_dim that stock DeepSeek-V3 can rotate" if stock else "even value"
+    if stock_layout not in STOCK_LAYOUTS:
+        raise ValueError(f"stock layout {stock_layout!r} is not one of {', '.join(STOCK_LAYOUTS)}")
+    allowed = _allowed(config, stock, stock_layout)
+    kind = ("even divisor of head_dim that stock DeepSeek-V3 can rotate" if stock and stock_layout == "stride" else
+            "even value that stock DeepSeek-V3 can rotate" if stock else "even value")
     fitting = [v for v in allowed if v <= cap]
     limit = budget - 1 if budget is not None else None  # leave at least one latent value
     if fitting:
@@ -148,14 +173,15 @@ def default_ranks(
     else:
         reason, fix = "", "lower the compression"
         if stock and allowed:  # only stock's widths are too wide: say which, why, and the budget they need
-            smaller = [v for v in range(2, allowed[0], 2) if hd % v == 0]
-            why = stock_rope_problem(config, smaller[-1]) if smaller else None
+            smaller = [v for v in range(2, allowed[0], 2) if stock_layout == "prefix" or hd % v == 0]
+            why = stock_rope_problem(config, smaller[-1], stock_layout) if smaller else None
             need = allowed[0] + 1
             reason = (f"; a stock DeepSeek-V3 export of this model needs d_rope in {allowed}"
                       + (f" (at d_rope {smaller[-1]}: {why})" if why else "") + f", so at least {need} values")
             fix = (f"pass --compression {math.floor(width / need * 1000) / 1000:g} or lower (or --kv-lora-rank with --rope-dim {allowed[0]})")
         elif stock:
-            reason = "; stock DeepSeek-V3 export: " + (stock_rope_problem(config, hd) or "no even divisor of head_dim fits")
+            reason = "; stock DeepSeek-V3 export: " + (stock_rope_problem(config, hd, stock_layout)
+                                                        or "no even divisor of head_dim fits")
         raise ValueError(
             f"no RoPE width fits: compression leaves {budget} cached values per layer{reason}; {fix}, or export "
             "kvgraft's own format (--format kvgraft)")
@@ -168,5 +194,5 @@ def default_ranks(
     return Ranks(d_c, d_rope, budget, tuple(how))
 
 
-__all__ = ["DEFAULT_CED_COMPRESSION", "DEFAULT_COMPRESSION", "ROPE_CAP", "Ranks", "check_compression",
-           "default_ranks", "stock_rope_problem"]
+__all__ = ["DEFAULT_CED_COMPRESSION", "DEFAULT_COMPRESSION", "ROPE_CAP", "STOCK_PREFIX_ROPE_SHARE",
+           "STOCK_ROPE_SELECTION", "Ranks", "check_compression", "default_ranks", "stock_rope_problem"]

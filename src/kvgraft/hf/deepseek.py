@@ -31,15 +31,27 @@ What is exact and what is not (``docs/export.md`` has the per-family table):
 - A sliding window (Mistral): stock DeepSeek-V3 has none, so the export is the closest stock model (full
   attention): exact for contexts up to the window, said in config.json (``kvgraft_export``), README.md and the
   report, and measured on both sides of the window.
-- RoPE: stock rotates pair j at theta^(-2j/d_rope), kvgraft's 'stride' selection keeps every
-  (head_dim/d_rope)-th frequency: the same for default/linear/llama3; yarn's ramp is re-expressed for dim =
-  d_rope (beta_fast/beta_slow solved, truncate kept where the range allows) and exact; dynamic NTK only at
-  d_rope = head_dim. With several KV heads stock's one shared RoPE key rotates each frequency once, so the
-  exact full-budget kvgraft layout (d_rope = num_kv_heads x head_dim) cannot be expressed: the closest export
-  keeps d_rope = head_dim and the graft's error against the original is measured.
+- RoPE: stock rotates pair j at theta'^(-2j/d_rope) in every layer, each frequency once. Two kvgraft
+  layouts are exactly that (``stock_rope_layout``): 'prefix' (the default of ``kvgraft convert --format
+  deepseek_v3``: one rotated head at the d_rope/2 fastest frequencies, any even d_rope <= head_dim), written
+  with rope_theta' = rope_theta^(d_rope/head_dim), since theta'^(-2j/d_rope) = theta^(-2j/head_dim); and
+  'stride' (every (head_dim/d_rope)-th frequency) at the model's own rope_theta. Both are exact for
+  default/linear/llama3 RoPE with the source's scaling parameters (functions of each base frequency alone:
+  llama3's wavelength thresholds see the same wavelengths). Yarn: for 'stride' its ramp is re-expressed for
+  dim = d_rope (beta_fast/beta_slow solved, truncate kept where the range allows); for 'prefix' the source's
+  betas carry over (dim / ln theta, hence every correction dim, is unchanged), exact unless the source's ramp
+  ends past pair d_rope - 1, where stock clamps it (refused: --rope-selection stride, or a wider --rope-dim).
+  Dynamic NTK only at d_rope = head_dim (its base rescaling has exponent dim/(dim-2)), whatever the layout.
+  The changed theta rounds differently in fp32 (relative ~5e-7 on the frequencies): the measured max |logit
+  diff| stays at fp noise. The kept rotated head may be a real (orthogonal) or complex (unitary: per-head
+  phases folded into the queries, ``GraftConfig.rope_rotation``) mix of the KV heads: either exports alike.
+  With several KV heads the exact full-budget kvgraft layout (d_rope = num_kv_heads x head_dim, several
+  rotated heads per frequency) cannot be expressed: the closest export keeps d_rope = head_dim and the
+  graft's error against the original is measured.
 - Refused, naming what would make it possible: GQA layers left (convert all layers), per-head q/k norms
-  (graft with qk_norm='linearise', which convert does for this format), shared caches (--to ced), a
-  non-stride RoPE layout, non-zero MLP biases (nothing can carry them).
+  (graft with qk_norm='linearise', which convert does for this format), shared caches (--to ced), a RoPE
+  layout other than prefix/stride (the 'norm' and 'shared' selections repeat or scatter frequencies per
+  layer), non-zero MLP biases (nothing can carry them).
 ``ExportReport`` carries the measured logit error, KL and perplexities on the calibration tail.
 
 transformers builds ``kv_a_layernorm`` with eps 1e-6 whatever ``rms_norm_eps`` says, while vLLM and SGLang
@@ -147,11 +159,40 @@ class ExportReport:
 
 
 def stride_rope_index(config: ModelConfig) -> tuple[int, ...] | None:
-    """The frequency layout stock DeepSeek-V3 uses (every (head_dim/d_rope)-th frequency), or None."""
+    """The "stride" frequency layout (every (head_dim/d_rope)-th frequency: stock DeepSeek-V3 at the model's
+    rope_theta), or None when d_rope does not divide head_dim."""
     d, dr = config.head_dim, config.qk_rope_head_dim
     if not dr or d % dr:
         return None
     return tuple(range(0, d // 2, d // dr))
+
+
+def prefix_rope_index(config: ModelConfig) -> tuple[int, ...] | None:
+    """The "prefix" frequency layout (the d_rope/2 fastest frequencies: stock DeepSeek-V3 with rope_theta' =
+    rope_theta^(d_rope/head_dim)), or None when d_rope is not an even width <= head_dim."""
+    d, dr = config.head_dim, config.qk_rope_head_dim
+    if not dr or dr % 2 or dr > d:
+        return None
+    return tuple(range(dr // 2))
+
+
+STOCK_ROPE_LAYOUTS = ("stride", "prefix")
+
+
+def stock_rope_layout(config: ModelConfig) -> str | None:
+    """"stride" or "prefix" when every MLA layer of ``config`` has that RoPE frequency layout (both are stock
+    DeepSeek-V3's pair j at theta'^(-2j/d_rope), for theta' = theta resp. theta^(d_rope/head_dim)); "stride" when
+    they coincide (d_rope = head_dim); None otherwise (per-layer or repeated frequencies: kvgraft's own)."""
+    mla = [i for i, k in enumerate(config.attention_kinds) if k == "mla"]
+    layouts = {tuple(config.rope_freq_index[i]) for i in mla}
+    if len(layouts) != 1:
+        return None
+    (index,) = layouts
+    if index == stride_rope_index(config):
+        return "stride"
+    if index == prefix_rope_index(config):
+        return "prefix"
+    return None
 
 
 def _config_problems(config: ModelConfig) -> list[str]:
@@ -174,19 +215,23 @@ def _config_problems(config: ModelConfig) -> list[str]:
             f"kv_slots {config.kv_slots} share caches across layers; stock DeepSeek-V3 has one cache per layer "
             "(convert with --to mla, not --to ced)"
         )
-    if not gqa:
-        stride = stride_rope_index(config)
-        bad = [i for i in range(config.num_layers) if config.rope_freq_index[i] != stride]
-        if bad:
-            fix = ("graft with --rope-selection stride (rope_selection='stride')" if stride is not None else
-                   f"graft with --rope-dim set to an even divisor of head_dim {config.head_dim} and --rope-selection "
-                   "stride")
-            problems.append(
-                f"the RoPE frequency layout of layers {bad} (rope_freq_index {config.rope_freq_index[bad[0]]}) is "
-                f"not stock DeepSeek-V3's, which rotates RoPE pair j at theta^(-2j/d_rope), i.e. frequency "
-                f"indices {stride if stride is not None else '(0, s, 2s, ...)'} of head_dim/2 (d_rope = "
-                f"{config.qk_rope_head_dim}); {fix}"
-            )
+    if not gqa and stock_rope_layout(config) is None:
+        stride, prefix = stride_rope_index(config), prefix_rope_index(config)
+        layouts = {tuple(config.rope_freq_index[i]) for i in range(config.num_layers)}
+        bad = [i for i in range(config.num_layers) if config.rope_freq_index[i] not in (stride, prefix)] or \
+            list(range(1, config.num_layers))  # each layer is one of the two, but not all the same one
+        fix = ("graft with --rope-selection stride or prefix (rope_selection='stride' / 'prefix')"
+               if stride is not None else
+               "graft with --rope-selection prefix, or --rope-selection stride with --rope-dim set to an even divisor "
+               f"of head_dim {config.head_dim}")
+        problems.append(
+            f"the RoPE frequency layout of layers {bad} (rope_freq_index {config.rope_freq_index[bad[0]]}"
+            f"{'; not the same in every layer' if len(layouts) > 1 else ''}) is not one stock DeepSeek-V3 can "
+            f"hold: it rotates RoPE pair j at theta'^(-2j/d_rope) in every layer, each frequency once, which is "
+            f"the stride layout {stride if stride is not None else '(0, s, 2s, ...)'} at theta' = rope_theta or "
+            f"the prefix layout {prefix} at theta' = rope_theta^(d_rope/head_dim) (frequency indices of "
+            f"head_dim/2, d_rope = {config.qk_rope_head_dim}); {fix}"
+        )
     return problems
 
 
@@ -207,9 +252,11 @@ def _nonzero(t: torch.Tensor | None) -> bool:
     return t is not None and bool(t.detach().abs().max() > 0)
 
 
-def _yarn_range_for_stock(rope: RopeConfig, d: int, dr: int, max_pos: int) -> tuple[float, float, bool] | None:
+def _yarn_range_for_stock(rope: RopeConfig, d: int, dr: int, max_pos: int, stride: int | None = None,
+                          stock_theta: float | None = None) -> tuple[float, float, bool] | None:
     """(beta_fast, beta_slow, truncate) making stock's yarn at dim = d_rope ramp exactly as kvgraft's at dim =
-    head_dim over the stride frequencies, or None when no setting does.
+    head_dim over the stride frequencies, or None when no setting does. ``stride`` 1 and ``stock_theta`` =
+    theta^(d_rope/head_dim): the same for the prefix layout (pair j = frequency j).
 
     kvgraft's ramp at frequency i = s*j (s = head_dim / d_rope) is clamp((s j - low) / (high - low)), with
     low/high its correction range in units of head_dim; stock's at pair j is clamp((j - low') / (high' - low'))
@@ -219,7 +266,8 @@ def _yarn_range_for_stock(rope: RopeConfig, d: int, dr: int, max_pos: int) -> tu
     without it otherwise. None when stock would clamp high' at d_rope - 1 below the target.
     """
     original = rope.original_max_position_embeddings or max_pos
-    s = d // dr
+    s = d // dr if stride is None else stride
+    theta_s = rope.theta if stock_theta is None else stock_theta
 
     def cdim(beta: float) -> float:
         return d * math.log(original / (beta * 2 * math.pi)) / (2 * math.log(rope.theta))
@@ -240,50 +288,78 @@ def _yarn_range_for_stock(rope: RopeConfig, d: int, dr: int, max_pos: int) -> tu
         lo_raw = -0.5  # any value <= 0 clamps to 0
 
     def beta(target: float) -> float:
-        return original / (2 * math.pi) * rope.theta ** (-2 * target / dr)
+        return original / (2 * math.pi) * theta_s ** (-2 * target / dr)
 
     return beta(lo_raw), beta(hi_raw), truncate
 
 
-def _stock_rope(config: ModelConfig) -> tuple[dict, float, list[str]]:
+def _stock_rope(config: ModelConfig, layout: str | None = None) -> tuple[dict, float, list[str]]:
     """(rope_parameters for config.json, factor to fold into q_proj, notes); raises when stock cannot match ours.
 
-    Stock DeepSeek-V3 computes its frequencies with dim = qk_rope_head_dim; ours come from dim = head_dim at
-    the stride indices. Equal for default/linear/llama3 (functions of each base frequency alone). Yarn places
-    its ramp in units of dim: when d_rope < head_dim, beta_fast/beta_slow (and truncate) are re-expressed for
-    dim = d_rope so the ramp falls on the same frequencies (``_yarn_range_for_stock``). Dynamic NTK rescales
-    the base with an exponent dim/(dim-2): it matches only at d_rope = head_dim. Checked numerically.
+    ``layout``: "stride" or "prefix" (default: ``stock_rope_layout(config)``, else "stride"). Stock DeepSeek-V3
+    computes its frequencies with dim = qk_rope_head_dim; ours come from dim = head_dim at the layout's indices.
+    Stride (every s-th frequency, s = head_dim / d_rope): equal at the same rope_theta for default/linear/llama3
+    (functions of each base frequency alone); yarn places its ramp in units of dim, so beta_fast/beta_slow (and
+    truncate) are re-expressed for dim = d_rope (``_yarn_range_for_stock``). Prefix (the d_rope/2 fastest
+    frequencies): stock's base frequencies theta'^(-2j/d_rope) equal ours theta^(-2j/head_dim) for theta' =
+    theta^(d_rope/head_dim), so default/linear/llama3 are exact with rope_theta' and the same scaling parameters
+    (llama3's wavelength thresholds see the same wavelengths); yarn's correction dims come out the same too
+    (dim / ln theta is unchanged) except that stock clamps the ramp's end at d_rope - 1, so it is exact unless
+    the source's ramp ends past pair d_rope - 1 (then refused: --rope-selection stride or a wider --rope-dim).
+    Dynamic NTK rescales the base with an exponent dim/(dim-2): it matches only at d_rope = head_dim (any
+    layout). Checked numerically (relative 2e-6: the changed theta rounds differently in fp32, ~5e-7).
     """
     rope: RopeConfig = config.rope
     d, dr, max_pos = config.head_dim, config.qk_rope_head_dim, config.max_position_embeddings
     kind = rope.rope_type
+    if layout is None:
+        layout = stock_rope_layout(config) or "stride"
+    if layout not in STOCK_ROPE_LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {', '.join(STOCK_ROPE_LAYOUTS)}")
+    if layout == "prefix" and dr == d:
+        layout = "stride"  # the same frequencies, at the model's own theta
     if kind == "dynamic" and dr != d:
         raise UnsupportedModelError(
             f"rope_type 'dynamic' cannot be exported to stock DeepSeek-V3 with qk_rope_head_dim {dr} != head_dim "
             f"{d}: beyond max_position_embeddings it rescales the base as base * r^(dim/(dim-2)), and stock uses "
-            f"dim = {dr} where kvgraft uses {d}, so the frequencies would differ; graft with --rope-dim {d} "
-            "(qk_rope_head_dim = head_dim), or use --format kvgraft"
+            f"dim = {dr} where kvgraft uses {d}, so the frequencies would differ (whatever the rope selection); "
+            f"graft with --rope-dim {d} (qk_rope_head_dim = head_dim), or use --format kvgraft"
         )
-    idx = list(stride_rope_index(config))
+    idx = list(stride_rope_index(config) if layout == "stride" else prefix_rope_index(config))
     ours, our_scale = rope_frequencies(rope, d, max_pos)
-    stock_rope = rope
+    stock_theta = float(rope.theta) if layout == "stride" else float(rope.theta) ** (dr / d)
+    stock_rope = dataclasses.replace(rope, theta=stock_theta)
     notes = []
+    solved = None
     if kind == "yarn" and dr != d:
-        solved = _yarn_range_for_stock(rope, d, dr, max_pos)
+        if layout == "stride":
+            solved = _yarn_range_for_stock(rope, d, dr, max_pos)
+        else:  # the same betas give the same correction dims; re-solved only where fp32 rounding tips a floor/ceil
+            same, _ = rope_frequencies(stock_rope, dr, max_pos)
+            solved = None if torch.allclose(ours[idx].double(), same.double(), rtol=2e-6, atol=0) else \
+                _yarn_range_for_stock(rope, d, dr, max_pos, stride=1, stock_theta=stock_theta)
         if solved is not None:
             beta_fast, beta_slow, truncate = solved
-            stock_rope = dataclasses.replace(rope, beta_fast=beta_fast, beta_slow=beta_slow, truncate=truncate)
+            stock_rope = dataclasses.replace(stock_rope, beta_fast=beta_fast, beta_slow=beta_slow, truncate=truncate)
     stock, stock_scale = rope_frequencies(stock_rope, dr, max_pos)
-    if not torch.allclose(ours[idx].double(), stock.double(), rtol=1e-6, atol=0) or abs(our_scale - stock_scale) > 1e-9:
+    if not torch.allclose(ours[idx].double(), stock.double(), rtol=2e-6, atol=0) or abs(our_scale - stock_scale) > 1e-9:
+        if layout == "stride":
+            fix = (f"graft with --rope-selection prefix (rope_theta' = rope_theta^(d_rope/head_dim)) if it fits, "
+                   f"--rope-dim {d} (qk_rope_head_dim = head_dim), or use --format kvgraft")
+        else:
+            fix = (f"graft with --rope-selection stride (an even --rope-dim dividing head_dim {d}), --rope-dim {d} "
+                   "(qk_rope_head_dim = head_dim), or use --format kvgraft")
         raise UnsupportedModelError(
             f"rope_type {kind!r} with these parameters cannot be exported exactly to stock DeepSeek-V3 at "
-            f"qk_rope_head_dim {dr}: stock computes its frequencies for dim = {dr}, kvgraft for dim = head_dim = {d} "
-            f"at every {d // dr}-th frequency, and no stock {kind} setting gives the same ones (max relative "
-            f"difference {float(((ours[idx] - stock) / stock).abs().max()):.3g}; yarn's correction range would "
-            f"need to reach past pair {dr - 1}); graft with --rope-dim {d} (qk_rope_head_dim = head_dim), or use "
-            "--format kvgraft"
+            f"qk_rope_head_dim {dr} with the {layout} layout: stock computes its frequencies for dim = {dr}, kvgraft "
+            f"for dim = head_dim = {d} at frequencies {tuple(idx)}, and no stock {kind} setting gives the same ones "
+            f"(max relative difference {float(((ours[idx] - stock) / stock).abs().max()):.3g}; yarn's correction "
+            f"range would need to reach past pair {dr - 1}); {fix}"
         )
-    params: dict = {"rope_type": kind, "rope_theta": float(rope.theta)}
+    params: dict = {"rope_type": kind, "rope_theta": stock_theta}
+    if layout == "prefix":
+        notes.append(f"prefix RoPE layout: rope_theta {rope.theta:g} -> {stock_theta:.9g} (= rope_theta^(d_rope/head_dim) "
+                     f"= rope_theta^({dr}/{d})), so stock's pair j rotates at kvgraft's frequency j: exact")
     if kind in ("linear", "dynamic"):
         params["factor"] = float(rope.factor)
     elif kind == "llama3":
@@ -297,7 +373,7 @@ def _stock_rope(config: ModelConfig) -> tuple[dict, float, list[str]]:
         for name in ("beta_fast", "beta_slow"):
             if getattr(stock_rope, name):
                 params[name] = float(getattr(stock_rope, name))
-        if stock_rope is not rope:
+        if solved is not None:
             notes.append(
                 f"yarn: beta_fast/beta_slow re-expressed for dim = qk_rope_head_dim = {dr} ({params['beta_fast']:.6g} / "
                 f"{params['beta_slow']:.6g}, truncate {stock_rope.truncate}) so that stock's ramp falls on the same "
