@@ -241,16 +241,18 @@ def test_save_load_and_transformers_auto_classes_with_peft(tmp_path):
     assert transformer_of(again).first_trainable_layer() == 8  # loaded for inference: frozen
 
 
-def test_adapter_carries_to_the_stock_deepseek_v3_export(tmp_path):
+@pytest.mark.parametrize("latent_norm", [True, False], ids=["own-latent-norm", "pad-latent"])
+def test_adapter_carries_to_the_stock_deepseek_v3_export(tmp_path, latent_norm):
     """A stock DeepSeek-V3 export of an MLA model takes the adapter with peft.PeftModel.from_pretrained on
-    transformers' DeepseekV3ForCausalLM, with kvgraft's logits."""
+    transformers' DeepseekV3ForCausalLM, with kvgraft's logits: for a base with its own latent norm, and for
+    one without (what kvgraft convert makes; the export pins stock's latent norm with a constant coordinate)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from kvgraft.adapters.export import export_adapter_deepseek_v3
     from kvgraft.hf import export_deepseek_v3
 
-    cfg = MLA.replace(qk_nope_head_dim=8, rms_norm_eps=1e-6)
+    cfg = MLA.replace(qk_nope_head_dim=8, rms_norm_eps=1e-6, mla_latent_norm=latent_norm)
     base = build(cfg)
     export_deepseek_v3(base, tmp_path / "stock", measure=False)
     with pytest.raises(ValueError, match="MLP modules"):  # PEFT would drop them on deepseek_v3 (see export.py)
@@ -270,3 +272,23 @@ def test_adapter_carries_to_the_stock_deepseek_v3_export(tmp_path):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     with torch.no_grad(), hf.disable_adapter():  # the adapter really matters there
         assert (hf(input_ids=x).logits - got).abs().max() > 1e-2
+    if not latent_norm:  # only the exact "pad" export can carry it
+        with pytest.raises(ValueError, match="latent_norm 'fit'"):
+            export_adapter_deepseek_v3(tmp_path / "adapter", base, tmp_path / "adapter-fit", latent_norm="fit")
+
+
+def test_adapter_export_refuses_q_proj_on_a_base_with_query_bias(tmp_path):
+    """Stock DeepSeek-V3 takes biased queries (Qwen2) through q_a_proj -> q_a_layernorm -> q_b_proj, which a
+    q_proj delta cannot follow: refused before anything is written, naming what to train instead."""
+    from kvgraft.adapters.export import export_adapter_deepseek_v3
+
+    cfg = MLA.replace(qk_nope_head_dim=8, qkv_bias=True)
+    base = build(cfg)
+    with torch.no_grad():
+        for b in base.layers:
+            b.self_attn.q_proj.bias.normal_()
+    pm = add_adapter(build(cfg), Placement("all", ("attention",)), AdapterConfig(rank=4))
+    save_adapter(pm, tmp_path / "adapter")
+    with pytest.raises(ValueError, match="adapts q_proj of a base whose queries have a bias"):
+        export_adapter_deepseek_v3(tmp_path / "adapter", base, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

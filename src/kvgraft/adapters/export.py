@@ -17,9 +17,13 @@ MLP adapter would be dropped silently (measured: logits off by 3.1). Such adapte
 naming the modules; attention adapters (q, kv_a, kv_b, o: where a decoder-side adapter carries most of
 what it learns) carry exactly.
 
-Supported for exports whose latent norm is exact (a base with its own latent RMSNorm, ``mla_latent_norm``);
-the "fit"/"scale" approximations change the latent basis per layer, which the adapter would have to
-follow: refused with the reason.
+Supported for exports whose latent norm is exact: a base with its own latent RMSNorm (``mla_latent_norm``),
+or the default "pad" export of a base without one (one constant latent coordinate pins stock's norm): the
+adapter's ``kv_a`` rows get a zero row for that coordinate and its ``kv_b`` input a zero column, so its delta
+never touches the constant (the pinned rms moves by at most |delta c|^2 / A0^2, A0 >= 1e5 |c|). The
+"fit"/"scale" approximations change the latent basis per layer, which the adapter would have to follow:
+refused with the reason. So is a ``q_proj`` adapter on a base whose queries have a bias (Qwen2): stock takes
+those queries through its low-rank q_a/q_b path, whose input is not the hidden state.
 """
 
 from __future__ import annotations
@@ -32,13 +36,17 @@ import torch
 from kvgraft.model.transformer import Transformer
 
 
-def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_dir: str | Path) -> Path:
-    """Write the adapter at ``adapter_dir`` (trained on ``model``) for the stock DeepSeek-V3 export of ``model``."""
+def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_dir: str | Path,
+                               latent_norm: str = "pad") -> Path:
+    """Write the adapter at ``adapter_dir`` (trained on ``model``) for the stock DeepSeek-V3 export of ``model``.
+
+    ``latent_norm``: the strategy the model's export used when it has no latent norm of its own (as
+    ``export_deepseek_v3``'s argument; only the exact "pad", its default, can carry an adapter)."""
     from safetensors.torch import load_file, save_file
 
     from kvgraft.adapters.lora import META_FILE, base_fingerprint, read_meta
     from kvgraft.atomic import atomic_dir
-    from kvgraft.hf.deepseek import STOCK_LATENT_NORM_EPS, _interleave_perm, _stock_rope
+    from kvgraft.hf.deepseek import LATENT_NORM_STRATEGIES, STOCK_LATENT_NORM_EPS, _interleave_perm, _q_bias_layers, _stock_rope
 
     cfg = model.config
     meta = read_meta(adapter_dir)
@@ -46,13 +54,22 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
         raise ValueError(f"adapter {adapter_dir} was not trained on this model")
     if set(cfg.attention_kinds) != {"mla"}:
         raise ValueError("a stock DeepSeek-V3 export needs MLA on every layer")
-    if not cfg.mla_latent_norm:
-        raise ValueError("adapter export needs a base with its own latent norm (mla_latent_norm): the 'fit'/'scale' "
-                         "exports change each layer's latent basis, which a kv_a/kv_b adapter would have to follow")
+    if latent_norm not in LATENT_NORM_STRATEGIES:
+        raise ValueError(f"latent_norm {latent_norm!r} is not one of {', '.join(LATENT_NORM_STRATEGIES)}")
+    pad = not cfg.mla_latent_norm
+    if pad and latent_norm != "pad":
+        raise ValueError(f"latent_norm {latent_norm!r}: the 'fit'/'scale' exports change each layer's latent basis, "
+                         "which a kv_a/kv_b adapter would have to follow; export the base with latent_norm='pad' (the "
+                         "default, exact) or give the base its own latent norm (mla_latent_norm)")
+    if cfg.qkv_bias and _q_bias_layers(model) and any(".self_attn.q_proj" in m for m in meta["modules"]):
+        raise ValueError(f"adapter {adapter_dir} adapts q_proj of a base whose queries have a bias: stock DeepSeek-V3 "
+                         "takes them through its low-rank q_a_proj/q_b_proj path, which a q_proj delta cannot follow; "
+                         "train the adapter without q_proj (e.g. --modules kv_b_proj o_proj)")
     H, dc, dr, dn = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
     perm = _interleave_perm(dr)
     q_fold = _stock_rope(cfg)[1]
-    s = (STOCK_LATENT_NORM_EPS / cfg.rms_norm_eps) ** 0.5
+    # exact latent norm: rows rescaled so stock's eps acts as kvgraft's; "pad": rows kept, one zero row added
+    s = 1.0 if pad else (STOCK_LATENT_NORM_EPS / cfg.rms_norm_eps) ** 0.5
     mlp = [m for m in meta["modules"] if ".mlp." in m]
     if mlp:
         raise ValueError(f"adapter {adapter_dir} has MLP modules ({', '.join(mlp[:3])}{' ...' if len(mlp) > 3 else ''}): "
@@ -68,7 +85,10 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
             q = t64.view(H, dn + dr, r) * q_fold
             t64 = torch.cat([q[:, :dn], q[:, dn:][:, perm]], dim=1).reshape(H * (dn + dr), r)
         elif ".self_attn.kv_a_proj.lora_B." in key:
-            t64 = torch.cat([t64[:dc] * s, t64[dc:][perm]])
+            pad_row = [t64.new_zeros(1, t64.shape[1])] if pad else []
+            t64 = torch.cat([t64[:dc] * s, *pad_row, t64[dc:][perm]])
+        elif pad and ".self_attn.kv_b_proj.lora_A." in key:  # kv_b ignores the constant coordinate
+            t64 = torch.cat([t64, t64.new_zeros(t64.shape[0], 1)], dim=1)
         out[key.replace(".self_attn.kv_a_proj.", ".self_attn.kv_a_proj_with_mqa.")] = t64.to(t.dtype).contiguous()
     config = json.loads((src / "adapter_config.json").read_text())
     targets = config.get("target_modules")
