@@ -64,7 +64,9 @@ class GraftConfig:
     # How the KV heads' RoPE pairs are mixed per frequency before the kept pairs are chosen: "real"
     # (orthogonal, PCA of the key energy) or "complex" (unitary: the kept rotated head is the best rank-1
     # complex fit of the heads' pair, a per-head phase folded into the queries; mla_math.head_rotations).
-    rope_rotation: str = "real"
+    # "complex" measured better in both formats, in and out of domain (bench/mla_ood.py, RESULTS.md); kvgraft
+    # convert --to ced keeps "real" for the share graft, where it is unmeasured.
+    rope_rotation: str = "complex"
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank <= 0:
