@@ -41,7 +41,7 @@ def grouped_attention_head_major(
     q: torch.Tensor,  # (G, H, T, D)
     k: torch.Tensor,  # (K, G, S, D): each head's keys contiguous (the paged cache's GQA layout)
     v: torch.Tensor,  # (K, G, S, Dv)
-    mask: torch.Tensor,  # (G, T, S) bool, True = attend
+    mask: torch.Tensor | None,  # (G, T, S) bool, True = attend; None = every key visible
     scale: float,
 ) -> torch.Tensor:
     """``grouped_attention`` over head-major keys/values: the (small) queries are rearranged instead of
@@ -51,7 +51,8 @@ def grouped_attention_head_major(
     R = H // K
     qk = (q * scale).reshape(G, K, R * T, D).transpose(0, 1)  # (K, G, R*T, D)
     scores = torch.matmul(qk, k.transpose(-1, -2)).float()  # (K, G, R*T, S)
-    scores.view(K, G, R, T, -1).masked_fill_((~mask)[None, :, None], float("-inf"))  # broadcast over K, R
+    if mask is not None:
+        scores.view(K, G, R, T, -1).masked_fill_((~mask)[None, :, None], float("-inf"))  # broadcast over K, R
     p = torch.softmax(scores, dim=-1).to(v.dtype)
     y = torch.matmul(p, v)  # (K, G, R*T, Dv)
     return y.transpose(0, 1).reshape(G, K, R, T, -1).reshape(G, H, T, -1)

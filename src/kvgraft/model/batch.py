@@ -67,6 +67,12 @@ def active_context(ctx: "_Context") -> Iterator[None]:
         _local.ctx = prev
 
 
+# Per-row views replace the batch gather from this many bytes of keys + values per row and layer (CPU): measured
+# crossover on the Llama reference between 256 tokens (256 kB: the gather still faster) and 1024 (1 MB: views
+# 3-4x faster at batch 8), bench/paged_views.py.
+ROW_VIEW_MIN_BYTES = 512 * 1024
+
+
 @dataclass
 class Group:
     """Rows attended together: every row adds ``T`` tokens."""
@@ -84,6 +90,9 @@ class Group:
     run: int | None = None  # one row whose blocks are consecutive (first block id): read as a view, no copy
     rings: tuple = ()  # per ring group: (G, ring blocks) ring-block tables (never-written blocks read as block 0)
     tables: tuple = ()  # per unit (paged layer or segment: cache.unit_of_*): (G, blocks), shared by units of one span
+    # decode rows (T = 1) whose blocks are all consecutive: per row (first block id, blocks, tokens); GQA
+    # layers then attend each row over a view of the pool instead of gathering the batch's blocks
+    row_runs: tuple | None = None
 
     @property
     def G(self) -> int:
@@ -135,6 +144,19 @@ class _Context:
                 yield adapter, rows
         finally:
             self.active_adapter = MIXED
+
+    @staticmethod
+    def _row_views_pay(cache, ends: list[int]) -> bool:
+        """Whether decode rows should attend over per-row views of a GQA pool rather than one gathered copy:
+        on the CPU, once the average row's keys and values reach ROW_VIEW_MIN_BYTES per layer. Below that the
+        gather is cheap and a few small ops per row cost more; above it the gather's copy (and the fresh
+        pages the allocator maps for it) dominates the step (bench/paged_views.py). On an accelerator the
+        gather is a fast device copy and per-row ops would each launch kernels: always gather there."""
+        if not cache.head_major or cache.device.type != "cpu":
+            return False
+        heads2, d = next(iter(cache.head_major.values()))
+        per_token = heads2 * d * torch.empty((), dtype=cache.dtype).element_size()
+        return sum(ends) * per_token >= ROW_VIEW_MIN_BYTES * len(ends)
 
     def adapter_tokens(self) -> dict[object, torch.Tensor]:
         """Adapter -> indices of its rows' tokens on the packed token axis (adapters only, not the base)."""
@@ -321,13 +343,36 @@ class BatchContext(_Context):
             tb = tables[0]
             run = tb[0] if self.views and len(cuts) == 1 and len(rows) == 1 and len(tb) == nb and \
                 tb == list(range(tb[0], tb[0] + nb)) else None
+            row_runs = None
+            if self.views and self._row_views_pay(cache, ends) and len(cuts) == 1 and len(rows) > 1 and t == 1:
+                row_runs = []
+                for r, e in zip(rows, ends):
+                    own = cache.block_table(seqs[r])[: -(-e // bs)]
+                    if not own or own != list(range(own[0], own[0] + len(own))):
+                        row_runs = None
+                        break
+                    row_runs.append((own[0], len(own), e))
             tok = torch.cat([torch.arange(offsets[r], offsets[r] + t) for r in rows]).to(dev)
             qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None]
             rings = tuple(torch.tensor([[max(b, 0) for b in cache.ring_table(seqs[r], gi)] for r in rows],
                                        dtype=torch.long, device=dev) for gi in range(len(cache.ring_groups)))
             self.groups.append(Group(rows, t, qpos, tok, torch.tensor(starts, device=dev), table,
                                      torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev), max(ends),
-                                     adapter, adapter_rows, run, rings, unit_tables))
+                                     adapter, adapter_rows, run, rings, unit_tables,
+                                     None if row_runs is None else tuple(row_runs)))
+
+    @staticmethod
+    def _row_views_pay(cache, ends: list[int]) -> bool:
+        """Whether decode rows should attend over per-row views of a GQA pool rather than one gathered copy:
+        on the CPU, once the average row's keys and values reach ROW_VIEW_MIN_BYTES per layer. Below that the
+        gather is cheap and a few small ops per row cost more; above it the gather's copy (and the fresh
+        pages the allocator maps for it) dominates the step (bench/paged_views.py). On an accelerator the
+        gather is a fast device copy and per-row ops would each launch kernels: always gather there."""
+        if not cache.head_major or cache.device.type != "cpu":
+            return False
+        heads2, d = next(iter(cache.head_major.values()))
+        per_token = heads2 * d * torch.empty((), dtype=cache.dtype).element_size()
+        return sum(ends) * per_token >= ROW_VIEW_MIN_BYTES * len(ends)
 
     def adapter_tokens(self) -> dict[object, torch.Tensor]:
         """Adapter -> indices (on the packed token axis) of the tokens of its rows; the base is left out."""
@@ -372,11 +417,17 @@ class BatchContext(_Context):
                 flat = (table.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
                 src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
                 pool.view(H2, -1, d).index_copy_(1, flat, src)
+            if g.row_runs is not None:  # decode rows each in consecutive blocks: a view per row, no copy
+                keys = [pool[:, b:b + n].reshape(H2, 1, n * bs, d)[:, :, :e] for b, n, e in g.row_runs]
+                self.scratch[key] = out = (keys, None)
+                return out
             if g.run is not None:  # one row in consecutive blocks: a view of the pool
                 nb = table.shape[1]
                 keys = pool[:, g.run:g.run + nb].reshape(H2, 1, nb * bs, d)[:, :, : g.max_end]
             else:
-                keys = pool[:, table].view(H2, g.G, -1, d)[:, :, : g.max_end]
+                # index_select, not pool[:, table]: the same copy, ~4x faster on the CPU (advanced indexing
+                # takes a generic strided path; index_select copies whole (bs, d) blocks)
+                keys = pool.index_select(1, table.reshape(-1)).view(H2, g.G, -1, d)[:, :, : g.max_end]
             out = (keys, torch.arange(g.max_end, device=keys.device).expand(g.G, -1))
         elif layer in c.paged:
             pool = c.paged[layer]
@@ -390,14 +441,14 @@ class BatchContext(_Context):
             if g.run is not None:
                 keys = pool[g.run:g.run + table.shape[1]].reshape(1, -1, pool.shape[-1])[:, : g.max_end]
             else:
-                keys = pool[table].view(g.G, -1, pool.shape[-1])[:, : g.max_end]
+                keys = pool.index_select(0, table.reshape(-1)).view(g.G, -1, pool.shape[-1])[:, : g.max_end]
             kpos = torch.arange(g.max_end, device=keys.device).expand(g.G, -1)
             out = (keys, kpos)
         else:  # a ring of the last W tokens: [ring as it was ; new tokens], then the ring is updated
             ring_pool = c.rings[layer]  # (ring blocks, rb, E)
             W, R, rb = c.layout.window, c.ring_len, c.ring_block
             rtab = g.rings[c.ring_group_of[layer]]  # (G, R / rb)
-            ring = ring_pool[rtab].view(g.G, R, -1)  # (G, R, E) copy, by ring slot
+            ring = ring_pool.index_select(0, rtab.reshape(-1)).view(g.G, R, -1)  # (G, R, E) copy, by ring slot
             last = (g.starts - 1)[:, None]
             slot = torch.arange(R, device=ring.device)[None]
             ring_pos = last - torch.remainder(last - slot, W)
@@ -463,7 +514,7 @@ class BatchContext(_Context):
             if g.run is not None:
                 entries = seg[g.run:g.run + table.shape[1]].reshape(1, -1, seg.shape[-1])[:, :N]
             else:
-                entries = seg[table].view(g.G, -1, seg.shape[-1])[:, :N]
+                entries = seg.index_select(0, table.reshape(-1)).view(g.G, -1, seg.shape[-1])[:, :N]
             first = (torch.arange(N, device=entries.device) * m).expand(g.G, -1)
             self.scratch[key] = (entries, first)
         return self.scratch[key]

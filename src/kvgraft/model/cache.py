@@ -121,6 +121,7 @@ class _Sequence:
     spans: list[list] = field(default_factory=lambda: [[0, []]])  # [first unit, block ids] per layer span
     length: int = 0  # tokens committed
     rings: list[list[int]] = field(default_factory=list)  # per ring group: ring-block ids, -1 = not allocated
+    expect_blocks: int = 0  # blocks the sequence expects to fill (add_sequence(expect_tokens=)); 0: unknown
 
 
 class _RingGroup:
@@ -218,6 +219,11 @@ class PagedKVCache:
         self._rc = np.zeros((U, num_blocks), dtype=np.int32)
         self._free_units = np.full(num_blocks, U, dtype=np.int32)  # units in which a block id is free
         self._free_q: deque[int] = deque(range(num_blocks))  # ids free in every unit (stale entries skipped)
+        # Contiguity: a sequence that says how long it will get claims a run of free ids at its first block
+        # and grows into it, so its blocks stay consecutive and decode reads them as views of the pools (no
+        # gather). A claim is a preference, not a reservation: claimed ids count as free, and other sequences
+        # take them only when no unclaimed id is left.
+        self._claim = np.full(num_blocks, -1, dtype=np.int64)  # claiming sequence of a free id, -1: none
         self._free_slots: deque[int] = deque(range(max_seqs))
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
@@ -226,14 +232,22 @@ class PagedKVCache:
         self.slot_bytes = itemsize * (m - 1) * sum(layout.pending.values())
 
     # ---- sequences ---------------------------------------------------------------------------------
-    def add_sequence(self) -> int:
-        """A new empty sequence; its id. Raises CacheFullError when every state slot is taken."""
+    def add_sequence(self, expect_tokens: int | None = None) -> int:
+        """A new empty sequence; its id. Raises CacheFullError when every state slot is taken.
+
+        ``expect_tokens``: how long the sequence may get (e.g. prompt + max new tokens); its first block then
+        starts a run of free block ids long enough for that, which it claims and grows into (consecutive
+        blocks are read as views, not gathered). Only a preference: nothing is held beyond what is written."""
+        if expect_tokens is not None and (isinstance(expect_tokens, bool) or not isinstance(expect_tokens, int)
+                                          or expect_tokens < 0):
+            raise ValueError(f"expect_tokens ({expect_tokens!r}) must be a non-negative integer or None")
         if not self._free_slots:
             raise CacheFullError(f"all {self.max_seqs} sequence slots are in use")
         seq = self._next_id
         self._next_id += 1
         self._seqs[seq] = _Sequence(self._free_slots.popleft(),
-                                    rings=[[-1] * self.ring_blocks_per_seq for _ in self.ring_groups])
+                                    rings=[[-1] * self.ring_blocks_per_seq for _ in self.ring_groups],
+                                    expect_blocks=math.ceil(min(expect_tokens or 0, self.max_seq_len) / self.block_size))
         self._clear_state(self._seqs[seq].slot)
         return seq
 
@@ -346,6 +360,8 @@ class PagedKVCache:
         self._release_spans(s.spans)
         self._ring_release(s.rings)
         self._free_slots.append(s.slot)
+        if s.expect_blocks:
+            self._claim[self._claim == seq] = -1
 
     def length(self, seq: int) -> int:
         return self._get(seq).length
@@ -499,7 +515,10 @@ class PagedKVCache:
                 self._release_ids(lo, hi, [old])
                 table[first] = new
             while len(table) * self.block_size < end:
-                table.append(self._allocate(lo, hi))
+                if lo == 0 and hi == len(self.units) and s.expect_blocks:
+                    table.append(self._allocate_for(seq, s, table))
+                else:
+                    table.append(self._allocate(lo, hi))
 
     def commit(self, seq: int, new_tokens: int) -> None:
         """Record ``new_tokens`` written (called once per forward, after every layer ran)."""
@@ -596,12 +615,20 @@ class PagedKVCache:
         U = len(self.units)
         hi = U if hi is None else hi
         if lo == 0 and hi == U:
+            claimed = []  # free ids claimed by a growing sequence: taken only when nothing else is free
             while True:
                 if not self._free_q:
-                    raise CacheFullError(f"no free block ({self.num_blocks} in all)")
+                    if not claimed:
+                        raise CacheFullError(f"no free block ({self.num_blocks} in all)")
+                    b = claimed.pop(0)
+                    break
                 b = self._free_q.popleft()
                 if self._free_units[b] == U:
-                    break
+                    if self._claim[b] < 0:
+                        break
+                    claimed.append(b)
+            self._free_q.extendleft(reversed(claimed))
+            self._claim[b] = -1
         else:
             free = (self._rc[lo:hi] == 0).all(0)
             idx = np.flatnonzero(free & (self._free_units < U))
@@ -612,6 +639,35 @@ class PagedKVCache:
             b = int(idx[0])
         self._rc[lo:hi, b] = 1
         self._free_units[b] -= hi - lo
+        return b
+
+    def _allocate_for(self, seq: int, s: _Sequence, table: list[int]) -> int:
+        """The next block of ``seq``'s (all-unit) table: the id after its last one when free and not claimed
+        by another sequence; for its first block, the start of the first free run of ``expect_blocks``
+        unclaimed ids (claimed for it); else any id, unclaimed ones first."""
+        U = len(self.units)
+        if table:
+            b = table[-1] + 1
+            if b < self.num_blocks and self._free_units[b] == U and self._claim[b] in (-1, seq):
+                return self._take(b)
+        else:
+            free = (self._free_units == U) & (self._claim < 0)
+            n = min(s.expect_blocks, self.num_blocks)
+            if n > 1:
+                # run starts: free ids with n free ids from there (a sliding window sum over the free mask)
+                c = np.concatenate([[0], np.cumsum(free, dtype=np.int64)])
+                starts = np.flatnonzero(c[n:] - c[:-n] == n)
+                if starts.size:
+                    b = int(starts[0])
+                    self._claim[b + 1:b + n] = seq
+                    return self._take(b)
+        return self._allocate()
+
+    def _take(self, b: int) -> int:
+        """Hold free id ``b`` in every unit (its stale entry in the free queue is skipped later)."""
+        self._rc[:, b] = 1
+        self._free_units[b] = 0
+        self._claim[b] = -1
         return b
 
     def _incref_spans(self, spans) -> None:
@@ -629,6 +685,8 @@ class PagedKVCache:
         U = len(self.units)
         for b in ix[self._free_units[ix] == U].tolist():
             self._free_q.append(b)
+        if len(self._free_q) > 2 * self.num_blocks:  # ids taken outside the queue left stale entries: compact
+            self._free_q = deque(np.flatnonzero(self._free_units == U).tolist())
 
     def _release_spans(self, spans) -> None:
         for i, (u, t) in enumerate(spans):
@@ -700,4 +758,4 @@ def static_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: torc
     per_seq = math.ceil(max_len / block_size)
     cache = PagedKVCache(config, num_blocks=batch_size * per_seq, block_size=block_size, max_seqs=batch_size,
                          max_seq_len=max_len, dtype=dtype, device=device)
-    return cache, [cache.add_sequence() for _ in range(batch_size)]
+    return cache, [cache.add_sequence(expect_tokens=max_len) for _ in range(batch_size)]

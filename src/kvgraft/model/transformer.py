@@ -84,6 +84,14 @@ class GQAttention(nn.Module):
         for gi, g in ctx.each_group():
             qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, d)
             keys, kpos = ctx.kv(self.source, gi, None if entry is None else g.take(entry))
+            if isinstance(keys, list):  # decode rows, each a view of its consecutive blocks (2K, 1, S_r, d)
+                # a decode token at position S_r - 1 sees positions [S_r - window, S_r): the view's tail
+                w = -self.window if self.window is not None else None
+                y = torch.cat([grouped_attention_head_major(qg[r:r + 1], kr[:K, :, w:], kr[K:, :, w:], None, d**-0.5)
+                               for r, kr in enumerate(keys)])
+                y = self.o_proj(y.transpose(1, 2).reshape(len(keys), g.T, H * d))
+                out = g.put(out if out is not None else x.new_empty(B, N, y.shape[-1]), y)
+                continue
             if keys.dim() == 4:  # the paged cache's head-major layout, (2K, G, S, d)
                 G = keys.shape[1]
                 k_hm, v_hm = keys[:K], keys[K:]

@@ -296,8 +296,8 @@ class Engine:
                         if not self._evict_other(hit[0]):
                             hit = None
                             break
-            if seq is None:
-                seq = self.cache.add_sequence()
+            if seq is None:  # it may grow to prompt + max new tokens: its blocks then come consecutive
+                seq = self.cache.add_sequence(expect_tokens=len(req.prompt) + req.sampling.max_new_tokens)
             computed = hit[0].length if hit else 0
             n = self._chunk(req, computed, budget)
             while not self.cache.can_extend(seq, n) and self.prefix is not None and self.prefix.evict_one():

@@ -1,0 +1,112 @@
+"""Decode over views of the paged pools: sequences that say how long they will get receive consecutive
+blocks (a claimed run they grow into; a preference, never a reservation), and decode rows whose blocks
+are consecutive attend over views of the pools instead of a gathered copy, with the same logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgraft.model.batch import BatchContext
+from kvgraft.model.cache import CacheFullError, PagedKVCache, static_cache
+from kvgraft.model.presets import get_preset
+from kvgraft.model.transformer import Transformer
+
+
+def consecutive(table: list[int]) -> bool:
+    return table == list(range(table[0], table[0] + len(table)))
+
+
+def test_sequences_that_expect_their_length_grow_in_consecutive_blocks():
+    cfg = get_preset("llama-tiny")
+    cache = PagedKVCache(cfg, num_blocks=40, block_size=4, max_seqs=4, max_seq_len=40)
+    seqs = [cache.add_sequence(expect_tokens=n) for n in (30, 17, 40)]
+    loose = cache.add_sequence()  # says nothing: takes unclaimed ids first
+    for s, n in zip(seqs, (5, 3, 1)):
+        cache.extend(s, n)
+        cache.commit(s, n)
+    for _ in range(16):  # interleaved decode-like growth, one token per step
+        for s in (*seqs, loose):
+            cache.extend(s, 1)
+            cache.commit(s, 1)
+    for s in seqs:
+        assert consecutive(cache.block_table(s)), cache.block_table(s)
+    claimed = {b for s in seqs for b in range(cache.block_table(s)[0], cache.block_table(s)[0] + 10)}
+    assert not claimed & set(cache.block_table(loose))
+
+
+def test_claims_are_preferences_not_reservations():
+    cfg = get_preset("llama-tiny")
+    cache = PagedKVCache(cfg, num_blocks=6, block_size=4, max_seqs=2, max_seq_len=24)
+    a = cache.add_sequence(expect_tokens=24)  # claims all 6 blocks at its first
+    cache.extend(a, 4)
+    cache.commit(a, 4)
+    b = cache.add_sequence()
+    cache.extend(b, 20)  # the 5 ids a claimed are all that is free: b takes them
+    assert cache.free_blocks == 0
+    with pytest.raises(CacheFullError):
+        cache.extend(a, 4)
+    cache.free(b)
+    cache.extend(a, 20)  # a grows back into its run
+    assert consecutive(cache.block_table(a))
+    cache.free(a)
+    assert cache.free_blocks == 6
+    with pytest.raises(ValueError, match="expect_tokens"):
+        cache.add_sequence(expect_tokens=-1)
+
+
+@pytest.mark.parametrize("changes", [{}, dict(qk_norm=True, head_dim=16), dict(kv_slots=(0, 0))],
+                         ids=["llama", "qwen3", "shared-slot"])
+def test_decode_over_views_equals_the_gathered_batch(changes, monkeypatch):
+    import kvgraft.model.batch as batch
+
+    monkeypatch.setattr(batch, "ROW_VIEW_MIN_BYTES", 0)  # tiny rows: take the view path whatever their size
+    cfg = get_preset("llama-tiny").replace(**changes)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights(0)
+    model.eval()
+    lengths = (3, 9, 22)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    steps = torch.randint(0, cfg.vocab_size, (6, len(lengths)), generator=g)
+
+    def run(views: bool) -> tuple[torch.Tensor, list]:
+        old = BatchContext.views
+        BatchContext.views = views
+        try:
+            cache, seqs = static_cache(cfg, len(lengths), 32, torch.float32, "cpu", block_size=4)
+            logits, runs = [], []
+            with torch.no_grad():
+                for s, p in zip(seqs, prompts):
+                    model(p, ctx=BatchContext(cache, [s], [len(p)]))
+                for t in steps:
+                    ctx = BatchContext(cache, seqs, [1] * len(seqs))
+                    logits.append(model(t, ctx=ctx)[0])
+                    runs.append(ctx.groups[0].row_runs)
+            return torch.stack(logits), runs
+        finally:
+            BatchContext.views = old
+
+    viewed, runs = run(True)
+    gathered, none = run(False)
+    assert all(r is not None for r in runs) and all(r is None for r in none)  # both paths really ran
+    torch.testing.assert_close(viewed, gathered, atol=1e-5, rtol=0)
+
+
+def test_short_rows_are_gathered_long_ones_viewed():
+    """Per-row views pay only once a row's keys outweigh a few small ops per row: below ROW_VIEW_MIN_BYTES
+    per row and layer the batch is gathered."""
+    from kvgraft.model.batch import ROW_VIEW_MIN_BYTES
+
+    cfg = get_preset("llama-tiny")
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    long = -(-ROW_VIEW_MIN_BYTES // per_token)
+    cache, seqs = static_cache(cfg, 2, long + 8, torch.float32, "cpu", block_size=16)
+    runs = {}
+    for n in (8, long):
+        for s in seqs:
+            cache.extend(s, n - cache.length(s))
+            cache.commit(s, n - cache.length(s))
+        runs[n] = BatchContext(cache, seqs, [1, 1]).groups[0].row_runs
+    assert runs[8] is None and runs[long] is not None
