@@ -145,19 +145,6 @@ class _Context:
         finally:
             self.active_adapter = MIXED
 
-    @staticmethod
-    def _row_views_pay(cache, ends: list[int]) -> bool:
-        """Whether decode rows should attend over per-row views of a GQA pool rather than one gathered copy:
-        on the CPU, once the average row's keys and values reach ROW_VIEW_MIN_BYTES per layer. Below that the
-        gather is cheap and a few small ops per row cost more; above it the gather's copy (and the fresh
-        pages the allocator maps for it) dominates the step (bench/paged_views.py). On an accelerator the
-        gather is a fast device copy and per-row ops would each launch kernels: always gather there."""
-        if not cache.head_major or cache.device.type != "cpu":
-            return False
-        heads2, d = next(iter(cache.head_major.values()))
-        per_token = heads2 * d * torch.empty((), dtype=cache.dtype).element_size()
-        return sum(ends) * per_token >= ROW_VIEW_MIN_BYTES * len(ends)
-
     def adapter_tokens(self) -> dict[object, torch.Tensor]:
         """Adapter -> indices of its rows' tokens on the packed token axis (adapters only, not the base)."""
         return {}
