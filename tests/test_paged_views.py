@@ -55,8 +55,12 @@ def test_claims_are_preferences_not_reservations():
         cache.add_sequence(expect_tokens=-1)
 
 
-@pytest.mark.parametrize("changes", [{}, dict(qk_norm=True, head_dim=16), dict(kv_slots=(0, 0))],
-                         ids=["llama", "qwen3", "shared-slot"])
+MLA = dict(attention_kinds=("mla", "mla"), kv_lora_rank=12, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+
+
+@pytest.mark.parametrize("changes", [{}, dict(qk_norm=True, head_dim=16), dict(kv_slots=(0, 0)), MLA,
+                                     dict(MLA, kv_lora_rank=4), dict(MLA, attention_kinds=("gqa", "mla"))],
+                         ids=["llama", "qwen3", "shared-slot", "mla", "mla-folded", "gqa-then-mla"])
 def test_decode_over_views_equals_the_gathered_batch(changes, monkeypatch):
     import kvgraft.model.batch as batch
 
@@ -71,7 +75,7 @@ def test_decode_over_views_equals_the_gathered_batch(changes, monkeypatch):
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
     steps = torch.randint(0, cfg.vocab_size, (6, len(lengths)), generator=g)
 
-    def run(views: bool) -> tuple[torch.Tensor, list]:
+    def run(views: bool, grad: bool = False) -> tuple[torch.Tensor, list]:
         old = BatchContext.views
         BatchContext.views = views
         try:
@@ -82,7 +86,8 @@ def test_decode_over_views_equals_the_gathered_batch(changes, monkeypatch):
                     model(p, ctx=BatchContext(cache, [s], [len(p)]))
                 for t in steps:
                     ctx = BatchContext(cache, seqs, [1] * len(seqs))
-                    logits.append(model(t, ctx=ctx)[0])
+                    with torch.set_grad_enabled(grad):  # with grad, MLA takes its expanded path over the views
+                        logits.append(model(t, ctx=ctx)[0].detach())
                     runs.append(ctx.groups[0].row_runs)
             return torch.stack(logits), runs
         finally:
@@ -92,6 +97,7 @@ def test_decode_over_views_equals_the_gathered_batch(changes, monkeypatch):
     gathered, none = run(False)
     assert all(r is not None for r in runs) and all(r is None for r in none)  # both paths really ran
     torch.testing.assert_close(viewed, gathered, atol=1e-5, rtol=0)
+    torch.testing.assert_close(run(True, grad=True)[0], gathered, atol=1e-5, rtol=0)
 
 
 def test_short_rows_are_gathered_long_ones_viewed():

@@ -90,8 +90,8 @@ class Group:
     run: int | None = None  # one row whose blocks are consecutive (first block id): read as a view, no copy
     rings: tuple = ()  # per ring group: (G, ring blocks) ring-block tables (never-written blocks read as block 0)
     tables: tuple = ()  # per unit (paged layer or segment: cache.unit_of_*): (G, blocks), shared by units of one span
-    # decode rows (T = 1) whose blocks are all consecutive: per row (first block id, blocks, tokens); GQA
-    # layers then attend each row over a view of the pool instead of gathering the batch's blocks
+    # decode rows (T = 1) whose blocks are all consecutive: per row (first block id, blocks, tokens); paged
+    # layers (GQA, MLA) then attend each row over a view of the pool instead of gathering the batch's blocks
     row_runs: tuple | None = None
 
     @property
@@ -350,15 +350,16 @@ class BatchContext(_Context):
 
     @staticmethod
     def _row_views_pay(cache, ends: list[int]) -> bool:
-        """Whether decode rows should attend over per-row views of a GQA pool rather than one gathered copy:
+        """Whether decode rows should attend over per-row views of the paged pools (GQA keys/values, MLA
+        latents) rather than one gathered copy:
         on the CPU, once the average row's keys and values reach ROW_VIEW_MIN_BYTES per layer. Below that the
         gather is cheap and a few small ops per row cost more; above it the gather's copy (and the fresh
         pages the allocator maps for it) dominates the step (bench/paged_views.py). On an accelerator the
         gather is a fast device copy and per-row ops would each launch kernels: always gather there."""
-        if not cache.head_major or cache.device.type != "cpu":
+        if not cache.paged or cache.device.type != "cpu":
             return False
-        heads2, d = next(iter(cache.head_major.values()))
-        per_token = heads2 * d * torch.empty((), dtype=cache.dtype).element_size()
+        per_token = max(p[:, 0, 0].numel() * p.shape[-1] if x in cache.head_major else p.shape[-1]
+                        for x, p in cache.paged.items()) * torch.empty((), dtype=cache.dtype).element_size()
         return sum(ends) * per_token >= ROW_VIEW_MIN_BYTES * len(ends)
 
     def adapter_tokens(self) -> dict[object, torch.Tensor]:
@@ -425,6 +426,10 @@ class BatchContext(_Context):
                 flat = table.gather(1, pos // bs) * bs + pos % bs
                 pool.view(-1, pool.shape[-1]).index_copy_(0, flat.reshape(-1),
                                                           entries.reshape(-1, entries.shape[-1]).to(pool.dtype))
+            if g.row_runs is not None:  # decode rows each in consecutive blocks: a view per row, (S_r, E)
+                keys = [pool[b:b + n].reshape(n * bs, pool.shape[-1])[:e] for b, n, e in g.row_runs]
+                self.scratch[key] = out = (keys, None)
+                return out
             if g.run is not None:
                 keys = pool[g.run:g.run + table.shape[1]].reshape(1, -1, pool.shape[-1])[:, : g.max_end]
             else:

@@ -94,6 +94,17 @@ class MLAttention(LatentAttention):
             xg, cg, sg = g.take(x), g.take(cos), g.take(sin)
             entries, kpos = ctx.kv(self.source, gi, None if entry is None else g.take(entry))  # (G, S, dc + dr)
             absorbed = self._absorbed(g.T, ctx)
+            if isinstance(entries, list):  # decode rows, each a view of its consecutive blocks (S_r, dc + dr)
+                if absorbed and not torch.is_grad_enabled():
+                    # a decode token at S_r - 1 sees every entry, or the last `window` of them
+                    rows = entries if self.window is None else [e[-self.window:] for e in entries]
+                    y = self._decode_folded(xg, cg, sg, rows, None)
+                    out = g.put(out if out is not None else x.new_empty(*x.shape[:2], y.shape[-1]), y)
+                    continue
+                # any other path: pad the rows back into one batch (a copy, as the gather would make);
+                # positions past a row's end are masked as in the gathered batch
+                entries = torch.nn.utils.rnn.pad_sequence(entries, batch_first=True)
+                kpos = torch.arange(entries.shape[1], device=entries.device).expand(g.G, -1)
             plain = ctx.cache is None and ctx.default_positions and (self.window is None or self.window >= g.T)
             mask = None if plain and not absorbed else ctx.window_mask(gi, kpos, self.window, "kv")
             if absorbed and not torch.is_grad_enabled():
@@ -204,8 +215,12 @@ class MLAttention(LatentAttention):
             q_lat, q_rope = q.split([dc, self.dr], dim=-1)
             q_rope = apply_rope(q_rope, cos, sin)
         q = torch.cat([q_lat, q_rope], dim=-1)  # (B, H, T, dc + dr)
-        ent = entries[:, None]  # one key/value head shared by all query heads (MQA over the latents)
-        y_lat = grouped_attention(q, ent, ent[..., :dc], mask, self.scale)  # (B, H, T, dc)
+        if isinstance(entries, list):  # one view per decode row, every entry visible: attend row by row
+            y_lat = torch.cat([grouped_attention(q[r:r + 1], e[None, None], e[None, None, :, :dc], None, self.scale)
+                               for r, e in enumerate(entries)])
+        else:
+            ent = entries[:, None]  # one key/value head shared by all query heads (MQA over the latents)
+            y_lat = grouped_attention(q, ent, ent[..., :dc], mask, self.scale)  # (B, H, T, dc)
         if o_w is not None:
             return F.linear(y_lat.transpose(1, 2).reshape(B, T, H * dc), o_w, o_b)
         _, w_uv, _, b_v = self.split_kv_b()
