@@ -23,3 +23,21 @@ def test_grouped_attention_equals_sdpa(heads, kv_heads, t):
         full = F.scaled_dot_product_attention(q, k.repeat_interleave(heads // kv_heads, 1),
                                               v.repeat_interleave(heads // kv_heads, 1), scale=0.3)
         torch.testing.assert_close(grouped_attention(q, k, v, None, 0.3), full, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dq,dv", [(48, 32), (32, 48), (32, 32)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_with_unequal_widths_equals_plain_sdpa(dq, dv, masked):
+    """attention_ops.sdpa pads the narrower side with zero columns (keeping the CPU's fused kernel): the
+    same result as plain SDPA, with the same default scale, causal or masked."""
+    from kvgraft.model.attention_ops import sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 9, dq, generator=g), torch.randn(2, 4, 13, dq, generator=g)
+    v = torch.randn(2, 4, 13, dv, generator=g)
+    kw = dict(attn_mask=torch.rand(2, 1, 9, 13, generator=g) > 0.3) if masked else dict(is_causal=True)
+    with torch.no_grad():
+        want = F.scaled_dot_product_attention(q, k, v, **kw)
+        got = sdpa(q, k, v, **kw)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

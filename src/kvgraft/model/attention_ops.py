@@ -12,6 +12,7 @@ applied in place, broadcast over the heads of a group (no repeated copy of the m
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # Steps adding at most this many tokens to a cache use grouped_attention; longer ones use SDPA.
 DECODE_MAX_NEW_TOKENS = 16
@@ -56,3 +57,20 @@ def grouped_attention_head_major(
     p = torch.softmax(scores, dim=-1).to(v.dtype)
     y = torch.matmul(p, v)  # (K, G, R*T, Dv)
     return y.transpose(0, 1).reshape(G, K, R, T, -1).reshape(G, H, T, -1)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` that keeps the CPU's fused kernel when the value width differs from
+    the query/key width (latent attention: d_nope + d_rope vs d_v). That kernel needs equal widths; otherwise
+    SDPA falls back to its math path, which materialises the scores (measured 2-3x slower at the reference
+    models' prefill shapes). Zero columns on the narrower side change nothing but rounding. Only without
+    autograd on the CPU (the padded copy would otherwise join the graph); ``scale`` must be given when the
+    query/key side is padded, since SDPA's default reads the width."""
+    pad = q.shape[-1] - v.shape[-1]
+    if pad and q.device.type == "cpu" and not torch.is_grad_enabled():
+        if pad > 0:
+            return F.scaled_dot_product_attention(q, k, F.pad(v, (0, pad)), **kwargs)[..., : v.shape[-1]]
+        if kwargs.get("scale") is None:
+            kwargs["scale"] = q.shape[-1] ** -0.5
+        return F.scaled_dot_product_attention(F.pad(q, (0, -pad)), F.pad(k, (0, -pad)), v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvgraft.model.attention_ops import sdpa
+
 
 def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight (out, in), bias (out,) or None) that ``module``'s forward applies, adapters included."""
@@ -139,7 +141,7 @@ class LatentAttention(nn.Module):
             values.append(kv[..., self.dn:])
         k_all = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
         v_all = values[0] if len(values) == 1 else torch.cat(values, dim=2)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[:, None], scale=self.scale)
+        return sdpa(q, k_all, v_all, attn_mask=mask[:, None], scale=self.scale)  # (the CPU's fused kernel)
 
     def _attend_absorbed(self, q, k, v, latents, mask, kv_b_delta=None) -> torch.Tensor:
         """Scores against the latents directly (W_UK folded into the query, W_UV applied after), next to

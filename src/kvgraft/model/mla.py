@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention
+from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention, sdpa
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.latent import LatentAttention
 from kvgraft.model.norm import RMSNorm
@@ -127,17 +127,7 @@ class MLAttention(LatentAttention):
         w, b = self.weights("kv_b_proj")
         kv = F.linear(c, w, b).view(G, T, H, self.dn + self.dv).transpose(1, 2)
         k = torch.cat([kv[..., : self.dn], k_rope[:, None].expand(G, H, T, self.dr)], dim=-1)
-        v = kv[..., self.dn:]
-        pad = q.shape[-1] - self.dv
-        if pad and q.device.type == "cpu" and not torch.is_grad_enabled():
-            # The CPU's fused (flash) SDPA kernel needs equal query/key and value widths; otherwise SDPA falls
-            # back to its math path, which materialises the scores (~2x slower at dn + dr = 2 dv). Zero
-            # columns on the narrower side keep the fused kernel and change nothing but rounding.
-            if pad > 0:
-                return F.scaled_dot_product_attention(q, k, F.pad(v, (0, pad)), is_causal=T > 1,
-                                                      scale=self.scale)[..., : self.dv]
-            q, k = F.pad(q, (0, -pad)), F.pad(k, (0, -pad))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale)
+        return sdpa(q, k, kv[..., self.dn:], is_causal=T > 1, scale=self.scale)  # (the CPU's fused kernel)
 
     def _query(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, H, T, dn) no-RoPE and (B, H, T, dr) rotated RoPE parts of the query."""
