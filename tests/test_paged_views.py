@@ -116,3 +116,48 @@ def test_short_rows_are_gathered_long_ones_viewed():
             cache.commit(s, n - cache.length(s))
         runs[n] = BatchContext(cache, seqs, [1, 1]).groups[0].row_runs
     assert runs[8] is None and runs[long] is not None
+
+
+def test_block_tables_cut_into_pieces():
+    from kvgraft.model.batch import _pieces
+
+    assert _pieces([4, 5, 6], 10, 4) == [(4, 3, 10)]
+    assert _pieces([4, 5, 9, 2, 3], 19, 4) == [(4, 2, 8), (9, 1, 4), (2, 2, 7)]
+    assert _pieces([], 0, 4) == []
+
+
+@pytest.mark.parametrize("changes", [{}, MLA, dict(MLA, kv_lora_rank=4)], ids=["llama", "mla", "mla-folded"])
+def test_decode_over_pieces_of_interleaved_blocks_equals_the_gather(changes, monkeypatch):
+    """Sequences that never said how long they get grow in interleaved blocks (as a row restored from the
+    prefix cache does after the kept prompt's blocks): each row is read as a few pieces, attended with one
+    softmax over all of them, and gives the gather's logits."""
+    import kvgraft.model.batch as batch
+
+    monkeypatch.setattr(batch, "ROW_VIEW_MIN_BYTES", 0)
+    cfg = get_preset("llama-tiny").replace(**changes)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights(0)
+    model.eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 10, 3)]
+    steps = torch.randint(0, cfg.vocab_size, (9, 3), generator=g)
+
+    def run(views: bool):
+        monkeypatch.setattr(BatchContext, "views", views)
+        cache = PagedKVCache(cfg, num_blocks=40, block_size=4, max_seqs=3, max_seq_len=40)
+        seqs = [cache.add_sequence() for _ in prompts]
+        logits, pieces = [], []
+        with torch.no_grad():
+            for s, p in zip(seqs, prompts):
+                model(p, ctx=BatchContext(cache, [s], [len(p)]))
+            for t in steps:
+                ctx = BatchContext(cache, seqs, [1, 1, 1])
+                logits.append(model(t, ctx=ctx)[0])
+                pieces.append(ctx.groups[0].row_runs)
+        return torch.stack(logits), pieces
+
+    viewed, pieces = run(True)
+    gathered, _ = run(False)
+    assert max(len(p) for step in pieces for p in step) >= 3  # the rows really were in several pieces
+    torch.testing.assert_close(viewed, gathered, atol=1e-5, rtol=0)

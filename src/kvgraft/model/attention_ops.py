@@ -74,3 +74,40 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.T
             kwargs["scale"] = q.shape[-1] ** -0.5
         return F.scaled_dot_product_attention(F.pad(q, (0, -pad)), F.pad(k, (0, -pad)), v, **kwargs)
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def attention_over_pieces(
+    q: torch.Tensor,  # (1, H, T, D): one row's queries
+    keys: list[torch.Tensor],  # pieces of the row's cache in position order, each (K, 1, S_i, D)
+    values: list[torch.Tensor],  # the same pieces' values, each (K, 1, S_i, Dv)
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention of one row over its cache held in several pieces (views of consecutive blocks),
+    every key visible, without concatenating the pieces: the scores ((K, R*T, S) with R = H/K query heads
+    per key head, far smaller than the keys) are joined instead, and the values are summed piece by piece.
+    Returns (1, H, T, Dv); fp32 softmax. One piece: ``grouped_attention_head_major`` without a mask."""
+    _, H, T, D = q.shape
+    K = keys[0].shape[0]
+    R = H // K
+    qk = (q * scale).reshape(1, K, R * T, D).transpose(0, 1)  # (K, 1, R*T, D)
+    scores = torch.cat([torch.matmul(qk, k.transpose(-1, -2)) for k in keys], dim=-1).float()  # (K, 1, R*T, S)
+    p = torch.softmax(scores, dim=-1).to(values[0].dtype)
+    parts = p.split([k.shape[2] for k in keys], dim=-1)
+    y = torch.matmul(parts[0], values[0])
+    for part, v in zip(parts[1:], values[1:]):
+        y = y + torch.matmul(part, v)
+    return y.transpose(0, 1).reshape(1, K, R, T, -1).reshape(1, H, T, -1)
+
+
+def last_positions(pieces: list[torch.Tensor], n: int | None, dim: int) -> list[torch.Tensor]:
+    """The pieces (in position order) cut to their last ``n`` positions along ``dim`` (None: all)."""
+    if n is None:
+        return pieces
+    out: list[torch.Tensor] = []
+    for piece in reversed(pieces):
+        if n <= 0:
+            break
+        size = piece.shape[dim]
+        out.append(piece.narrow(dim, max(0, size - n), min(size, n)))
+        n -= size
+    return out[::-1]

@@ -67,6 +67,23 @@ def active_context(ctx: "_Context") -> Iterator[None]:
         _local.ctx = prev
 
 
+# A decode row is read as views when its blocks form at most this many consecutive pieces (a row restored
+# from the prefix cache: the kept prompt's blocks, then its own), else the batch is gathered.
+MAX_ROW_PIECES = 8
+
+
+def _pieces(table: list[int], tokens: int, block_size: int) -> list[tuple[int, int, int]]:
+    """A block table cut into runs of consecutive ids: (first id, blocks, tokens) each, covering ``tokens``."""
+    out: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(table) + 1):
+        if i == len(table) or table[i] != table[i - 1] + 1:
+            n = i - start
+            out.append((table[start], n, min(n * block_size, tokens - start * block_size)))
+            start = i
+    return out
+
+
 # Per-row views replace the batch gather from this many bytes of keys + values per row and layer (CPU): measured
 # crossover on the Llama reference between 256 tokens (256 kB: the gather still faster) and 1024 (1 MB: views
 # 3-4x faster at batch 8), bench/paged_views.py.
@@ -90,8 +107,9 @@ class Group:
     run: int | None = None  # one row whose blocks are consecutive (first block id): read as a view, no copy
     rings: tuple = ()  # per ring group: (G, ring blocks) ring-block tables (never-written blocks read as block 0)
     tables: tuple = ()  # per unit (paged layer or segment: cache.unit_of_*): (G, blocks), shared by units of one span
-    # decode rows (T = 1) whose blocks are all consecutive: per row (first block id, blocks, tokens); paged
-    # layers (GQA, MLA) then attend each row over a view of the pool instead of gathering the batch's blocks
+    # decode rows (T = 1) read as views: per row, its cache as a few pieces of consecutive blocks, each
+    # (first block id, blocks, tokens); paged layers (GQA, MLA) attend each row over its pieces instead of
+    # gathering the batch's blocks
     row_runs: tuple | None = None
 
     @property
@@ -331,14 +349,14 @@ class BatchContext(_Context):
             run = tb[0] if self.views and len(cuts) == 1 and len(rows) == 1 and len(tb) == nb and \
                 tb == list(range(tb[0], tb[0] + nb)) else None
             row_runs = None
-            if self.views and self._row_views_pay(cache, ends) and len(cuts) == 1 and len(rows) > 1 and t == 1:
+            if self.views and t == 1 and len(cuts) == 1 and run is None and self._row_views_pay(cache, ends):
                 row_runs = []
                 for r, e in zip(rows, ends):
-                    own = cache.block_table(seqs[r])[: -(-e // bs)]
-                    if not own or own != list(range(own[0], own[0] + len(own))):
+                    pieces = _pieces(cache.block_table(seqs[r])[: -(-e // bs)], e, bs)
+                    if not pieces or len(pieces) > MAX_ROW_PIECES:
                         row_runs = None
                         break
-                    row_runs.append((own[0], len(own), e))
+                    row_runs.append(pieces)
             tok = torch.cat([torch.arange(offsets[r], offsets[r] + t) for r in rows]).to(dev)
             qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None]
             rings = tuple(torch.tensor([[max(b, 0) for b in cache.ring_table(seqs[r], gi)] for r in rows],
@@ -405,8 +423,9 @@ class BatchContext(_Context):
                 flat = (table.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
                 src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
                 pool.view(H2, -1, d).index_copy_(1, flat, src)
-            if g.row_runs is not None:  # decode rows each in consecutive blocks: a view per row, no copy
-                keys = [pool[:, b:b + n].reshape(H2, 1, n * bs, d)[:, :, :e] for b, n, e in g.row_runs]
+            if g.row_runs is not None:  # decode rows read as views: per row, its pieces (2K, 1, S_i, d), no copy
+                keys = [[pool[:, b:b + n].reshape(H2, 1, n * bs, d)[:, :, :e] for b, n, e in pieces]
+                        for pieces in g.row_runs]
                 self.scratch[key] = out = (keys, None)
                 return out
             if g.run is not None:  # one row in consecutive blocks: a view of the pool
@@ -426,8 +445,9 @@ class BatchContext(_Context):
                 flat = table.gather(1, pos // bs) * bs + pos % bs
                 pool.view(-1, pool.shape[-1]).index_copy_(0, flat.reshape(-1),
                                                           entries.reshape(-1, entries.shape[-1]).to(pool.dtype))
-            if g.row_runs is not None:  # decode rows each in consecutive blocks: a view per row, (S_r, E)
-                keys = [pool[b:b + n].reshape(n * bs, pool.shape[-1])[:e] for b, n, e in g.row_runs]
+            if g.row_runs is not None:  # decode rows read as views: per row, its pieces (S_i, E)
+                keys = [[pool[b:b + n].reshape(n * bs, pool.shape[-1])[:e] for b, n, e in pieces]
+                        for pieces in g.row_runs]
                 self.scratch[key] = out = (keys, None)
                 return out
             if g.run is not None:

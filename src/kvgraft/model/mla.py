@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention, sdpa
+from kvgraft.model.attention_ops import (
+    DECODE_MAX_NEW_TOKENS,
+    attention_over_pieces,
+    grouped_attention,
+    last_positions,
+    sdpa,
+)
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.latent import LatentAttention
 from kvgraft.model.norm import RMSNorm
@@ -94,16 +100,16 @@ class MLAttention(LatentAttention):
             xg, cg, sg = g.take(x), g.take(cos), g.take(sin)
             entries, kpos = ctx.kv(self.source, gi, None if entry is None else g.take(entry))  # (G, S, dc + dr)
             absorbed = self._absorbed(g.T, ctx)
-            if isinstance(entries, list):  # decode rows, each a view of its consecutive blocks (S_r, dc + dr)
+            if isinstance(entries, list):  # decode rows read as views: per row, its pieces (S_i, dc + dr)
                 if absorbed and not torch.is_grad_enabled():
-                    # a decode token at S_r - 1 sees every entry, or the last `window` of them
-                    rows = entries if self.window is None else [e[-self.window:] for e in entries]
+                    # a decode token sees every entry, or the last `window` of them
+                    rows = [last_positions(pieces, self.window, dim=0) for pieces in entries]
                     y = self._decode_folded(xg, cg, sg, rows, None)
                     out = g.put(out if out is not None else x.new_empty(*x.shape[:2], y.shape[-1]), y)
                     continue
-                # any other path: pad the rows back into one batch (a copy, as the gather would make);
+                # any other path: join the rows back into one padded batch (a copy, as the gather would make);
                 # positions past a row's end are masked as in the gathered batch
-                entries = torch.nn.utils.rnn.pad_sequence(entries, batch_first=True)
+                entries = torch.nn.utils.rnn.pad_sequence([torch.cat(p) for p in entries], batch_first=True)
                 kpos = torch.arange(entries.shape[1], device=entries.device).expand(g.G, -1)
             plain = ctx.cache is None and ctx.default_positions and (self.window is None or self.window >= g.T)
             mask = None if plain and not absorbed else ctx.window_mask(gi, kpos, self.window, "kv")
@@ -205,9 +211,10 @@ class MLAttention(LatentAttention):
             q_lat, q_rope = q.split([dc, self.dr], dim=-1)
             q_rope = apply_rope(q_rope, cos, sin)
         q = torch.cat([q_lat, q_rope], dim=-1)  # (B, H, T, dc + dr)
-        if isinstance(entries, list):  # one view per decode row, every entry visible: attend row by row
-            y_lat = torch.cat([grouped_attention(q[r:r + 1], e[None, None], e[None, None, :, :dc], None, self.scale)
-                               for r, e in enumerate(entries)])
+        if isinstance(entries, list):  # decode rows as views (per row, its pieces), every entry visible
+            y_lat = torch.cat([attention_over_pieces(q[r:r + 1], [e[None, None] for e in pieces],
+                                                     [e[None, None, :, :dc] for e in pieces], self.scale)
+                               for r, pieces in enumerate(entries)])
         else:
             ent = entries[:, None]  # one key/value head shared by all query heads (MQA over the latents)
             y_lat = grouped_attention(q, ent, ent[..., :dc], mask, self.scale)  # (B, H, T, dc)

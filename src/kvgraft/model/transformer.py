@@ -19,7 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, grouped_attention, grouped_attention_head_major
+from kvgraft.model.attention_ops import (
+    DECODE_MAX_NEW_TOKENS,
+    attention_over_pieces,
+    grouped_attention,
+    grouped_attention_head_major,
+    last_positions,
+)
 from kvgraft.model.batch import BatchContext, DenseContext, active_context
 from kvgraft.model.cache import PagedKVCache, static_cache
 from kvgraft.model.ced import CEDAttention, Compressor, rope_tables
@@ -84,11 +90,13 @@ class GQAttention(nn.Module):
         for gi, g in ctx.each_group():
             qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, d)
             keys, kpos = ctx.kv(self.source, gi, None if entry is None else g.take(entry))
-            if isinstance(keys, list):  # decode rows, each a view of its consecutive blocks (2K, 1, S_r, d)
-                # a decode token at position S_r - 1 sees positions [S_r - window, S_r): the view's tail
-                w = -self.window if self.window is not None else None
-                y = torch.cat([grouped_attention_head_major(qg[r:r + 1], kr[:K, :, w:], kr[K:, :, w:], None, d**-0.5)
-                               for r, kr in enumerate(keys)])
+            if isinstance(keys, list):  # decode rows read as views: per row, its pieces (2K, 1, S_i, d)
+                y = []
+                for r, pieces in enumerate(keys):  # a decode token sees every position, or the last `window`
+                    pieces = last_positions(pieces, self.window, dim=2)
+                    y.append(attention_over_pieces(qg[r:r + 1], [p[:K] for p in pieces], [p[K:] for p in pieces],
+                                                   d**-0.5))
+                y = torch.cat(y)
                 y = self.o_proj(y.transpose(1, 2).reshape(len(keys), g.T, H * d))
                 out = g.put(out if out is not None else x.new_empty(B, N, y.shape[-1]), y)
                 continue
