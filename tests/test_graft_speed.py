@@ -16,28 +16,8 @@ import torch
 
 from kvgraft.graft import mla as graft
 from kvgraft.graft.mla import GraftConfig, graft_mla
-from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.batch import DenseContext
 from kvgraft.model.rope import apply_rope
-
-
-def _model(num_kv_heads: int = 2, window: int | None = None, qk_norm: bool = False, layers: int = 2,
-           tie: bool = False, seed: int = 0) -> Transformer:
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=layers, num_heads=4,
-                      num_kv_heads=num_kv_heads, head_dim=16, max_position_embeddings=64, qkv_bias=True,
-                      o_bias=True, sliding_window=window, qk_norm=qk_norm, tie_word_embeddings=tie)
-    model = Transformer(cfg).eval()
-    model.init_weights(seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "bias" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-            elif "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            elif "q_proj" in name or "k_proj" in name:
-                p.mul_(4)  # sharp attention: a profile far from uniform
-    return model
 
 
 def _calibration(n: int = 6, t: int = 40, seed: int = 1) -> torch.Tensor:
@@ -74,8 +54,8 @@ def _reference_distance_profile(block, x, cos, sin, batch_size):
 
 @pytest.mark.parametrize("kind", ["gqa", "mqa", "window", "qk_norm"])
 @torch.no_grad()
-def test_distance_profile_equals_the_per_head_fp64_version(kind):
-    model = _model(num_kv_heads=1 if kind == "mqa" else 2, window=8 if kind == "window" else None,
+def test_distance_profile_equals_the_per_head_fp64_version(kind, graft_model):
+    model = graft_model(num_kv_heads=1 if kind == "mqa" else 2, window=8 if kind == "window" else None,
                    qk_norm=kind == "qk_norm")
     ids = _calibration()
     x = model.embed_tokens(ids).float()
@@ -90,8 +70,8 @@ def test_distance_profile_equals_the_per_head_fp64_version(kind):
 
 @pytest.mark.parametrize("d_rope", [8, 16])  # dn + dr = 24 > dv = 16 (v padded); 32 (v padded more)
 @torch.no_grad()
-def test_padded_causal_mla_attention_equals_the_unpadded(d_rope):
-    model = _model()
+def test_padded_causal_mla_attention_equals_the_unpadded(d_rope, graft_model):
+    model = graft_model()
     new = graft_mla(model, GraftConfig(kv_lora_rank=16, qk_rope_head_dim=d_rope, objective="weights",
                                        rope_expectation=False), progress=False).eval()
     attn = new.layers[0].self_attn
@@ -105,8 +85,8 @@ def test_padded_causal_mla_attention_equals_the_unpadded(d_rope):
     torch.testing.assert_close(fast, plain, rtol=0, atol=1e-5)
 
 
-def test_layerwise_stand_in_feeds_the_next_layer_what_the_new_model_computes(monkeypatch):
-    model = _model(layers=3, tie=True)
+def test_layerwise_stand_in_feeds_the_next_layer_what_the_new_model_computes(monkeypatch, graft_model):
+    model = graft_model(layers=3, tie=True)
     ids = _calibration()
     seen = []
     original = graft._second_moment

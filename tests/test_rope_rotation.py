@@ -13,25 +13,6 @@ import torch
 
 from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.graft.mla_math import head_rotations
-from kvgraft.model import ModelConfig, Transformer
-
-
-def _model(num_kv_heads: int, bias: bool = False, qk_norm: bool = False, seed: int = 0) -> Transformer:
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=num_kv_heads, head_dim=16, max_position_embeddings=64, qkv_bias=bias,
-                      o_bias=bias, qk_norm=qk_norm)
-    model = Transformer(cfg).eval()
-    model.init_weights(seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "bias" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-            elif "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            elif "q_proj" in name or "k_proj" in name:
-                p.mul_(4)
-    return model
 
 
 CAL = torch.randint(0, 96, (8, 32), generator=torch.Generator().manual_seed(1))
@@ -39,11 +20,11 @@ IDS = torch.randint(0, 96, (2, 28), generator=torch.Generator().manual_seed(2))
 
 
 @pytest.mark.parametrize("case", ["GQA2_bias", "MHA", "qwen3"])
-def test_complex_rotation_is_exact_at_full_budget(case):
+def test_complex_rotation_is_exact_at_full_budget(case, graft_model):
     """Every rotated pair kept, latent = KV width: exact, as with the real rotation (queries, biases, the
     Qwen3 per-head query map all take the complex coefficients)."""
     k = 4 if case == "MHA" else 2
-    model = _model(k, bias=case == "GQA2_bias", qk_norm=case == "qwen3")
+    model = graft_model(k, bias=case == "GQA2_bias", qk_norm=case == "qwen3")
     g = GraftConfig(kv_lora_rank=2 * k * 16, qk_rope_head_dim=k * 16, objective="attention", rope_selection="norm",
                     rope_rotation="complex")
     new = graft_mla(model, g, CAL, progress=False).eval()
@@ -79,8 +60,8 @@ def test_complex_rotation_keeps_at_least_the_real_energy():
     assert max(gains) > 1.05  # random heads: the per-head phase buys energy somewhere
 
 
-def test_one_kv_head_complex_equals_real():
-    model = _model(1)
+def test_one_kv_head_complex_equals_real(graft_model):
+    model = graft_model(1, bias=False)
     outs = [graft_mla(model, GraftConfig(kv_lora_rank=12, qk_rope_head_dim=8, rope_selection="prefix",
                                          rope_rotation=r), CAL, progress=False).eval() for r in ("real", "complex")]
     with torch.no_grad():
