@@ -88,7 +88,7 @@ def test_decode_over_views_equals_the_gathered_batch(changes, monkeypatch):
                     ctx = BatchContext(cache, seqs, [1] * len(seqs))
                     with torch.set_grad_enabled(grad):  # with grad, MLA takes its expanded path over the views
                         logits.append(model(t, ctx=ctx)[0].detach())
-                    runs.append(ctx.groups[0].row_runs)
+                    runs.append(ctx.groups[0].row_pieces)
             return torch.stack(logits), runs
         finally:
             BatchContext.views = old
@@ -114,7 +114,7 @@ def test_short_rows_are_gathered_long_ones_viewed():
         for s in seqs:
             cache.extend(s, n - cache.length(s))
             cache.commit(s, n - cache.length(s))
-        runs[n] = BatchContext(cache, seqs, [1, 1]).groups[0].row_runs
+        runs[n] = BatchContext(cache, seqs, [1, 1]).groups[0].row_pieces
     assert runs[8] is None and runs[long] is not None
 
 
@@ -154,7 +154,7 @@ def test_decode_over_pieces_of_interleaved_blocks_equals_the_gather(changes, mon
             for t in steps:
                 ctx = BatchContext(cache, seqs, [1, 1, 1])
                 logits.append(model(t, ctx=ctx)[0])
-                pieces.append(ctx.groups[0].row_runs)
+                pieces.append(ctx.groups[0].row_pieces)
         return torch.stack(logits), pieces
 
     viewed, pieces = run(True)

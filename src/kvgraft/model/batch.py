@@ -30,6 +30,7 @@ Shapes: G rows of a group, T new tokens per row, S keys, W a window, E an entry'
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -110,7 +111,7 @@ class Group:
     # decode rows (T = 1) read as views: per row, its cache as a few pieces of consecutive blocks, each
     # (first block id, blocks, tokens); paged layers (GQA, MLA) attend each row over its pieces instead of
     # gathering the batch's blocks
-    row_runs: tuple | None = None
+    row_pieces: tuple | None = None
 
     @property
     def G(self) -> int:
@@ -347,16 +348,16 @@ class BatchContext(_Context):
             table = by_cut[0]
             tb = tables[0]
             run = tb[0] if self.views and len(cuts) == 1 and len(rows) == 1 and len(tb) == nb and \
-                tb == list(range(tb[0], tb[0] + nb)) else None
-            row_runs = None
+                len(_pieces(tb, nb * bs, bs)) == 1 else None
+            row_pieces = None
             if self.views and t == 1 and len(cuts) == 1 and run is None and self._row_views_pay(cache, ends):
-                row_runs = []
+                row_pieces = []
                 for r, e in zip(rows, ends):
                     pieces = _pieces(cache.block_table(seqs[r])[: -(-e // bs)], e, bs)
                     if not pieces or len(pieces) > MAX_ROW_PIECES:
-                        row_runs = None
+                        row_pieces = None
                         break
-                    row_runs.append(pieces)
+                    row_pieces.append(pieces)
             tok = torch.cat([torch.arange(offsets[r], offsets[r] + t) for r in rows]).to(dev)
             qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None]
             rings = tuple(torch.tensor([[max(b, 0) for b in cache.ring_table(seqs[r], gi)] for r in rows],
@@ -364,20 +365,21 @@ class BatchContext(_Context):
             self.groups.append(Group(rows, t, qpos, tok, torch.tensor(starts, device=dev), table,
                                      torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev), max(ends),
                                      adapter, adapter_rows, run, rings, unit_tables,
-                                     None if row_runs is None else tuple(row_runs)))
+                                     None if row_pieces is None else tuple(row_pieces)))
 
     @staticmethod
     def _row_views_pay(cache, ends: list[int]) -> bool:
         """Whether decode rows should attend over per-row views of the paged pools (GQA keys/values, MLA
-        latents) rather than one gathered copy:
-        on the CPU, once the average row's keys and values reach ROW_VIEW_MIN_BYTES per layer. Below that the
+        latents) rather than one gathered copy: on the CPU, once the average row's largest paged layer holds
+        ROW_VIEW_MIN_BYTES. Below that the
         gather is cheap and a few small ops per row cost more; above it the gather's copy (and the fresh
         pages the allocator maps for it) dominates the step (bench/paged_views.py). On an accelerator the
         gather is a fast device copy and per-row ops would each launch kernels: always gather there."""
         if not cache.paged or cache.device.type != "cpu":
             return False
-        per_token = max(p[:, 0, 0].numel() * p.shape[-1] if x in cache.head_major else p.shape[-1]
-                        for x, p in cache.paged.items()) * torch.empty((), dtype=cache.dtype).element_size()
+        widths = [math.prod(cache.head_major[x]) if x in cache.head_major else p.shape[-1]
+                  for x, p in cache.paged.items()]  # values per token: 2K x head_dim, or the latent's width
+        per_token = max(widths) * torch.empty((), dtype=cache.dtype).element_size()
         return sum(ends) * per_token >= ROW_VIEW_MIN_BYTES * len(ends)
 
     def adapter_tokens(self) -> dict[object, torch.Tensor]:
@@ -423,9 +425,9 @@ class BatchContext(_Context):
                 flat = (table.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
                 src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
                 pool.view(H2, -1, d).index_copy_(1, flat, src)
-            if g.row_runs is not None:  # decode rows read as views: per row, its pieces (2K, 1, S_i, d), no copy
+            if g.row_pieces is not None:  # decode rows read as views: per row, its pieces (2K, 1, S_i, d), no copy
                 keys = [[pool[:, b:b + n].reshape(H2, 1, n * bs, d)[:, :, :e] for b, n, e in pieces]
-                        for pieces in g.row_runs]
+                        for pieces in g.row_pieces]
                 self.scratch[key] = out = (keys, None)
                 return out
             if g.run is not None:  # one row in consecutive blocks: a view of the pool
@@ -445,9 +447,9 @@ class BatchContext(_Context):
                 flat = table.gather(1, pos // bs) * bs + pos % bs
                 pool.view(-1, pool.shape[-1]).index_copy_(0, flat.reshape(-1),
                                                           entries.reshape(-1, entries.shape[-1]).to(pool.dtype))
-            if g.row_runs is not None:  # decode rows read as views: per row, its pieces (S_i, E)
+            if g.row_pieces is not None:  # decode rows read as views: per row, its pieces (S_i, E)
                 keys = [[pool[b:b + n].reshape(n * bs, pool.shape[-1])[:e] for b, n, e in pieces]
-                        for pieces in g.row_runs]
+                        for pieces in g.row_pieces]
                 self.scratch[key] = out = (keys, None)
                 return out
             if g.run is not None:
