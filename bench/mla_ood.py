@@ -45,12 +45,12 @@ class _Stock(torch.nn.Module):
 
 
 def graft(model, compression: float, stock: bool, shrinkage: float, calib, rotation: str = "complex",
-          stock_selection: str = STOCK_ROPE_SELECTION, **overrides) -> tuple:
+          stock_selection: str = STOCK_ROPE_SELECTION, construction: str = "engines", **overrides) -> tuple:
     cfg = model.config
     ranks = default_ranks(cfg, compression=compression, stock=stock, stock_layout=stock_selection)
     d_c, d_rope = ranks.kv_lora_rank, ranks.qk_rope_head_dim
-    if stock and d_c > 1:
-        d_c -= 1  # as convert does: the export's constant latent coordinate takes one value of the budget
+    if stock and construction == "transformers" and d_c > 1:
+        d_c -= 1  # as convert does: the exact export's constant latent coordinate takes one value of the budget
     kw = {"kv_lora_rank": d_c, "qk_rope_head_dim": d_rope, "objective": "attention",
               "rope_selection": stock_selection if stock else "norm", "layerwise": True, "rope_expectation": True,
               "calibration_shrinkage": shrinkage, "rope_rotation": rotation}
@@ -75,6 +75,10 @@ def main() -> None:
     ap.add_argument("--extra-stock", action="store_true")
     ap.add_argument("--rope-rotation", choices=["real", "complex"], default="complex")
     ap.add_argument("--stock-selection", choices=["prefix", "stride"], default=STOCK_ROPE_SELECTION)
+    ap.add_argument("--stock-constructions", nargs="+", choices=["engines", "transformers"], default=["engines"],
+                    help="stock export constructions to score (convert's --stock-construction): engines = no "
+                         "attention biases, latent norm fitted (the default); transformers = the exact "
+                         "constructions held in attention biases")
     ap.add_argument("--eval-tokens", type=int, default=65536)
     ap.add_argument("--calibration-tokens", type=int, default=32768)
     ap.add_argument("--threads", type=int, default=None)
@@ -91,13 +95,18 @@ def main() -> None:
     def score(m) -> dict:
         return {k: perplexity(m, v, max_tokens=args.eval_tokens, progress=False).ppl for k, v in texts.items()}
 
-    def stock_score(new) -> tuple[dict, dict]:
+    def stock_score(new, construction: str = "engines") -> tuple[dict, dict]:
+        import warnings
+
         from kvgraft.hf.deepseek import export_deepseek_v3, load_stock
 
-        with tempfile.TemporaryDirectory() as tmp:
-            report = export_deepseek_v3(new, Path(tmp) / "ds", calibration=calib, tail_sequences=4, verbose=False)
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the transformers construction warns that it is transformers-only
+            report = export_deepseek_v3(new, Path(tmp) / "ds", calibration=calib, tail_sequences=4, verbose=False,
+                                        target=construction)
             params = json.loads((Path(tmp) / "ds" / "config.json").read_text())["rope_parameters"]
             extra = {"exported_kv_lora_rank": report.kv_lora_rank, "latent_norm": report.latent_norm,
+                     "stock_construction": construction,
                      "export_max_abs_logit_diff": report.max_abs_logit_diff, "rope_parameters": params}
             print(f"  export: max |logit diff| vs kvgraft {report.max_abs_logit_diff:.3g}, kv_lora_rank "
                   f"{report.kv_lora_rank}, rope {params}", flush=True)
@@ -110,17 +119,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for compression in args.compressions:
         for shrinkage in args.shrinkages:
-            for fmt in args.formats:
+            variants = [(fmt, c) for fmt in args.formats
+                        for c in (args.stock_constructions if fmt == "deepseek_v3" else [None])]
+            for fmt, construction in variants:
                 stock = fmt == "deepseek_v3"
                 try:
                     new, g, seconds = graft(model, compression, stock, shrinkage, calib, args.rope_rotation,
-                                            args.stock_selection)
+                                            args.stock_selection, construction=construction or "engines")
                 except ValueError as exc:
                     print(f"skip {compression}x {fmt}: {exc}")
                     continue
                 extra = {}
                 if stock:
-                    scored, extra = stock_score(new)
+                    scored, extra = stock_score(new, construction)
+                    fmt = f"deepseek_v3 ({construction})"
                 else:
                     scored = score(new)
                 row = {"compression": compression, "format": fmt, "shrinkage": shrinkage,

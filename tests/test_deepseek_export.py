@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from kvgraft.errors import UnsupportedModelError
 from kvgraft.graft.mla import GraftConfig, graft_mla
@@ -149,8 +150,9 @@ def test_exact_export_parity_variants(case, tmp_path):
     if case == "llama3_stride2":  # exact in transformers; vLLM/SGLang's DeepSeek code would read it as yarn
         with pytest.warns(UserWarning, match="deepseek_yarn"):
             report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
-    else:
-        report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    else:  # biases: exact through attention bias tensors, i.e. for transformers only
+        report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL,
+                                    target="transformers" if case == "biases" else "engines")
     assert report.latent_norm == "exact"
     assert report.max_abs_logit_diff <= 1e-4, report
     raw = json.loads((tmp_path / "ds" / "config.json").read_text())
@@ -280,9 +282,9 @@ def test_prefix_layout_exports_exactly(rope, tmp_path):
     assert model.config.rope_freq_index == ((0, 1, 2, 3, 4, 5),) * 2
     if rope == "llama3":  # exact in transformers; vLLM/SGLang's DeepSeek code would read it as yarn
         with pytest.warns(UserWarning, match="deepseek_yarn"):
-            report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+            report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, target="transformers")
     else:
-        report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+        report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, target="transformers")
     assert report.exact and report.latent_norm == "pad"
     assert report.max_abs_logit_diff <= 1e-4 and report.mean_kl <= 1e-9, report
     assert any("prefix RoPE layout" in w for w in report.warnings)
@@ -309,12 +311,17 @@ def test_pad_latent_is_exact_without_a_latent_norm(tmp_path):
     in prefill and in stock transformers' cached decode, also on inputs far larger than calibration's."""
     model = _graft(_base(2), kv_lora_rank=24)
     assert not model.config.mla_latent_norm
-    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    with pytest.warns(UserWarning, match="only transformers computes"):
+        report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, target="transformers")
     assert report.latent_norm == "pad" and report.exact and report.kv_lora_rank == 25
     assert report.max_abs_logit_diff <= 1e-4 and report.mean_kl <= 1e-9
     assert report.perplexity["deepseek_v3"] == pytest.approx(report.perplexity["kvgraft"], rel=1e-5)
     raw = json.loads((tmp_path / "ds" / "config.json").read_text())
     assert raw["kv_lora_rank"] == 25 and raw["attention_bias"] is True and raw["kvgraft_export"]["exact"] is True
+    assert raw["kvgraft_export"]["target"] == "transformers"
+    # why engines need another construction: the pinning constant is beyond fp16 and sits in a bias tensor
+    tensors = load_file(str(tmp_path / "ds" / "model.safetensors"))
+    assert float(tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.bias"].abs().max()) > 65504
     stock = load_stock(tmp_path / "ds")
     with torch.no_grad():
         torch.testing.assert_close(stock(IDS).logits, model(IDS), atol=1e-4, rtol=0)
@@ -342,7 +349,7 @@ def test_qwen2_style_biases_export_exactly(tmp_path):
     q_lora_rank = hidden + 1, exact."""
     model = _graft(_base(2, bias=True, q_bias=True), kv_lora_rank=24)
     assert model.layers[0].self_attn.q_proj.bias.abs().max() > 0
-    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, target="transformers")
     assert report.exact and report.q_lora_rank == 64 + 1 and report.extra_parameters > 0
     assert any("query bias" in f for f in report.folded)
     assert report.max_abs_logit_diff <= 1e-4, report
@@ -361,7 +368,7 @@ def test_qwen2_style_biases_export_exactly(tmp_path):
 
 def test_sliding_window_is_exact_up_to_the_window(tmp_path):
     model = _graft(_base(2, window=8), kv_lora_rank=24)
-    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
+    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, target="transformers")
     assert not report.exact and report.exact_up_to_tokens == 8
     assert report.max_abs_logit_diff_within_window <= 1e-4
     assert report.max_abs_logit_diff > 1e-3  # CAL is 32 tokens long: beyond the window the two differ
@@ -378,7 +385,7 @@ def test_sliding_window_is_exact_up_to_the_window(tmp_path):
 def test_bfloat16_export_of_the_pinned_constructions(tmp_path):
     """The pinned constants (powers of two) fit bf16; the export loads and tracks the fp32 model."""
     model = _graft(_base(2, bias=True, q_bias=True), kv_lora_rank=24)
-    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, dtype=torch.bfloat16)
+    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, dtype=torch.bfloat16, target="transformers")
     assert report.max_abs_logit_diff < 0.1 * float(model(IDS).abs().max()), report
 
 
@@ -408,3 +415,56 @@ def test_fast_path_warnings():
     flash = deepseek_v3_fast_path(_mla_config(hidden_size=128, head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64,
                                               qk_nope_head_dim=128, v_head_dim=128), original_kv_width=1024)
     assert flash == []
+
+
+# ---- the engine-safe default (what vLLM and SGLang load) --------------------------------------------------
+
+def test_engine_safe_default_writes_no_bias_and_stays_in_fp16(tmp_path):
+    """The default target: no bias tensor (vLLM/SGLang build the projections bias=False and skip them),
+    attention_bias false, every weight within fp16's range; q/k/v/o biases folded into the weights through the
+    input's mean direction and kv_b's constant-value column, which must beat simply dropping them."""
+    from kvgraft.hf.deepseek import measure_export
+
+    model = _graft(_base(2, bias=True, q_bias=True), kv_lora_rank=24)
+    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL_FIT)
+    assert report.target == "engines" and report.latent_norm == "fit" and report.q_lora_rank is None
+    assert not report.exact and any("attention biases" in a for a in report.approximations)
+    raw = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert raw["attention_bias"] is False and raw["kv_lora_rank"] == 24 and raw["kvgraft_export"]["target"] == "engines"
+    tensors = load_file(str(tmp_path / "ds" / "model.safetensors"))
+    assert not [k for k in tensors if k.endswith(".bias")]
+    assert max(float(t.abs().max()) for t in tensors.values()) <= 65504
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "ds", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    # the same export with the biases dropped instead of folded, measured against the biased model
+    dropped = _graft(_base(2, bias=True, q_bias=True), kv_lora_rank=24)
+    with torch.no_grad():
+        for b in dropped.layers:
+            for name in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"):
+                bias = getattr(b.self_attn, name).bias
+                if bias is not None:
+                    bias.zero_()
+    export_deepseek_v3(dropped, tmp_path / "dropped", calibration=CAL_FIT, measure=False)
+    ids = CAL_FIT[-8:]
+    folded_kl = measure_export(model, tmp_path / "ds", ids)["mean_kl"]
+    dropped_kl = measure_export(model, tmp_path / "dropped", ids)["mean_kl"]
+    assert folded_kl < 0.5 * dropped_kl, (folded_kl, dropped_kl)
+
+
+def test_engine_safe_latent_model_is_exact(norm_model, tmp_path):
+    """A graft with its own latent norm and no biases exports exactly for engines too."""
+    report = export_deepseek_v3(norm_model, tmp_path / "ds", calibration=CAL)
+    assert report.target == "engines" and report.exact and report.max_abs_logit_diff <= 1e-4
+
+
+def test_engine_and_transformers_targets_are_checked(tmp_path):
+    model = _graft(_base(2, bias=True, q_bias=True), kv_lora_rank=24)
+    with pytest.raises(ValueError, match="target 'vllm' is not one of engines, transformers"):
+        export_deepseek_v3(model, tmp_path / "a", calibration=CAL, target="vllm")
+    with pytest.raises(ValueError, match="latent_norm 'pad' .* vLLM"):
+        export_deepseek_v3(model, tmp_path / "b", calibration=CAL, latent_norm="pad")
+    with pytest.raises(ValueError, match="attention biases: .* pass calibration token ids"):
+        export_deepseek_v3(model, tmp_path / "c")
+    assert not any((tmp_path / n).exists() for n in "abc")
+    with pytest.warns(UserWarning, match="vLLM and SGLang skip attention biases"):
+        export_deepseek_v3(model, tmp_path / "d", calibration=CAL, target="transformers", measure=False)

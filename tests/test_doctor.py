@@ -128,8 +128,23 @@ def test_qwen2_biases_from_config_json(tmp_path):
     assert report.kv_bytes_per_token_before == 3 * (2 * 4 * 8) * 2 == 384
     assert report.kv_bytes_per_token_after == 3 * (16 + 4) * 2 == 120
     assert report.blockers == []
-    assert any("bias" in n and "stock DeepSeek-V3" in n and "refused" in n for n in report.notes)
+    assert any("bias" in n and "engines" in n and "vLLM and SGLang load no attention bias" in n for n in report.notes)
     assert report.verdict == "convertible with notes"
+
+
+def test_engine_table_follows_the_shape(tmp_path):
+    """doctor says, per engine and MLA backend, whether a stock export of the chosen ranks runs: vLLM's CPU
+    backends take 512 + 64 only, TRITON_MLA any shape, FlashInfer MLA also needs qk_nope_head_dim 64/128/192."""
+    path = _write(tmp_path, "llama", dict(HF_COMMON, model_type="llama", hidden_size=1024, num_hidden_layers=2,
+                                          num_attention_heads=8, num_key_value_heads=8, head_dim=128))
+    runs = {(e["engine"], e["backend"]): e for e in doctor(path, kv_lora_rank=512, qk_rope_head_dim=64).engines}
+    assert runs[("vLLM", "CPU_MLA")]["runs"] and runs[("vLLM", "FLASHINFER_MLA")]["runs"]
+    assert "make test-vllm" in runs[("vLLM", "CPU_MLA")]["tested"]
+    report = doctor(path, kv_lora_rank=448, qk_rope_head_dim=64)
+    runs = {(e["engine"], e["backend"]): e for e in report.engines}
+    assert not runs[("vLLM", "CPU_MLA")]["runs"] and "576 only" in runs[("vLLM", "CPU_MLA")]["why"]
+    assert runs[("vLLM", "TRITON_MLA")]["runs"] and runs[("transformers", "DeepseekV3ForCausalLM (eager / sdpa)")]["runs"]
+    assert "vLLM CPU_MLA" in report.format() and "448 + 64 = 512" in report.format()
 
 
 def test_qwen3_qk_norm_is_convertible_with_a_note(tmp_path):

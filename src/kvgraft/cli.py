@@ -205,7 +205,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, device=args.device, to=args.to,
         kv_source_layers=tuple(args.kv_source_layers) if args.kv_source_layers else None,
         sliding_window=args.sliding_window, compress_rate=args.compress_rate,
-        calibration_shrinkage=args.calibration_shrinkage,
+        calibration_shrinkage=args.calibration_shrinkage, target=args.target,
+        stock_construction=args.stock_construction,
     )
     if args.to == "ced":
         share = record["share_graft"]
@@ -528,8 +529,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", default=None,
                    help="calibration text (.txt) or token ids (.npy); default: the model's eval/calibration.npy")
     p.add_argument("--calibration-tokens", type=int, default=32768)
-    p.add_argument("--format", choices=["kvgraft", "deepseek_v3", "both"], default="kvgraft",
-                   help="kvgraft's own format and/or a stock DeepSeek-V3 checkpoint (all layers converted)")
+    p.add_argument("--format", choices=["kvgraft", "deepseek_v3", "both"], default=None,
+                   help="kvgraft's own format and/or a stock DeepSeek-V3 checkpoint (all layers converted); "
+                        "default kvgraft, or deepseek_v3 with --target")
+    p.add_argument("--target", choices=["vllm"], default=None,
+                   help="shape the stock DeepSeek-V3 export for an engine: vllm = d_c 512 + d_rope 64, the only "
+                        "shape vLLM's CPU backends and FlashMLA-class kernels take (refused, saying why, when the "
+                        "model's KV width or head_dim cannot); `kvgraft doctor` lists what each backend accepts")
+    p.add_argument("--stock-construction", choices=["engines", "transformers"], default="engines",
+                   help="engines (default): no attention bias tensors and fp16-safe weights, so vLLM and SGLang "
+                        "compute what transformers does (latent norm fitted, biases folded: approximate, error "
+                        "printed); transformers: the exact constructions held in attention biases, which vLLM and "
+                        "SGLang drop (transformers only; docs/export.md)")
     p.add_argument("--device", default="cpu", help="where the model and calibration run, e.g. cuda")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_convert)

@@ -18,7 +18,8 @@ naming the modules; attention adapters (q, kv_a, kv_b, o: where a decoder-side a
 what it learns) carry exactly.
 
 Supported for exports whose latent norm is exact: a base with its own latent RMSNorm (``mla_latent_norm``),
-or the default "pad" export of a base without one (one constant latent coordinate pins stock's norm): the
+or the "pad" export (``target="transformers"``, transformers only) of a base without one (one constant latent
+coordinate pins stock's norm): the
 adapter's ``kv_a`` rows get a zero row for that coordinate and its ``kv_b`` input a zero column, so its delta
 never touches the constant (the pinned rms moves by at most |delta c|^2 / A0^2, A0 >= 1e5 |c|). The
 "fit"/"scale" approximations change the latent basis per layer, which the adapter would have to follow:
@@ -41,7 +42,7 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
     """Write the adapter at ``adapter_dir`` (trained on ``model``) for the stock DeepSeek-V3 export of ``model``.
 
     ``latent_norm``: the strategy the model's export used when it has no latent norm of its own (as
-    ``export_deepseek_v3``'s argument; only the exact "pad", its default, can carry an adapter)."""
+    ``export_deepseek_v3``'s argument; only the exact "pad" of ``target="transformers"`` can carry an adapter)."""
     from safetensors.torch import load_file, save_file
 
     from kvgraft.adapters.lora import META_FILE, base_fingerprint, read_meta
@@ -58,9 +59,10 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
         raise ValueError(f"latent_norm {latent_norm!r} is not one of {', '.join(LATENT_NORM_STRATEGIES)}")
     pad = not cfg.mla_latent_norm
     if pad and latent_norm != "pad":
-        raise ValueError(f"latent_norm {latent_norm!r}: the 'fit'/'scale' exports change each layer's latent basis, "
-                         "which a kv_a/kv_b adapter would have to follow; export the base with latent_norm='pad' (the "
-                         "default, exact) or give the base its own latent norm (mla_latent_norm)")
+        raise ValueError(f"latent_norm {latent_norm!r}: the 'fit'/'scale' exports (the engine-safe default for a base "
+                         "without its own latent norm) change each layer's latent basis, which a kv_a/kv_b adapter "
+                         "would have to follow; export the base with target='transformers' (latent_norm 'pad', exact, "
+                         "transformers only) or give the base its own latent norm (mla_latent_norm, exact everywhere)")
     if cfg.qkv_bias and _q_bias_layers(model) and any(".self_attn.q_proj" in m for m in meta["modules"]):
         raise ValueError(f"adapter {adapter_dir} adapts q_proj of a base whose queries have a bias: stock DeepSeek-V3 "
                          "takes them through its low-rank q_a_proj/q_b_proj path, which a q_proj delta cannot follow; "

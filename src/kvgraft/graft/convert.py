@@ -29,6 +29,8 @@ from kvgraft.model import ModelConfig
 
 FORMATS = ("kvgraft", "deepseek_v3", "both")
 TARGETS = ("mla", "ced")
+SERVE_TARGETS = ("vllm",)  # engines convert can shape the stock export for (kvgraft.hf.engines)
+STOCK_CONSTRUCTIONS = ("engines", "transformers")  # kvgraft.hf.deepseek.STOCK_TARGETS
 CALIBRATION = Path("eval") / "calibration.npy"
 
 
@@ -107,7 +109,7 @@ def convert(
     calibration: str | Path | None = None,
     calibration_tokens: int = 32768,
     calibration_seq_len: int = 512,
-    output_format: str = "kvgraft",
+    output_format: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
     device: str = "cpu",
@@ -117,6 +119,8 @@ def convert(
     compress_rate: int = 1,
     calibration_shrinkage: float = 0.5,
     rope_rotation: str | None = None,
+    target: str | None = None,
+    stock_construction: str = "engines",
 ) -> dict:
     """Convert ``model`` (a local checkpoint directory) to MLA and write it to ``out``.
 
@@ -134,6 +138,14 @@ def convert(
     ``device`` holds the model and the calibration activations (e.g. "cuda" for a 7B model); the
     per-layer factorisations run on the CPU in fp64. Returns the record written to ``conversion.json``.
 
+    ``output_format`` (None: "deepseek_v3" with ``target``, else "kvgraft"). ``stock_construction``: how the
+    stock DeepSeek-V3 export is written (``export_deepseek_v3``'s ``target``): "engines" (default: no attention
+    bias tensors, fp16-safe weights, the latent norm fitted; what vLLM and SGLang compute as transformers
+    does) or "transformers" (the exact bias constructions, which only transformers computes; the graft then
+    keeps d_c - 1 so the constant latent coordinate stays within the budget). ``target="vllm"``: the stock
+    export shaped for vLLM's CPU backends and FlashMLA-class kernels, d_c = 512 and d_rope = 64; refused,
+    saying why, when the model's KV width or head_dim cannot take it (``kvgraft.hf.engines.vllm_shape_problem``).
+
     ``to="ced"`` makes a causal encoder-decoder: ``kv_source_layers`` (default: pivot at the middle layer,
     see ``default_kv_sources``), ``sliding_window`` and ``compress_rate`` as in ModelConfig. A Llama-family
     input is first grafted to MLA with one RoPE layout for all layers (rope_selection "shared": the
@@ -148,6 +160,32 @@ def convert(
     from kvgraft.reference import resolve_model
 
     # ---- every argument is checked before the weights load or any work starts
+    if target is not None and target not in SERVE_TARGETS:
+        raise ValueError(f"target {target!r} is not one of {', '.join(SERVE_TARGETS)} (or None)")
+    if stock_construction not in STOCK_CONSTRUCTIONS:
+        raise ValueError(f"stock_construction {stock_construction!r} is not one of {', '.join(STOCK_CONSTRUCTIONS)}")
+    if output_format is None:
+        output_format = "deepseek_v3" if target is not None else "kvgraft"
+    if target is not None:
+        if output_format not in ("deepseek_v3", "both"):
+            raise ValueError(f"target {target!r} serves the stock DeepSeek-V3 export; format {output_format!r} writes "
+                             "none (use --format deepseek_v3 or both)")
+        if to != "mla":
+            raise ValueError(f"target {target!r} needs --to mla (vLLM runs the causal encoder-decoder only through "
+                             "kvgraft's own engine)")
+        if stock_construction != "engines":
+            raise ValueError(f"target {target!r} needs stock_construction 'engines': vLLM loads no attention bias, so "
+                             "the 'transformers' construction would silently serve another model")
+        from kvgraft.hf.engines import VLLM_PREFERRED
+
+        want_c, want_r = VLLM_PREFERRED
+        for name, value, want in (("kv_lora_rank", kv_lora_rank, want_c), ("qk_rope_head_dim", qk_rope_head_dim, want_r)):
+            if value is not None and value != want:
+                raise ValueError(f"target {target!r} sets {name} to {want} (vLLM's CPU backends and FlashMLA-class "
+                                 f"kernels cache d_c + d_rope = 512 + 64); got {value}: drop it or drop --target")
+        if compression is not None:
+            raise ValueError(f"target {target!r} fixes the ranks at {want_c} + {want_r}; --compression {compression} "
+                             "contradicts it: drop one")
     if output_format not in FORMATS:
         raise ValueError(f"format {output_format!r} is not one of {', '.join(FORMATS)}")
     if to not in TARGETS:
@@ -174,6 +212,19 @@ def convert(
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
     check_writable(out, what="output directory")
     config = load_config(src)  # config.json only: the weights load once everything else is known to be right
+    if target is not None:
+        from kvgraft.hf.engines import vllm_shape_problem
+
+        problem = vllm_shape_problem(config.kv_width, config.head_dim)
+        if problem:
+            raise ValueError(f"--target {target}: {problem}")
+        from kvgraft.hf.engines import vllm_rope_problem
+
+        problem = vllm_rope_problem(config.rope.rope_type)
+        if problem:
+            raise ValueError(f"--target {target}: {problem}; --format deepseek_v3 without --target writes the export "
+                             "exactly for transformers (with this warning)")
+        kv_lora_rank, qk_rope_head_dim = VLLM_PREFERRED
     seq_len = min(calibration_seq_len, config.max_position_embeddings)
     if calibration_tokens < seq_len and objective != "weights":
         raise ValueError(f"calibration_tokens ({calibration_tokens}) must be at least one calibration sequence "
@@ -189,7 +240,7 @@ def convert(
                               else STOCK_ROPE_SELECTION,
                               default_compression=DEFAULT_CED_COMPRESSION if to == "ced" else DEFAULT_COMPRESSION)
         d_c, d_rope, rank_notes = ranks.kv_lora_rank, ranks.qk_rope_head_dim, ranks.how
-        if stock and kv_lora_rank is None and d_c > 1:
+        if stock and stock_construction == "transformers" and kv_lora_rank is None and d_c > 1:
             # the stock export pins DeepSeek-V3's latent RMSNorm with one constant latent coordinate
             # (kvgraft.hf.deepseek, latent_norm "pad"): graft one value less so the export caches the budget
             d_c -= 1
@@ -306,6 +357,8 @@ def convert(
         "parameters": {"original": params, "converted": sum(p.numel() for p in converted.parameters())},
         "convert_seconds_per_million_params": t_convert / (params / 1e6),
         "calibration_tail": tail,
+        "serve_target": target,
+        "stock_construction": stock_construction if stock else None,
         "formats": [],
     }
     with atomic_dir(out, overwrite=overwrite) as tmp:
@@ -317,13 +370,17 @@ def convert(
             from kvgraft.hf.deepseek import export_deepseek_v3
 
             report = export_deepseek_v3(converted, tmp / "deepseek_v3", tokenizer_dir=tok_dir, calibration=calib,
-                                        tail_sequences=TAIL_SEQUENCES, verbose=False)
+                                        tail_sequences=TAIL_SEQUENCES, verbose=False, target=stock_construction)
             report.path = out / "deepseek_v3"  # where it ends up, not the temporary directory
             record["formats"].append("deepseek_v3")
             record["deepseek_v3"] = report.to_dict()
             stock_bytes = converted.config.num_layers * (report.kv_lora_rank + converted.config.qk_rope_head_dim) * 2
             record["deepseek_v3"]["kv_bytes_per_token_bf16"] = stock_bytes
             record["deepseek_v3"]["compression"] = config.kv_bytes_per_token(2) / stock_bytes
+            from kvgraft.hf.engines import engine_support
+
+            record["deepseek_v3"]["engines"] = [e.to_dict() for e in engine_support(
+                report.kv_lora_rank, converted.config.qk_rope_head_dim, converted.config.qk_nope_head_dim)]
             if progress:
                 print("\n".join(report.summary()), flush=True)
                 if tail is not None:

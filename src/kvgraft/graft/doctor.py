@@ -166,6 +166,8 @@ class DoctorReport:
     kv_cache: list[dict[str, Any]]
     info: list[str] = field(default_factory=list)  # how the ranks were chosen
     fast_path: list[str] = field(default_factory=list)
+    # per engine and MLA backend: will a stock DeepSeek-V3 export of these ranks run (kvgraft.hf.engines)
+    engines: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     blockers: list[Blocker] = field(default_factory=list)
@@ -219,6 +221,12 @@ class DoctorReport:
         for line in self.info:
             out.append(f"  - {line}")
         out += ["", "KV cache per sequence (decimal units: 1 GB = 10^9 bytes, 1 MB = 10^6 bytes)", format_kv_cache_table(self.kv_cache, "  ")]
+        if self.engines:
+            from kvgraft.hf.engines import EngineSupport, format_engine_table
+
+            out += ["", f"engines for a stock DeepSeek-V3 export of these ranks (d_c + d_rope = "
+                        f"{self.kv_lora_rank + self.qk_rope_head_dim}; no attention biases, the default export)",
+                    format_engine_table([EngineSupport(**e) for e in self.engines], "  ")]
         sections = (
             ("fast path", self.fast_path, ""),
             ("warnings", self.warnings, "WARNING: "),
@@ -435,14 +443,17 @@ def doctor(
                      f"{_ranges(sliding_layers, L)}) is kept in kvgraft's format, but stock DeepSeek-V3 "
                      "export cannot express it")
     if config.qkv_bias:
-        notes.append("q/k/v biases are folded into the MLA projections in kvgraft's format, but stock "
-                     "DeepSeek-V3 q_proj/kv_b_proj have no bias, so stock DeepSeek-V3 export is refused")
+        notes.append("q/k/v biases are folded into the MLA projections in kvgraft's format; the stock DeepSeek-V3 "
+                     "export for engines (the default) folds them into bias-free weights through the attention "
+                     "input's mean direction (approximate, error measured), --stock-construction exact keeps them "
+                     "exact for transformers only (vLLM and SGLang load no attention bias)")
     if config.o_bias:
         notes.append("the o_proj bias is kept in kvgraft's format")
     if config.qk_norm:
         notes.append("per-head q/k RMSNorm (Qwen3): the query norm is kept (kvgraft format); the key norm sits "
                      "between k_proj and RoPE, so it is replaced by its least-squares linear fit on calibration "
-                     "text (not exact: heal afterwards); stock DeepSeek-V3 export is refused")
+                     "text (not exact: heal afterwards); the stock DeepSeek-V3 export linearises both (error "
+                     "measured)")
     if config.mlp_bias:
         notes.append("MLP biases are kept in kvgraft's format; stock DeepSeek-V3 MLPs have no bias")
     if config.rope.rope_type != "default":
@@ -455,6 +466,9 @@ def doctor(
                      + ", and so can convert's default 'norm' selection (kvgraft format)")
 
     blockers = _blockers(config, d_c, d_rope)
+    from kvgraft.hf.engines import engine_support
+
+    engines = [e.to_dict() for e in engine_support(d_c, d_rope, hd)]  # the graft keeps qk_nope = head_dim
     params_after = None
     if not blockers:
         from kvgraft.graft.mla import GraftConfig, mla_model_config
@@ -477,7 +491,7 @@ def doctor(
         kv_lora_rank=d_c, qk_rope_head_dim=d_rope, dtype_bytes=dtype_bytes, kv_width=config.kv_width,
         kv_bytes_per_token_before=before, kv_bytes_per_token_after=after,
         kv_compression=before / after, kv_saving_pct=100.0 * (1.0 - after / before),
-        kv_cache=kv_cache_table(before, after), info=info, fast_path=fast_path, warnings=warnings,
+        kv_cache=kv_cache_table(before, after), info=info, fast_path=fast_path, engines=engines, warnings=warnings,
         notes=notes, blockers=blockers, verdict=verdict,
     )
 

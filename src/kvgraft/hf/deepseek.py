@@ -7,7 +7,13 @@ checkpoints: dense SwiGLU MLPs only (``first_k_dense_replace = num_hidden_layers
 layer), ``q_lora_rank: null`` (a plain ``q_proj``), ``num_key_value_heads = num_attention_heads``,
 ``rope_interleave: true``.
 
-What is exact and what is not (``docs/export.md`` has the per-family table):
+Two constructions (``target``): "engines" (the default) writes nothing vLLM or SGLang drop or overflow: no
+attention bias tensor (their DeepSeek models build the projections bias=False and skip bias tensors), every
+weight within fp16's range (checked), the latent norm fitted ("fit") and biases folded into the weights
+(``_EngineFold``), its error measured; "transformers" writes the exact constructions below, which hold
+constants in attention biases and only transformers computes as written (a warning says so).
+
+What is exact and what is not in the "transformers" construction (``docs/export.md`` has the per-family table):
 - q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, norms, MLP, embeddings: exact. The RoPE rows are permuted
   from kvgraft's rotate-half layout to DeepSeek's interleaved one (q per head, and the shared RoPE key);
   a yarn ``mscale_all_dim`` softmax factor that stock applies and kvgraft does not is folded into q_proj;
@@ -80,6 +86,17 @@ from kvgraft.model.transformer import Transformer
 
 
 LATENT_NORM_STRATEGIES = ("pad", "fit", "scale")
+# Who must compute the export's function. "engines" (the default): vLLM and SGLang as well as transformers.
+# Their DeepSeek-V2/V3 models build every attention projection with bias=False and skip bias tensors they
+# have no parameter for (vllm/model_executor/models/deepseek_v2.py, "Skip loading extra bias"; SGLang's
+# deepseek_v2.py likewise), and serve in fp16/bf16: no bias tensor, every weight within fp16's range.
+# "transformers": the exact constructions (a constant latent / query coordinate held by attention biases,
+# constants up to ~1e7), which only transformers computes as written.
+STOCK_TARGETS = ("engines", "transformers")
+FP16_MAX = 65504.0
+# rms of the exported latent for the fitted/scaled latent norms: transformers' kv_a_layernorm uses eps 1e-6,
+# vLLM/SGLang use rms_norm_eps (often 1e-5); at ms(latent) = 256 the two differ by < 4e-8 relative
+ENGINE_LATENT_RMS = 16.0
 # transformers' DeepseekV3Attention builds kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
 STOCK_LATENT_NORM_EPS = 1e-6
 FLASH_MLA_KV_LORA_RANK = 512
@@ -122,6 +139,7 @@ class ExportReport:
     q_lora_rank: int | None = None
     extra_parameters: int = 0
     folded: list[str] = field(default_factory=list)
+    target: str = "engines"
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -137,8 +155,8 @@ class ExportReport:
             what = f"exact up to {self.exact_up_to_tokens} tokens of context, approximate beyond"
         else:
             what = "approximate"
-        lines = [(f"stock DeepSeek-V3 export -> {self.path}: {what} (latent norm {self.latent_norm}; "
-                  f"kv_lora_rank {self.kv_lora_rank}, q_lora_rank {self.q_lora_rank})")]
+        lines = [(f"stock DeepSeek-V3 export -> {self.path}: {what} (for {self.target}; latent norm "
+                  f"{self.latent_norm}; kv_lora_rank {self.kv_lora_rank}, q_lora_rank {self.q_lora_rank})")]
         lines += [f"  folded: {f}" for f in self.folded]
         lines += [f"  not exact: {a}" for a in self.approximations]
         if self.max_abs_logit_diff is not None:
@@ -454,6 +472,9 @@ class _Latent:
     cv: float = 0.0
     offset: torch.Tensor | None = None  # (dc',): added to the kv_a bias (needs attention_bias)
     bound: float = 0.0  # "pad": bound on the relative error of the latent's scale (0: none)
+    # (dc',) with unit . n_t ~ 1 for the exported normalised latents n_t (least squares on calibration): the
+    # nearest thing to a constant input kv_b has, which carries a constant value (value / o_proj bias)
+    unit: torch.Tensor | None = None
 
 
 # The pinned-rms constructions ("pad" latent, low-rank query) keep |varying part|^2 / constant^2 below this
@@ -644,8 +665,18 @@ def _approx_latent(attn, latents: torch.Tensor | None, strategy: str, input_norm
     else:
         M, M_inv = eye / rho, eye * rho
     # stock: kv_b' (g * c'/r'), c' = M c; kv_b' = kv_b M^-1 / rho and g = gamma ~ rho r' keeps kv_b c
-    gamma, cv = _norm_scale(latents @ M.T, (latents @ W_b.T).pow(2).sum(1), STOCK_LATENT_NORM_EPS)
-    return _Latent(M=M, B=M_inv / rho, g=torch.full((dc,), gamma * rho, dtype=torch.float64), cv=cv)
+    cp = latents @ M.T
+    gamma, cv = _norm_scale(cp, (latents @ W_b.T).pow(2).sum(1), STOCK_LATENT_NORM_EPS)
+    g = torch.full((dc,), gamma * rho, dtype=torch.float64)
+    n = g * cp / ((cp * cp).mean(1, keepdim=True) + STOCK_LATENT_NORM_EPS).sqrt()  # what kv_b' reads
+    return _Latent(M=M, B=M_inv / rho, g=g, cv=cv, unit=_least_squares_unit(n))
+
+
+def _least_squares_unit(x: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
+    """u minimising mean_t (u . x_t - 1)^2 (+ a tiny ridge): u = E[x x^T]^-1 E[x]; rows x_t of ``x`` (N, d)."""
+    S = x.T @ x / x.shape[0]
+    S = S + ridge * float(S.diagonal().mean().clamp_min(1e-300)) * torch.eye(x.shape[1], dtype=x.dtype)
+    return torch.linalg.solve(S, x.mean(0))
 
 
 def _exact_latent(attn, eps: float) -> _Latent:
@@ -654,6 +685,109 @@ def _exact_latent(attn, eps: float) -> _Latent:
     s = (STOCK_LATENT_NORM_EPS / eps) ** 0.5
     eye = torch.eye(dc, dtype=torch.float64)
     return _Latent(M=eye * s, B=eye, g=attn.kv_a_norm.weight.detach().to("cpu", torch.float64))
+
+
+@torch.no_grad()
+def _collect_input_moments(model: Transformer, ids: torch.Tensor, batch_size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (E[x], E[x x^T]) of the attention input x (what q_proj and kv_a_proj read), fp64 CPU.
+
+    Accumulated as running sums on the model's device (fp32 outer products), so memory is hidden^2 per layer
+    whatever the number of calibration tokens."""
+    h = model.config.hidden_size
+    device = model.embed_tokens.weight.device
+    sums = [[0, torch.zeros(h, dtype=torch.float64, device=device), torch.zeros(h, h, device=device)]
+            for _ in model.layers]
+    hooks = []
+    for i, block in enumerate(model.layers):
+        def hook(_mod, inp, _out, i=i):
+            x = inp[0].detach().reshape(-1, h).float()
+            sums[i][0] += x.shape[0]
+            sums[i][1] += x.sum(0).double()
+            sums[i][2] += x.T @ x
+        hooks.append(block.self_attn.kv_a_proj.register_forward_hook(hook))
+    try:
+        for start in range(0, ids.shape[0], batch_size):
+            model(ids[start:start + batch_size].to(device))
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return [(s.cpu() / n, o.double().cpu() / n) for n, s, o in sums]
+
+
+@dataclass
+class _EngineFold:
+    """How one layer's attention biases reach a bias-free stock checkpoint (``target="engines"``).
+
+    A bias b after a linear map W of the attention input x becomes W' = W + b u^T, with u the least-squares
+    direction u . x_t ~ 1 on calibration inputs (u = E[x x^T]^-1 E[x]): exact where u . x_t = 1, off by
+    b (u . x_t - 1) elsewhere. A constant value v (the kv_b value bias, and the o_proj bias moved in front of
+    o_proj: attention weights sum to one, so a constant value passes through unchanged) is added to kv_b' as
+    v unit^T, unit . n_t ~ 1 on the exported normalised latents. The key half of a kv_b bias adds the same
+    amount to every logit of a query: softmax ignores it, dropped exactly."""
+
+    q_delta: torch.Tensor | None = None  # (H (dn + dr), h), kvgraft's row order
+    a_delta: torch.Tensor | None = None  # (dc + dr, h)
+    value: torch.Tensor | None = None  # (H dv,): a constant added to every value
+    input_cv: float = 0.0  # std / mean of u . x_t on calibration
+    o_residual: float = 0.0  # |o_proj v - o_bias| / |o_bias| (0 unless o_proj cannot reach the bias)
+
+
+def _engine_folds(model: Transformer, moments: list[tuple[torch.Tensor, torch.Tensor]] | None) -> list[_EngineFold | None]:
+    """Per layer, the bias folds of ``_EngineFold`` (None: the layer has no bias to fold)."""
+    cfg = model.config
+    H, dn, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    out: list[_EngineFold | None] = []
+    for i, block in enumerate(model.layers):
+        attn = block.self_attn
+        bq = attn.q_proj.bias if _nonzero(attn.q_proj.bias) else None
+        ba = attn.kv_a_proj.bias if _nonzero(attn.kv_a_proj.bias) else None
+        bb = attn.kv_b_proj.bias if _nonzero(attn.kv_b_proj.bias) else None
+        bo = attn.o_proj.bias if _nonzero(attn.o_proj.bias) else None
+        if bq is None and ba is None and bb is None and bo is None:
+            out.append(None)
+            continue
+        fold = _EngineFold()
+        if bq is not None or ba is not None:
+            if moments is None:
+                raise ValueError(
+                    f"layer {i} has attention biases (q_proj / kv_a_proj): the engine-safe stock export folds them "
+                    "into the weights through the attention input's mean direction, measured on calibration text; "
+                    "pass calibration token ids, or export with target='transformers' (exact, transformers only)")
+            mean, second = moments[i]
+            S = second + 1e-6 * float(second.diagonal().mean().clamp_min(1e-300)) * torch.eye(
+                second.shape[0], dtype=torch.float64)
+            u = torch.linalg.solve(S, mean)
+            ux_mean = float(u @ mean)
+            ux_var = float(u @ second @ u) - ux_mean ** 2
+            fold.input_cv = max(ux_var, 0.0) ** 0.5 / max(abs(ux_mean), 1e-300)
+            if bq is not None:
+                fold.q_delta = bq.detach().to("cpu", torch.float64)[:, None] * u[None, :]
+            if ba is not None:
+                fold.a_delta = ba.detach().to("cpu", torch.float64)[:, None] * u[None, :]
+        value = torch.zeros(H * dv, dtype=torch.float64)
+        if bb is not None:
+            value += bb.detach().to("cpu", torch.float64).view(H, dn + dv)[:, dn:].reshape(-1)
+        if bo is not None:
+            W_o = attn.o_proj.weight.detach().to("cpu", torch.float64)  # (h, H dv)
+            b_o = bo.detach().to("cpu", torch.float64)
+            v = torch.linalg.lstsq(W_o, b_o[:, None]).solution[:, 0]
+            fold.o_residual = float((W_o @ v - b_o).norm() / b_o.norm())
+            value += v
+        if bool(value.abs().max() > 0):
+            if moments is None:
+                raise ValueError(
+                    f"layer {i} has a value or o_proj bias: the engine-safe stock export carries it as a constant "
+                    "value through kv_b, fitted on calibration text; pass calibration token ids, or export with "
+                    "target='transformers' (exact, transformers only)")
+            fold.value = value
+        out.append(fold)
+    return out
+
+
+def _latent_unit(lat: _Latent, c: torch.Tensor) -> torch.Tensor:
+    """``_least_squares_unit`` of the exported normalised latents of raw latents ``c`` (N, d_c)."""
+    cp = c @ lat.M.T + (lat.offset if lat.offset is not None else 0.0)
+    return _least_squares_unit(lat.g * cp / ((cp * cp).mean(1, keepdim=True) + STOCK_LATENT_NORM_EPS).sqrt())
 
 
 # ---- tensors and config ------------------------------------------------------------------------------
@@ -666,9 +800,11 @@ def _interleave_perm(dr: int) -> torch.Tensor:
 
 
 def _stock_tensors(
-    model: Transformer, latents: list[_Latent], q_fold: float, attention_bias: bool, low_rank_q: bool
+    model: Transformer, latents: list[_Latent], q_fold: float, attention_bias: bool, low_rank_q: bool,
+    folds: list[_EngineFold | None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """fp64 CPU tensors under DeepSeek-V3's names (``low_rank_q``: queries through q_a/q_a_layernorm/q_b)."""
+    """fp64 CPU tensors under DeepSeek-V3's names (``low_rank_q``: queries through q_a/q_a_layernorm/q_b;
+    ``folds``: the engine-safe bias folds, in which case no bias tensor is written)."""
     cfg = model.config
     H, h = cfg.num_heads, cfg.hidden_size
     dc, dr, dn, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
@@ -687,7 +823,11 @@ def _stock_tensors(
     for i, block in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn, lat = block.self_attn, latents[i]
-        q = q_rows(t(attn.q_proj.weight))
+        fold = folds[i] if folds is not None else None
+        wq = t(attn.q_proj.weight)
+        if fold is not None and fold.q_delta is not None:
+            wq = wq + fold.q_delta
+        q = q_rows(wq)
         if low_rank_q:
             bq = t(attn.q_proj.bias) if attn.q_proj.bias is not None else torch.zeros(q.shape[0], dtype=torch.float64)
             lr = _low_rank_query(q, q_rows(bq)[:, 0], t(block.input_layernorm.weight))
@@ -698,8 +838,15 @@ def _stock_tensors(
         else:
             out[p + "self_attn.q_proj.weight"] = q
         a = t(attn.kv_a_proj.weight)
+        if fold is not None and fold.a_delta is not None:
+            a = a + fold.a_delta
         kv_a = torch.cat([lat.M @ a[:dc], a[dc:][perm]])
         kv_b = t(attn.kv_b_proj.weight) @ lat.B
+        if fold is not None and fold.value is not None:  # a constant value: v unit^T, unit . n_t ~ 1
+            unit = lat.unit if lat.unit is not None else lat.M.new_zeros(lat.M.shape[0])
+            kv_b = kv_b.view(H, dn + dv, -1).clone()
+            kv_b[:, dn:] += fold.value.view(H, dv)[:, :, None] * unit[None, None, :]
+            kv_b = kv_b.reshape(H * (dn + dv), -1)
         o = t(attn.o_proj.weight)
         o_bias = t(attn.o_proj.bias) if attn.o_proj.bias is not None else torch.zeros(h, dtype=torch.float64)
         if attn.kv_b_proj.bias is not None:  # key half: softmax-invariant; value half: through to o_proj
@@ -805,9 +952,10 @@ def export_deepseek_v3(
     out_dir: str | Path,
     tokenizer_dir: str | Path | None = None,
     overwrite: bool = False,
-    latent_norm: str = "pad",
+    latent_norm: str | None = None,
     calibration: torch.Tensor | None = None,
     *,
+    target: str = "engines",
     dtype: torch.dtype | None = None,
     measure: bool = True,
     max_fit_tokens: int = 8192,
@@ -816,8 +964,17 @@ def export_deepseek_v3(
 ) -> ExportReport:
     """Write ``model`` (every layer MLA) as a stock DeepSeek-V3 checkpoint at ``out_dir``.
 
-    ``latent_norm`` applies only to models without their own latent norm (``mla_latent_norm=False``):
-    "pad" (default, exact): the exported latent has one more coordinate (d_c + 1), a constant so large that
+    ``target``: "engines" (default) writes what vLLM and SGLang load as transformers does: no attention bias
+    tensors (``attention_bias: false``; those engines build the projections without biases and skip bias
+    tensors), every weight within fp16's range (checked; they serve in fp16/bf16). The latent norm is then
+    "fit" (or "scale"), and any attention bias of the model is folded into the weights through the attention
+    input's least-squares mean direction (``_EngineFold``; needs ``calibration``), its error measured.
+    "transformers": the exact constructions below ("pad", a query bias through the low-rank query path, an
+    o_proj bias), which hold constants up to ~1e7 in attention biases: exact in transformers only; a warning
+    says so.
+    ``latent_norm`` (None: "fit" for engines, "pad" for transformers) applies only to models without their
+    own latent norm (``mla_latent_norm=False``):
+    "pad" (exact, target "transformers" only): the exported latent has one more coordinate (d_c + 1), a constant so large that
     stock's kv_a_layernorm divides every token by the same rms (to within ``PIN_DELTA`` / 2, from a bound on
     the weights, whatever the input); the norm weight undoes that constant and kv_b ignores the coordinate.
     It costs one cached value per token and layer (and moves d_c off FlashMLA's 512: graft d_c = 511 for
@@ -839,8 +996,18 @@ def export_deepseek_v3(
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"{out_dir} already exists; pass overwrite=True to replace it")
+    if target not in STOCK_TARGETS:
+        raise ValueError(f"target {target!r} is not one of {', '.join(STOCK_TARGETS)} ('engines': vLLM, SGLang and "
+                         "transformers; 'transformers': the exact bias constructions, transformers only)")
+    if latent_norm is None:
+        latent_norm = "fit" if target == "engines" else "pad"
     if latent_norm not in LATENT_NORM_STRATEGIES:
         raise ValueError(f"latent_norm {latent_norm!r} is not one of {', '.join(LATENT_NORM_STRATEGIES)}")
+    if target == "engines" and latent_norm == "pad":
+        raise ValueError("latent_norm 'pad' holds its constant coordinate in kv_a_proj_with_mqa's bias, which vLLM "
+                         "and SGLang do not load (they would silently compute another model); use latent_norm 'fit' "
+                         "or 'scale' for target 'engines', or target='transformers' for the exact, transformers-only "
+                         "export")
     if isinstance(tail_sequences, bool) or not isinstance(tail_sequences, int) or tail_sequences < 1:
         raise ValueError(f"tail_sequences ({tail_sequences!r}) must be a positive integer")
     cfg = model.config
@@ -856,10 +1023,26 @@ def export_deepseek_v3(
         if not tokenizer_files:
             raise CheckpointError(f"tokenizer directory {tokenizer_dir} has none of {', '.join(TOKENIZER_FILES)}")
 
+    if target == "engines" and calibration is None:
+        biased = [i for i, b in enumerate(model.layers)
+                  if any(_nonzero(getattr(b.self_attn, n).bias) for n in ("q_proj", "kv_a_proj", "o_proj"))
+                  or (b.self_attn.kv_b_proj.bias is not None and _nonzero(
+                      b.self_attn.kv_b_proj.bias.view(cfg.num_heads, -1)[:, cfg.qk_nope_head_dim:]))]
+        if biased:
+            raise ValueError(
+                f"layers {biased} have attention biases: the engine-safe stock export folds them into bias-free weights "
+                "through the attention input's mean direction, measured on calibration text; pass calibration token "
+                "ids, or export with target='transformers' (exact, transformers only)")
     for note in rope_notes:
         if not note.endswith(": exact"):  # serving-stack caveats; an exact re-expression is only reported
             warnings.warn(note, stacklevel=2)
     notes = list(rope_notes)
+    if target == "transformers":
+        msg = ("target 'transformers': the exact constructions keep constants (up to ~1e7) in attention bias tensors; "
+               "only transformers computes this checkpoint as written: vLLM and SGLang skip attention biases without "
+               "an error and would serve a different model, and fp16 overflows; use target 'engines' for them")
+        warnings.warn(msg, stacklevel=2)
+        notes.append(msg)
     approximations: list[str] = []
     folded: list[str] = []
     window = None
@@ -905,11 +1088,43 @@ def export_deepseek_v3(
                                b.input_layernorm.weight.detach())
                 for i, b in enumerate(model.layers)
             ]
+            for lat in latents:  # scale-free after the norm: only the engines' different eps sees this
+                lat.M = lat.M * ENGINE_LATENT_RMS
             approximations.append(
                 f"latent RMSNorm approximated ('{strategy}'): stock always normalises the latent and this model "
-                "has no latent norm (latent_norm='pad' makes it exact at one more cached value per token)"
+                "has no latent norm (target='transformers' with latent_norm='pad' makes it exact at one more cached "
+                "value per token, in transformers only; a graft with its own latent norm, mla_latent_norm, exports "
+                "exactly everywhere)"
             )
-        q_bias_layers = _q_bias_layers(model) if cfg.qkv_bias else []
+        folds = None
+        if target == "engines":
+            has_bias = any(_nonzero(getattr(b.self_attn, n).bias)
+                           for b in model.layers for n in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"))
+            moments = _collect_input_moments(model, calibration) if has_bias and calibration is not None else None
+            folds = _engine_folds(model, moments)
+            if any(f is not None and f.value is not None for f in folds) and any(lat.unit is None for lat in latents):
+                raw_c = _collect_latents(model, calibration, max_fit_tokens)
+                for i, lat in enumerate(latents):
+                    if lat.unit is None:
+                        lat.unit = _latent_unit(lat, raw_c[i])
+            biased = [i for i, f in enumerate(folds) if f is not None]
+            if biased:
+                kinds = sorted({k for f in folds if f is not None for k, v in (
+                    ("query", f.q_delta), ("latent / RoPE key", f.a_delta), ("value / output", f.value)) if v is not None})
+                cvs = [f.input_cv for f in folds if f is not None and (f.q_delta is not None or f.a_delta is not None)]
+                approximations.append(
+                    f"attention biases ({', '.join(kinds)}; layers {biased}) folded into the weights for engines that "
+                    "load no bias: a bias b after W becomes W + b u^T with u . x ~ 1 on calibration inputs"
+                    + (f" (u . x varies by {max(cvs):.3g} relative std)" if cvs else "")
+                    + "; a constant value rides on kv_b through the normalised latent (target='transformers' keeps "
+                    "them exact, transformers only)")
+                if any(f is not None and f.o_residual > 1e-6 for f in folds):
+                    worst = max(f.o_residual for f in folds if f is not None)
+                    approximations.append(f"o_proj bias: o_proj cannot produce all of it from the values (relative "
+                                          f"residual up to {worst:.3g}); the rest is dropped")
+            if any(_nonzero(b.self_attn.kv_b_proj.bias) for b in model.layers):
+                folded.append("key bias: adds the same amount to every logit of a query (softmax ignores it): dropped")
+        q_bias_layers = _q_bias_layers(model) if cfg.qkv_bias and target == "transformers" else []
         low_rank_q = bool(q_bias_layers)
         H, h = cfg.num_heads, cfg.hidden_size
         Hq = H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
@@ -927,23 +1142,31 @@ def export_deepseek_v3(
                 f"(relative error <= {PIN_DELTA / 2:.0e}) and carries the bias; "
                 f"+{cfg.num_layers * (q_lora_rank * h + 2 * q_lora_rank + Hq * q_lora_rank - Hq * h):,} parameters"
             )
-        if any(_nonzero(b.self_attn.kv_b_proj.bias) for b in model.layers):
+        if target == "transformers" and any(_nonzero(b.self_attn.kv_b_proj.bias) for b in model.layers):
             folded.append("key bias: adds the same amount to every logit of a query (softmax ignores it); value "
                           "bias: through attention (weights sum to one) into o_proj's bias")
-        if any(_nonzero(b.self_attn.kv_a_proj.bias) for b in model.layers):
+        if target == "transformers" and any(_nonzero(b.self_attn.kv_a_proj.bias) for b in model.layers):
             folded.append("latent / RoPE-key bias: kv_a_proj_with_mqa's bias (attention_bias)")
         notes = deepseek_v3_fast_path(cfg.replace(kv_lora_rank=dc_out), cfg.kv_width) + notes
-        attention_bias = _attention_bias_needed(model, latents, low_rank_q)
+        attention_bias = target == "transformers" and _attention_bias_needed(model, latents, low_rank_q)
         dtype = dtype or model.embed_tokens.weight.dtype
         dtype_name = str(dtype).removeprefix("torch.")
-        tensors = _stock_tensors(model, latents, q_fold, attention_bias, low_rank_q)
+        tensors = _stock_tensors(model, latents, q_fold, attention_bias, low_rank_q, folds)
+        if target == "engines":
+            big = {k: float(v.abs().max()) for k, v in tensors.items() if v.numel() and float(v.abs().max()) > FP16_MAX}
+            if big:
+                name = max(big, key=big.get)
+                raise UnsupportedModelError(
+                    f"{len(big)} exported tensors exceed fp16's range ({FP16_MAX:.0f}), e.g. {name} up to {big[name]:.4g}: "
+                    "vLLM and SGLang serve in fp16/bf16; rescale the source model's weights, or export with "
+                    "target='transformers' (transformers only)")
         tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
         bad = [k for k, v in tensors.items() if not bool(torch.isfinite(v).all())]
         if bad:
             raise UnsupportedModelError(
                 f"the export overflows {dtype_name} in {bad[0]} ({len(bad)} tensors); export in bfloat16 or float32 "
                 "(dtype=...), or use latent_norm='fit'")
-        info = {"exact": not approximations, "latent_norm": strategy}
+        info = {"exact": not approximations, "latent_norm": strategy, "target": target}
         if window is not None:
             info |= {"exact_up_to_tokens": window, "sliding_window_of_the_source": window,
                      "note": (f"the source model attends within a sliding window of {window} tokens; this stock "
@@ -954,7 +1177,7 @@ def export_deepseek_v3(
         report = ExportReport(path=out_dir, latent_norm=strategy, warnings=notes,
                               latent_rms_cv=tuple(lat.cv for lat in latents), exact=not approximations,
                               approximations=approximations, exact_up_to_tokens=window, kv_lora_rank=dc_out,
-                              q_lora_rank=q_lora_rank, extra_parameters=extra, folded=folded)
+                              q_lora_rank=q_lora_rank, extra_parameters=extra, folded=folded, target=target)
         write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files,
                              {"README.md": export_card(report)}, overwrite)
         if measure:
@@ -1003,6 +1226,20 @@ def export_card(report: ExportReport) -> str:
         if report.max_abs_logit_diff_within_window is not None:
             lines.append(f"- max |logit difference| within the first {report.exact_up_to_tokens} tokens: "
                          f"{report.max_abs_logit_diff_within_window:.3g}")
+    lines += ["", "## Serving", ""]
+    if report.target == "engines":
+        lines += ["Written for engines (`--stock-construction engines`): no attention bias tensor and every weight "
+                  "within fp16's range, so vLLM and SGLang (whose DeepSeek models load no attention bias) compute "
+                  "what transformers computes.", "",
+                  "vLLM on a CPU: run it in its default compiled mode, or with `--enforce-eager` add "
+                  "`--compilation-config '{\"custom_ops\": [\"-rotary_embedding\"]}'`: vLLM 0.32's CPU rotary "
+                  "kernel rotates the wrong rows of MLA's query/key views under eager mode (only position 0 comes "
+                  "out right; kvgraft's docs/vllm.md). MLA backends on vLLM's CPUs need kv_lora_rank 512 and "
+                  "qk_rope_head_dim 64 (`kvgraft convert --target vllm`)."]
+    else:
+        lines += ["**Transformers only** (`--stock-construction transformers`): the exact constructions hold "
+                  "constants in attention bias tensors, which vLLM and SGLang skip without an error: they would "
+                  "serve a different model. Export with the default `--stock-construction engines` for them."]
     if report.warnings:
         lines += ["", "## Notes", ""] + [f"- {w}" for w in report.warnings]
     return "\n".join(lines) + "\n"
