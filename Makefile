@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-full test test-slow install clean
+.PHONY: demo demo-full test test-slow install clean vllm-env test-vllm clean-vllm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,35 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# A separate virtualenv for the vLLM parity tests (tests/vllm, docs/vllm.md): vLLM pins its own torch and
+# transformers, so it never shares the main .venv. kvgraft goes in editable, constrained to what vLLM installed.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): requirements-vllm.txt pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet -r requirements-vllm.txt
+	# kvgraft (editable) and the test tools, without moving any version vLLM chose
+	$(VLLM_PY) -m pip freeze --exclude-editable > $(VLLM_VENV)/vllm-pins.txt
+	$(VLLM_PY) -m pip install --quiet -c $(VLLM_VENV)/vllm-pins.txt -e '.[dev]'
+	# the torchvision/torchaudio/torchcodec wheels vLLM pulls need CUDA libraries and break `import vllm`
+	# on a CPU-only machine; text models need none of them
+	$(VLLM_PY) -c "from vllm import LLM" >/dev/null 2>&1 || \
+		$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -c "from vllm import LLM; import vllm, torch, transformers, kvgraft; \
+		print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -m vllm tests/vllm
+
+clean-vllm:
+	rm -rf $(VLLM_VENV)
 
 clean:
 	rm -rf $(VENV) runs

@@ -8,3 +8,10 @@ python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pri
 PYTHONPATH=src python bench/mla_decode.py --random-1b --device cuda --dtype bfloat16 \
   --contexts 1024 8192 32768 --batch-sizes 1 16 --new-tokens 32 --repeats 3 --compression 4 \
   --out "${OUT:-runs/bench}/gpu_decode"
+# vLLM on the GPU: a random stock DeepSeek-V3 (no kvgraft code) and kvgraft's engine-safe 512 + 64 export,
+# greedy tokens and top-5 logprobs against transformers (docs/vllm.md); needs vLLM installed there
+if python -c "import vllm" 2>/dev/null; then
+  PYTHONPATH=src python bench/gpu_check_vllm_parity.py
+else
+  echo "vllm is not installed on this machine: skipping bench/gpu_check_vllm_parity.py"
+fi
