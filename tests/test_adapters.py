@@ -4,6 +4,8 @@ backward stops at the first trainable layer, PEFT's files load through transform
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -288,8 +290,96 @@ def test_adapter_export_refuses_q_proj_on_a_base_with_query_bias(tmp_path):
     with torch.no_grad():
         for b in base.layers:
             b.self_attn.q_proj.bias.normal_()
-    pm = add_adapter(build(cfg), Placement("all", ("attention",)), AdapterConfig(rank=4))
+    pm = add_adapter(copy.deepcopy(base), Placement("all", ("attention",)), AdapterConfig(rank=4))  # on that base
     save_adapter(pm, tmp_path / "adapter")
     with pytest.raises(ValueError, match="adapts q_proj of a base whose queries have a bias"):
         export_adapter_deepseek_v3(tmp_path / "adapter", base, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _old_format(adapter, base_path) -> None:
+    """Rewrite an adapter's metadata as kvgraft wrote it before issue 23: the base as an absolute path, no
+    weights fingerprint."""
+    import json
+
+    meta_file = adapter / "kvgraft_adapter.json"
+    meta = json.loads(meta_file.read_text())
+    meta.update(format_version=1, base=str(base_path.resolve()))
+    meta_file.write_text(json.dumps(meta))
+
+
+def test_a_moved_or_copied_adapter_loads_and_refuses_another_base_naming_both_fingerprints(tmp_path):
+    """Portable adapters (issue 23): the base is recorded by a path relative to the adapter (or a shipped
+    model's name), never as an absolute path, with a fingerprint of its weights."""
+    import json
+    import shutil
+
+    from kvgraft.adapters.fingerprint import resolve_base
+    from kvgraft.adapters.lora import read_meta
+    from kvgraft.hf import load_pretrained, save_pretrained
+
+    save_pretrained(build(CED), tmp_path / "site" / "base", model_type="kvgraft")
+    dec = Placement("decoder-half", ("all-linear",), freeze_kv_writers=True)
+    pm = add_adapter(build(CED), dec, AdapterConfig(rank=4))
+    randomize_adapter(pm, 0.1)
+    out = save_adapter(pm, tmp_path / "site" / "runs" / "dec", base=tmp_path / "site" / "base")
+    text = (out / "kvgraft_adapter.json").read_text()
+    assert str(tmp_path) not in text and str(tmp_path) not in (out / "adapter_config.json").read_text()
+    meta = read_meta(out)
+    assert meta["base"]["name"] == "base" and meta["base"]["path"] == "../../base" and meta["format_version"] == 2
+    x = ids(CED)
+    with torch.no_grad():
+        want = pm(x)
+    shutil.move(tmp_path / "site", tmp_path / "elsewhere")  # the adapter and its base, moved together
+    moved = tmp_path / "elsewhere" / "runs" / "dec"
+    assert resolve_base(moved, read_meta(moved)) == moved / "../../base"
+    from kvgraft.adapters.fingerprint import relocate_reference  # what an exported copy records (export.py)
+
+    exported = relocate_reference(read_meta(moved), moved, tmp_path / "exports" / "dec")
+    assert exported["base"]["path"] == "../../elsewhere/base"
+    copied = shutil.copytree(moved, tmp_path / "other-machine" / "dec")  # the adapter alone, copied
+    with pytest.raises(FileNotFoundError, match=f"base 'base' \\(fingerprint {meta['base']['fingerprint']}\\)"):
+        resolve_base(copied, read_meta(copied))
+    base = load_pretrained(tmp_path / "elsewhere" / "base").float()
+    with torch.no_grad():
+        torch.testing.assert_close(load_adapter(base, copied)(x), want, atol=0, rtol=0)
+    # the same base in another precision is the same base
+    load_adapter(load_pretrained(tmp_path / "elsewhere" / "base", dtype=torch.bfloat16), copied)
+    load_adapter(load_pretrained(tmp_path / "elsewhere" / "base", dtype=torch.float16), copied)
+    # same architecture, other weights: refused, naming both fingerprints
+    nudged = build(CED)
+    with torch.no_grad():
+        nudged.layers[5].mlp.down_proj.weight.mul_(1.05)  # one tensor, 5%
+    for other in (build(CED, seed=1), nudged):
+        with pytest.raises(ValueError, match=f"trained on another base model: its base 'base' has fingerprint "
+                                             f"{meta['base']['fingerprint']}, this model has [0-9a-f]{{16}}"):
+            load_adapter(other, copied)
+    # an adapter written before fingerprints (absolute base path, no weights fingerprint) still loads, warned
+    _old_format(copied, tmp_path / "elsewhere" / "base")
+    assert "fingerprint" not in json.dumps(read_meta(copied)["base"])
+    with pytest.warns(UserWarning, match="older kvgraft"):
+        old = load_adapter(build(CED), copied)
+    with torch.no_grad():
+        torch.testing.assert_close(old(x), want, atol=0, rtol=0)
+    with pytest.warns(UserWarning, match="records its base as the path"):
+        assert resolve_base(copied, read_meta(copied)) == (tmp_path / "elsewhere" / "base").resolve()
+
+
+def test_an_adapter_on_a_shipped_model_names_it_and_the_fingerprint_is_cheap(tmp_path):
+    from kvgraft.adapters import fingerprint
+    from kvgraft.adapters.fingerprint import resolve_base, weights_sample
+    from kvgraft.adapters.lora import read_meta
+    from kvgraft.hf import load_pretrained
+    from kvgraft.reference import resolve_model
+
+    path = resolve_model("kvgraft-ced-8m")
+    base = load_pretrained(path)
+    pm = add_adapter(base, Placement("decoder-half", ("attention",), freeze_kv_writers=True), AdapterConfig(rank=2))
+    out = save_adapter(pm, tmp_path / "a", base=path)
+    meta = read_meta(out)
+    assert meta["base"]["name"] == "kvgraft-ced-8m" and meta["base"]["reference"] and "path" not in meta["base"]
+    assert str(path.parent) not in (out / "kvgraft_adapter.json").read_text()
+    assert resolve_base(out, meta) == resolve_model("kvgraft-ced-8m")
+    # a strided sample, not the weights: at most SAMPLE_BUDGET values (a 7B model reads as many)
+    _, sample = weights_sample(load_pretrained(path))
+    assert 0 < sample.numel() <= fingerprint.SAMPLE_BUDGET

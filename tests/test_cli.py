@@ -160,3 +160,21 @@ def test_generate_streams_through_the_engine_and_stops_at_a_string(capsys):
                            (["--max-new-tokens", "1000000000"], "max_position_embeddings (512)")):
         assert main(["generate", "--prompt", "x", *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_doctor_exits_3_on_a_blocker_and_writes_the_same_json(tiny_dir, tmp_path, capsys):
+    """A blocked conversion is visible to scripts (exit 3, documented in --help), distinct from bad input (2);
+    the report and its --json are written exactly as before."""
+    from kvgraft.cli import EXIT_BLOCKED
+    from kvgraft.graft.doctor import doctor
+
+    assert EXIT_BLOCKED == 3
+    out = tmp_path / "report.json"
+    assert main(["doctor", str(tiny_dir), "--rope-dim", "7", "--json", str(out)]) == 3
+    assert "BLOCKER: [invalid_ranks]" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doctor(tiny_dir, qk_rope_head_dim=7).to_dict()))
+    assert main(["doctor", str(tiny_dir)]) == 0  # nothing blocks
+    assert "BLOCKER" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["doctor", "--help"])
+    assert "3 when the report lists a blocker" in " ".join(capsys.readouterr().out.split())

@@ -1,7 +1,8 @@
 """The ``kvgraft`` command: one subcommand per entry-point function, no logic of its own.
 
 User errors (bad paths, bad values, corrupt checkpoints) print one line ``kvgraft: error: ...``
-and exit with status 2.
+and exit with status 2. ``kvgraft doctor`` exits with status 3 (``EXIT_BLOCKED``) when its report has a
+blocker (the report, and ``--json``, are written first), so a script can tell a blocked conversion.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvgraft.errors import KvgraftError
+
+EXIT_ERROR = 2  # bad arguments, missing or corrupt files, out-of-range values: one line on stderr
+EXIT_BLOCKED = 3  # kvgraft doctor: the report lists at least one blocker
 
 
 def _add_train_args(p: argparse.ArgumentParser, defaults) -> None:
@@ -189,7 +193,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from kvgraft.atomic import atomic_write_text
 
         atomic_write_text(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
-    return 0
+    return EXIT_BLOCKED if report.blockers else 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -300,7 +304,7 @@ def _preset_name(name: str) -> str:
 
 def _adapt_config(args: argparse.Namespace):
     from kvgraft.adapters.placement import Placement
-    from kvgraft.train.adapt import AdaptConfig
+    from kvgraft.train.adapt import DEFAULT_PRESET, AdaptConfig
 
     mults = []
     for item in args.lr_mult or ():
@@ -322,19 +326,25 @@ def _adapt_config(args: argparse.Namespace):
                                  "like 4,5,6") from None
         placement = Placement(layers, tuple(args.modules or ("all-linear",)), tuple(args.include or ()),
                               tuple(args.exclude or ()))
-    preset = None if placement is not None and args.rank is not None else args.preset
+    preset = args.preset
+    if placement is not None:  # the placement given; the rank from --rank, else from --preset or the default
+        preset = None if args.rank is not None else (preset or DEFAULT_PRESET)
     return AdaptConfig(preset=preset, placement=placement, rank=args.rank, alpha=args.alpha, dropout=args.dropout,
                        freeze_kv_writers=args.freeze_kv_writers, freeze=tuple(args.freeze or ()),
                        lr_multipliers=tuple(mults), loraplus_ratio=args.loraplus_ratio, steps=args.steps, lr=args.lr,
                        micro_batch_size=args.micro_batch_size, seed=args.seed,
-                       gradient_checkpointing=args.gradient_checkpointing, accuracy_examples=args.accuracy_examples)
+                       gradient_checkpointing=args.gradient_checkpointing, accuracy_examples=args.accuracy_examples,
+                       val_examples=args.val_examples, test_examples=args.test_examples,
+                       require_sharing=args.share_cache)
 
 
 def cmd_adapt(args: argparse.Namespace) -> int:
     from kvgraft.train.adapt import adapt
 
     cfg = _adapt_config(args)
-    result = adapt(args.base, args.task, args.out, cfg, dry_run=args.dry_run)
+    result = adapt(args.base, args.task, args.out, cfg, dry_run=args.dry_run,
+                   log=lambda line: print(line, flush=True))  # the note before training, when it will not share
+    share = result.get("sharing")  # absent when the run stopped early (no adapter yet)
     if args.dry_run:
         for row in result["modules"]:
             print(f"{row['module']:<48} {row['in']:>6} -> {row['out']:<6} {row['lora_params']:>10,}")
@@ -342,12 +352,14 @@ def cmd_adapt(args: argparse.Namespace) -> int:
         print(f"{len(result['modules'])} modules, {result['trainable_parameters']:,} trainable parameters "
               f"({100 * result['trainable_parameters'] / result['base_parameters']:.2f}% of the base's "
               f"{result['base_parameters']:,})")
-        print(f"sharing certificate: {'shares the cache' if cert['shares_cache'] else 'private cache'}: {cert['reason']}")
+        print(f"sharing certificate: {share['verdict']}")
         print(f"  untouched cache groups: {', '.join(cert['untouched']) or '-'}")
         print(f"  touched cache groups:   {', '.join(cert['touched']) or '-'}")
         return 0
     keys = ("task", "steps", "val_loss_protocol", "test_loss", "test_accuracy", "step_time_s", "trainable_parameters")
     print(json.dumps({k: result.get(k) for k in keys} | {"adapter": str(Path(args.out) / "adapter")}))
+    if share is not None:
+        print(f"sharing certificate: {share['verdict']}")  # the run's last line
     return 0
 
 
@@ -466,7 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop when the output contains this text (repeatable)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("doctor", help="check-up before an MLA graft: architecture, KV bytes now and after, blockers")
+    p = sub.add_parser("doctor", help="check-up before an MLA graft: architecture, KV bytes now and after, blockers",
+                       epilog=f"exit status: 0 when nothing blocks the conversion, {EXIT_BLOCKED} when the report "
+                              f"lists a blocker (the report and --json are written either way), {EXIT_ERROR} for "
+                              "bad arguments or an unreadable model")
     p.add_argument("model", nargs="?", default=None, help=model_help)
     p.add_argument("--compression", type=float, default=None,
                    help="per-layer KV reduction factor that sets the budget d_c + d_rope (default 4), as in convert")
@@ -600,15 +615,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "kvgraft-llama-8m; kvgraft-ced-8m is the causal encoder-decoder the placements are made for)")
     p.add_argument("--task", required=True, help="task directory (kvgraft tasks NAME --out DIR) or name: geometry, ui-reply")
     p.add_argument("--out", required=True, help="run directory (adapter in OUT/adapter, result in OUT/result.json)")
-    p.add_argument("--preset", default="decoder-half-r16",
+    p.add_argument("--preset", default=None,
                    help="all-linear-r16, encoder-half-r16, decoder-half-r16, all-linear-r8, slim-attention-r16, "
-                        "no-mlp-down-r16 (default: decoder-half-r16)")
+                        "no-mlp-down-r16 (default: decoder-half-r16, with the pivot's KV writers frozen on a causal "
+                        "encoder-decoder: the placement whose adapter shares the base's cache)")
     p.add_argument("--layers", default=None, help="all, encoder-half, decoder-half, from:K or a list like 4,5,6")
     p.add_argument("--modules", nargs="+", default=None,
                    help="module groups: all-linear attention attention-out query kv-writers mlp mlp-gate-up mlp-down")
     p.add_argument("--include", nargs="+", default=None, help="module globs to add, e.g. 'layers.2.mlp.*'")
     p.add_argument("--exclude", nargs="+", default=None, help="module globs to remove, e.g. '*.q_proj'")
-    p.add_argument("--freeze-kv-writers", action="store_true", help="keep the pivot's KV-writing projections frozen")
+    p.add_argument("--freeze-kv-writers", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the pivot's KV-writing projections frozen (default: frozen in the default placement "
+                        "on a causal encoder-decoder, not otherwise; --no-freeze-kv-writers adapts them)")
+    p.add_argument("--share-cache", action="store_true",
+                   help="require an adapter that shares the base's cache: refuse before training (exit 2) a "
+                        "placement that cannot, or a base without a shared cache. Without it, such a placement is "
+                        "trained, with a note saying why it will not share")
     p.add_argument("--rank", type=int, default=None, help="LoRA rank (default: the preset's)")
     p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: 2 x rank)")
     p.add_argument("--dropout", type=float, default=0.0)
@@ -621,6 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--accuracy-examples", type=int, default=200, help="test problems answered greedily (0: skip)")
+    p.add_argument("--val-examples", type=int, default=None, help="validation problems scored (default: all)")
+    p.add_argument("--test-examples", type=int, default=None,
+                   help="test problems scored for the test loss (default: all)")
     p.add_argument("--dry-run", action="store_true", help="list every matched module and the trainable count, then stop")
     p.set_defaults(func=cmd_adapt)
 
@@ -680,7 +705,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (KvgraftError, ValueError, OSError) as exc:  # OSError: unwritable outputs, full disks, ...
         print(f"kvgraft: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -81,3 +81,49 @@ def certify(config: ModelConfig, modules: list[str]) -> Certificate:
                   f"layers from {first} on store different KV: private cache for {len(touched)} of "
                   f"{len(untouched) + len(touched)} layers, the rest shared")
     return Certificate(tuple(untouched), tuple(touched), first, shares, reason)
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            out.append(str(start) if start == layer else f"{start}-{layer}")
+            start = None
+    return ", ".join(out)
+
+
+def sharing_obstacle(config: ModelConfig, modules: list[str]) -> str | None:
+    """Why an adapter on ``modules`` cannot share a causal encoder-decoder's cache, and what would; None when
+    it can, or when the base has no shared cache (see :func:`sharing_verdict`)."""
+    if not config.is_ced or certify(config, modules).shares_cache:
+        return None
+    pivot = config.pivot_layer
+    why = []
+    early = sorted({module_layer(m) for m in modules if module_layer(m) < pivot})
+    if early:
+        why.append(f"it adapts layers {_layer_ranges(early)}, before the pivot (layer {pivot}), which change the "
+                   "hidden states the shared segments are computed from")
+    writers = set(cache_groups(config)[f"segment:{pivot}"][1])
+    hit = [m for m in modules if m in writers]
+    if hit:
+        why.append(f"it adapts the pivot's KV writers ({', '.join(hit)}), which write the shared segment")
+    return ("; ".join(why) + ". Its requests need a private cache; a placement from the pivot on with the pivot's "
+            "KV writers frozen shares it (the default: decoder-half, --freeze-kv-writers)")
+
+
+def sharing_verdict(config: ModelConfig, modules: list[str], base_name: str | None = None) -> str:
+    """One line: does an adapter on ``modules`` share the base's cache, and why (``shares the cache: yes|no|
+    does not apply: ...``)."""
+    cert = certify(config, modules)
+    if not config.is_ced:
+        kept = sorted(int(g.split(":")[1]) for g in cert.untouched if g.startswith("kv:"))
+        own = (f"layers {_layer_ranges(kept)} keep the base's KV (the engine shares those blocks)" if kept else
+               "every layer's KV is the adapter's own")
+        return (f"shares the cache: does not apply: {base_name or 'the base'} has no shared cache (not a causal "
+                f"encoder-decoder: no kv_source layers); {own}")
+    if cert.shares_cache:
+        return f"shares the cache: yes: {cert.reason}"
+    return f"shares the cache: no: {sharing_obstacle(config, modules)}"

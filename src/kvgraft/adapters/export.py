@@ -45,7 +45,8 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
     ``export_deepseek_v3``'s argument; only the exact "pad" of ``target="transformers"`` can carry an adapter)."""
     from safetensors.torch import load_file, save_file
 
-    from kvgraft.adapters.lora import META_FILE, base_fingerprint, read_meta
+    from kvgraft.adapters.fingerprint import relocate_reference
+    from kvgraft.adapters.lora import META_FILE, base_fingerprint, check_base, read_meta
     from kvgraft.atomic import atomic_dir
     from kvgraft.hf.deepseek import LATENT_NORM_STRATEGIES, STOCK_LATENT_NORM_EPS, _interleave_perm, _q_bias_layers, _stock_rope
 
@@ -53,6 +54,7 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
     meta = read_meta(adapter_dir)
     if meta["base_fingerprint"] != base_fingerprint(cfg):
         raise ValueError(f"adapter {adapter_dir} was not trained on this model")
+    check_base(meta, model, adapter_dir)  # the same weights too (when the adapter records them)
     if set(cfg.attention_kinds) != {"mla"}:
         raise ValueError("a stock DeepSeek-V3 export needs MLA on every layer")
     if latent_norm not in LATENT_NORM_STRATEGIES:
@@ -100,5 +102,6 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
     with atomic_dir(Path(out_dir), overwrite=True) as tmp:
         save_file(out, str(tmp / "adapter_model.safetensors"))
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        meta = relocate_reference(meta, src, out_dir)  # a relative base path stays right from the new place
         (tmp / META_FILE).write_text(json.dumps(dict(meta, exported_for="deepseek_v3"), indent=2) + "\n")
     return Path(out_dir)

@@ -3,7 +3,10 @@
 PEFT does the LoRA layers and the files: an adapter directory holds PEFT's own ``adapter_config.json``
 and ``adapter_model.safetensors`` (loadable with ``peft.PeftModel.from_pretrained``), plus
 ``kvgraft_adapter.json`` with what PEFT has no place for: the placement by meaning, the exact modules it
-compiled to, the sharing certificate and the base model's fingerprint.
+compiled to, the sharing certificate and the base model: its config fingerprint, a fingerprint of its
+weights and a portable reference (a shipped model's name, or a path relative to the adapter directory;
+``kvgraft.adapters.fingerprint``), so a copied or moved adapter directory loads on another machine and
+refuses any other base.
 
 The base is hosted as ``AdapterHost.model`` so module names are transformers' (``model.layers.4.self_attn.
 q_proj``): the same adapter files load on kvgraft's model, on ``KvgraftForCausalLM`` (the transformers
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +32,7 @@ from kvgraft.model.config import ModelConfig
 from kvgraft.model.transformer import Transformer
 
 META_FILE = "kvgraft_adapter.json"
+FORMAT_VERSION = 2  # 2: "base" is {name, reference | path (relative to the adapter), fingerprint, sample}
 HOST_PREFIX = "model."
 INITS = ("default", "gaussian")
 
@@ -66,7 +71,8 @@ class AdapterHost(nn.Module):
 
 
 def base_fingerprint(config: ModelConfig) -> str:
-    """A hash of the base config: an adapter refuses a base it was not trained on."""
+    """A hash of the base config (the architecture): an adapter refuses a base it was not trained on. The
+    weights are fingerprinted too (``kvgraft.adapters.fingerprint``, checked by ``load_adapter``)."""
     return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -80,15 +86,19 @@ def add_adapter(model: Transformer, placement: Placement, cfg: AdapterConfig | N
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
                       target_modules=[HOST_PREFIX + m for m in modules],
                       init_lora_weights=True if cfg.init == "default" else "gaussian")
+    meta = _meta(model, placement, modules, cfg)  # the base's weights fingerprinted before LoRA wraps them
     peft_model = get_peft_model(AdapterHost(model), lora)
-    peft_model.kvgraft_meta = _meta(model.config, placement, modules, cfg)
+    peft_model.kvgraft_meta = meta
     return peft_model
 
 
-def _meta(config: ModelConfig, placement: Placement, modules: list[str], cfg: AdapterConfig) -> dict:
-    return {"format_version": 1, "base_fingerprint": base_fingerprint(config),
-            "base_config": config.to_dict(), "placement": placement.to_dict(), "modules": modules,
-            "adapter": asdict(cfg), "certificate": certify(config, modules).to_dict()}
+def _meta(model: Transformer, placement: Placement, modules: list[str], cfg: AdapterConfig) -> dict:
+    from kvgraft.adapters.fingerprint import base_record
+
+    config = model.config
+    return {"format_version": FORMAT_VERSION, "base_fingerprint": base_fingerprint(config),
+            "base": base_record(model), "base_config": config.to_dict(), "placement": placement.to_dict(),
+            "modules": modules, "adapter": asdict(cfg), "certificate": certify(config, modules).to_dict()}
 
 
 def adapter_modules(peft_model) -> list[str]:
@@ -104,14 +114,21 @@ def transformer_of(peft_model) -> Transformer:
     return peft_model.get_base_model().model
 
 
-def save_adapter(peft_model, out_dir: str | Path, extra: dict | None = None) -> Path:
-    """Write PEFT's files plus ``kvgraft_adapter.json`` into ``out_dir`` atomically (complete or absent)."""
+def save_adapter(peft_model, out_dir: str | Path, extra: dict | None = None, base: str | Path | None = None) -> Path:
+    """Write PEFT's files plus ``kvgraft_adapter.json`` into ``out_dir`` atomically (complete or absent).
+    ``base``: the base model's directory, recorded portably (a shipped model by name, any other by its path
+    relative to ``out_dir``), never as an absolute path."""
+    from kvgraft.adapters.fingerprint import base_reference
     from kvgraft.atomic import atomic_dir
 
     out = Path(out_dir)
+    meta = dict(peft_model.kvgraft_meta, **(extra or {}))
+    if base is not None:
+        recorded = meta.get("base") if isinstance(meta.get("base"), dict) else {}
+        meta["base"] = base_reference(base, out) | {k: v for k, v in recorded.items()
+                                                      if k not in ("name", "path", "reference")}
     with atomic_dir(out, overwrite=True) as tmp:
         peft_model.save_pretrained(str(tmp))
-        meta = dict(peft_model.kvgraft_meta, **(extra or {}))
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     return out
 
@@ -126,15 +143,29 @@ def read_meta(adapter_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def check_base(meta: dict, model: Transformer, adapter_dir: str | Path) -> None:
+    """Refuse (ValueError naming both fingerprints) a ``model`` that is not the adapter's base: another
+    architecture, or the same one with other weights. An adapter written before weights were fingerprinted
+    is checked on the architecture alone, with a warning."""
+    from kvgraft.adapters.fingerprint import check_base_weights
+
+    mine = base_fingerprint(model.config)
+    if meta.get("base_fingerprint") != mine:
+        raise ValueError(f"adapter {adapter_dir} was trained on another base model (fingerprint "
+                         f"{meta.get('base_fingerprint')}, this model {mine})")
+    if not check_base_weights(meta, model, adapter_dir):
+        where = f" and records its base as {meta['base']!r}" if isinstance(meta.get("base"), str) else ""
+        warnings.warn(f"adapter {adapter_dir} was written by an older kvgraft: it has no fingerprint of its base's "
+                      f"weights{where}; only the architecture was checked. Save it again (save_adapter with "
+                      "base=...) to make it portable and checked", UserWarning, stacklevel=3)
+
+
 def load_adapter(model: Transformer, adapter_dir: str | Path, trainable: bool = False):
-    """Attach a saved adapter to ``model``; refuses an adapter trained on another base."""
+    """Attach a saved adapter to ``model``; refuses an adapter trained on another base (``check_base``)."""
     from peft import PeftModel
 
     meta = read_meta(adapter_dir)
-    mine = base_fingerprint(model.config)
-    if meta["base_fingerprint"] != mine:
-        raise ValueError(f"adapter {adapter_dir} was trained on another base model (fingerprint "
-                         f"{meta['base_fingerprint']}, this model {mine})")
+    check_base(meta, model, adapter_dir)
     peft_model = PeftModel.from_pretrained(AdapterHost(model), str(adapter_dir), is_trainable=trainable)
     peft_model.kvgraft_meta = meta
     return peft_model

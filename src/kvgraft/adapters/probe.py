@@ -39,6 +39,7 @@ def module_group(name: str) -> str:
 def probe(adapter_dir: str | Path, task: str | Path, base: str | Path | None = None, steps: int = 8,
           micro_batch_size: int = 16, val_examples: int = 224) -> dict[str, Any]:
     """Gradient energy and zeroing ablation per module group (see the module docstring)."""
+    from kvgraft.adapters.fingerprint import resolve_base
     from kvgraft.adapters.lora import load_adapter, read_meta
     from kvgraft.hf import load_pretrained, load_tokenizer_dir
     from kvgraft.reference import resolve_model
@@ -49,7 +50,7 @@ def probe(adapter_dir: str | Path, task: str | Path, base: str | Path | None = N
         raise ValueError(f"steps ({steps}), micro_batch_size ({micro_batch_size}) and val_examples ({val_examples}) "
                          "must be >= 1")
     meta = read_meta(adapter_dir)
-    path = resolve_model(base if base is not None else meta.get("base"))
+    path = resolve_model(base) if base is not None else resolve_base(adapter_dir, meta)
     task_name, splits = load_task_any(task)
     model = load_pretrained(path).float()
     tokenizer = load_tokenizer_dir(path)

@@ -5,8 +5,15 @@ kvgraft-loadable checkpoint), encodes the task (``kvgraft.data.tasks``: loss mas
 attaches a PEFT LoRA adapter at the placement, trains with the shared loop (checkpoints hold only the
 adapter; resumable), and writes:
 
+The default placement is the one the mission is about: on a causal encoder-decoder (a base with
+kv_source layers) ``decoder-half-r16`` with the pivot's KV writers frozen, whose adapter certifiably shares
+the base's cache; on other bases ``decoder-half-r16`` (a shared cache does not apply there). A placement
+chosen explicitly is trained as given: one that cannot share the cache is said so (``log``) before
+training, and refused when ``require_sharing`` asks for sharing.
+
 - ``out_dir/adapter/``: PEFT's ``adapter_config.json`` + ``adapter_model.safetensors`` and kvgraft's
-  ``kvgraft_adapter.json`` (placement, modules, sharing certificate, base fingerprint, training summary);
+  ``kvgraft_adapter.json`` (placement, modules, sharing certificate, the base by name or relative path with
+  its fingerprint, training summary);
 - ``out_dir/result.json`` (written last, atomically: its presence means the run is complete): the
   validation loss at every evaluation, the seed's protocol value (mean of the evaluations at 50%, 70% and
   100% of the steps: steps 50, 70 and 100 of a 100-step run), test loss, test answer accuracy, step time.
@@ -14,12 +21,14 @@ adapter; resumable), and writes:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,18 +37,24 @@ from kvgraft.adapters.lora import AdapterConfig
 from kvgraft.adapters.placement import Placement, get_preset
 
 RESULT_FILE = "result.json"
+DEFAULT_PRESET = "decoder-half-r16"
 
 
 @dataclass(frozen=True)
 class AdaptConfig:
-    """One adapter run. ``preset`` gives placement and rank; ``placement``/``rank`` override it."""
+    """One adapter run. ``preset`` gives placement and rank; ``placement``/``rank`` override it. Neither
+    preset nor placement: the base's default (:meth:`for_base`: on a causal encoder-decoder
+    ``decoder-half-r16`` with the pivot's KV writers frozen, the cache-sharing placement; elsewhere
+    ``decoder-half-r16``). ``freeze_kv_writers`` None: frozen in that default on a causal encoder-decoder,
+    not otherwise. ``require_sharing``: refuse, before training, an adapter that could not share the base's
+    cache (or a base without a shared cache); a check, not part of the run's configuration."""
 
-    preset: str | None = "decoder-half-r16"
+    preset: str | None = None
     placement: Placement | None = None
     rank: int | None = None
     alpha: float | None = None  # default 2 x rank
     dropout: float = 0.0
-    freeze_kv_writers: bool = False
+    freeze_kv_writers: bool | None = None
     freeze: tuple[str, ...] = ()  # module globs whose adapter stays frozen
     lr_multipliers: tuple[tuple[str, float], ...] = ()  # (module glob, factor)
     loraplus_ratio: float | None = None
@@ -56,10 +71,9 @@ class AdaptConfig:
     test_examples: int | None = None  # test examples scored for the test loss (None: the whole split)
     max_time_s: float | None = None
     progress: bool = True
+    require_sharing: bool = False
 
     def __post_init__(self) -> None:
-        if self.preset is None and (self.placement is None or self.rank is None):
-            raise ValueError("give a preset, or both placement and rank")
         if self.preset is not None:
             get_preset(self.preset)  # raises with the known names
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
@@ -81,14 +95,29 @@ class AdaptConfig:
         object.__setattr__(self, "lr_multipliers", tuple((str(g), float(f)) for g, f in self.lr_multipliers))
         self.adapter_config()  # validates rank/alpha/dropout
 
+    @property
+    def is_default_placement(self) -> bool:
+        """No preset and no placement given: the base decides (:meth:`for_base`)."""
+        return self.preset is None and self.placement is None
+
+    def for_base(self, config) -> AdaptConfig:
+        """This configuration with the base's defaults filled in (``config``: the base's ModelConfig): the
+        default placement when none is given, ``freeze_kv_writers`` as a plain bool."""
+        if self.is_default_placement:
+            freeze = config.is_ced if self.freeze_kv_writers is None else self.freeze_kv_writers
+            return dataclasses.replace(self, preset=DEFAULT_PRESET, freeze_kv_writers=bool(freeze))
+        return dataclasses.replace(self, freeze_kv_writers=bool(self.freeze_kv_writers))
+
     def resolved_placement(self) -> Placement:
+        if self.is_default_placement:
+            raise ValueError("the default placement depends on the base: resolve it with for_base(config) first")
         p = self.placement if self.placement is not None else get_preset(self.preset).placement
         if self.freeze_kv_writers and not p.freeze_kv_writers:
             p = Placement(p.layers, p.modules, p.include, p.exclude, True)
         return p
 
     def adapter_config(self) -> AdapterConfig:
-        rank = self.rank if self.rank is not None else get_preset(self.preset).rank
+        rank = self.rank if self.rank is not None else get_preset(self.preset or DEFAULT_PRESET).rank
         return AdapterConfig(rank=rank, alpha=self.alpha, dropout=self.dropout)
 
     def eval_steps(self) -> tuple[int, ...]:
@@ -96,8 +125,11 @@ class AdaptConfig:
         return tuple(sorted({max(1, round(self.steps * f)) for f in (0.5, 0.7, 1.0)}))
 
     def to_dict(self) -> dict[str, Any]:
+        """The run's configuration (what a finished run is compared with); ``require_sharing`` is a check,
+        not part of it."""
         d = asdict(self)
-        d["placement"] = self.resolved_placement().to_dict()
+        del d["require_sharing"]
+        d["placement"] = None if self.is_default_placement else self.resolved_placement().to_dict()
         return d
 
 
@@ -163,11 +195,25 @@ def answer_accuracy(model, tokenizer, task_name: str, examples, max_new_tokens: 
     return sum(is_correct(task_name, ex, t) for ex, t in zip(examples, texts)) / len(examples)
 
 
+def sharing(config, modules: list[str], base_name: str | None = None) -> dict[str, Any]:
+    """Whether an adapter on ``modules`` shares the base's cache: ``applies`` (the base has a shared cache:
+    a causal encoder-decoder), ``shares_cache`` (None where it does not apply), ``verdict`` (one line, with
+    why) and ``why_not`` (what stops it, and what would share; None when it shares or does not apply)."""
+    from kvgraft.adapters.certificate import certify, sharing_obstacle, sharing_verdict
+
+    applies = bool(config.is_ced)
+    return {"applies": applies, "shares_cache": certify(config, modules).shares_cache if applies else None,
+            "verdict": sharing_verdict(config, modules, base_name), "why_not": sharing_obstacle(config, modules)}
+
+
 def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: AdaptConfig | None = None,
-          dry_run: bool = False) -> dict[str, Any]:
+          dry_run: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train one adapter (see the module docstring); returns the result (also ``out_dir/result.json``).
-    ``dry_run``: only resolve the placement and return every matched module and the parameter count."""
+    ``dry_run``: only resolve the placement and return every matched module and the parameter count.
+    ``log``: where a note goes before training when the adapter will not share the base's cache (None: not
+    said). Both results carry ``sharing`` (see :func:`sharing`)."""
     from kvgraft.adapters.lora import add_adapter, certificate_of, dry_run as placement_dry_run, save_adapter
+    from kvgraft.adapters.fingerprint import base_reference
     from kvgraft.adapters.lora import transformer_of
     from kvgraft.adapters.optim import adapter_param_groups, freeze
     from kvgraft.atomic import atomic_write_text
@@ -176,19 +222,30 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     from kvgraft.train.config import TrainConfig
     from kvgraft.train.loop import evaluate, lm_loss, train
 
-    cfg = cfg or AdaptConfig()
     path = resolve_model(base)
-    placement = cfg.resolved_placement()
     model_config = load_config(path)
+    cfg = (cfg or AdaptConfig()).for_base(model_config)
+    placement = cfg.resolved_placement()
     report = placement_dry_run(model_config, placement, cfg.adapter_config())  # validates before any work
+    modules = [row["module"].removeprefix("model.") for row in report["modules"]]
+    share = sharing(model_config, modules, path.name)
+    if cfg.require_sharing and not share["applies"]:
+        raise ValueError(f"sharing the cache was required, but it does not apply: {path.name} has no shared cache "
+                         "(not a causal encoder-decoder: no kv_source layers)")
+    if cfg.require_sharing and not share["shares_cache"]:
+        raise ValueError(f"sharing the cache was required, but this placement cannot share it: {share['why_not']}")
+    report["sharing"] = share
     if dry_run:
         return report
+    if share["why_not"] and log is not None:
+        log(f"note: this adapter will not share {path.name}'s cache: {share['why_not']}")
     out = Path(out_dir)
     done = out / RESULT_FILE
     if done.is_file():
         finished = json.loads(done.read_text())
         if finished.get("config") != json.loads(json.dumps(cfg.to_dict())):
             raise ValueError(f"{out} holds a finished run with another configuration; choose another --out")
+        finished.setdefault("sharing", share)  # runs finished before the verdict was recorded
         return finished
     task_name, splits = load_task_any(task, cfg.seed)
     tokenizer = load_tokenizer_dir(path)
@@ -234,14 +291,16 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
         answer_tokens = max(len(_ids(tokenizer, ex.answer)) for ex in splits["test"][:cfg.accuracy_examples])
         accuracy = answer_accuracy(transformer_of(peft_model).eval(), tokenizer, task_name,
                                    splits["test"][:cfg.accuracy_examples], answer_tokens + 8)
-    summary = {"task": task_name, "base": str(path), "config": cfg.to_dict(), "steps": result.step,
+    recorded = base_reference(path, out / "adapter")
+    summary = {"task": task_name, "base": recorded["name"] if recorded.get("reference") else str(base),
+               "config": cfg.to_dict(), "steps": result.step,
                "val_loss": {str(k): v for k, v in sorted(val.items())},
                "val_loss_protocol": statistics.fmean(protocol) if protocol else None,
                "protocol_steps": list(cfg.eval_steps()), "train_curve": train_curve, "test_loss": test_loss,
                "test_accuracy": accuracy, "accuracy_examples": cfg.accuracy_examples,
                "step_time_s": step_time, "wall_s": wall, "trainable_parameters": report["trainable_parameters"],
-               "certificate": certificate_of(peft_model).to_dict(), "seq_len": seq_len}
-    save_adapter(peft_model, out / "adapter", extra={"base": str(path), "training": {k: summary[k] for k in (
+               "certificate": certificate_of(peft_model).to_dict(), "sharing": share, "seq_len": seq_len}
+    save_adapter(peft_model, out / "adapter", base=path, extra={"training": {k: summary[k] for k in (
         "task", "steps", "val_loss_protocol", "test_loss", "test_accuracy")}})
     summary = json.loads(json.dumps(summary))  # what result.json holds (lists, not tuples)
     atomic_write_text(done, json.dumps(summary, indent=2) + "\n")
@@ -253,4 +312,5 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     return summary
 
 
-__all__ = ["AdaptConfig", "RESULT_FILE", "adapt", "answer_accuracy", "encode_split", "load_task_any"]
+__all__ = ["AdaptConfig", "DEFAULT_PRESET", "RESULT_FILE", "adapt", "answer_accuracy", "encode_split",
+           "load_task_any", "sharing"]
