@@ -24,9 +24,12 @@ def tok():
     return load_tokenizer(reference_model_dir())
 
 
+FULL = ("geometry", "ui-reply")  # generated whole once per run; recall is tested on its own below
+
+
 @pytest.fixture(scope="module")
 def data():
-    return {name: T.generate_task(name, 0) for name in T.TASKS}
+    return {name: T.generate_task(name, 0) for name in FULL}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def counts(data):
     exact counter (the tokenizer's pieces, cached; test_budget_counter_agrees_with_the_tokenizer checks it
     against the tokenizer itself), which is several times faster than encoding everything again."""
     count = T._reference_counter()
-    return {name: [count(e.prompt) + count(e.answer) for e in _all(data[name])] for name in T.TASKS}
+    return {name: [count(e.prompt) + count(e.answer) for e in _all(data[name])] for name in FULL}
 
 
 def _all(splits):
@@ -45,7 +48,7 @@ def _all(splits):
 # --------------------------------------------------------------------------- splits and determinism
 
 
-@pytest.mark.parametrize("name", T.TASKS)
+@pytest.mark.parametrize("name", FULL)
 def test_exact_split_sizes_and_no_prompt_in_two_splits(data, name):
     splits = data[name]
     assert {s: len(splits[s]) for s in T.SPLITS} == {"train": 1472, "validation": 224, "test": 601}
@@ -190,8 +193,8 @@ def test_token_lengths_and_ratio(counts):
 
 
 def test_budget_counter_agrees_with_the_tokenizer(data, counts, tok):
-    picks = {name: list(range(0, len(counts[name]), 8)) for name in T.TASKS}  # every 8th example
-    for name in T.TASKS:
+    picks = {name: list(range(0, len(counts[name]), 8)) for name in FULL}  # every 8th example
+    for name in FULL:
         examples = _all(data[name])
         real = T.token_counts(tok, [examples[i] for i in picks[name]])
         assert real == [counts[name][i] for i in picks[name]]
@@ -273,7 +276,7 @@ def test_load_task_errors(tmp_path):
 
 
 def test_bad_arguments():
-    with pytest.raises(TaskError, match="known: geometry, ui-reply"):
+    with pytest.raises(TaskError, match="known: geometry, ui-reply, recall"):
         T.generate_task("geometry3k")
     with pytest.raises(TypeError, match="seed must be an int"):
         T.generate_task("geometry", "0")
@@ -306,3 +309,45 @@ def test_cli_tasks(tmp_path, capsys):
     assert "unknown task 'nope'" in err and "geometry, ui-reply" in err
     assert main(["tasks"]) == 2
     assert not (tmp_path / "x").exists()
+
+
+# --------------------------------------------------------------------------- recall: the answer beyond every window
+
+
+@pytest.fixture(scope="module")
+def recall():
+    return T.generate_task("recall", 0, sizes={"train": 300, "validation": 50, "test": 50})
+
+
+def test_recall_answer_lies_beyond_every_window(recall, tok):
+    """Counted with the tokenizer itself (not the generator's counter): the queried line ends at least 96
+    tokens before the answer's first token (the reference models' window is 64 tokens, every layer), the
+    example fits 500 tokens with EOS, and the answer's digits appear in the prompt once, in that line."""
+    from kvgraft.data.recall import RECALL_MIN_DISTANCE, RECALL_WINDOW
+
+    assert RECALL_MIN_DISTANCE > RECALL_WINDOW
+    distances = []
+    for e in _all(recall):
+        ids, _ = T.encode_example(tok, e, max_len=512)
+        assert len(ids) <= 500
+        line_end = e.prompt.index(f": {e.target}\n") + len(f": {e.target}\n")
+        prompt_ids = tok.encode(e.prompt).ids
+        assert tok.encode(e.prompt[:line_end]).ids == prompt_ids[:len(tok.encode(e.prompt[:line_end]).ids)]
+        distances.append(len(prompt_ids) - len(tok.encode(e.prompt[:line_end]).ids))
+        assert e.prompt.count(e.target) == 1 and e.answer == " " + e.target and e.kind == "recall"
+        key = e.prompt.rsplit("code of ", 1)[1].split("?", 1)[0]
+        assert e.prompt.count("\n" + key + ":") == 1 and f"\n{key}: {e.target}\n" in e.prompt
+    assert min(distances) >= RECALL_MIN_DISTANCE
+    assert max(distances) > 3 * RECALL_WINDOW  # the queried line is drawn over the whole eligible range
+
+
+def test_recall_scoring_and_files(recall, tmp_path):
+    e = recall["test"][0]
+    assert T.is_correct("recall", e, e.answer) and T.is_correct("recall", e, e.prompt + e.answer + "\nmore")
+    wrong = f"{(int(e.target) + 1) % 10000:04d}"
+    assert not T.is_correct("recall", e, " " + wrong) and not T.is_correct("recall", e, " " + e.target + "5")
+    assert T.extract_answer("recall", " no digits") is None
+    out = T.write_task("recall", tmp_path / "recall", sizes={"train": 10, "validation": 2, "test": 2})
+    info = T.read_task_info(out)
+    assert info["distance"]["min_tokens"] == 96 and info["distance"]["window"] == 64
+    assert info["token_budget"]["max_tokens"] == 500
