@@ -589,7 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and 16K calibration tokens spread over the slices, fewer decode steps)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("tasks", help="write a synthetic fine-tuning task (geometry, ui-reply) as JSONL splits")
+    p = sub.add_parser("tasks", help="write a synthetic fine-tuning task (geometry, ui-reply, recall) as JSONL splits")
     p.add_argument("name", nargs="?", default=None, help="task name (see --list)")
     p.add_argument("--out", default=None, help="output directory (refused if not empty, unless --overwrite)")
     p.add_argument("--seed", type=int, default=0)
@@ -613,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("adapt", help="train a placement-aware LoRA adapter (PEFT format, sharing certificate)")
     p.add_argument("base", nargs="?", default=None, help="base model directory or shipped name (default: "
                    "kvgraft-llama-8m; kvgraft-ced-8m is the causal encoder-decoder the placements are made for)")
-    p.add_argument("--task", required=True, help="task directory (kvgraft tasks NAME --out DIR) or name: geometry, ui-reply")
+    p.add_argument("--task", required=True, help="task directory (kvgraft tasks NAME --out DIR) or name: geometry, ui-reply, recall")
     p.add_argument("--out", required=True, help="run directory (adapter in OUT/adapter, result in OUT/result.json)")
     p.add_argument("--preset", default=None,
                    help="all-linear-r16, encoder-half-r16, decoder-half-r16, all-linear-r8, slim-attention-r16, "
@@ -652,7 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("experiment", help="placement studies over seeds (the seed's protocol) and the placement curve")
     p.add_argument("kind", choices=["placement"])
     p.add_argument("--base", default="kvgraft-ced-8m")
-    p.add_argument("--task", required=True, help="task directory or name (geometry, ui-reply)")
+    p.add_argument("--task", required=True, help="task directory or name (geometry, ui-reply, recall)")
     p.add_argument("--out", required=True, help="study directory (rerun the same command to continue)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=100)
@@ -668,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("probe", help="which adapter modules matter: gradient energy (rho_c) and zeroing ablation")
     p.add_argument("adapter", help="an adapter directory written by kvgraft adapt (OUT/adapter)")
-    p.add_argument("--task", required=True, help="task directory or name (geometry, ui-reply)")
+    p.add_argument("--task", required=True, help="task directory or name (geometry, ui-reply, recall)")
     p.add_argument("--base", default=None, help="base model (default: the one the adapter was trained on)")
     p.add_argument("--steps", type=int, default=8, help="micro-batches of gradient energy")
     p.add_argument("--micro-batch-size", type=int, default=16)
