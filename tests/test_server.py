@@ -1,12 +1,15 @@
 """The OpenAI-compatible server end to end: a live uvicorn server on 127.0.0.1 over the shipped causal
 encoder-decoder with two random adapters, driven by the official ``openai`` client (and httpx for raw
-HTTP). Text equals the engine's own greedy output for the same request; errors are 404/400/409/429;
-a client that disconnects cancels its request."""
+HTTP). Text equals the engine's own greedy output for the same request; errors are 400/403/404/405/409/
+411/413/422/429/503, each documented for its endpoint in /openapi.json with its content type and the
+ErrorResponse body; a client that disconnects cancels its request. (The kill -9 and hot-load-under-load
+checks are in test_server_abuse.py, the schemathesis fuzz in test_server_fuzz.py.)"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
+import json
 import socket
 import threading
 import time
@@ -129,10 +132,34 @@ def test_completions_and_chat_equal_the_engine_streaming_or_not(live):
     assert streamed == want
 
 
+def documented(live, method: str, path: str, r: httpx.Response) -> httpx.Response:
+    """``r``'s status and content type are documented for the operation in the server's /openapi.json, and an
+    error's body is an ErrorResponse whose code is the status (/health's 503 is its own report)."""
+    if "openapi" not in live:
+        live["openapi"] = httpx.get(live["url"] + "/openapi.json").json()
+    schema = live["openapi"]
+    responses = schema["paths"][path][method.lower()]["responses"]
+    assert str(r.status_code) in responses, f"{method} {path}: {r.status_code} is not documented ({sorted(responses)})"
+    content = responses[str(r.status_code)].get("content", {})
+    ctype = r.headers["content-type"].split(";")[0].strip()
+    assert ctype in content, f"{method} {path} {r.status_code}: {ctype} is not documented ({sorted(content)})"
+    if r.status_code >= 400 and path == "/health":  # the health report, 503 or not
+        assert content["application/json"]["schema"] == {"$ref": "#/components/schemas/Health"}
+        assert r.json()["status"] != "ok"
+    elif r.status_code >= 400:
+        assert content["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+        body = r.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert body["error"]["code"] == r.status_code and isinstance(body["error"]["message"], str)
+    return r
+
+
 def test_models_health_and_metrics(live):
     client, url = live["client"], live["url"]
     models = client.models.list().data
     assert [m.id for m in models] == [NAME, "dec", "enc"]
+    for path in ("/v1/models", "/health", "/metrics"):
+        documented(live, "GET", path, httpx.get(url + path))
     info = models[1].model_extra["kvgraft"]
     assert info["certificate"]["first_adapted_layer"] == 4 and info["rank"] == 4
     health = httpx.get(url + "/health").json()
@@ -175,26 +202,97 @@ def _metric_values(text: str) -> dict[str, float]:
     return out
 
 
-def test_errors_are_openai_shaped(live):
+def test_errors_are_openai_shaped_and_documented(live):
     client, url = live["client"], live["url"]
+    cmpl, chat = "/v1/completions", "/v1/chat/completions"
     with pytest.raises(openai.NotFoundError, match=r"model 'nope' not found; served: base 'kvgraft-ced-8m', "
-                                                   r"adapters: dec, enc"):
+                                                   r"adapters: dec, enc") as e:
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match=r"max_tokens \(65\) exceeds this server's limit \(64\)"):
+    documented(live, "POST", cmpl, e.value.response)
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens \(65\) exceeds this server's limit \(64\)") as e:
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=65)
+    documented(live, "POST", cmpl, e.value.response)
     with pytest.raises(openai.BadRequestError, match=r"prompt \(\d+ tokens\) \+ max_tokens \(64\) exceeds the model's "
-                                                     r"context \(128 tokens\)"):
+                                                     r"context \(128 tokens\)") as e:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 80}], max_tokens=64)
+    documented(live, "POST", chat, e.value.response)
     with pytest.raises(openai.BadRequestError, match="the prompt has 200 tokens; this server takes at most 127"):
         client.completions.create(model=NAME, prompt=[1] * 200, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=1, n=2)
     with pytest.raises(openai.BadRequestError, match="temperature: Input should be greater than or equal to 0"):
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=1, temperature=-1)
-    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x" * 5000})
-    assert r.status_code == 400 and "exceeds this server's limit (4096 bytes)" in r.json()["error"]["message"]
-    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    # max_tokens is checked even when max_completion_tokens is the one used
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens \(65\) exceeds this server's limit") as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=65,
+                                       max_completion_tokens=1)
+    documented(live, "POST", chat, e.value.response)
+    # types are strict, as the schema says ("1" is not 1), but 1.0 is JSON Schema's integer 1
+    r = documented(live, "POST", cmpl, httpx.post(url + cmpl, json={"model": NAME, "prompt": PROMPT, "max_tokens": "2"}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = documented(live, "POST", cmpl, httpx.post(url + cmpl, json={"model": NAME, "prompt": PROMPT, "max_tokens": 2.0,
+                                                                    "temperature": 0}))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    # a lone surrogate (valid JSON) in a prompt or message: 400, not a tokenizer crash
+    for path, body in ((cmpl, {"model": NAME, "prompt": "a\ud800b"}),
+                       (chat, {"model": NAME, "messages": [{"role": "user", "content": "a\ud800b"}]})):
+        r = documented(live, "POST", path, httpx.post(url + path, content=json.dumps(body).encode(),
+                                                      headers={"content-type": "application/json"}))
+        assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"]
+    # the body limit (413), a body without Content-Length (411), not JSON (400)
+    r = documented(live, "POST", cmpl, httpx.post(url + cmpl, json={"model": NAME, "prompt": "x" * 5000}))
+    assert r.status_code == 413 and "exceeds this server's limit (4096 bytes)" in r.json()["error"]["message"]
+    r = documented(live, "POST", cmpl, httpx.post(url + cmpl, content=iter([b'{"model": "x"}']),
+                                                  headers={"content-type": "application/json"}))
+    assert r.status_code == 411 and "Content-Length" in r.json()["error"]["message"]
+    r = documented(live, "POST", cmpl, httpx.post(url + cmpl, content=b"{not json",
+                                                  headers={"content-type": "application/json"}))
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("invalid request")
+    # another method, or no such path: the same error shape
+    r = httpx.get(url + cmpl)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
+    r = httpx.get(url + "/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    # FastAPI's 422 is not documented: validation errors are 400 here
+    assert all("422" not in op["responses"] for op in live["openapi"]["paths"]["/v1/completions"].values())
+
+
+def test_tiny_temperature_top_p_and_huge_seeds_are_served(live):
+    """Schema-valid sampling values that once failed the engine's step (500 for every running request):
+    temperature and top_p that round to 0 in float32, a seed over 2**64."""
+    client = live["client"]
+    want, _ = engine_text(live, live["server"].tokenizer.encode(PROMPT), None, 4)
+    for kwargs in ({"temperature": 5e-324}, {"temperature": 1e-300, "seed": 3}, {"top_p": 5e-324, "temperature": 1.0},
+                   {"temperature": 0.7, "seed": 2**70}):
+        r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, **kwargs)
+        assert r.choices[0].finish_reason in ("length", "stop")
+        if kwargs.get("temperature", 1) < 1e-6 or kwargs.get("top_p", 1) < 1e-6:  # greedy in the limit
+            assert r.choices[0].text == want
+    assert live["server"].worker.errors == 0
+
+
+def test_a_stopped_engine_answers_503_at_once(live):
+    """A server whose engine is not running (never started here) answers 503 everywhere, documented, and
+    never leaves a request waiting."""
+    from fastapi.testclient import TestClient
+
+    from kvgraft.serve.server import KvgraftServer
+
+    base = live["server"]
+    stopped = KvgraftServer(base.engine, base.tokenizer, base.config)  # its worker is never started
+    http = TestClient(stopped.app)  # no lifespan: the engine thread does not run
+    cases = [("GET", "/health", None),
+             ("POST", "/v1/completions", {"model": NAME, "prompt": PROMPT, "max_tokens": 2}),
+             ("POST", "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                               "stream": True}),
+             ("POST", "/v1/unload_lora_adapter", {"lora_name": "dec"}),
+             ("POST", "/v1/load_lora_adapter", {"lora_name": "mlp2", "lora_path": "mlp"})]
+    for method, path, body in cases:
+        start = time.monotonic()
+        r = http.request(method, path, json=body)
+        assert time.monotonic() - start < 5
+        assert r.status_code == 503, (path, r.status_code, r.text)
+        documented(live, method, path, r)
 
 
 def test_a_full_queue_answers_429(live):
@@ -208,8 +306,9 @@ def test_a_full_queue_answers_429(live):
             while worker.in_flight < MAX_SEQS + MAX_QUEUE:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
-            with pytest.raises(openai.RateLimitError, match="queue is full"):
+            with pytest.raises(openai.RateLimitError, match="queue is full") as e:
                 client.completions.create(model=NAME, prompt=PROMPT, max_tokens=3)
+            documented(live, "POST", "/v1/completions", e.value.response)
             worker.resume()
             assert all(len(f.result(timeout=60).choices[0].text) > 0 for f in futures)
     finally:
@@ -222,6 +321,7 @@ def test_a_client_that_disconnects_cancels_its_request(live):
     before = worker.counts["cancelled"]
     body = {"model": "dec", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http, http.stream("POST", live["url"] + "/v1/completions", json=body) as r:
+        documented(live, "POST", "/v1/completions", r)  # 200 text/event-stream
         for line in r.iter_lines():
             if line.startswith("data: "):
                 worker.pause()  # the request is running and will not finish while we go away
@@ -247,26 +347,81 @@ def test_a_client_that_disconnects_cancels_its_request(live):
         worker.resume()
 
 
-def test_adapters_load_and_unload_over_http(live):
+def test_adapters_load_and_unload_over_http(live, monkeypatch):
     client, url, tok = live["client"], live["url"], live["server"].tokenizer
-    load = url + "/v1/load_lora_adapter"
-    r = httpx.post(load, json={"lora_name": "mlp", "lora_path": "mlp"})
+    load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+
+    def post(path, body):
+        return documented(live, "POST", path, httpx.post(url + path, json=body, timeout=30))
+
+    r = post(load, {"lora_name": "mlp", "lora_path": "mlp"})
     assert r.status_code == 200 and r.json()["loaded"] == "mlp"
     want, _ = engine_text(live, tok.encode(PROMPT), "mlp", 8)
     assert client.completions.create(model="mlp", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text == want
-    assert httpx.post(load, json={"lora_name": "mlp", "lora_path": "mlp"}).status_code == 409
+    assert post(load, {"lora_name": "mlp", "lora_path": "mlp"}).status_code == 409
+    assert post(load, {"lora_name": NAME, "lora_path": "mlp"}).status_code == 409  # the base's name
+    r = post(load, {"lora_name": "bad name", "lora_path": "mlp"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
     for escape in ("../dec", str(live["root"] / "dec"), "../../../etc"):
-        r = httpx.post(load, json={"lora_name": "x", "lora_path": escape})
-        assert r.status_code == 400 and "outside the adapter directory" in r.json()["error"]["message"]
-    r = httpx.post(load, json={"lora_name": "x", "lora_path": "missing"})
-    assert r.status_code == 400 and "is not a directory" in r.json()["error"]["message"]
-    unload = url + "/v1/unload_lora_adapter"
-    assert httpx.post(unload, json={"lora_name": "mlp"}).json() == {"unloaded": "mlp", "draining": None}
-    r = httpx.post(unload, json={"lora_name": "mlp"})
+        r = post(load, {"lora_name": "x", "lora_path": escape})
+        assert r.status_code == 403 and "outside the adapter directory" in r.json()["error"]["message"]
+    for missing in ("missing", "", "a\x00b", "x" * 3000):  # the directory itself is no adapter either
+        r = post(load, {"lora_name": "x", "lora_path": missing})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path", r.json()
+    assert "is not a directory" in post(load, {"lora_name": "x", "lora_path": "missing"}).json()["error"]["message"]
+    broken = live["root"] / "extra" / "broken"
+    broken.mkdir(exist_ok=True)
+    (broken / "adapter_config.json").write_text("{}")
+    r = post(load, {"lora_name": "x", "lora_path": "broken"})  # PEFT's files alone: no kvgraft metadata
+    assert r.status_code == 422 and "has no kvgraft_adapter.json" in r.json()["error"]["message"]
+    (broken / "kvgraft_adapter.json").write_text("{not json")
+    r = post(load, {"lora_name": "x", "lora_path": "broken"})
+    assert r.status_code == 422 and "not valid JSON" in r.json()["error"]["message"]
+    r = post(unload, {"lora_name": "mlp"})
+    assert r.json() == {"unloaded": "mlp", "draining": None}
+    r = post(unload, {"lora_name": "mlp"})
     assert r.status_code == 404 and "loaded adapters: dec, enc" in r.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="mlp", prompt=PROMPT, max_tokens=2)
     assert [m.id for m in client.models.list().data] == [NAME, "dec", "enc"]
+    monkeypatch.setattr(live["server"].config, "adapter_dir", None)  # loading over HTTP off
+    r = post(load, {"lora_name": "mlp", "lora_path": "mlp"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+
+
+def test_an_adapter_unloading_refuses_new_requests_then_goes(live):
+    """unload with wait: the running request finishes, new ones get 409 meanwhile, and once it is gone
+    /v1/models and /health no longer list it (it was reaped inside a step, not by an HTTP call)."""
+    client, url, worker = live["client"], live["url"], live["server"].worker
+    post = lambda path, body: documented(live, "POST", path, httpx.post(url + path, json=body, timeout=30))  # noqa: E731
+    assert post("/v1/load_lora_adapter", {"lora_name": "mlp", "lora_path": "mlp"}).status_code == 200
+    worker.pause()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(client.completions.create, model="mlp", prompt=PROMPT, max_tokens=4, temperature=0)
+            deadline = time.monotonic() + 20
+            while worker.in_flight < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            r = post("/v1/unload_lora_adapter", {"lora_name": "mlp"})
+            assert r.status_code == 409 and "unfinished requests" in r.json()["error"]["message"]
+            r = post("/v1/unload_lora_adapter", {"lora_name": "mlp", "wait": True})
+            assert r.json() == {"unloaded": None, "draining": "mlp"}
+            r = post("/v1/completions", {"model": "mlp", "prompt": PROMPT, "max_tokens": 2})
+            assert r.status_code == 409 and "being unloaded" in r.json()["error"]["message"]
+            r = post("/v1/load_lora_adapter", {"lora_name": "mlp", "lora_path": "mlp"})
+            assert r.status_code == 409
+            worker.resume()
+            assert running.result(timeout=60).choices[0].finish_reason in ("length", "stop")
+    finally:
+        worker.resume()
+    deadline = time.monotonic() + 10
+    while "mlp" in httpx.get(url + "/health").json()["adapters"]:
+        assert time.monotonic() < deadline, "the unloaded adapter is still listed"
+        time.sleep(0.05)
+    assert [m.id for m in client.models.list().data] == [NAME, "dec", "enc"]
+    r = post("/v1/completions", {"model": "mlp", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 404
 
 
 def test_kvgraft_serve_checks_its_arguments_before_loading(capsys):
@@ -288,6 +443,7 @@ def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
 
     class Fake:
         config = type("C", (), {"model_name": NAME})()
+        engine = type("E", (), {"adapters": type("R", (), {"adapters": {}})()})()
 
     def fake_build(model, adapters, **kwargs):
         seen.append((model, adapters, kwargs))
@@ -296,10 +452,11 @@ def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
     monkeypatch.setattr(server_module, "build_server", fake_build)
     monkeypatch.setattr(server_module, "serve", lambda *a, **k: None)
     assert main(["serve", NAME, "--adapter", "a=x", "--max-seqs", "3"]) == 0
-    assert main(["serve", NAME, "--no-prefix-cache"]) == 0
+    assert main(["serve", NAME, "--no-prefix-cache", "--no-shipped-adapters"]) == 0
     (m1, a1, k1), (_, a2, k2) = seen
     assert (m1, a1, k1["max_seqs"], k1["prefix_cache"]) == (NAME, {"a": "x"}, 3, True)
     assert (a2, k2["prefix_cache"]) == ({}, False)
+    assert k1["with_shipped_adapters"] and not k2["with_shipped_adapters"]  # shipped adapters: on by default
     assert "serving kvgraft-ced-8m" in capsys.readouterr().out
 
 
@@ -307,3 +464,34 @@ def test_build_server_passes_prefix_cache_to_the_engine():
     on = build_server(BASE, max_seqs=1, max_seq_len=64)
     off = build_server(BASE, max_seqs=1, max_seq_len=64, prefix_cache=False)
     assert on.engine.prefix is not None and off.engine.prefix is None
+
+
+def test_the_shipped_geometry_adapter_is_served_out_of_the_box():
+    """models/adapters/kvgraft-ced-8m-geometry: small, portable (no machine's path), shares the cache per its
+    certificate, refused nowhere on its base; build_server(with_shipped_adapters=True) serves it beside the
+    base (and finds nothing for another base)."""
+    from kvgraft.adapters.lora import load_adapter
+    from kvgraft.serve.server import shipped_adapters
+
+    shipped = BASE.parent / "adapters" / "kvgraft-ced-8m-geometry"
+    sizes = {p.name: p.stat().st_size for p in shipped.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "kvgraft_adapter.json", "README.md"} <= set(sizes)
+    assert sum(sizes.values()) < 2_000_000
+    meta = json.loads((shipped / "kvgraft_adapter.json").read_text())
+    assert meta["base"]["name"] == NAME and meta["base"]["reference"] is True
+    assert meta["certificate"]["shares_cache"] is True and meta["placement"]["freeze_kv_writers"] is True
+    for name in ("kvgraft_adapter.json", "adapter_config.json", "training.json"):
+        text = (shipped / name).read_text()
+        assert str(Path.home()) not in text and "/tmp/" not in text and str(BASE.parents[1]) not in text, name
+    load_adapter(load_pretrained(BASE), shipped)  # the weights fingerprint matches the shipped base
+
+    server = build_server(BASE, with_shipped_adapters=True, max_seqs=2, max_seq_len=64)
+    assert [m["id"] for m in server.models()["data"]] == [NAME, "kvgraft-ced-8m-geometry"]
+    ids = server.tokenizer.encode("Q: A square has side 7. Area?\nA:")
+    out = server.engine.generate([ids, ids], SamplingParams(max_new_tokens=8),
+                                 adapters=[None, "kvgraft-ced-8m-geometry"])
+    assert out[0] != out[1]
+    given = build_server(BASE, {"geo": shipped}, with_shipped_adapters=True, max_seqs=1, max_seq_len=64)
+    assert list(given.worker.adapters) == ["geo"]  # not twice under two names
+    llama = BASE.parent / "kvgraft-llama-8m"
+    assert shipped_adapters(llama, load_pretrained(llama).config) == {}

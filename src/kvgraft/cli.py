@@ -413,8 +413,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = build_server(args.model, adapters, model_name=args.model_name, max_seqs=args.max_seqs,
                           max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue,
                           max_tokens_limit=args.max_tokens_limit, max_request_bytes=args.max_request_bytes,
-                          adapter_dir=args.adapter_dir, prefix_cache=not args.no_prefix_cache)
-    print(f"serving {server.config.model_name} with adapters {', '.join(adapters) or 'none'} on "
+                          adapter_dir=args.adapter_dir, prefix_cache=not args.no_prefix_cache,
+                          with_shipped_adapters=not args.no_shipped_adapters)
+    served = sorted(server.engine.adapters.adapters)
+    print(f"serving {server.config.model_name} with adapters {', '.join(served) or 'none'} on "
           f"http://{args.host}:{args.port}/v1", flush=True)
     serve(server, args.host, args.port, log_level=args.log_level)
     return 0
@@ -693,6 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn the engine's prefix cache off (every prompt is prefilled in full)")
+    p.add_argument("--no-shipped-adapters", action="store_true",
+                   help="do not load the example adapters shipped for this base (models/adapters/, e.g. "
+                        "kvgraft-ced-8m-geometry for kvgraft-ced-8m), only the --adapter ones")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
     return parser

@@ -10,11 +10,31 @@ sharing certificate), ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"
 /v1/unload_lora_adapter`` ``{"lora_name", "wait"}`` (vLLM's names; loading over HTTP needs
 ``--adapter-dir``, and a path must resolve inside it), ``GET /health``, ``GET /metrics`` (Prometheus text).
 A request's ``model`` is the base model's name (the base directory's name) or a loaded adapter's name.
+``build_server(..., with_shipped_adapters=True)`` also serves the example adapters shipped for the base
+(:func:`shipped_adapters`: ``models/adapters/``, e.g. ``kvgraft-ced-8m-geometry`` on ``kvgraft-ced-8m``).
 
-Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid requests
-(validation, unsupported options such as ``n > 1`` or ``logprobs``, a prompt or ``max_tokens`` over the
-limits, a body over ``max_request_bytes``), 404 for an unknown ``model`` (listing the loaded ones), 409 for
-an adapter name already loaded or an adapter with requests still running, 429 when the queue is full.
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (:class:`ErrorResponse`), and
+``/openapi.json`` documents every status an endpoint returns, with that body:
+
+- 400 ``invalid_request_error``: a body that is not JSON or does not match the schema, an option this
+  server does not support (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of > 1``,
+  ``suffix``), a prompt over the context (a prompt's length in tokens, and prompt + ``max_tokens``, are the
+  only limits the schema cannot state; everything else it states exactly: what it accepts is accepted).
+- 403 ``permission_error``: ``/v1/load_lora_adapter`` with loading over HTTP off, or a ``lora_path`` outside
+  ``--adapter-dir``.
+- 404 ``not_found_error``: an unknown ``model`` (listing the served ones), unloading an adapter that is not
+  loaded, a ``lora_path`` with no adapter; any other path.
+- 405: a method a path does not take (with ``Allow``).
+- 409: an adapter name already loaded (or the base's), unloading an adapter with requests running (without
+  ``wait``), a request for an adapter that is being unloaded.
+- 411 / 413: a POST without ``Content-Length`` / with a body over ``max_request_bytes``.
+- 422: an adapter directory that cannot be loaded (another base, corrupt or unsupported files).
+- 429 ``rate_limit_error``: the queue is full.
+- 500 ``server_error``: the engine failed while running the request (a stream gets an ``error`` event).
+- 503 ``server_error``: the engine is not running (stopped or shutting down); ``/health`` says so too.
+
+Streaming responses are ``text/event-stream``; ``/metrics`` is Prometheus text. A request never waits on
+an engine that has stopped: it gets 503 (or, streaming, an ``error`` event).
 
 **Threads.** The engine runs in its own thread (:class:`EngineWorker`): each loop it takes every command
 waiting in a thread-safe queue (add, cancel, load/unload an adapter), then runs one ``Engine.step()`` and
@@ -51,18 +71,20 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from kvgraft.serve.adapters import AdapterBusyError, AdapterError, UnknownAdapterError, read_adapter
+from kvgraft.serve.adapters import NAME_RE, AdapterBusyError, AdapterError, UnknownAdapterError, read_adapter
 from kvgraft.serve.sampling import SamplingParams
 
 CHAT_STOP = "\n<|"
+MIN_TEMPERATURE = 1e-6  # below: greedy (see KvgraftServer._sampling)
+MIN_TOP_P = 1e-6
 
 
 def render_chat(messages: list[dict], tokenizer=None) -> str:
@@ -99,16 +121,23 @@ class QueueFull(Exception):
     pass
 
 
+class EngineStopped(Exception):
+    """The engine thread is not running (not started, stopped, shutting down or failed): answered 503."""
+
+
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
-                   ) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+def error_body(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, kind, param), status_code=status, headers=headers)
 
 
 # ---- the engine thread --------------------------------------------------------------------------------
@@ -189,6 +218,7 @@ class EngineWorker:
     # -- called from other threads --
     def submit(self, prompt: list[int], sampling: SamplingParams, adapter: str | None,
                loop: asyncio.AbstractEventLoop) -> _Stream:
+        self.check_running()
         with self._lock:
             if self.in_flight >= self.max_in_flight:
                 self.counts["rejected"] += 1
@@ -204,10 +234,22 @@ class EngineWorker:
             self.commands.put(("cancel", stream))
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
-        """Run ``fn(engine)`` in the engine thread between steps; its result as a future."""
+        """Run ``fn(engine)`` in the engine thread between steps; its result as a future (EngineStopped
+        when the engine is not running)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self.check_running()
+        except EngineStopped as exc:
+            future.set_exception(exc)
+            return future
         self.commands.put(("call", fn, future))
         return future
+
+    def check_running(self) -> None:
+        if self._stop.is_set():
+            raise EngineStopped("the server is shutting down")
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         now = time.monotonic()
@@ -217,6 +259,40 @@ class EngineWorker:
 
     # -- the engine thread --
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug outside a step: fail what is running rather than hang it
+            self.errors += 1
+            self._fail_all(f"the engine stopped: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._stop.set()
+            self._drain_commands()
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self.streams):
+            try:
+                self.engine.cancel(rid)
+            except Exception:
+                pass
+            self._close(rid, ("error", message), "error")
+
+    def _drain_commands(self) -> None:
+        """After the loop ended: answer every command still queued (nothing will run it)."""
+        while True:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                with self._lock:
+                    self.in_flight -= 1
+                cmd[1].done = True
+                cmd[1].accept(None, EngineStopped("the server is shutting down"))
+            elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
+                cmd[2].set_exception(EngineStopped("the server is shutting down"))
+
+    def _loop(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             idle = self._paused.is_set() or not engine.has_unfinished()
@@ -231,6 +307,7 @@ class EngineWorker:
                 except queue.Empty:
                     cmd = None
             if self._paused.is_set() or not engine.has_unfinished():
+                self._check_adapters()
                 self._update_snapshot()
                 continue
             try:
@@ -255,6 +332,7 @@ class EngineWorker:
                 self._recent.append((now, produced))
                 while self._recent and self._recent[0][0] < now - 60:
                     self._recent.popleft()
+            self._check_adapters()
             self._update_snapshot()
         for rid in list(self.streams):  # shutting down: end every stream
             self._close(rid, ("error", "the server is shutting down"), "cancelled")
@@ -308,6 +386,12 @@ class EngineWorker:
     def _update_adapters(self) -> None:
         self.adapters = {n: a.info() for n, a in self.engine.adapters.adapters.items()}
 
+    def _check_adapters(self) -> None:
+        """An adapter unloaded with ``wait`` goes when its last request finishes (inside a step or a cancel):
+        keep what the HTTP side reads in step."""
+        if self.engine.adapters.adapters.keys() != self.adapters.keys():
+            self._update_adapters()
+
     def _update_snapshot(self) -> None:
         """Called in the engine thread between steps: what /metrics reads. ``Engine.cache_stats()`` (cache
         bytes by kind, the prefix cache's counters) is taken at most every 0.2 s, as a shared-block count
@@ -324,21 +408,52 @@ class EngineWorker:
 
 
 # ---- request bodies -----------------------------------------------------------------------------------
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# The schema states what the server accepts, exactly (a schema-valid body is accepted, an invalid one is
+# refused with 400), bar the limits in tokens (a prompt's length, and prompt + max_tokens against the
+# context). Options this server does not implement are in the schema with the one value it takes; the
+# check in ``check_supported`` says why another value is refused. Bodies are validated strictly (no
+# "1" for 1, no true for 1), as the schema's types say. Limits of one server (max_tokens, the vocabulary,
+# the prompt's length in token ids) are filled into /openapi.json by :meth:`KvgraftServer.openapi`.
+_NON_EMPTY = {"type": "string", "minLength": 1}
 
-    model: str
+
+def _integral(value):
+    """JSON Schema's integers include 1.0: take a float with no fraction as the int (strict otherwise)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _int(**constraints):
+    """An Int with constraints (inside the Annotated, so a union with None keeps them in the schema)."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def _schema(**kw) -> dict:
+    return {"json_schema_extra": kw}
+
+
+class _Common(BaseModel):
+    model_config = _STRICT
+
+    model: str = Field(description="the base model's name or a loaded adapter's (GET /v1/models)")
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
+    n: _int(ge=1) = Field(1, description="one choice per request", **_schema(maximum=1))
     stream: bool = False
-    stream_options: dict | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
+    stream_options: dict | None = Field(None, description='{"include_usage": true}: a last chunk with usage')
+    stop: str | list[str] | None = Field(None, description="up to 4 non-empty strings", **_schema(anyOf=[
+        _NON_EMPTY, {"type": "array", "items": _NON_EMPTY, "maxItems": 4}, {"type": "null"}]))
+    seed: _int(ge=0) | None = Field(None, description="any integer >= 0 (taken modulo 2**64)")
+    logprobs: Any = Field(None, description="not supported", **_schema(enum=[None, False, 0]))
+    presence_penalty: float = Field(0.0, description="not supported", **_schema(maximum=0, minimum=0))
+    frequency_penalty: float = Field(0.0, description="not supported", **_schema(maximum=0, minimum=0))
+    logit_bias: dict | None = Field(None, description="not supported", **_schema(anyOf=[
+        {"type": "object", "maxProperties": 0}, {"type": "null"}]))
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -359,18 +474,24 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: str | list[Int] | list[str] | list[list[Int]] = Field(
+        description="text, token ids, or a list of one of either (one prompt per request)")
+    max_tokens: _int(ge=1) | None = None
+    echo: bool = Field(False, description="not supported", **_schema(enum=[False]))
+    best_of: Int | None = Field(None, description="not supported (1)", **_schema(anyOf=[
+        {"type": "integer", "minimum": 0, "maximum": 1}, {"type": "null"}]))
+    suffix: str | None = Field(None, description="not supported", **_schema(anyOf=[
+        {"type": "string", "maxLength": 0}, {"type": "null"}]))
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict]
+    content: str | list[dict] = Field(description="text, or a list of text parts", **_schema(anyOf=[
+        {"type": "string"},
+        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]))
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -385,18 +506,151 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: _int(ge=1) | None = None
+    max_completion_tokens: _int(ge=1) | None = None
 
 
 class LoadAdapterRequest(BaseModel):
-    lora_name: str
-    lora_path: str
+    model_config = _STRICT
+
+    lora_name: str = Field(description="the name requests will use", **_schema(pattern=NAME_RE.pattern))
+    lora_path: str = Field(description="an adapter directory, relative to the server's --adapter-dir")
 
 
 class UnloadAdapterRequest(BaseModel):
+    model_config = _STRICT
+
     lora_name: str
-    wait: bool = False
+    wait: bool = Field(False, description="with requests running on the adapter: unload it once they finish "
+                                          "(refusing new ones) instead of answering 409")
+
+
+# ---- response bodies (documentation: /openapi.json) ---------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, permission_error, not_found_error, rate_limit_error or "
+                                  "server_error")
+    param: str | None = Field(description="the request field at fault, if one is")
+    code: int | None = Field(description="the HTTP status")
+
+
+class ErrorResponse(BaseModel):
+    """Every error this server answers, in OpenAI's shape."""
+
+    error: ErrorInfo
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class AdapterInfo(BaseModel):
+    name: str
+    path: str
+    modules: int
+    rank: int
+    parameters: int
+    placement: dict | None
+    certificate: dict
+    draining: bool
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+    kvgraft: AdapterInfo | None = Field(None, description="adapters only: placement, rank, sharing certificate")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class LoadAdapterResponse(BaseModel):
+    loaded: str
+    adapter: AdapterInfo
+
+
+class UnloadAdapterResponse(BaseModel):
+    unloaded: str | None = Field(description="the adapter, unloaded now")
+    draining: str | None = Field(description="the adapter, unloading once its requests finish (wait: true)")
+
+
+class Health(BaseModel):
+    status: str = Field(description='"ok", or why not')
+    model: str
+    adapters: list[str]
+    in_flight: int
+
+
+_ERRORS = {
+    400: "Invalid request: not JSON, not matching the schema, an unsupported option, or a prompt (+ max_tokens) "
+         "over the context",
+    403: "Loading adapters over HTTP is off (start the server with --adapter-dir), or lora_path is outside it",
+    404: "Not found: the model, the adapter, or an adapter at lora_path",
+    409: "Conflict with the loaded adapters: a name already loaded, an adapter with requests running, or one "
+         "being unloaded",
+    411: "The request has no Content-Length header",
+    413: "The request body is over this server's limit (max_request_bytes)",
+    422: "The adapter directory cannot be loaded: trained on another base, corrupt or unsupported files",
+    429: "The server's queue is full; retry later",
+    500: "The engine failed while running the request (or installing the adapter)",
+    503: "The engine is not running (stopped or shutting down)",
+}
+_SSE = {"type": "object", "description": "One server-sent event (stream: true): `data: {chunk}` per piece of text "
+        "(a chunk object as JSON), an optional usage chunk, then `data: [DONE]`; an engine failure mid-stream is "
+        "a `data: {ErrorResponse}` event, then `data: [DONE]`",
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                       "retry": {"type": "integer"}},
+        "required": ["data"]}
+
+
+def _responses(*codes: int) -> dict:
+    return {code: {"model": ErrorResponse, "description": _ERRORS[code]} for code in codes}
 
 
 # ---- text -----------------------------------------------------------------------------------------------
@@ -426,6 +680,13 @@ class TextStream:
         return new
 
 
+def _check_unicode(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (JSON allows "\ud800"): no tokenizer takes it
+        raise HTTPError(400, f"the {param} is not valid Unicode (it holds a lone surrogate)", param=param) from None
+
+
 # ---- the server -----------------------------------------------------------------------------------------
 class KvgraftServer:
     """The FastAPI app (``.app``) over an engine run by an :class:`EngineWorker` (``.worker``)."""
@@ -446,7 +707,10 @@ class KvgraftServer:
     def _adapter_of(self, model: str) -> str | None:
         if model == self.config.model_name:
             return None
-        if model in self.worker.adapters:
+        info = self.worker.adapters.get(model)
+        if info is not None:
+            if info.get("draining"):
+                raise HTTPError(409, f"adapter {model!r} is being unloaded; it takes no new requests", param="model")
             return model
         loaded = ", ".join(self.worker.adapters) or "none"
         raise HTTPError(404, f"model {model!r} not found; served: base {self.config.model_name!r}, adapters: {loaded}",
@@ -458,7 +722,7 @@ class KvgraftServer:
                 raise HTTPError(400, f"one prompt per request ({len(prompt)} given)", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self._encode(prompt, "prompt")
         else:
             ids = list(prompt)
             vocab = self.engine.model.config.vocab_size
@@ -471,6 +735,10 @@ class KvgraftServer:
             raise HTTPError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
                                  f"{self.max_prompt_tokens}", param="prompt")
         return ids
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        _check_unicode(text, param)
+        return self.tokenizer.encode(text)
 
     def _max_tokens(self, asked: int | None, n_prompt: int, default: int | None) -> int:
         room = self.max_seq_len - n_prompt
@@ -485,11 +753,33 @@ class KvgraftServer:
         return asked
 
     def _sampling(self, req: _Common, max_tokens: int, stops: tuple[str, ...]) -> SamplingParams:
+        """The engine's parameters. Temperatures below ``MIN_TEMPERATURE`` are greedy and ``top_p`` is at least
+        ``MIN_TOP_P``: the sampler works in float32, where 1e-300 is 0 (a division by zero, or every token
+        dropped, would fail the engine's step); both are what those values mean in the limit."""
+        temperature = float(req.temperature)
+        temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
         try:
-            return SamplingParams(max_new_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
-                                  seed=req.seed, stop_token_ids=() if self.eos is None else (self.eos,), stop=stops)
+            return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                                  top_p=max(float(req.top_p), MIN_TOP_P),
+                                  seed=None if req.seed is None else req.seed % 2**64,
+                                  stop_token_ids=() if self.eos is None else (self.eos,), stop=stops)
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from None
+
+    async def _engine(self, future: asyncio.Future | concurrent.futures.Future):
+        """The result of a future the engine thread resolves, or 503 if the engine stops first (never hangs)."""
+        future = asyncio.wrap_future(future) if isinstance(future, concurrent.futures.Future) else future
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=0.5)
+            if done:
+                break
+            if not self.worker.alive:
+                future.cancel()
+                raise HTTPError(503, "the engine is not running", kind="server_error")
+        try:
+            return future.result()
+        except EngineStopped as exc:
+            raise HTTPError(503, str(exc), kind="server_error") from None
 
     async def _start(self, ids: list[int], sampling: SamplingParams, adapter: str | None) -> _Stream:
         loop = asyncio.get_running_loop()
@@ -497,14 +787,18 @@ class KvgraftServer:
             stream = self.worker.submit(ids, sampling, adapter, loop)
         except QueueFull as exc:
             raise HTTPError(429, str(exc), kind="rate_limit_error") from None
+        except EngineStopped as exc:
+            raise HTTPError(503, str(exc), kind="server_error") from None
         try:
-            await stream.accepted
+            await self._engine(stream.accepted)
         except asyncio.CancelledError:  # the client went away while the engine took the request
             self.worker.cancel(stream)
             raise
-        except UnknownAdapterError as exc:
+        except UnknownAdapterError as exc:  # unloaded since _adapter_of looked
             raise HTTPError(404, str(exc), kind="not_found_error", param="model") from None
-        except (AdapterError, ValueError) as exc:
+        except AdapterError as exc:  # being unloaded
+            raise HTTPError(409, str(exc), param="model") from None
+        except ValueError as exc:  # a request the cache cannot hold
             raise HTTPError(400, str(exc)) from None
         return stream
 
@@ -517,7 +811,9 @@ class KvgraftServer:
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     self.worker.cancel(stream)
-                    raise HTTPError(499, "client disconnected") from None
+                    raise HTTPError(499, "client disconnected") from None  # nobody reads it: not in the schema
+                if not self.worker.alive and stream.items.empty():
+                    raise HTTPError(503, "the engine stopped", kind="server_error") from None
                 continue
             if item[0] == "error":
                 raise HTTPError(500, item[1], kind="server_error")
@@ -530,9 +826,14 @@ class KvgraftServer:
         ids: list[int] = []
         try:
             while True:
-                item = await stream.items.get()
+                try:
+                    item = await asyncio.wait_for(stream.items.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if self.worker.alive or not stream.items.empty():
+                        continue
+                    item = ("error", "the engine stopped")
                 if item[0] == "error":
-                    yield "data: " + json.dumps({"error": {"message": item[1], "type": "server_error"}}) + "\n\n"
+                    yield "data: " + json.dumps(error_body(500, item[1], "server_error")) + "\n\n"
                     break
                 ids.extend(item[1])
                 finished = item[2]
@@ -585,10 +886,17 @@ class KvgraftServer:
         adapter = self._adapter_of(body.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         own_template = bool(getattr(self.tokenizer, "chat_template", None))
+        for m in messages:
+            _check_unicode(m["content"], "messages")
         ids = self._prompt_ids(render_chat(messages, self.tokenizer))
         stops = body.stops()
         if not own_template:
             stops += (CHAT_STOP,)
+        for field in ("max_tokens", "max_completion_tokens"):  # both are checked, whichever is used
+            value = getattr(body, field)
+            if value is not None and value > self.config.max_tokens_limit:
+                raise HTTPError(400, f"{field} ({value}) exceeds this server's limit ({self.config.max_tokens_limit})",
+                                param=field)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = self._sampling(body, self._max_tokens(asked, len(ids), None), stops)
         stream = await self._start(ids, sampling, adapter)
@@ -627,30 +935,63 @@ class KvgraftServer:
                          "kvgraft": info})
         return {"object": "list", "data": data}
 
+    def _adapter_path(self, root: Path, lora_path: str) -> Path:
+        """``lora_path`` inside ``root``: 403 outside it, 404 when no adapter directory is there."""
+        try:
+            path = (root / lora_path).resolve()
+        except (OSError, ValueError, RuntimeError):  # a NUL byte, a name too long, a symlink loop
+            raise HTTPError(404, f"no adapter at lora_path {lora_path!r}", kind="not_found_error",
+                            param="lora_path") from None
+        if not path.is_relative_to(root):
+            raise HTTPError(403, f"lora_path {lora_path!r} is outside the adapter directory", kind="permission_error",
+                            param="lora_path")
+        try:
+            is_dir = path.is_dir()
+            is_adapter = is_dir and (path / "adapter_config.json").is_file()
+        except (OSError, ValueError):
+            is_dir = is_adapter = False
+        if not is_dir:
+            raise HTTPError(404, f"lora_path {lora_path!r} is not a directory inside the adapter directory",
+                            kind="not_found_error", param="lora_path")
+        if not is_adapter:
+            raise HTTPError(404, f"lora_path {lora_path!r} is not an adapter directory (no adapter_config.json)",
+                            kind="not_found_error", param="lora_path")
+        return path
+
     async def load_adapter(self, body: LoadAdapterRequest) -> dict:
         root = self.config.adapter_dir
         if root is None:
             raise HTTPError(403, "loading adapters over HTTP is off: start the server with --adapter-dir DIR",
                             kind="permission_error")
+        if not NAME_RE.fullmatch(body.lora_name):
+            raise HTTPError(400, f"adapter name {body.lora_name!r} must be 1-64 characters of letters, digits, '.', "
+                                 "'_' or '-', starting with a letter or digit", param="lora_name")
         if body.lora_name == self.config.model_name:
-            raise HTTPError(400, f"an adapter cannot take the base model's name {body.lora_name!r}", param="lora_name")
-        path = (root / body.lora_path).resolve()
-        if not path.is_relative_to(root):
-            raise HTTPError(400, f"lora_path {body.lora_path!r} is outside the adapter directory", param="lora_path")
+            raise HTTPError(409, f"an adapter cannot take the base model's name {body.lora_name!r}", param="lora_name")
+        if body.lora_name in self.worker.adapters:
+            raise HTTPError(409, f"adapter {body.lora_name!r} is already loaded; unload it first", param="lora_name")
+        path = self._adapter_path(root, body.lora_path)
         try:
             files = await run_in_threadpool(read_adapter, path, self.engine.model.config)
-            adapter = await asyncio.wrap_future(self.worker.call(lambda e: e.load_adapter(body.lora_name, files)))
         except AdapterError as exc:
-            raise HTTPError(409 if "already loaded" in str(exc) else 400, str(exc)) from None
+            raise HTTPError(422, str(exc), param="lora_path") from None
+        except OSError as exc:  # unreadable files
+            raise HTTPError(422, f"lora_path {body.lora_path!r} cannot be read ({type(exc).__name__}: {exc.strerror})",
+                            param="lora_path") from None
+        try:
+            adapter = await self._engine(self.worker.call(lambda e: e.load_adapter(body.lora_name, files)))
+        except AdapterError as exc:  # loaded meanwhile, or the layers refuse it
+            status = 409 if "already loaded" in str(exc) else 422
+            raise HTTPError(status, str(exc), param="lora_name" if status == 409 else "lora_path") from None
         return {"loaded": adapter.name, "adapter": adapter.info()}
 
     async def unload_adapter(self, body: UnloadAdapterRequest) -> dict:
         try:
-            now = await asyncio.wrap_future(self.worker.call(lambda e: e.unload_adapter(body.lora_name, body.wait)))
+            now = await self._engine(self.worker.call(lambda e: e.unload_adapter(body.lora_name, body.wait)))
         except UnknownAdapterError as exc:
             raise HTTPError(404, str(exc), kind="not_found_error", param="lora_name") from None
         except AdapterBusyError as exc:
-            raise HTTPError(409, str(exc)) from None
+            raise HTTPError(409, str(exc), param="lora_name") from None
         return {"unloaded": body.lora_name if now else None, "draining": None if now else body.lora_name}
 
     def health(self) -> Response:
@@ -664,11 +1005,62 @@ class KvgraftServer:
 
         return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
 
+    # -- the schema --
+    def openapi(self) -> dict:
+        """FastAPI's schema with this server's limits filled in (max_tokens, the vocabulary, the prompt's
+        length in token ids), examples that name the served models, and FastAPI's default 422 validation
+        response removed (validation errors are 400 here)."""
+        from fastapi.openapi.utils import get_openapi
+
+        app = self.app
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for item in schema["paths"].values():
+            for op in item.values():
+                default = op.get("responses", {}).get("422", {})
+                if "HTTPValidationError" in json.dumps(default):
+                    del op["responses"]["422"]
+        comps = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            comps.pop(name, None)
+        vocab = self.engine.model.config.vocab_size
+        limit = self.config.max_tokens_limit
+        ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}, "minItems": 1,
+               "maxItems": self.max_prompt_tokens}
+        prompt = comps["CompletionRequest"]["properties"]["prompt"]
+        prompt["anyOf"] = [_NON_EMPTY, ids, {"type": "array", "items": _NON_EMPTY, "minItems": 1, "maxItems": 1},
+                           {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]
+        for req, fields in (("CompletionRequest", ("max_tokens",)),
+                            ("ChatRequest", ("max_tokens", "max_completion_tokens"))):
+            for field in fields:
+                for option in comps[req]["properties"][field]["anyOf"]:
+                    if option.get("type") == "integer":
+                        option["maximum"] = limit
+        names = [self.config.model_name, *self.worker.adapters]
+        for req in ("CompletionRequest", "ChatRequest"):
+            comps[req]["properties"]["model"]["examples"] = names
+        question, n = "Q: A square has side 7. Area?\nA:", min(8, limit)
+        chat = [{"role": "user", "content": "A square has side 7. Area?"}]
+        examples = {
+            "/v1/completions": [{"model": m, "prompt": question, "max_tokens": n, "temperature": 0} for m in names]
+            + [{"model": names[-1], "prompt": question, "max_tokens": n, "stream": True, "stop": ["\n"]}],
+            "/v1/chat/completions": [{"model": m, "messages": chat, "max_tokens": n, "temperature": 0} for m in names]
+            + [{"model": names[-1], "messages": chat, "max_tokens": n, "stream": True,
+                "stream_options": {"include_usage": True}}],
+        }
+        for path, values in examples.items():
+            media = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+            media["examples"] = {f"example{i}": {"value": v} for i, v in enumerate(values)}
+        app.openapi_schema = schema
+        return schema
+
     # -- the app --
     def _build_app(self) -> FastAPI:
         from contextlib import asynccontextmanager
 
         from prometheus_client import CollectorRegistry
+        from starlette.exceptions import HTTPException as StarletteHTTPException
 
         self._registry = CollectorRegistry()
         self._registry.register(_Metrics(self.worker))
@@ -680,7 +1072,9 @@ class KvgraftServer:
             yield
             server.worker.stop()
 
-        app = FastAPI(title="kvgraft", lifespan=lifespan)
+        app = FastAPI(title="kvgraft", version=_version(), lifespan=lifespan,
+                      description="OpenAI-compatible completions over kvgraft's engine; many LoRA adapters on one "
+                                  "base. Every error is an ErrorResponse.")
         app.add_middleware(_BodyLimit, limit=self.config.max_request_bytes)
 
         @app.exception_handler(HTTPError)
@@ -694,18 +1088,54 @@ class KvgraftServer:
             param = ".".join(str(x) for x in errors[0].get("loc", ())[1:]) if errors else None
             return error_response(400, "invalid request: " + "; ".join(parts), param=param or None)
 
-        app.post("/v1/completions")(self.completions)
-        app.post("/v1/chat/completions")(self.chat)
-        app.get("/v1/models")(self.models)
-        app.post("/v1/load_lora_adapter")(self.load_adapter)
-        app.post("/v1/unload_lora_adapter")(self.unload_adapter)
-        app.get("/health")(self.health)
-        app.get("/metrics")(self.metrics)
+        @app.exception_handler(StarletteHTTPException)
+        async def starlette_error(request: Request, exc: StarletteHTTPException):  # unknown paths, methods
+            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
+
+        @app.exception_handler(Exception)
+        async def server_error(request: Request, exc: Exception):  # a bug: still the documented shape
+            return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
+        generate = _responses(400, 404, 409, 411, 413, 429, 500, 503)
+        stream = {"text/event-stream": {"schema": _SSE}}
+        app.post("/v1/completions", responses={
+            200: {"model": Completion, "description": "The completion (JSON), or its stream", "content": stream},
+            **generate})(self.completions)
+        app.post("/v1/chat/completions", responses={
+            200: {"model": ChatCompletion, "description": "The chat completion (JSON), or its stream",
+                  "content": stream},
+            **generate})(self.chat)
+        app.get("/v1/models", response_model=None, responses={
+            200: {"model": ModelList, "description": "The base, then every loaded adapter"}})(self.models)
+        app.post("/v1/load_lora_adapter", response_model=None, responses={
+            200: {"model": LoadAdapterResponse, "description": "Loaded"},
+            **_responses(400, 403, 404, 409, 411, 413, 422, 500, 503)})(self.load_adapter)
+        app.post("/v1/unload_lora_adapter", response_model=None, responses={
+            200: {"model": UnloadAdapterResponse, "description": "Unloaded, or unloading once its requests finish"},
+            **_responses(400, 404, 409, 411, 413, 500, 503)})(self.unload_adapter)
+        app.get("/health", response_model=None, responses={
+            200: {"model": Health, "description": "The engine runs"},
+            503: {"model": Health, "description": "The engine is not running"}})(self.health)
+        app.get("/metrics", response_model=None, response_class=PlainTextResponse, responses={
+            200: {"description": "Prometheus text exposition format",
+                  "content": {"text/plain": {"schema": {"type": "string"}}}}})(self.metrics)
+        app.openapi = self.openapi
         return app
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvgraft")
+    except Exception:
+        return "0"
+
+
 class _BodyLimit:
-    """Pure ASGI middleware: a POST must say its size (Content-Length) and stay within the limit."""
+    """Pure ASGI middleware: a POST must say its size (Content-Length: 411 if not) and stay within the
+    limit (413 if not)."""
 
     def __init__(self, app, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -716,9 +1146,11 @@ class _BodyLimit:
             response = None
             if length is None:
                 response = error_response(411, "requests need a Content-Length header")
-            elif not length.isdigit() or int(length) > self.limit:
-                response = error_response(400, f"the request body ({length.decode(errors='replace')} bytes) exceeds "
-                                               f"this server's limit ({self.limit} bytes)")
+            elif not length.isdigit():
+                response = error_response(400, f"Content-Length {length.decode(errors='replace')!r} is not a number")
+            elif int(length) > self.limit:
+                response = error_response(413, f"the request body ({int(length)} bytes) exceeds this server's limit "
+                                               f"({self.limit} bytes)")
             if response is not None:
                 await response(scope, receive, send)
                 return
@@ -778,13 +1210,36 @@ class _Metrics:
 
 
 # ---- building and running -------------------------------------------------------------------------------
+def shipped_adapters(base_dir: str | Path, config) -> dict[str, Path]:
+    """The example adapters shipped for a base: ``models/adapters/NAME`` (under ``KVGRAFT_MODELS_DIR`` if set)
+    whose ``kvgraft_adapter.json`` names this base (its directory name, as a reference) and its architecture
+    (``base_fingerprint``), by directory name. Unreadable ones are skipped."""
+    from kvgraft.adapters.lora import base_fingerprint
+    from kvgraft.reference import models_dir
+
+    root = models_dir() / "adapters"
+    name, mine = Path(base_dir).resolve().name, base_fingerprint(config)
+    found = {}
+    for path in sorted(root.iterdir()) if root.is_dir() else ():
+        try:
+            meta = json.loads((path / "kvgraft_adapter.json").read_text())
+        except (OSError, ValueError):
+            continue
+        base = meta.get("base")
+        if meta.get("base_fingerprint") == mine and isinstance(base, dict) and base.get("name") == name:
+            found[path.name] = path
+    return found
+
+
 def build_server(base: str | Path, adapters: dict[str, str | Path] | None = None, *, model_name: str | None = None,
                  max_seqs: int = 16, max_batch_tokens: int = 512, max_seq_len: int | None = None,
-                 num_blocks: int | None = None, prefix_cache: bool = True, **config) -> KvgraftServer:
+                 num_blocks: int | None = None, prefix_cache: bool = True, with_shipped_adapters: bool = False,
+                 **config) -> KvgraftServer:
     """Load ``base`` (a model directory or shipped reference name) and its tokenizer, start adapters, build
     the server (not started: run it with uvicorn, or :func:`serve`). ``prefix_cache``: the engine's prefix
-    cache (on by default; ``kvgraft serve --no-prefix-cache`` turns it off). ``config``: :class:`ServerConfig`
-    fields."""
+    cache (on by default; ``kvgraft serve --no-prefix-cache`` turns it off). ``with_shipped_adapters``: also
+    load the example adapters shipped for this base (:func:`shipped_adapters`; ``adapters`` win on a name).
+    ``config``: :class:`ServerConfig` fields."""
     from kvgraft.hf import load_pretrained, load_tokenizer_dir
     from kvgraft.reference import resolve_model
     from kvgraft.serve.engine import Engine
@@ -801,7 +1256,13 @@ def build_server(base: str | Path, adapters: dict[str, str | Path] | None = None
 
     engine = Engine(model, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len,
                     num_blocks=num_blocks, detokenize=detok, prefix_cache=prefix_cache)
-    for name, adapter_path in (adapters or {}).items():
+    adapters = dict(adapters or {})
+    if with_shipped_adapters:
+        given = {Path(p).resolve() for p in adapters.values()}
+        for name, adapter_path in shipped_adapters(path, model.config).items():
+            if name != cfg.model_name and adapter_path.resolve() not in given:  # not under another name already
+                adapters.setdefault(name, adapter_path)
+    for name, adapter_path in adapters.items():
         if name == cfg.model_name:
             raise ValueError(f"an adapter cannot take the base model's name {name!r}")
         engine.load_adapter(name, adapter_path)
