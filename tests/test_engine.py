@@ -201,3 +201,15 @@ def test_every_engine_caller_fits_blocks_to_the_compression_rate():
             seq = torch.cat([seq, model(seq)[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(out, seq)
     assert len(decode_speed(model, contexts=(20,), batch_sizes=(2,), new_tokens=3, warmup=1, repeats=1)) == 1
+
+
+def test_sampling_at_float32_underflow_limits():
+    """A temperature or top_p that rounds to 0 in fp32 used to fail the whole engine step (softmax of
+    logits / 1e-40 is NaN; top_p 1e-46 dropped every token): tiny temperatures act as greedy, the most
+    likely token always stays in the nucleus."""
+    from kvgraft.serve.sampling import sample_next
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    assert torch.equal(sample_next(logits, 1e-40, 1.0, gen), logits.argmax(-1))
+    assert torch.equal(sample_next(logits, 0.7, 1e-46, gen), logits.argmax(-1))

@@ -42,21 +42,26 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
 
 
+GREEDY_BELOW = 1e-6
+
+
 def sample_next(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B,). temperature 0 means greedy."""
+    """logits (B, V) -> next token ids (B,). temperature 0 means greedy, and so does any temperature below
+    ``GREEDY_BELOW`` (its limit: logits / 1e-40 overflow fp32 and softmax would give NaN)."""
     if temperature < 0:
         raise ValueError(f"temperature ({temperature}) must be >= 0")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p ({top_p}) must be in (0, 1]")
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = sorted_p.cumsum(dim=-1) - sorted_p >= top_p
+        drop[..., 0] = False  # even when top_p rounds to 0 in fp32
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
