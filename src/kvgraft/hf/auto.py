@@ -12,7 +12,9 @@ a directory ``kvgraft.hf.load_pretrained`` reads back.
 
 from __future__ import annotations
 
+import functools
 import json
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,6 +24,8 @@ from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kvgraft.hf.config_map import KVGRAFT_MODEL_TYPE, _kvgraft_config, kvgraft_config_dict
+from kvgraft.hf.continuous import (continuous_hidden, guard_request_length, is_continuous_batching_call,
+                                   kvgraft_cb_config)
 from kvgraft.model.ced import Compressor
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention
@@ -90,15 +94,24 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
 
     ``generate`` runs kvgraft's continuous-batching engine over its paged cache (greedy or sampling with
     temperature/top-p, eos and max_new_tokens from the generation config; left- or right-padded prompts
-    with an ``attention_mask``); other decoding strategies (beams, ...) are refused by name.
+    with an ``attention_mask``); other decoding strategies (beams, ...) are refused by name. It runs the
+    wrapper's own modules, so PEFT adapters injected into it (``peft.PeftModel``) decode with their active
+    adapter, and ``PeftModel.generate(..., adapter_names=[...])`` routes each row to its adapter.
     ``forward`` accepts a padded ``attention_mask``: each row's real tokens are attended at positions
     0..n-1 of that row, and the logits of padding positions are zero.
+
+    transformers' continuous batching (``generate_batch``, ``transformers serve --continuous-batching``)
+    calls ``forward`` with its paged-attention arguments; kvgraft keeps each request's KV in its own paged
+    cache instead of transformers' (see :mod:`kvgraft.hf.continuous` for why and what is refused).
+    ``attn_implementation`` "eager" (the default) and "sdpa" are accepted and run the same kvgraft
+    attention (which calls torch's SDPA where it can); flash and flex implementations are refused.
     """
 
     config_class = KvgraftConfig
     base_model_prefix = "model"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _no_split_modules = ["Block"]
+    _supports_sdpa = True  # kvgraft's own attention either way (see the class docstring)
 
     def __init__(self, config: KvgraftConfig) -> None:
         super().__init__(config)
@@ -145,17 +158,24 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         labels: torch.Tensor | None = None,  # (B, T); shifted inside, -100 ignored
         inputs_embeds: torch.Tensor | None = None,
         return_dict: bool | None = None,
-        **kwargs: Any,  # cache / use_cache (ignored: no cache), loss options such as num_items_in_batch
+        logits_to_keep: int | torch.Tensor = 0,  # 0: every position; n: the last n; a tensor: those positions
+        **kwargs: Any,  # cache / use_cache (ignored: no cache), loss options such as num_items_in_batch,
+        # or transformers' continuous-batching arguments (a PagedAttentionCache as `cache`, cu_seq_lens_q, ...)
     ) -> CausalLMOutputWithPast | tuple:
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("KvgraftForCausalLM needs input_ids; inputs_embeds is not supported")
+        if is_continuous_batching_call(kwargs):  # transformers' paged path: rows packed on one axis
+            hidden = continuous_hidden(self, self.model, input_ids, dict(kwargs, position_ids=position_ids))
+            logits = self.lm_head(_keep(hidden, logits_to_keep))
+            out = CausalLMOutputWithPast(logits=logits)
+            return out if (return_dict if return_dict is not None else self.config.return_dict) else out.to_tuple()
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                              f"{tuple(input_ids.shape)}")
         if attention_mask is not None and not bool(attention_mask.all()):
-            logits = self._padded_logits(input_ids, attention_mask.bool())
+            logits = _keep(self._padded_logits(input_ids, attention_mask.bool()), logits_to_keep)
         else:
-            logits = self.lm_head(self.model(input_ids, positions=position_ids))
+            logits = self.lm_head(_keep(self.model(input_ids, positions=position_ids), logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
@@ -222,35 +242,163 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         from kvgraft.model.cache import default_block_size
 
         bs = default_block_size(self.config.model_config)
-        engine = Engine(self.to_kvgraft().eval(), num_blocks=B * -(-total // bs), block_size=bs, max_seqs=B,
-                        max_batch_tokens=max(sum(len(p) for p in prompts), 256), max_seq_len=total)
-        outs = engine.generate(prompts, params)
+        routes = _peft_adapter_names(self)  # PeftModel.generate(..., adapter_names=[...]): a mixed batch
+        if routes is not None and len(routes) != B:
+            raise ValueError(f"adapter_names has {len(routes)} entries for {B} rows")
+        with _eval_mode(self):
+            engine = Engine(self.to_kvgraft(), num_blocks=B * -(-total // bs), block_size=bs, max_seqs=B,
+                            max_batch_tokens=max(sum(len(p) for p in prompts), 256), max_seq_len=total)
+            if routes is None:
+                outs = engine.generate(prompts, params)
+            else:  # the rows of each adapter together, that adapter active on PEFT's layers (kvgraft's forward
+                # packs rows on one token axis, which PEFT's per-row mixed-batch forward cannot index)
+                outs = [None] * B
+                with _peft_hooks_removed(self):
+                    for name in dict.fromkeys(routes):
+                        rows = [r for r in range(B) if routes[r] == name]
+                        with _peft_active(self, name):
+                            got = engine.generate([prompts[r] for r in rows], [params[r] for r in rows])
+                        for r, o in zip(rows, got):
+                            outs[r] = o
         pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
         width = max(len(o) for o in outs)
         new = torch.tensor([o + [pad] * (width - len(o)) for o in outs], dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([input_ids, new], dim=1)
 
     def to_kvgraft(self) -> Transformer:
-        """kvgraft's Transformer holding this model's parameters (shared, not copied), in the same mode."""
+        """kvgraft's Transformer made of this model's modules (shared, not copied: its parameters, and the
+        adapter layers PEFT injected into them, e.g. ``...q_proj.base_layer`` / ``lora_A``), with this model's
+        ``lm_head``; in the same mode (changing its mode changes this model's)."""
         with torch.device("meta"):
             model = Transformer(self.config.model_config)
-        # keep_vars: the Parameters themselves; with tied embeddings lm_head.weight is the embedding
-        state = {k.removeprefix("model."): v for k, v in self.state_dict(keep_vars=True).items()}
-        model.load_state_dict(state, strict=True, assign=True)
-        model.rotary = self.model.rotary  # non-persistent RoPE tables
-        return model.train(self.training)
+        inner = self.model
+        model.embed_tokens, model.layers, model.norm = inner.embed_tokens, inner.layers, inner.norm
+        model.rotary = inner.rotary  # non-persistent RoPE tables
+        model.lm_head = self.lm_head  # with tied embeddings its weight is the embedding
+        model.gradient_checkpointing = inner.gradient_checkpointing
+        model.training = self.training
+        return model
+
+    def init_continuous_batching(self, generation_config: Any = None, continuous_batching_config: Any = None,
+                                 workload_hints: Any = None) -> Any:
+        """transformers' continuous-batching manager for this model, with the settings kvgraft's paged forward
+        needs (:func:`kvgraft.hf.continuous.kvgraft_cb_config`: no block sharing, CPU offload, CUDA graphs,
+        compile or async batching); ``num_return_sequences > 1`` (forked requests) is refused, and so is, at
+        ``add_request``, a request whose prompt + max_new_tokens exceeds ``max_position_embeddings``."""
+        from transformers import ContinuousBatchingConfig
+
+        gen = generation_config if generation_config is not None else self.generation_config
+        if (getattr(gen, "num_return_sequences", None) or 1) != 1:
+            raise ValueError("KvgraftForCausalLM under continuous batching supports num_return_sequences=1 only "
+                             "(a forked request would start mid-sequence with no kvgraft state)")
+        cb = continuous_batching_config
+        if cb is None:
+            cb = getattr(gen, "continuous_batching_config", None)
+            cb = cb if isinstance(cb, ContinuousBatchingConfig) else ContinuousBatchingConfig()
+        manager = super().init_continuous_batching(generation_config=generation_config,
+                                                   continuous_batching_config=kvgraft_cb_config(cb),
+                                                   workload_hints=workload_hints)
+        guard_request_length(manager, self.config.model_config.max_position_embeddings)
+        return manager
+
+
+def _keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """``hidden`` (B, T, ...) at the positions transformers' ``logits_to_keep`` names (0: all)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return hidden[:, logits_to_keep.long()]
+    return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+
+
+def _lora_layers(model: nn.Module) -> list[nn.Module]:
+    """PEFT's LoRA layers inside ``model`` (empty without PEFT)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+def _adapter_name_hooks(model: nn.Module) -> list[tuple[nn.Module, int, Any]]:
+    """(module, hook id, hook) of the pre-forward hooks ``PeftModel.generate(adapter_names=...)`` registers."""
+    out = []
+    for m in model.modules():
+        for hid, hook in m._forward_pre_hooks.items():
+            if isinstance(hook, functools.partial) and "adapter_names" in (hook.keywords or {}):
+                out.append((m, hid, hook))
+    return out
+
+
+def _peft_adapter_names(model: nn.Module) -> list[str] | None:
+    """Each row's adapter name of a PEFT mixed-adapter ``generate`` (``"__base__"``: none), else None."""
+    hooks = _adapter_name_hooks(model)
+    return list(hooks[0][2].keywords["adapter_names"]) if hooks else None
+
+
+@contextmanager
+def _peft_hooks_removed(model: nn.Module):
+    """Without PEFT's adapter_names pre-forward hooks (put back after)."""
+    hooks = _adapter_name_hooks(model)
+    kw = {(id(m), hid): hid in m._forward_pre_hooks_with_kwargs for m, hid, _ in hooks}
+    for m, hid, _ in hooks:
+        del m._forward_pre_hooks[hid]
+        m._forward_pre_hooks_with_kwargs.pop(hid, None)
+    try:
+        yield
+    finally:
+        for m, hid, hook in hooks:
+            m._forward_pre_hooks[hid] = hook
+            if kw[(id(m), hid)]:
+                m._forward_pre_hooks_with_kwargs[hid] = True
+
+
+@contextmanager
+def _peft_active(model: nn.Module, name: str):
+    """Every PEFT LoRA layer runs adapter ``name`` alone (``"__base__"``: no adapter), without touching which
+    parameters train; restored after."""
+    layers = _lora_layers(model)
+    saved = [(m._active_adapter, m._disable_adapters) for m in layers]
+    try:
+        for m in layers:
+            m._disable_adapters = name == "__base__"
+            if name != "__base__":
+                m._active_adapter = [name]
+        yield
+    finally:
+        for m, (active, disabled) in zip(layers, saved):
+            m._active_adapter, m._disable_adapters = active, disabled
+
+
+@contextmanager
+def _eval_mode(model: nn.Module):
+    """``model`` in eval mode, its previous modes restored after (generate must not leave a training model in
+    eval mode: to_kvgraft shares its modules)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, was in modes:
+            m.training = was
 
 
 _registered = False
 
 
 def register_auto_classes() -> None:
-    """Register KvgraftConfig and KvgraftForCausalLM for model_type "kvgraft" (once; later calls do nothing)."""
+    """Register KvgraftConfig and KvgraftForCausalLM for model_type "kvgraft" (once; later calls do nothing).
+
+    Both are also set as attributes of the ``transformers`` module (where absent): ``transformers serve``
+    finds a checkpoint's class as ``getattr(transformers, config.architectures[0])``."""
     global _registered
     if _registered:
         return
+    import transformers
+
     AutoConfig.register(KVGRAFT_MODEL_TYPE, KvgraftConfig, exist_ok=True)
     AutoModelForCausalLM.register(KvgraftConfig, KvgraftForCausalLM, exist_ok=True)
+    for cls in (KvgraftConfig, KvgraftForCausalLM):
+        if getattr(transformers, cls.__name__, None) is None:
+            setattr(transformers, cls.__name__, cls)
     _registered = True
 
 
