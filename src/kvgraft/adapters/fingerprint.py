@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,12 @@ import torch
 PER_TENSOR = 32  # sampled values per tensor, at most
 SAMPLE_BUDGET = 4096  # sampled values in all, at most (fewer per tensor, or every k-th tensor, beyond)
 TOLERANCE = 2.0 ** -7  # relative: two bf16 steps, what loading in another precision can move a value
+
+
+def base_fingerprint(config) -> str:
+    """A hash of the base config (the architecture): an adapter refuses a base it was not trained on. The
+    weights are fingerprinted too (:func:`weights_sample`, checked by ``load_adapter``)."""
+    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _base_tensors(model) -> list[tuple[str, torch.Tensor]]:
@@ -54,8 +61,6 @@ def _positions(n: int, k: int) -> list[int]:
 @torch.no_grad()
 def weights_sample(model) -> tuple[str, torch.Tensor]:
     """(hash of the names, shapes and the sample; the sample as bf16 values on the CPU)."""
-    from kvgraft.adapters.lora import base_fingerprint
-
     tensors = _base_tensors(model)
     h = hashlib.sha256(base_fingerprint(model.config).encode())
     for name, t in tensors:

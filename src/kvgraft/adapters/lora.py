@@ -17,7 +17,6 @@ exactly where the placement says.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import warnings
 from dataclasses import asdict, dataclass
@@ -28,6 +27,9 @@ from torch import nn
 
 from kvgraft.adapters.certificate import Certificate, certify
 from kvgraft.adapters.placement import Placement, compile_placement
+from kvgraft.adapters.fingerprint import (  # base_fingerprint: re-exported here, its old home
+    base_fingerprint, base_record, base_reference, check_base_weights,
+)
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.transformer import Transformer
 
@@ -70,12 +72,6 @@ class AdapterHost(nn.Module):
         return self.model(*args, **kwargs)
 
 
-def base_fingerprint(config: ModelConfig) -> str:
-    """A hash of the base config (the architecture): an adapter refuses a base it was not trained on. The
-    weights are fingerprinted too (``kvgraft.adapters.fingerprint``, checked by ``load_adapter``)."""
-    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def add_adapter(model: Transformer, placement: Placement, cfg: AdapterConfig | None = None):
     """Wrap ``model`` (kept in place: its modules get LoRA layers) with a fresh PEFT LoRA adapter at
     ``placement``; returns the ``peft.PeftModel``. Base weights are frozen, only the adapter trains."""
@@ -93,7 +89,6 @@ def add_adapter(model: Transformer, placement: Placement, cfg: AdapterConfig | N
 
 
 def _meta(model: Transformer, placement: Placement, modules: list[str], cfg: AdapterConfig) -> dict:
-    from kvgraft.adapters.fingerprint import base_record
 
     config = model.config
     return {"format_version": FORMAT_VERSION, "base_fingerprint": base_fingerprint(config),
@@ -118,7 +113,6 @@ def save_adapter(peft_model, out_dir: str | Path, extra: dict | None = None, bas
     """Write PEFT's files plus ``kvgraft_adapter.json`` into ``out_dir`` atomically (complete or absent).
     ``base``: the base model's directory, recorded portably (a shipped model by name, any other by its path
     relative to ``out_dir``), never as an absolute path."""
-    from kvgraft.adapters.fingerprint import base_reference
     from kvgraft.atomic import atomic_dir
 
     out = Path(out_dir)
@@ -147,7 +141,6 @@ def check_base(meta: dict, model: Transformer, adapter_dir: str | Path) -> None:
     """Refuse (ValueError naming both fingerprints) a ``model`` that is not the adapter's base: another
     architecture, or the same one with other weights. An adapter written before weights were fingerprinted
     is checked on the architecture alone, with a warning."""
-    from kvgraft.adapters.fingerprint import check_base_weights
 
     mine = base_fingerprint(model.config)
     if meta.get("base_fingerprint") != mine:
