@@ -56,6 +56,14 @@ instead (``apply_chat_template``), with only its own stops.
 Text: completions decode the generated ids with special tokens skipped; a stop string is cut from the
 text (OpenAI's behaviour) and streamed text never shows a part of one (a tail that could begin a stop
 string, or an incomplete UTF-8 character, is held back until it resolves).
+
+**Modules.** This one holds the server (:class:`KvgraftServer`: request validation and limits, the
+endpoints, the engine's answers as HTTP), :func:`build_server`, :func:`serve` and :func:`shipped_adapters`;
+the pydantic bodies, the error body and the OpenAPI error documentation are in :mod:`kvgraft.serve.schemas`,
+the engine thread and its typed messages in :mod:`kvgraft.serve.bridge`, text and SSE streaming in
+:mod:`kvgraft.serve.streaming`, the FastAPI app, its routes and ``/openapi.json`` in
+:mod:`kvgraft.serve.routes`, the Prometheus collector in :mod:`kvgraft.serve.metrics`. Every name of those
+that this module held before the split is still importable from it.
 """
 
 from __future__ import annotations
@@ -63,24 +71,70 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import queue
-import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from kvgraft.serve import routes
 from kvgraft.serve.adapters import NAME_RE, AdapterBusyError, AdapterError, UnknownAdapterError, read_adapter
+from kvgraft.serve.bridge import EngineStopped, EngineWorker, QueueFull, RequestStream
+from kvgraft.serve.bridge import RequestStream as _Stream  # its name before the split
+from kvgraft.serve.metrics import _Metrics, metrics_registry
+from kvgraft.serve.routes import _BodyLimit, _version
 from kvgraft.serve.sampling import SamplingParams
+from kvgraft.serve.schemas import (
+    _ERRORS,
+    _NON_EMPTY,
+    _SSE,
+    _STRICT,
+    AdapterInfo,
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionMessage,
+    ChatMessage,
+    ChatRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    Health,
+    HTTPError,
+    Int,
+    LoadAdapterRequest,
+    LoadAdapterResponse,
+    ModelCard,
+    ModelList,
+    UnloadAdapterRequest,
+    UnloadAdapterResponse,
+    Usage,
+    _Common,
+    _int,
+    _integral,
+    _responses,
+    _schema,
+    error_body,
+    error_response,
+)
+from kvgraft.serve.streaming import TextStream, collect, sse_events
+
+# Every name this module defined before it was split (schemas, bridge, streaming, routes, metrics), still
+# importable from here.
+__all__ = [
+    "CHAT_STOP", "MIN_TEMPERATURE", "MIN_TOP_P", "render_chat", "ServerConfig", "QueueFull", "EngineStopped",
+    "HTTPError", "error_body", "error_response", "_Stream", "EngineWorker", "_NON_EMPTY", "_integral", "Int",
+    "_int", "_STRICT", "_schema", "_Common", "CompletionRequest", "ChatMessage", "ChatRequest",
+    "LoadAdapterRequest", "UnloadAdapterRequest", "ErrorInfo", "ErrorResponse", "Usage", "CompletionChoice",
+    "Completion", "ChatCompletionMessage", "ChatCompletionChoice", "ChatCompletion", "AdapterInfo", "ModelCard",
+    "ModelList", "LoadAdapterResponse", "UnloadAdapterResponse", "Health", "_ERRORS", "_SSE", "_responses",
+    "TextStream", "_check_unicode", "KvgraftServer", "_version", "_BodyLimit", "_Metrics", "shipped_adapters",
+    "build_server", "serve",
+]
 
 CHAT_STOP = "\n<|"
 MIN_TEMPERATURE = 1e-6  # below: greedy (see KvgraftServer._sampling)
@@ -117,569 +171,6 @@ class ServerConfig:
                 raise ValueError(f"adapter directory {self.adapter_dir} does not exist")
 
 
-class QueueFull(Exception):
-    pass
-
-
-class EngineStopped(Exception):
-    """The engine thread is not running (not started, stopped, shutting down or failed): answered 503."""
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-def error_body(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, kind, param), status_code=status, headers=headers)
-
-
-# ---- the engine thread --------------------------------------------------------------------------------
-class _Stream:
-    """One request as the HTTP side sees it: an accepted future (request id or exception) and a queue of
-    (new token ids, finished, finish_reason) items, both fed from the engine thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.accepted: asyncio.Future = loop.create_future()
-        self.items: asyncio.Queue = asyncio.Queue()
-        self.rid: int | None = None
-        self.done = False  # the engine will send nothing more
-
-    def _call(self, fn, *args) -> None:
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed (shutdown)
-            pass
-
-    def accept(self, rid: int | None, exc: BaseException | None = None) -> None:
-        def set_result():
-            if not self.accepted.done():
-                self.accepted.set_exception(exc) if exc is not None else self.accepted.set_result(rid)
-        self._call(set_result)
-
-    def push(self, item: tuple) -> None:
-        self._call(self.items.put_nowait, item)
-
-
-class EngineWorker:
-    """Runs an :class:`~kvgraft.serve.engine.Engine` in its own thread; everything else talks to it
-    through :meth:`submit`, :meth:`cancel` and :meth:`call` (thread-safe, never blocking)."""
-
-    def __init__(self, engine, max_in_flight: int) -> None:
-        self.engine = engine
-        self.max_in_flight = max_in_flight
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[int, _Stream] = {}
-        self._lock = threading.Lock()
-        self.in_flight = 0  # submitted and not finished
-        self.counts = {"length": 0, "stop": 0, "cancelled": 0, "error": 0, "rejected": 0}
-        self.generated_tokens = 0
-        self.prompt_tokens = 0
-        self.errors = 0
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated by a step)
-        self._stop = threading.Event()
-        self._paused = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.snapshot: dict = {}
-        self._cache_at = -1.0
-        self.adapters: dict[str, dict] = {}
-        self._update_adapters()
-        self._update_snapshot()
-
-    # -- lifecycle --
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvgraft-engine", daemon=True)
-            self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def pause(self) -> None:
-        """Stop stepping (commands are still taken): for tests and maintenance."""
-        self._paused.set()
-
-    def resume(self) -> None:
-        self._paused.clear()
-
-    # -- called from other threads --
-    def submit(self, prompt: list[int], sampling: SamplingParams, adapter: str | None,
-               loop: asyncio.AbstractEventLoop) -> _Stream:
-        self.check_running()
-        with self._lock:
-            if self.in_flight >= self.max_in_flight:
-                self.counts["rejected"] += 1
-                raise QueueFull(f"the server's queue is full ({self.in_flight} requests in flight, at most "
-                                f"{self.max_in_flight}); retry later")
-            self.in_flight += 1
-        stream = _Stream(loop)
-        self.commands.put(("add", stream, prompt, sampling, adapter))
-        return stream
-
-    def cancel(self, stream: _Stream) -> None:
-        if not stream.done:
-            self.commands.put(("cancel", stream))
-
-    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
-        """Run ``fn(engine)`` in the engine thread between steps; its result as a future (EngineStopped
-        when the engine is not running)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            self.check_running()
-        except EngineStopped as exc:
-            future.set_exception(exc)
-            return future
-        self.commands.put(("call", fn, future))
-        return future
-
-    def check_running(self) -> None:
-        if self._stop.is_set():
-            raise EngineStopped("the server is shutting down")
-        if not self.alive:
-            raise EngineStopped("the engine is not running")
-
-    def tokens_per_second(self, window: float = 10.0) -> float:
-        now = time.monotonic()
-        with self._lock:
-            n = sum(k for t, k in self._recent if t >= now - window)
-        return n / window
-
-    # -- the engine thread --
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as exc:  # a bug outside a step: fail what is running rather than hang it
-            self.errors += 1
-            self._fail_all(f"the engine stopped: {type(exc).__name__}: {exc}")
-            raise
-        finally:
-            self._stop.set()
-            self._drain_commands()
-
-    def _fail_all(self, message: str) -> None:
-        for rid in list(self.streams):
-            try:
-                self.engine.cancel(rid)
-            except Exception:
-                pass
-            self._close(rid, ("error", message), "error")
-
-    def _drain_commands(self) -> None:
-        """After the loop ended: answer every command still queued (nothing will run it)."""
-        while True:
-            try:
-                cmd = self.commands.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                with self._lock:
-                    self.in_flight -= 1
-                cmd[1].done = True
-                cmd[1].accept(None, EngineStopped("the server is shutting down"))
-            elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
-                cmd[2].set_exception(EngineStopped("the server is shutting down"))
-
-    def _loop(self) -> None:
-        engine = self.engine
-        while not self._stop.is_set():
-            idle = self._paused.is_set() or not engine.has_unfinished()
-            try:
-                cmd = self.commands.get(timeout=0.05) if idle else self.commands.get_nowait()
-            except queue.Empty:
-                cmd = None
-            while cmd is not None:
-                self._do(cmd)
-                try:
-                    cmd = self.commands.get_nowait()
-                except queue.Empty:
-                    cmd = None
-            if self._paused.is_set() or not engine.has_unfinished():
-                self._check_adapters()
-                self._update_snapshot()
-                continue
-            try:
-                outputs = engine.step()
-            except Exception as exc:  # a failed forward: fail what was running, keep serving
-                self.errors += 1
-                for rid in [r.id for r in (*engine.running, *engine.waiting)]:
-                    engine.cancel(rid)
-                    self._close(rid, ("error", f"the engine failed: {type(exc).__name__}: {exc}"), "error")
-                continue
-            produced = 0
-            for out in outputs:
-                produced += len(out.new_token_ids)
-                stream = self.streams.get(out.request_id)
-                if stream is not None:
-                    stream.push(("tokens", out.new_token_ids, out.finished, out.finish_reason))
-                if out.finished:
-                    self._close(out.request_id, None, out.finish_reason)
-            with self._lock:
-                self.generated_tokens += produced
-                now = time.monotonic()
-                self._recent.append((now, produced))
-                while self._recent and self._recent[0][0] < now - 60:
-                    self._recent.popleft()
-            self._check_adapters()
-            self._update_snapshot()
-        for rid in list(self.streams):  # shutting down: end every stream
-            self._close(rid, ("error", "the server is shutting down"), "cancelled")
-
-    def _do(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        engine = self.engine
-        if kind == "add":
-            _, stream, prompt, sampling, adapter = cmd
-            try:
-                rid = engine.add_request(prompt, sampling, adapter=adapter)
-            except Exception as exc:  # unknown adapter, a request the cache cannot hold, ...
-                with self._lock:
-                    self.in_flight -= 1
-                stream.done = True
-                stream.accept(None, exc)
-                return
-            stream.rid = rid
-            self.streams[rid] = stream
-            with self._lock:
-                self.prompt_tokens += len(prompt)
-            stream.accept(rid)
-        elif kind == "cancel":
-            stream = cmd[1]
-            if stream.rid is not None and stream.rid in self.streams:
-                engine.cancel(stream.rid)
-                self._close(stream.rid, ("tokens", [], True, "cancelled"), "cancelled")
-        elif kind == "call":
-            _, fn, future = cmd
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(engine))
-                except Exception as exc:
-                    future.set_exception(exc)
-            self._update_adapters()
-
-    def _close(self, rid: int, item: tuple | None, reason: str | None) -> None:
-        stream = self.streams.pop(rid, None)
-        if rid in self.engine.requests and self.engine.requests[rid].status == "finished":
-            self.engine.pop_finished(rid)
-        if stream is None:
-            return
-        if item is not None:
-            stream.push(item)
-        stream.done = True
-        with self._lock:
-            self.in_flight -= 1
-            if reason in self.counts:
-                self.counts[reason] += 1
-
-    def _update_adapters(self) -> None:
-        self.adapters = {n: a.info() for n, a in self.engine.adapters.adapters.items()}
-
-    def _check_adapters(self) -> None:
-        """An adapter unloaded with ``wait`` goes when its last request finishes (inside a step or a cancel):
-        keep what the HTTP side reads in step."""
-        if self.engine.adapters.adapters.keys() != self.adapters.keys():
-            self._update_adapters()
-
-    def _update_snapshot(self) -> None:
-        """Called in the engine thread between steps: what /metrics reads. ``Engine.cache_stats()`` (cache
-        bytes by kind, the prefix cache's counters) is taken at most every 0.2 s, as a shared-block count
-        scans the block table."""
-        e = self.engine
-        snap = {"waiting": len(e.waiting), "running": len(e.running), "steps": e.stats["steps"],
-                "preemptions": e.stats["preemptions"], "adapters": len(e.adapters),
-                "cache": self.snapshot.get("cache", {})}
-        now = time.monotonic()
-        if now - self._cache_at > 0.2:
-            self._cache_at = now
-            snap["cache"] = dict(e.cache_stats())
-        self.snapshot = snap  # one assignment: readers see a whole snapshot
-
-
-# ---- request bodies -----------------------------------------------------------------------------------
-# The schema states what the server accepts, exactly (a schema-valid body is accepted, an invalid one is
-# refused with 400), bar the limits in tokens (a prompt's length, and prompt + max_tokens against the
-# context). Options this server does not implement are in the schema with the one value it takes; the
-# check in ``check_supported`` says why another value is refused. Bodies are validated strictly (no
-# "1" for 1, no true for 1), as the schema's types say. Limits of one server (max_tokens, the vocabulary,
-# the prompt's length in token ids) are filled into /openapi.json by :meth:`KvgraftServer.openapi`.
-_NON_EMPTY = {"type": "string", "minLength": 1}
-
-
-def _integral(value):
-    """JSON Schema's integers include 1.0: take a float with no fraction as the int (strict otherwise)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-Int = Annotated[int, BeforeValidator(_integral)]
-
-
-def _int(**constraints):
-    """An Int with constraints (inside the Annotated, so a union with None keeps them in the schema)."""
-    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
-
-
-_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-
-def _schema(**kw) -> dict:
-    return {"json_schema_extra": kw}
-
-
-class _Common(BaseModel):
-    model_config = _STRICT
-
-    model: str = Field(description="the base model's name or a loaded adapter's (GET /v1/models)")
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: _int(ge=1) = Field(1, description="one choice per request", **_schema(maximum=1))
-    stream: bool = False
-    stream_options: dict | None = Field(None, description='{"include_usage": true}: a last chunk with usage')
-    stop: str | list[str] | None = Field(None, description="up to 4 non-empty strings", **_schema(anyOf=[
-        _NON_EMPTY, {"type": "array", "items": _NON_EMPTY, "maxItems": 4}, {"type": "null"}]))
-    seed: _int(ge=0) | None = Field(None, description="any integer >= 0 (taken modulo 2**64)")
-    logprobs: Any = Field(None, description="not supported", **_schema(enum=[None, False, 0]))
-    presence_penalty: float = Field(0.0, description="not supported", **_schema(maximum=0, minimum=0))
-    frequency_penalty: float = Field(0.0, description="not supported", **_schema(maximum=0, minimum=0))
-    logit_bias: dict | None = Field(None, description="not supported", **_schema(anyOf=[
-        {"type": "object", "maxProperties": 0}, {"type": "null"}]))
-    user: str | None = None
-
-    def check_supported(self) -> None:
-        if self.n != 1:
-            raise HTTPError(400, f"n={self.n} is not supported: one choice per request", param="n")
-        if self.logprobs not in (None, False, 0):
-            raise HTTPError(400, "logprobs are not supported", param="logprobs")
-        if self.presence_penalty or self.frequency_penalty:
-            raise HTTPError(400, "presence/frequency penalties are not supported", param="presence_penalty")
-        if self.logit_bias:
-            raise HTTPError(400, "logit_bias is not supported", param="logit_bias")
-
-    def stops(self) -> tuple[str, ...]:
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if len(stops) > 4 or any(not s for s in stops):
-            raise HTTPError(400, "stop takes at most 4 non-empty strings", param="stop")
-        return stops
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[Int] | list[str] | list[list[Int]] = Field(
-        description="text, token ids, or a list of one of either (one prompt per request)")
-    max_tokens: _int(ge=1) | None = None
-    echo: bool = Field(False, description="not supported", **_schema(enum=[False]))
-    best_of: Int | None = Field(None, description="not supported (1)", **_schema(anyOf=[
-        {"type": "integer", "minimum": 0, "maximum": 1}, {"type": "null"}]))
-    suffix: str | None = Field(None, description="not supported", **_schema(anyOf=[
-        {"type": "string", "maxLength": 0}, {"type": "null"}]))
-
-
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict] = Field(description="text, or a list of text parts", **_schema(anyOf=[
-        {"type": "string"},
-        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
-                                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]))
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise HTTPError(400, "message content parts must be text parts", param="messages")
-            parts.append(p["text"])
-        return "".join(parts)
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: _int(ge=1) | None = None
-    max_completion_tokens: _int(ge=1) | None = None
-
-
-class LoadAdapterRequest(BaseModel):
-    model_config = _STRICT
-
-    lora_name: str = Field(description="the name requests will use", **_schema(pattern=NAME_RE.pattern))
-    lora_path: str = Field(description="an adapter directory, relative to the server's --adapter-dir")
-
-
-class UnloadAdapterRequest(BaseModel):
-    model_config = _STRICT
-
-    lora_name: str
-    wait: bool = Field(False, description="with requests running on the adapter: unload it once they finish "
-                                          "(refusing new ones) instead of answering 409")
-
-
-# ---- response bodies (documentation: /openapi.json) ---------------------------------------------------
-class ErrorInfo(BaseModel):
-    message: str
-    type: str = Field(description="invalid_request_error, permission_error, not_found_error, rate_limit_error or "
-                                  "server_error")
-    param: str | None = Field(description="the request field at fault, if one is")
-    code: int | None = Field(description="the HTTP status")
-
-
-class ErrorResponse(BaseModel):
-    """Every error this server answers, in OpenAI's shape."""
-
-    error: ErrorInfo
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: None
-    finish_reason: str | None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class ChatCompletionMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: ChatCompletionMessage
-    logprobs: None
-    finish_reason: str | None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: Usage
-
-
-class AdapterInfo(BaseModel):
-    name: str
-    path: str
-    modules: int
-    rank: int
-    parameters: int
-    placement: dict | None
-    certificate: dict
-    draining: bool
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    root: str
-    parent: str | None
-    max_model_len: int
-    kvgraft: AdapterInfo | None = Field(None, description="adapters only: placement, rank, sharing certificate")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class LoadAdapterResponse(BaseModel):
-    loaded: str
-    adapter: AdapterInfo
-
-
-class UnloadAdapterResponse(BaseModel):
-    unloaded: str | None = Field(description="the adapter, unloaded now")
-    draining: str | None = Field(description="the adapter, unloading once its requests finish (wait: true)")
-
-
-class Health(BaseModel):
-    status: str = Field(description='"ok", or why not')
-    model: str
-    adapters: list[str]
-    in_flight: int
-
-
-_ERRORS = {
-    400: "Invalid request: not JSON, not matching the schema, an unsupported option, or a prompt (+ max_tokens) "
-         "over the context",
-    403: "Loading adapters over HTTP is off (start the server with --adapter-dir), or lora_path is outside it",
-    404: "Not found: the model, the adapter, or an adapter at lora_path",
-    409: "Conflict with the loaded adapters: a name already loaded, an adapter with requests running, or one "
-         "being unloaded",
-    411: "The request has no Content-Length header",
-    413: "The request body is over this server's limit (max_request_bytes)",
-    422: "The adapter directory cannot be loaded: trained on another base, corrupt or unsupported files",
-    429: "The server's queue is full; retry later",
-    500: "The engine failed while running the request (or installing the adapter)",
-    503: "The engine is not running (stopped or shutting down)",
-}
-_SSE = {"type": "object", "description": "One server-sent event (stream: true): `data: {chunk}` per piece of text "
-        "(a chunk object as JSON), an optional usage chunk, then `data: [DONE]`; an engine failure mid-stream is "
-        "a `data: {ErrorResponse}` event, then `data: [DONE]`",
-        "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
-                       "retry": {"type": "integer"}},
-        "required": ["data"]}
-
-
-def _responses(*codes: int) -> dict:
-    return {code: {"model": ErrorResponse, "description": _ERRORS[code]} for code in codes}
-
-
-# ---- text -----------------------------------------------------------------------------------------------
-class TextStream:
-    """Generated ids -> text that never shows part of a stop string, nor an incomplete character."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
-        self.decode, self.stops = decode, stops
-        self.hold = max((len(s) - 1 for s in stops), default=0)
-        self.sent = ""
-
-    def text(self, ids: list[int], finished: bool) -> str:
-        text = self.decode(ids)
-        cuts = [text.find(s) for s in self.stops if s in text]
-        if cuts:
-            return text[: min(cuts)]
-        if not finished:
-            text = text[: len(text) - self.hold] if self.hold else text
-            text = text.rstrip("\ufffd")
-        return text
-
-    def delta(self, ids: list[int], finished: bool) -> str:
-        text = self.text(ids, finished)
-        if not text.startswith(self.sent):  # never retract what was sent
-            return ""
-        new, self.sent = text[len(self.sent):], text
-        return new
-
-
 def _check_unicode(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
@@ -698,7 +189,8 @@ class KvgraftServer:
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_seq_len, self.max_seq_len - 1)
         self.eos = engine.model.config.eos_token_id
         self.created = int(time.time())
-        self.app = self._build_app()
+        self._registry = metrics_registry(self.worker)
+        self.app = routes.build_app(self)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -781,7 +273,7 @@ class KvgraftServer:
         except EngineStopped as exc:
             raise HTTPError(503, str(exc), kind="server_error") from None
 
-    async def _start(self, ids: list[int], sampling: SamplingParams, adapter: str | None) -> _Stream:
+    async def _start(self, ids: list[int], sampling: SamplingParams, adapter: str | None) -> RequestStream:
         loop = asyncio.get_running_loop()
         try:
             stream = self.worker.submit(ids, sampling, adapter, loop)
@@ -801,52 +293,6 @@ class KvgraftServer:
         except ValueError as exc:  # a request the cache cannot hold
             raise HTTPError(400, str(exc)) from None
         return stream
-
-    async def _collect(self, stream: _Stream, request: Request) -> tuple[list[int], str]:
-        """Every generated id and the finish reason; cancels the request if the client goes away."""
-        ids: list[int] = []
-        while True:
-            try:
-                item = await asyncio.wait_for(stream.items.get(), timeout=0.1)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.worker.cancel(stream)
-                    raise HTTPError(499, "client disconnected") from None  # nobody reads it: not in the schema
-                if not self.worker.alive and stream.items.empty():
-                    raise HTTPError(503, "the engine stopped", kind="server_error") from None
-                continue
-            if item[0] == "error":
-                raise HTTPError(500, item[1], kind="server_error")
-            ids.extend(item[1])
-            if item[2]:
-                return ids, item[3]
-
-    async def _events(self, stream: _Stream, text: TextStream, chunk: Callable[[str, str | None], dict],
-                      usage: Callable[[list[int]], dict] | None) -> AsyncIterator[str]:
-        ids: list[int] = []
-        try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(stream.items.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if self.worker.alive or not stream.items.empty():
-                        continue
-                    item = ("error", "the engine stopped")
-                if item[0] == "error":
-                    yield "data: " + json.dumps(error_body(500, item[1], "server_error")) + "\n\n"
-                    break
-                ids.extend(item[1])
-                finished = item[2]
-                delta = text.delta(ids, finished)
-                if delta or finished:
-                    yield "data: " + json.dumps(chunk(delta, item[3] if finished else None)) + "\n\n"
-                if finished:
-                    if usage is not None:
-                        yield "data: " + json.dumps(usage(ids)) + "\n\n"
-                    break
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away (the generator is cancelled) or we are done
-            self.worker.cancel(stream)
 
     @staticmethod
     def _usage(n_prompt: int, n_out: int) -> dict:
@@ -875,8 +321,9 @@ class KvgraftServer:
             if (body.stream_options or {}).get("include_usage"):
                 def usage(out: list[int]) -> dict:
                     return dict(chunk("", None), choices=[], usage=self._usage(len(ids), len(out)))
-            return StreamingResponse(self._events(stream, text, chunk, usage), media_type="text/event-stream")
-        out, reason = await self._collect(stream, request)
+            return StreamingResponse(sse_events(self.worker, stream, text, chunk, usage),
+                                     media_type="text/event-stream")
+        out, reason = await collect(self.worker, stream, request)
         result = chunk(text.text(out, True), reason)
         result["usage"] = self._usage(len(ids), len(out))
         return result
@@ -918,8 +365,9 @@ class KvgraftServer:
                 def usage(out: list[int]) -> dict:
                     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
                             "choices": [], "usage": self._usage(len(ids), len(out))}
-            return StreamingResponse(self._events(stream, text, chunk, usage), media_type="text/event-stream")
-        out, reason = await self._collect(stream, request)
+            return StreamingResponse(sse_events(self.worker, stream, text, chunk, usage),
+                                     media_type="text/event-stream")
+        out, reason = await collect(self.worker, stream, request)
         return {"id": rid, "object": "chat.completion", "created": created, "model": body.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text.text(out, True)},
                              "logprobs": None, "finish_reason": reason}],
@@ -1007,206 +455,9 @@ class KvgraftServer:
 
     # -- the schema --
     def openapi(self) -> dict:
-        """FastAPI's schema with this server's limits filled in (max_tokens, the vocabulary, the prompt's
-        length in token ids), examples that name the served models, and FastAPI's default 422 validation
-        response removed (validation errors are 400 here)."""
-        from fastapi.openapi.utils import get_openapi
-
-        app = self.app
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        for item in schema["paths"].values():
-            for op in item.values():
-                default = op.get("responses", {}).get("422", {})
-                if "HTTPValidationError" in json.dumps(default):
-                    del op["responses"]["422"]
-        comps = schema.get("components", {}).get("schemas", {})
-        for name in ("HTTPValidationError", "ValidationError"):
-            comps.pop(name, None)
-        vocab = self.engine.model.config.vocab_size
-        limit = self.config.max_tokens_limit
-        ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}, "minItems": 1,
-               "maxItems": self.max_prompt_tokens}
-        prompt = comps["CompletionRequest"]["properties"]["prompt"]
-        prompt["anyOf"] = [_NON_EMPTY, ids, {"type": "array", "items": _NON_EMPTY, "minItems": 1, "maxItems": 1},
-                           {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]
-        for req, fields in (("CompletionRequest", ("max_tokens",)),
-                            ("ChatRequest", ("max_tokens", "max_completion_tokens"))):
-            for field in fields:
-                for option in comps[req]["properties"][field]["anyOf"]:
-                    if option.get("type") == "integer":
-                        option["maximum"] = limit
-        names = [self.config.model_name, *self.worker.adapters]
-        for req in ("CompletionRequest", "ChatRequest"):
-            comps[req]["properties"]["model"]["examples"] = names
-        question, n = "Q: A square has side 7. Area?\nA:", min(8, limit)
-        chat = [{"role": "user", "content": "A square has side 7. Area?"}]
-        examples = {
-            "/v1/completions": [{"model": m, "prompt": question, "max_tokens": n, "temperature": 0} for m in names]
-            + [{"model": names[-1], "prompt": question, "max_tokens": n, "stream": True, "stop": ["\n"]}],
-            "/v1/chat/completions": [{"model": m, "messages": chat, "max_tokens": n, "temperature": 0} for m in names]
-            + [{"model": names[-1], "messages": chat, "max_tokens": n, "stream": True,
-                "stream_options": {"include_usage": True}}],
-        }
-        for path, values in examples.items():
-            media = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
-            media["examples"] = {f"example{i}": {"value": v} for i, v in enumerate(values)}
-        app.openapi_schema = schema
-        return schema
-
-    # -- the app --
-    def _build_app(self) -> FastAPI:
-        from contextlib import asynccontextmanager
-
-        from prometheus_client import CollectorRegistry
-        from starlette.exceptions import HTTPException as StarletteHTTPException
-
-        self._registry = CollectorRegistry()
-        self._registry.register(_Metrics(self.worker))
-        server = self
-
-        @asynccontextmanager
-        async def lifespan(app):
-            server.worker.start()
-            yield
-            server.worker.stop()
-
-        app = FastAPI(title="kvgraft", version=_version(), lifespan=lifespan,
-                      description="OpenAI-compatible completions over kvgraft's engine; many LoRA adapters on one "
-                                  "base. Every error is an ErrorResponse.")
-        app.add_middleware(_BodyLimit, limit=self.config.max_request_bytes)
-
-        @app.exception_handler(HTTPError)
-        async def http_error(request: Request, exc: HTTPError):
-            return error_response(exc.status, exc.message, exc.kind, exc.param)
-
-        @app.exception_handler(RequestValidationError)
-        async def invalid(request: Request, exc: RequestValidationError):
-            errors = exc.errors()
-            parts = [f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errors[:5]]
-            param = ".".join(str(x) for x in errors[0].get("loc", ())[1:]) if errors else None
-            return error_response(400, "invalid request: " + "; ".join(parts), param=param or None)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def starlette_error(request: Request, exc: StarletteHTTPException):  # unknown paths, methods
-            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-            return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
-
-        @app.exception_handler(Exception)
-        async def server_error(request: Request, exc: Exception):  # a bug: still the documented shape
-            return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
-
-        generate = _responses(400, 404, 409, 411, 413, 429, 500, 503)
-        stream = {"text/event-stream": {"schema": _SSE}}
-        app.post("/v1/completions", responses={
-            200: {"model": Completion, "description": "The completion (JSON), or its stream", "content": stream},
-            **generate})(self.completions)
-        app.post("/v1/chat/completions", responses={
-            200: {"model": ChatCompletion, "description": "The chat completion (JSON), or its stream",
-                  "content": stream},
-            **generate})(self.chat)
-        app.get("/v1/models", response_model=None, responses={
-            200: {"model": ModelList, "description": "The base, then every loaded adapter"}})(self.models)
-        app.post("/v1/load_lora_adapter", response_model=None, responses={
-            200: {"model": LoadAdapterResponse, "description": "Loaded"},
-            **_responses(400, 403, 404, 409, 411, 413, 422, 500, 503)})(self.load_adapter)
-        app.post("/v1/unload_lora_adapter", response_model=None, responses={
-            200: {"model": UnloadAdapterResponse, "description": "Unloaded, or unloading once its requests finish"},
-            **_responses(400, 404, 409, 411, 413, 500, 503)})(self.unload_adapter)
-        app.get("/health", response_model=None, responses={
-            200: {"model": Health, "description": "The engine runs"},
-            503: {"model": Health, "description": "The engine is not running"}})(self.health)
-        app.get("/metrics", response_model=None, response_class=PlainTextResponse, responses={
-            200: {"description": "Prometheus text exposition format",
-                  "content": {"text/plain": {"schema": {"type": "string"}}}}})(self.metrics)
-        app.openapi = self.openapi
-        return app
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("kvgraft")
-    except Exception:
-        return "0"
-
-
-class _BodyLimit:
-    """Pure ASGI middleware: a POST must say its size (Content-Length: 411 if not) and stay within the
-    limit (413 if not)."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST":
-            length = dict(scope["headers"]).get(b"content-length")
-            response = None
-            if length is None:
-                response = error_response(411, "requests need a Content-Length header")
-            elif not length.isdigit():
-                response = error_response(400, f"Content-Length {length.decode(errors='replace')!r} is not a number")
-            elif int(length) > self.limit:
-                response = error_response(413, f"the request body ({int(length)} bytes) exceeds this server's limit "
-                                               f"({self.limit} bytes)")
-            if response is not None:
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _Metrics:
-    """Prometheus collector reading the engine thread's latest snapshot (no locks held across a step)."""
-
-    def __init__(self, worker: EngineWorker) -> None:
-        self.worker = worker
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        w, s = self.worker, self.worker.snapshot
-        queued = max(w.in_flight - s.get("running", 0), 0)
-        yield GaugeMetricFamily("kvgraft_queue_depth", "requests waiting for the engine (submitted, not running)",
-                                value=queued)
-        yield GaugeMetricFamily("kvgraft_running_requests", "requests in the running batch", value=s.get("running", 0))
-        yield GaugeMetricFamily("kvgraft_tokens_per_second", "generated tokens per second over the last 10 s",
-                                value=w.tokens_per_second())
-        yield CounterMetricFamily("kvgraft_generated_tokens", "tokens generated", value=w.generated_tokens)
-        yield CounterMetricFamily("kvgraft_prompt_tokens", "prompt tokens of accepted requests", value=w.prompt_tokens)
-        requests = CounterMetricFamily("kvgraft_requests", "finished requests by outcome", labels=["outcome"])
-        for outcome, n in w.counts.items():
-            requests.add_metric([outcome], n)
-        yield requests
-        c = s.get("cache", {})
-        cache = GaugeMetricFamily("kvgraft_cache_bytes", "paged KV cache bytes: used, free, total; shared (blocks "
-                                  "held by more than one sequence or prefix-cache entry, each counted once) and "
-                                  "private (the rest of used)", labels=["kind"])
-        for kind in ("used", "free", "total", "shared", "private"):
-            cache.add_metric([kind], c.get(f"{kind}_bytes", 0))
-        yield cache
-        yield GaugeMetricFamily("kvgraft_prefix_cache_entries", "prefix-cache entries held",
-                                value=c.get("prefix_entries", 0))
-        yield GaugeMetricFamily("kvgraft_prefix_cache_state_bytes", "bytes of prefix-cache entries outside the "
-                                "paged cache: copied per-sequence state and hidden states kept for decoder replay "
-                                "(their blocks count in kvgraft_cache_bytes)",
-                                value=c.get("prefix_bytes", 0))
-        yield GaugeMetricFamily("kvgraft_prefix_cache_hit_rate", "prefix-cache hits / queries since the start",
-                                value=c.get("prefix_hit_rate", 0.0))
-        yield CounterMetricFamily("kvgraft_prefix_cache_queries", "prefix-cache look-ups",
-                                  value=c.get("prefix_queries", 0))
-        yield CounterMetricFamily("kvgraft_prefix_cache_hits", "prefix-cache look-ups that found a cached prefix",
-                                  value=c.get("prefix_hits", 0))
-        yield CounterMetricFamily("kvgraft_decoder_replays", "adapter switches on a cached prefix served by "
-                                  "replaying the decoder layers", value=c.get("replays", 0))
-        yield CounterMetricFamily("kvgraft_decoder_replayed_tokens", "token positions recomputed by decoder replays",
-                                  value=c.get("replayed_tokens", 0))
-        yield GaugeMetricFamily("kvgraft_adapters_loaded", "adapters loaded", value=s.get("adapters", 0))
-        yield CounterMetricFamily("kvgraft_engine_steps", "engine steps", value=s.get("steps", 0))
-        yield CounterMetricFamily("kvgraft_preemptions", "requests preempted (recomputed later)",
-                                  value=s.get("preemptions", 0))
-        yield CounterMetricFamily("kvgraft_engine_errors", "failed engine steps", value=w.errors)
+        """``/openapi.json``: :func:`kvgraft.serve.routes.openapi` (FastAPI's schema with this server's limits
+        and served models filled in)."""
+        return routes.openapi(self)
 
 
 # ---- building and running -------------------------------------------------------------------------------
