@@ -48,7 +48,13 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
     from kvgraft.adapters.fingerprint import relocate_reference
     from kvgraft.adapters.lora import META_FILE, base_fingerprint, check_base, read_meta
     from kvgraft.atomic import atomic_dir
-    from kvgraft.hf.deepseek import LATENT_NORM_STRATEGIES, STOCK_LATENT_NORM_EPS, _interleave_perm, _q_bias_layers, _stock_rope
+    from kvgraft.hf.deepseek import (
+        LATENT_NORM_STRATEGIES,
+        STOCK_LATENT_NORM_EPS,
+        interleave_perm,
+        query_bias_layers,
+        stock_rope_parameters,
+    )
 
     cfg = model.config
     meta = read_meta(adapter_dir)
@@ -65,13 +71,13 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
                          "without its own latent norm) change each layer's latent basis, which a kv_a/kv_b adapter "
                          "would have to follow; export the base with target='transformers' (latent_norm 'pad', exact, "
                          "transformers only) or give the base its own latent norm (mla_latent_norm, exact everywhere)")
-    if cfg.qkv_bias and _q_bias_layers(model) and any(".self_attn.q_proj" in m for m in meta["modules"]):
+    if cfg.qkv_bias and query_bias_layers(model) and any(".self_attn.q_proj" in m for m in meta["modules"]):
         raise ValueError(f"adapter {adapter_dir} adapts q_proj of a base whose queries have a bias: stock DeepSeek-V3 "
                          "takes them through its low-rank q_a_proj/q_b_proj path, which a q_proj delta cannot follow; "
                          "train the adapter without q_proj (e.g. --modules kv_b_proj o_proj)")
     H, dc, dr, dn = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
-    perm = _interleave_perm(dr)
-    q_fold = _stock_rope(cfg)[1]
+    perm = interleave_perm(dr)
+    q_fold = stock_rope_parameters(cfg)[1]
     # exact latent norm: rows rescaled so stock's eps acts as kvgraft's; "pad": rows kept, one zero row added
     s = 1.0 if pad else (STOCK_LATENT_NORM_EPS / cfg.rms_norm_eps) ** 0.5
     mlp = [m for m in meta["modules"] if ".mlp." in m]

@@ -77,7 +77,7 @@ TAIL_SEQUENCES = 8  # calibration sequences (the last ones) that the reported er
 @torch.no_grad()
 def _tail_figures(original, converted, ids: torch.Tensor) -> dict:
     """Perplexity of the original and the converted model, and their max |logit diff|, on ``ids``."""
-    from kvgraft.hf.deepseek import _perplexity
+    from kvgraft.hf.deepseek import perplexity
 
     device = original.embed_tokens.weight.device
     was = original.training, converted.training
@@ -89,8 +89,8 @@ def _tail_figures(original, converted, ids: torch.Tensor) -> dict:
     finally:
         original.train(was[0])
         converted.train(was[1])
-    return {"sequences": ids.shape[0], "seq_len": ids.shape[1], "original_perplexity": _perplexity(a, ids),
-            "converted_perplexity": _perplexity(b, ids),
+    return {"sequences": ids.shape[0], "seq_len": ids.shape[1], "original_perplexity": perplexity(a, ids),
+            "converted_perplexity": perplexity(b, ids),
             "converted_max_abs_logit_diff_vs_original": float((a - b).abs().max())}
 
 
@@ -301,13 +301,13 @@ def convert(
         ced_graft.check_against(predicted)
     if stock:
         from kvgraft.errors import UnsupportedModelError
-        from kvgraft.hf.deepseek import _config_problems, _stock_rope
+        from kvgraft.hf.deepseek import config_problems, stock_rope_parameters
 
-        problems = _config_problems(predicted)
+        problems = config_problems(predicted)
         if problems:
             raise UnsupportedModelError("cannot export to stock DeepSeek-V3 (--format " + output_format + "): "
                                         + "; ".join(problems) + "; use --format kvgraft")
-        _stock_rope(predicted)
+        stock_rope_parameters(predicted)
     tokenizer = load_tokenizer_dir(src)
     calib = None
     if objective != "weights":
@@ -317,9 +317,9 @@ def convert(
     t0 = time.perf_counter()
     original = load_pretrained(src, dtype=torch.float32, device=device)  # refuses NaN/Inf weights, naming them
     if stock:
-        from kvgraft.hf.deepseek import _weight_problems
+        from kvgraft.hf.deepseek import weight_problems
 
-        problems = _weight_problems(original)
+        problems = weight_problems(original)
         if problems:
             raise UnsupportedModelError("cannot export to stock DeepSeek-V3 (--format " + output_format + "): "
                                         + "; ".join(problems) + "; use --format kvgraft")

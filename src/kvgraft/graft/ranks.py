@@ -83,10 +83,10 @@ def stock_rope_problem(config: ModelConfig, d_rope: int, layout: str = STOCK_ROP
     if config.rope.rope_type in ("default", "linear") or (layout == "stride" and config.rope.rope_type == "llama3"):
         return None  # functions of each base frequency alone, which both layouts reproduce exactly
     from kvgraft.errors import UnsupportedModelError
-    from kvgraft.hf.deepseek import _stock_rope
+    from kvgraft.hf.deepseek import stock_rope_parameters
 
     try:
-        _stock_rope(config.replace(qk_rope_head_dim=d_rope), layout=layout)
+        stock_rope_parameters(config.replace(qk_rope_head_dim=d_rope), layout=layout)
     except UnsupportedModelError as exc:
         return str(exc)
     return None

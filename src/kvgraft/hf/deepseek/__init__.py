@@ -1,0 +1,153 @@
+"""Export an all-MLA kvgraft model as a stock DeepSeek-V3 checkpoint (``model_type: deepseek_v3``).
+
+The directory (config.json, model.safetensors, generation_config.json, tokenizer files) loads with
+unmodified ``transformers.AutoModelForCausalLM.from_pretrained`` (no remote code, no kvgraft) and uses
+DeepSeek's own tensor names, so MLA serving stacks (vLLM, SGLang) read it as they read DeepSeek's
+checkpoints: dense SwiGLU MLPs only (``first_k_dense_replace = num_hidden_layers``, no MoE layer, no MTP
+layer), ``q_lora_rank: null`` (a plain ``q_proj``), ``num_key_value_heads = num_attention_heads``,
+``rope_interleave: true``.
+
+Two constructions (``target``): "engines" (the default) writes nothing vLLM or SGLang drop or overflow: no
+attention bias tensor (their DeepSeek models build the projections bias=False and skip bias tensors), every
+weight within fp16's range (checked), the latent norm fitted ("fit") and biases folded into the weights
+(``EngineFold``), its error measured; "transformers" writes the exact constructions, which hold
+constants in attention biases and only transformers computes as written (a warning says so).
+
+What is exact and what is not in the "transformers" construction (``docs/export.md`` has the per-family table)
+is said in the module that builds it. One concept per module; imports run one way (rope <- checks <- folds
+<- tensors <- export; latent <- tensors, export; measure <- export):
+
+- ``rope``: the kvgraft RoPE layouts stock can hold ('prefix', 'stride') and their scaling (yarn)
+  re-expressed for stock.
+- ``checks``: what stock cannot express (refused, naming the fix) and the serving kernels' fast path.
+- ``latent``: the latent RMSNorm constructions (exact, "pad", "fit" with ``fit_latent_metric``, "scale")
+  and the low-rank query path that carries a query bias.
+- ``folds``: the engine-safe bias folds (``target="engines"``).
+- ``tensors``: the tensors under DeepSeek-V3's names and config.json.
+- ``export``: ``export_deepseek_v3``, its ``ExportReport`` and README card (a sliding window).
+- ``measure``: loading the export with stock transformers and measuring it against the kvgraft model.
+
+transformers builds ``kv_a_layernorm`` with eps 1e-6 whatever ``rms_norm_eps`` says, while vLLM and SGLang
+use ``rms_norm_eps``. The export is exact in transformers; when ``rms_norm_eps != 1e-6`` the serving stacks
+see the latent norm with a slightly different eps (the report says so). Older vLLM releases refuse a
+DeepSeek-V2/V3 model without any MoE layer ("No DeepseekV2MoE layer found in model.layers"); newer ones
+log a warning and load it.
+"""
+
+from __future__ import annotations
+
+from kvgraft.hf.deepseek.checks import (
+    FLASH_MLA_KV_LORA_RANK,
+    FLASH_MLA_ROPE_HEAD_DIM,
+    config_problems,
+    deepseek_v3_fast_path,
+    has_nonzero,
+    weight_problems,
+)
+from kvgraft.hf.deepseek.export import FP16_MAX, STOCK_TARGETS, ExportReport, export_card, export_deepseek_v3
+from kvgraft.hf.deepseek.folds import EngineFold, collect_input_moments, engine_folds
+from kvgraft.hf.deepseek.latent import (
+    ENGINE_LATENT_RMS,
+    LATENT_NORM_STRATEGIES,
+    PIN_DELTA,
+    STOCK_LATENT_NORM_EPS,
+    Latent,
+    LowRankQuery,
+    approx_latent,
+    collect_latents,
+    exact_latent,
+    fit_latent_metric,
+    latent_unit,
+    low_rank_query,
+    pad_latent,
+)
+from kvgraft.hf.deepseek.measure import load_stock, measure_export, measure_export_error, perplexity
+from kvgraft.hf.deepseek.rope import (
+    STOCK_ROPE_LAYOUTS,
+    prefix_rope_index,
+    stock_rope_layout,
+    stock_rope_parameters,
+    stride_rope_index,
+)
+from kvgraft.hf.deepseek.tensors import (
+    attention_bias_needed,
+    deepseek_v3_config,
+    interleave_perm,
+    query_bias_layers,
+    stock_tensors,
+)
+
+# The names of the single-module kvgraft.hf.deepseek, kept importable: the private helpers made public above
+# under new names, and those that stay private in their module.
+from kvgraft.hf.deepseek.latent import _least_squares_unit as _least_squares_unit
+from kvgraft.hf.deepseek.latent import _norm_scale as _norm_scale
+from kvgraft.hf.deepseek.latent import _pinned_constant as _pinned_constant
+from kvgraft.hf.deepseek.latent import _pow2_above as _pow2_above
+from kvgraft.hf.deepseek.measure import _kl as _kl
+from kvgraft.hf.deepseek.measure import _logits_pair as _logits_pair
+from kvgraft.hf.deepseek.rope import _yarn_range_for_stock as _yarn_range_for_stock
+
+_stock_rope = stock_rope_parameters
+_config_problems = config_problems
+_weight_problems = weight_problems
+_nonzero = has_nonzero
+_Latent = Latent
+_LowRankQuery = LowRankQuery
+_pad_latent = pad_latent
+_low_rank_query = low_rank_query
+_collect_latents = collect_latents
+_approx_latent = approx_latent
+_exact_latent = exact_latent
+_latent_unit = latent_unit
+_collect_input_moments = collect_input_moments
+_EngineFold = EngineFold
+_engine_folds = engine_folds
+_interleave_perm = interleave_perm
+_stock_tensors = stock_tensors
+_attention_bias_needed = attention_bias_needed
+_q_bias_layers = query_bias_layers
+_perplexity = perplexity
+
+__all__ = [
+    "ENGINE_LATENT_RMS",
+    "FLASH_MLA_KV_LORA_RANK",
+    "FLASH_MLA_ROPE_HEAD_DIM",
+    "FP16_MAX",
+    "LATENT_NORM_STRATEGIES",
+    "PIN_DELTA",
+    "STOCK_LATENT_NORM_EPS",
+    "STOCK_ROPE_LAYOUTS",
+    "STOCK_TARGETS",
+    "EngineFold",
+    "ExportReport",
+    "Latent",
+    "LowRankQuery",
+    "approx_latent",
+    "attention_bias_needed",
+    "collect_input_moments",
+    "collect_latents",
+    "config_problems",
+    "deepseek_v3_config",
+    "deepseek_v3_fast_path",
+    "engine_folds",
+    "exact_latent",
+    "export_card",
+    "export_deepseek_v3",
+    "fit_latent_metric",
+    "has_nonzero",
+    "interleave_perm",
+    "latent_unit",
+    "load_stock",
+    "low_rank_query",
+    "measure_export",
+    "measure_export_error",
+    "pad_latent",
+    "perplexity",
+    "prefix_rope_index",
+    "query_bias_layers",
+    "stock_rope_layout",
+    "stock_rope_parameters",
+    "stock_tensors",
+    "stride_rope_index",
+    "weight_problems",
+]

@@ -1,0 +1,119 @@
+"""The engine-safe bias folds (``target="engines"``): attention biases carried by bias-free weights.
+
+vLLM and SGLang build their DeepSeek attention projections without biases and skip bias tensors, so the
+"engines" export folds each layer's biases into the weights through directions fitted on calibration
+inputs (``EngineFold``); the export measures the error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgraft.hf.deepseek.checks import has_nonzero
+from kvgraft.model.transformer import Transformer
+
+
+@torch.no_grad()
+def collect_input_moments(model: Transformer, ids: torch.Tensor, batch_size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (E[x], E[x x^T]) of the attention input x (what q_proj and kv_a_proj read), fp64 CPU.
+
+    Accumulated as running sums on the model's device (fp32 outer products), so memory is hidden^2 per layer
+    whatever the number of calibration tokens."""
+    h = model.config.hidden_size
+    device = model.embed_tokens.weight.device
+    sums = [[0, torch.zeros(h, dtype=torch.float64, device=device), torch.zeros(h, h, device=device)]
+            for _ in model.layers]
+    hooks = []
+    for i, block in enumerate(model.layers):
+        def hook(_mod, inp, _out, i=i):
+            x = inp[0].detach().reshape(-1, h).float()
+            sums[i][0] += x.shape[0]
+            sums[i][1] += x.sum(0).double()
+            sums[i][2] += x.T @ x
+        hooks.append(block.self_attn.kv_a_proj.register_forward_hook(hook))
+    try:
+        for start in range(0, ids.shape[0], batch_size):
+            model(ids[start:start + batch_size].to(device))
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return [(s.cpu() / n, o.double().cpu() / n) for n, s, o in sums]
+
+
+@dataclass
+class EngineFold:
+    """How one layer's attention biases reach a bias-free stock checkpoint (``target="engines"``).
+
+    A bias b after a linear map W of the attention input x becomes W' = W + b u^T, with u the least-squares
+    direction u . x_t ~ 1 on calibration inputs (u = E[x x^T]^-1 E[x]): exact where u . x_t = 1, off by
+    b (u . x_t - 1) elsewhere. A constant value v (the kv_b value bias, and the o_proj bias moved in front of
+    o_proj: attention weights sum to one, so a constant value passes through unchanged) is added to kv_b' as
+    v unit^T, unit . n_t ~ 1 on the exported normalised latents. The key half of a kv_b bias adds the same
+    amount to every logit of a query: softmax ignores it, dropped exactly."""
+
+    q_delta: torch.Tensor | None = None  # (H (dn + dr), h), kvgraft's row order
+    a_delta: torch.Tensor | None = None  # (dc + dr, h)
+    value: torch.Tensor | None = None  # (H dv,): a constant added to every value
+    input_cv: float = 0.0  # std / mean of u . x_t on calibration
+    o_residual: float = 0.0  # |o_proj v - o_bias| / |o_bias| (0 unless o_proj cannot reach the bias)
+
+
+def engine_folds(model: Transformer, moments: list[tuple[torch.Tensor, torch.Tensor]] | None) -> list[EngineFold | None]:
+    """Per layer, the bias folds of ``EngineFold`` (None: the layer has no bias to fold)."""
+    cfg = model.config
+    H, dn, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    out: list[EngineFold | None] = []
+    for i, block in enumerate(model.layers):
+        attn = block.self_attn
+        bq = attn.q_proj.bias if has_nonzero(attn.q_proj.bias) else None
+        ba = attn.kv_a_proj.bias if has_nonzero(attn.kv_a_proj.bias) else None
+        bb = attn.kv_b_proj.bias if has_nonzero(attn.kv_b_proj.bias) else None
+        bo = attn.o_proj.bias if has_nonzero(attn.o_proj.bias) else None
+        if bq is None and ba is None and bb is None and bo is None:
+            out.append(None)
+            continue
+        fold = EngineFold()
+        if bq is not None or ba is not None:
+            if moments is None:
+                raise ValueError(
+                    f"layer {i} has attention biases (q_proj / kv_a_proj): the engine-safe stock export folds them "
+                    "into the weights through the attention input's mean direction, measured on calibration text; "
+                    "pass calibration token ids, or export with target='transformers' (exact, transformers only)")
+            mean, second = moments[i]
+            S = second + 1e-6 * float(second.diagonal().mean().clamp_min(1e-300)) * torch.eye(
+                second.shape[0], dtype=torch.float64)
+            u = torch.linalg.solve(S, mean)
+            ux_mean = float(u @ mean)
+            ux_var = float(u @ second @ u) - ux_mean ** 2
+            fold.input_cv = max(ux_var, 0.0) ** 0.5 / max(abs(ux_mean), 1e-300)
+            if bq is not None:
+                fold.q_delta = bq.detach().to("cpu", torch.float64)[:, None] * u[None, :]
+            if ba is not None:
+                fold.a_delta = ba.detach().to("cpu", torch.float64)[:, None] * u[None, :]
+        value = torch.zeros(H * dv, dtype=torch.float64)
+        if bb is not None:
+            value += bb.detach().to("cpu", torch.float64).view(H, dn + dv)[:, dn:].reshape(-1)
+        if bo is not None:
+            W_o = attn.o_proj.weight.detach().to("cpu", torch.float64)  # (h, H dv)
+            b_o = bo.detach().to("cpu", torch.float64)
+            v = torch.linalg.lstsq(W_o, b_o[:, None]).solution[:, 0]
+            fold.o_residual = float((W_o @ v - b_o).norm() / b_o.norm())
+            value += v
+        if bool(value.abs().max() > 0):
+            if moments is None:
+                raise ValueError(
+                    f"layer {i} has a value or o_proj bias: the engine-safe stock export carries it as a constant "
+                    "value through kv_b, fitted on calibration text; pass calibration token ids, or export with "
+                    "target='transformers' (exact, transformers only)")
+            fold.value = value
+        out.append(fold)
+    return out
+
+
+__all__ = [
+    "EngineFold",
+    "collect_input_moments",
+    "engine_folds",
+]
