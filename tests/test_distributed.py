@@ -42,9 +42,15 @@ def data_dir(tmp_path_factory) -> Path:
     return root
 
 
-def _run(cmd: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert result.returncode == 0, result.stderr[-3000:]
+def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """Its own timeout (a cold machine imports torch slowly in two processes at once), and the launcher's
+    output kept in the assertion either way, so a failure says why."""
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"")[-2000:], (exc.stderr or b"")[-3000:]
+        raise AssertionError(f"{cmd[:6]} ran past {timeout} s; stdout: {out[0]!r}; stderr: {out[1]!r}") from None
+    assert result.returncode == 0, f"exit {result.returncode}; stdout: {result.stdout[-2000:]}; stderr: {result.stderr[-3000:]}"
     return result
 
 
@@ -87,7 +93,9 @@ def _assert_same_run(one: Path, two: Path) -> None:
 def test_torchrun_two_processes_equal_one_at_the_same_global_batch(data_dir, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     _single(data_dir, one)
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    # a free port chosen here and passed explicitly (static rendezvous), not the launcher's own pick
+    _run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2",
+          "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
           "-m", "kvgraft", *COMMON, "--data", str(data_dir), "--out", str(two), "--micro-batch-size", "4"])
     _assert_same_run(one, two)
 
