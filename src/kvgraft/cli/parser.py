@@ -1,23 +1,27 @@
-"""The ``kvgraft`` command: one subcommand per entry-point function, no logic of its own.
+"""``build_parser()``: every subcommand of ``kvgraft`` and its options.
 
-User errors (bad paths, bad values, corrupt checkpoints) print one line ``kvgraft: error: ...``
-and exit with status 2. ``kvgraft doctor`` exits with status 3 (``EXIT_BLOCKED``) when its report has a
-blocker (the report, and ``--json``, are written first), so a script can tell a blocked conversion.
+Only light imports here (no torch, no transformers): `kvgraft --help` runs in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import sys
-from collections.abc import Sequence
-from pathlib import Path
 
-from kvgraft.errors import KvgraftError
-
-EXIT_ERROR = 2  # bad arguments, missing or corrupt files, out-of-range values: one line on stderr
-EXIT_BLOCKED = 3  # kvgraft doctor: the report lists at least one blocker
+from kvgraft.cli.adapter_commands import cmd_adapt, cmd_experiment, cmd_probe, cmd_serve
+from kvgraft.cli.commands import (
+    cmd_convert,
+    cmd_demo,
+    cmd_doctor,
+    cmd_eval,
+    cmd_generate,
+    cmd_heal,
+    cmd_prepare_data,
+    cmd_pretrain,
+    cmd_ship,
+    cmd_tasks,
+)
+from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_ERROR
 
 
 def _add_train_args(p: argparse.ArgumentParser, defaults) -> None:
@@ -36,262 +40,6 @@ def _add_train_args(p: argparse.ArgumentParser, defaults) -> None:
             p.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
 
 
-def _train_config(args: argparse.Namespace):
-    from kvgraft.train.config import TrainConfig
-
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-
-
-def cmd_prepare_data(args: argparse.Namespace) -> int:
-    from kvgraft.data import prepare_data
-
-    summary = prepare_data(args.out, sources=args.sources, vocab_size=args.vocab_size, seed=args.seed,
-                           files=args.files, tokenizer=args.tokenizer)
-    for split, s in summary["splits"].items():
-        print(f"{split:>10}: {s['documents']:>6} documents, {s['tokens']:>9,} tokens")
-    return 0
-
-
-def cmd_pretrain(args: argparse.Namespace) -> int:
-    from kvgraft.train.pretrain import pretrain
-
-    result = pretrain(args.data, args.out, model=args.model, train_config=_train_config(args), seq_len=args.seq_len)
-    from accelerate import PartialState
-
-    if PartialState().is_main_process:  # one summary line under torchrun / accelerate launch too
-        print(json.dumps({"step": result.step, "tokens": result.tokens, "train_loss": result.train_loss,
-                          "val_loss": result.val_loss, "stopped_early": result.stopped_early}))
-    return 0
-
-
-def cmd_ship(args: argparse.Namespace) -> int:
-    from kvgraft.train.ship import ship_reference
-
-    command = args.command_line or "(not recorded)"
-    out = ship_reference(args.run, args.data, args.out, command=command, overwrite=args.overwrite,
-                         compare_with=args.compare_with)
-    print(f"shipped {out}")
-    return 0
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from kvgraft.checks import check_writable
-    from kvgraft.eval import compare_table, evaluate, format_report
-    from kvgraft.eval.report import check_eval_args
-    from kvgraft.reference import resolve_model
-
-    # every value is checked before any model or token file is read
-    check_eval_args(args.seq_len, args.max_tokens, args.contexts, args.batch_sizes, args.new_tokens)
-    if args.json:
-        check_writable(args.json, what="--json file")
-    if args.out:
-        check_writable(Path(args.out) / "compare.md", what="--out directory")
-    results = []
-    models = args.model or [None]
-    paths = [resolve_model(name) for name in models]
-    tokens = None
-    if args.text is None and len(paths) > 1:  # score every model on the same tokens
-        tokens = next((p / "eval" / "heldout.npy" for p in paths if (p / "eval" / "heldout.npy").is_file()), None)
-    for i, path in enumerate(paths):
-        json_out = None
-        if args.json:
-            json_out = args.json if len(models) == 1 else Path(args.json).with_suffix(f".{i}.json")
-        results.append(evaluate(
-            model_path=path, text_file=args.text, tokens=tokens, seq_len=args.seq_len, contexts=tuple(args.contexts),
-            batch_sizes=tuple(args.batch_sizes), new_tokens=args.new_tokens, json_out=json_out,
-            max_tokens=args.max_tokens,
-        ))
-        print(format_report(results[-1]))
-    if len(results) > 1:
-        print(compare_table(results))
-    if args.out:
-        from kvgraft.eval.compare import write_compare_report
-
-        print(f"report: {write_compare_report(results, args.out) / 'compare.md'}")
-    return 0
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from kvgraft.serve.sampling import SamplingParams
-
-    # every value is checked before the model loads
-    from kvgraft.checks import check_text
-
-    check_text("--prompt", args.prompt)  # argv bytes that are not UTF-8 arrive as lone surrogates
-    for stop in args.stop or ():
-        check_text("--stop", stop)
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              seed=args.seed, stop=tuple(args.stop or ()))
-    if sampling.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens ({args.max_new_tokens}) must be >= 1")
-
-    from kvgraft.hf import load_pretrained, load_tokenizer_dir
-    from kvgraft.reference import resolve_model
-    from kvgraft.serve.engine import Engine
-
-    path = resolve_model(args.model)
-    tok = load_tokenizer_dir(path)
-    if tok is None:
-        raise FileNotFoundError(f"{path} has no tokenizer.json; generation needs one")
-    ids = tok.encode(args.prompt)
-    if not ids:
-        raise ValueError("the prompt is empty after tokenization; give a non-empty --prompt")
-    from kvgraft.hf import load_config
-
-    limit = load_config(path).max_position_embeddings  # checked on config.json, before the weights load
-    if len(ids) + sampling.max_new_tokens > limit:
-        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({sampling.max_new_tokens}) exceeds the "
-                         f"model's max_position_embeddings ({limit})")
-    model = load_pretrained(path).eval()
-    eos = model.config.eos_token_id
-    if eos is not None:
-        sampling = SamplingParams(**{**sampling.__dict__, "stop_token_ids": (eos,)})
-
-    def detok(out: list[int]) -> str:
-        return tok.decode(out, skip_special_tokens=True)
-
-    engine = Engine(model, max_seqs=1, max_seq_len=len(ids) + sampling.max_new_tokens, detokenize=detok)
-    rid = engine.add_request(ids, sampling)
-    print(detok(ids), end="", flush=True)
-    shown = ""
-    while engine.has_unfinished():  # stream: print what each step adds to the decoded text
-        engine.step()
-        text = detok(engine.requests[rid].output)
-        for stop in sampling.stop:
-            if stop in text:
-                text = text[: text.index(stop)]
-        if text.startswith(shown):
-            print(text[len(shown):], end="", flush=True)
-            shown = text
-    print()
-    return 0
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    if args.after is not None:
-        from kvgraft.graft.checklist import checklist, format_checklist
-
-        if args.original is None:
-            raise ValueError("--after needs --original (the model before conversion)")
-        checks = checklist(args.after, args.original)
-        print(format_checklist(checks))
-        if args.json:
-            from kvgraft.atomic import atomic_write_text
-
-            atomic_write_text(args.json, json.dumps([c.to_dict() for c in checks], indent=2) + "\n")
-        return 0
-    from kvgraft.graft.doctor import doctor
-
-    if args.json:
-        from kvgraft.checks import check_writable
-
-        check_writable(args.json, what="--json file")
-    report = doctor(args.model, kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.rope_dim,
-                    compression=args.compression, output_format=args.format)
-    print(report.format())
-    if args.json:
-        from kvgraft.atomic import atomic_write_text
-
-        atomic_write_text(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
-    return EXIT_BLOCKED if report.blockers else 0
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    from kvgraft.graft.convert import convert
-
-    record = convert(
-        args.model, args.out, kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.rope_dim,
-        compression=args.compression, objective=args.objective, rope_selection=args.rope_selection,
-        rope_rotation=args.rope_rotation,
-        layerwise=args.layerwise, rope_expectation=args.rope_expectation,
-        layers=tuple(args.layers) if args.layers else None,
-        calibration=args.calibration, calibration_tokens=args.calibration_tokens, output_format=args.format,
-        overwrite=args.overwrite, device=args.device, to=args.to,
-        kv_source_layers=tuple(args.kv_source_layers) if args.kv_source_layers else None,
-        sliding_window=args.sliding_window, compress_rate=args.compress_rate,
-        calibration_shrinkage=args.calibration_shrinkage, target=args.target,
-        stock_construction=args.stock_construction,
-    )
-    if args.to == "ced":
-        share = record["share_graft"]
-        fits = ", ".join(f"layer {layer} <- {r['source']}: {r['relative_residual']:.3f}"
-                         for layer, r in share["readers"].items())
-        print(f"share graft: kv_source layers {share['kv_source_layers']} (pivot {share['pivot']}), window "
-              f"{share['sliding_window']}, m={share['compress_rate']}; least-squares residuals: {fits or 'none'}")
-        for n, b in record["kv_cache_bytes_bf16"].items():
-            print(f"KV bytes per sequence at {n} tokens (bf16): {b['original']:,} -> {b['converted']:,} "
-                  f"({b['original'] / b['converted']:.2f}x smaller)")
-    kv = record["kv_bytes_per_token_bf16"]
-    print(f"converted {record['source']} -> {args.out}: KV bytes/token (bf16) {kv['original']:,} -> "
-          f"{kv['converted']:,} ({record['compression']:.2f}x smaller) in {record['seconds']['convert']:.1f} s")
-    return 0
-
-
-def cmd_heal(args: argparse.Namespace) -> int:
-    from kvgraft.train.heal import HealConfig, heal
-
-    hc = HealConfig(loss=args.loss, kl_weight=args.kl_weight, temperature=args.temperature,
-                    attention_only=args.attention_only, tokens=args.tokens,
-                    fraction_of_pretraining=args.fraction)
-    from kvgraft.train.config import TrainConfig
-
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-                 if getattr(args, f.name) is not None}
-    result = heal(args.model, args.out, args.data, teacher=args.teacher, heal_config=hc,
-                  train_overrides=overrides, original_lr=args.original_lr,
-                  pretraining_tokens=args.pretraining_tokens, output_format=args.format)
-    print(json.dumps({"step": result.step, "tokens": result.tokens, "train_loss": result.train_loss,
-                      "val_loss": result.val_loss, "final": str(Path(args.out) / "final")}))
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from kvgraft.demo import demo
-
-    demo(args.model, out_dir=args.out, full=args.full)
-    return 0
-
-
-def cmd_tasks(args: argparse.Namespace) -> int:
-    from kvgraft.data.tasks import SPLITS, TASK_SUMMARIES, TASKS, read_task_info, write_task
-
-    if args.list:
-        for name in TASKS:
-            print(f"{name:>10}: {TASK_SUMMARIES[name]}")
-        return 0
-    if args.name is None or args.out is None:
-        raise ValueError(f"give a task name ({', '.join(TASKS)}) and --out DIR, or --list")
-    if args.name not in TASKS:
-        raise ValueError(f"unknown task {args.name!r} (known: {', '.join(TASKS)})")
-    from kvgraft.reference import resolve_model
-
-    tokenizer, tokenizer_name = None, None
-    try:  # token counts with the reference model's tokenizer, when there is one
-        from kvgraft.data.tokenizer import load_tokenizer
-
-        path = resolve_model(args.tokenizer)
-        tokenizer, tokenizer_name = load_tokenizer(path), path.name
-    except (KvgraftError, FileNotFoundError) as exc:
-        if args.tokenizer is not None:
-            raise
-        print(f"kvgraft: note: no token counts ({exc})", file=sys.stderr)
-    out = write_task(args.name, args.out, seed=args.seed, tokenizer=tokenizer, tokenizer_name=tokenizer_name,
-                     overwrite=args.overwrite)
-    info = read_task_info(out)
-    tokens = info.get("tokens", {}).get("splits", {})
-    print(f"{args.name} (seed {args.seed}, generator v{info['generator_version']}) -> {out}")
-    for split in SPLITS:
-        line = f"{split:>10}: {info['sizes'][split]:>5} examples"
-        if split in tokens:
-            t = tokens[split]
-            line += f", {t['mean']:.1f} tokens per example (min {t['min']}, max {t['max']})"
-        print(line)
-    if tokens:
-        print(f"{'all':>10}: {info['tokens']['all']['mean']:.1f} tokens per example (prompt + answer, "
-              f"{tokenizer_name} tokenizer)")
-    return 0
-
-
 def _preset_name(name: str) -> str:
     """argparse type of ``pretrain --model``: checked when parsed, so that building the parser (and
     ``kvgraft --help``) does not import the model package, which imports torch."""
@@ -300,126 +48,6 @@ def _preset_name(name: str) -> str:
     if name not in PRESETS:
         raise argparse.ArgumentTypeError(f"unknown model preset {name!r} (choose from {', '.join(sorted(PRESETS))})")
     return name
-
-
-def _adapt_config(args: argparse.Namespace):
-    from kvgraft.adapters.placement import Placement
-    from kvgraft.train.adapt import DEFAULT_PRESET, AdaptConfig
-
-    mults = []
-    for item in args.lr_mult or ():
-        glob, sep, factor = item.rpartition("=")
-        if not sep or not glob:
-            raise ValueError(f"--lr-mult {item!r} must look like GLOB=FACTOR, e.g. '*.compressor.*=0.1'")
-        try:
-            mults.append((glob, float(factor)))
-        except ValueError:
-            raise ValueError(f"--lr-mult {item!r}: {factor!r} is not a number") from None
-    placement = None
-    if args.layers is not None or args.modules is not None or args.include or args.exclude:
-        layers = args.layers or "all"
-        if layers not in ("all", "encoder-half", "decoder-half") and not layers.startswith("from:"):
-            try:
-                layers = tuple(int(x) for x in layers.split(","))
-            except ValueError:
-                raise ValueError(f"--layers {args.layers!r}: all, encoder-half, decoder-half, from:K or a list "
-                                 "like 4,5,6") from None
-        placement = Placement(layers, tuple(args.modules or ("all-linear",)), tuple(args.include or ()),
-                              tuple(args.exclude or ()))
-    preset = args.preset
-    if placement is not None:  # the placement given; the rank from --rank, else from --preset or the default
-        preset = None if args.rank is not None else (preset or DEFAULT_PRESET)
-    return AdaptConfig(preset=preset, placement=placement, rank=args.rank, alpha=args.alpha, dropout=args.dropout,
-                       freeze_kv_writers=args.freeze_kv_writers, freeze=tuple(args.freeze or ()),
-                       lr_multipliers=tuple(mults), loraplus_ratio=args.loraplus_ratio, steps=args.steps, lr=args.lr,
-                       micro_batch_size=args.micro_batch_size, seed=args.seed,
-                       gradient_checkpointing=args.gradient_checkpointing, accuracy_examples=args.accuracy_examples,
-                       val_examples=args.val_examples, test_examples=args.test_examples,
-                       require_sharing=args.share_cache)
-
-
-def cmd_adapt(args: argparse.Namespace) -> int:
-    from kvgraft.train.adapt import adapt
-
-    cfg = _adapt_config(args)
-    result = adapt(args.base, args.task, args.out, cfg, dry_run=args.dry_run,
-                   log=lambda line: print(line, flush=True))  # the note before training, when it will not share
-    share = result.get("sharing")  # absent when the run stopped early (no adapter yet)
-    if args.dry_run:
-        for row in result["modules"]:
-            print(f"{row['module']:<48} {row['in']:>6} -> {row['out']:<6} {row['lora_params']:>10,}")
-        cert = result["certificate"]
-        print(f"{len(result['modules'])} modules, {result['trainable_parameters']:,} trainable parameters "
-              f"({100 * result['trainable_parameters'] / result['base_parameters']:.2f}% of the base's "
-              f"{result['base_parameters']:,})")
-        print(f"sharing certificate: {share['verdict']}")
-        print(f"  untouched cache groups: {', '.join(cert['untouched']) or '-'}")
-        print(f"  touched cache groups:   {', '.join(cert['touched']) or '-'}")
-        return 0
-    keys = ("task", "steps", "val_loss_protocol", "test_loss", "test_accuracy", "step_time_s", "trainable_parameters")
-    print(json.dumps({k: result.get(k) for k in keys} | {"adapter": str(Path(args.out) / "adapter")}))
-    if share is not None:
-        print(f"sharing certificate: {share['verdict']}")  # the run's last line
-    return 0
-
-
-def cmd_experiment(args: argparse.Namespace) -> int:
-    from kvgraft.train.experiment import DEFAULT_CONFIGS, placement_curve, placement_study
-
-    if args.sweep_first_layer:
-        curve = placement_curve(args.base, args.task, args.out, seeds=args.seeds, steps=args.steps, rank=args.rank,
-                                lr=args.lr, micro_batch_size=args.micro_batch_size)
-        print((Path(args.out) / "curve.md").read_text())
-        print(f"plot: {Path(args.out) / 'curve.png'}; pivot layer {curve['pivot']}")
-        return 0
-    placement_study(args.base, args.task, args.out, seeds=args.seeds, steps=args.steps,
-                    configs=tuple(args.configs or DEFAULT_CONFIGS), lr=args.lr,
-                    micro_batch_size=args.micro_batch_size, accuracy_examples=args.accuracy_examples)
-    print((Path(args.out) / "study.md").read_text())
-    print(f"curves: {Path(args.out) / 'curves.png'}")
-    return 0
-
-
-def cmd_probe(args: argparse.Namespace) -> int:
-    from kvgraft.adapters.probe import probe, probe_markdown
-
-    result = probe(args.adapter, args.task, base=args.base, steps=args.steps, micro_batch_size=args.micro_batch_size,
-                   val_examples=args.val_examples)
-    text = probe_markdown(result)
-    print(text)
-    if args.out:
-        from kvgraft.atomic import atomic_write_text
-
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "probe.md", text)
-        atomic_write_text(out / "probe.json", json.dumps(result, indent=2) + "\n")
-    return 0
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    adapters = {}
-    for spec in args.adapter or ():
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--adapter {spec!r} must be NAME=PATH")
-        if name in adapters:
-            raise ValueError(f"--adapter names {name!r} twice")
-        adapters[name] = path
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port ({args.port}) must be in 1..65535")
-    from kvgraft.serve.server import build_server, serve
-
-    server = build_server(args.model, adapters, model_name=args.model_name, max_seqs=args.max_seqs,
-                          max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue,
-                          max_tokens_limit=args.max_tokens_limit, max_request_bytes=args.max_request_bytes,
-                          adapter_dir=args.adapter_dir, prefix_cache=not args.no_prefix_cache,
-                          with_shipped_adapters=not args.no_shipped_adapters)
-    served = sorted(server.engine.adapters.adapters)
-    print(f"serving {server.config.model_name} with adapters {', '.join(served) or 'none'} on "
-          f"http://{args.host}:{args.port}/v1", flush=True)
-    serve(server, args.host, args.port, log_level=args.log_level)
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -701,17 +329,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
     return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (KvgraftError, ValueError, OSError) as exc:  # OSError: unwritable outputs, full disks, ...
-        print(f"kvgraft: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from kvgraft.cli import main
+
+sys.exit(main())

@@ -1,0 +1,128 @@
+"""The ``kvgraft`` subcommands for adapters and serving (adapt, experiment, probe, serve): each calls one
+entry-point function and prints its result; no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _adapt_config(args: argparse.Namespace):
+    from kvgraft.adapters.placement import Placement
+    from kvgraft.train.adapt import DEFAULT_PRESET, AdaptConfig
+
+    mults = []
+    for item in args.lr_mult or ():
+        glob, sep, factor = item.rpartition("=")
+        if not sep or not glob:
+            raise ValueError(f"--lr-mult {item!r} must look like GLOB=FACTOR, e.g. '*.compressor.*=0.1'")
+        try:
+            mults.append((glob, float(factor)))
+        except ValueError:
+            raise ValueError(f"--lr-mult {item!r}: {factor!r} is not a number") from None
+    placement = None
+    if args.layers is not None or args.modules is not None or args.include or args.exclude:
+        layers = args.layers or "all"
+        if layers not in ("all", "encoder-half", "decoder-half") and not layers.startswith("from:"):
+            try:
+                layers = tuple(int(x) for x in layers.split(","))
+            except ValueError:
+                raise ValueError(f"--layers {args.layers!r}: all, encoder-half, decoder-half, from:K or a list "
+                                 "like 4,5,6") from None
+        placement = Placement(layers, tuple(args.modules or ("all-linear",)), tuple(args.include or ()),
+                              tuple(args.exclude or ()))
+    preset = args.preset
+    if placement is not None:  # the placement given; the rank from --rank, else from --preset or the default
+        preset = None if args.rank is not None else (preset or DEFAULT_PRESET)
+    return AdaptConfig(preset=preset, placement=placement, rank=args.rank, alpha=args.alpha, dropout=args.dropout,
+                       freeze_kv_writers=args.freeze_kv_writers, freeze=tuple(args.freeze or ()),
+                       lr_multipliers=tuple(mults), loraplus_ratio=args.loraplus_ratio, steps=args.steps, lr=args.lr,
+                       micro_batch_size=args.micro_batch_size, seed=args.seed,
+                       gradient_checkpointing=args.gradient_checkpointing, accuracy_examples=args.accuracy_examples,
+                       val_examples=args.val_examples, test_examples=args.test_examples,
+                       require_sharing=args.share_cache)
+
+
+def cmd_adapt(args: argparse.Namespace) -> int:
+    from kvgraft.train.adapt import adapt
+
+    cfg = _adapt_config(args)
+    result = adapt(args.base, args.task, args.out, cfg, dry_run=args.dry_run,
+                   log=lambda line: print(line, flush=True))  # the note before training, when it will not share
+    share = result.get("sharing")  # absent when the run stopped early (no adapter yet)
+    if args.dry_run:
+        for row in result["modules"]:
+            print(f"{row['module']:<48} {row['in']:>6} -> {row['out']:<6} {row['lora_params']:>10,}")
+        cert = result["certificate"]
+        print(f"{len(result['modules'])} modules, {result['trainable_parameters']:,} trainable parameters "
+              f"({100 * result['trainable_parameters'] / result['base_parameters']:.2f}% of the base's "
+              f"{result['base_parameters']:,})")
+        print(f"sharing certificate: {share['verdict']}")
+        print(f"  untouched cache groups: {', '.join(cert['untouched']) or '-'}")
+        print(f"  touched cache groups:   {', '.join(cert['touched']) or '-'}")
+        return 0
+    keys = ("task", "steps", "val_loss_protocol", "test_loss", "test_accuracy", "step_time_s", "trainable_parameters")
+    print(json.dumps({k: result.get(k) for k in keys} | {"adapter": str(Path(args.out) / "adapter")}))
+    if share is not None:
+        print(f"sharing certificate: {share['verdict']}")  # the run's last line
+    return 0
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from kvgraft.train.experiment import DEFAULT_CONFIGS, placement_curve, placement_study
+
+    if args.sweep_first_layer:
+        curve = placement_curve(args.base, args.task, args.out, seeds=args.seeds, steps=args.steps, rank=args.rank,
+                                lr=args.lr, micro_batch_size=args.micro_batch_size)
+        print((Path(args.out) / "curve.md").read_text())
+        print(f"plot: {Path(args.out) / 'curve.png'}; pivot layer {curve['pivot']}")
+        return 0
+    placement_study(args.base, args.task, args.out, seeds=args.seeds, steps=args.steps,
+                    configs=tuple(args.configs or DEFAULT_CONFIGS), lr=args.lr,
+                    micro_batch_size=args.micro_batch_size, accuracy_examples=args.accuracy_examples)
+    print((Path(args.out) / "study.md").read_text())
+    print(f"curves: {Path(args.out) / 'curves.png'}")
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from kvgraft.adapters.probe import probe, probe_markdown
+
+    result = probe(args.adapter, args.task, base=args.base, steps=args.steps, micro_batch_size=args.micro_batch_size,
+                   val_examples=args.val_examples)
+    text = probe_markdown(result)
+    print(text)
+    if args.out:
+        from kvgraft.atomic import atomic_write_text
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "probe.md", text)
+        atomic_write_text(out / "probe.json", json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    adapters = {}
+    for spec in args.adapter or ():
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--adapter {spec!r} must be NAME=PATH")
+        if name in adapters:
+            raise ValueError(f"--adapter names {name!r} twice")
+        adapters[name] = path
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port ({args.port}) must be in 1..65535")
+    from kvgraft.serve.server import build_server, serve
+
+    server = build_server(args.model, adapters, model_name=args.model_name, max_seqs=args.max_seqs,
+                          max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue,
+                          max_tokens_limit=args.max_tokens_limit, max_request_bytes=args.max_request_bytes,
+                          adapter_dir=args.adapter_dir, prefix_cache=not args.no_prefix_cache,
+                          with_shipped_adapters=not args.no_shipped_adapters)
+    served = sorted(server.engine.adapters.adapters)
+    print(f"serving {server.config.model_name} with adapters {', '.join(served) or 'none'} on "
+          f"http://{args.host}:{args.port}/v1", flush=True)
+    serve(server, args.host, args.port, log_level=args.log_level)
+    return 0
