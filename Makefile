@@ -23,6 +23,7 @@ demo-full: $(STAMP)
 	$(PY) -m kvgraft demo --full
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)

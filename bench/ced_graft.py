@@ -97,7 +97,7 @@ def main() -> None:
         "scratch_log": str(scratch_log), "scratch_curve": scratch,
         "scratch_at_equal_tokens": same, "kv_cache_bytes_bf16": kv, "share_graft": record["share_graft"],
     }
-    print(f"\n| model | training tokens | val ppl | vs original |")
+    print("\n| model | training tokens | val ppl | vs original |")
     print("|---|---:|---:|---:|")
     print(f"| original (Llama reference) | {orig_record['tokens_seen']:,} | {base:.3f} | 1.000x |")
     print(f"| share graft, one shot | 0 | {one_shot:.3f} | {one_shot / base:.3f}x |")

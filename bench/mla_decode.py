@@ -109,8 +109,8 @@ def main() -> None:
                    "kv_bytes_per_seq_mla": mla.config.kv_bytes_per_token(nbytes) * context}
             rows.append(row)
 
-            def cell(ms: float) -> str:
-                return f"{ms:7.2f} ms ({batch / ms * 1e3:7.0f}/s) {base.ms_per_token_median / ms:4.2f}x"
+            def cell(ms: float, batch: int = batch, base_ms: float = base.ms_per_token_median) -> str:
+                return f"{ms:7.2f} ms ({batch / ms * 1e3:7.0f}/s) {base_ms / ms:4.2f}x"
 
             print(f"{context:>7} {batch:>5} | {base.ms_per_token_median:7.2f} ms ({batch / base.ms_per_token_median * 1e3:7.0f}/s) "
                   f"| {cell(absorbed.ms_per_token_median)} | {cell(expanded.ms_per_token_median)}", flush=True)

@@ -10,12 +10,20 @@ import pytest
 import torch
 
 from kvgraft.adapters.certificate import certify
-from kvgraft.adapters.lora import (AdapterConfig, add_adapter, dry_run, load_adapter, randomize_adapter, save_adapter,
-                                   trainable_parameters, transformer_of)
+from kvgraft.adapters.lora import (
+    AdapterConfig,
+    add_adapter,
+    dry_run,
+    load_adapter,
+    randomize_adapter,
+    save_adapter,
+    trainable_parameters,
+    transformer_of,
+)
 from kvgraft.adapters.optim import adapter_param_groups, freeze
 from kvgraft.adapters.placement import PRESETS, Placement, compile_placement
-from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.batch import BatchContext
+from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.presets import get_preset
 from kvgraft.model.transformer import Transformer
 

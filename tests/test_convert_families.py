@@ -305,7 +305,6 @@ def test_engine_safe_stock_export_of_each_family(tmp_path, case):
 def test_target_vllm_picks_512_plus_64_or_says_why_not(tmp_path, capsys):
     """`convert --target vllm`: the stock export at d_c 512 + d_rope 64 (the only shape vLLM's CPU backends and
     FlashMLA-class kernels take) where the KV width allows; refused before any work, saying why, where not."""
-    import json
 
     _, small = _hf_checkpoint(tmp_path, "llama")  # KV width 2 x 2 x 16 = 64 values per layer
     assert main(["convert", str(small), "--out", str(tmp_path / "no"), "--target", "vllm"]) == 2

@@ -12,8 +12,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from kvgraft.hf import KvgraftConfig, KvgraftForCausalLM, load_config, load_pretrained, register_auto_classes
-from kvgraft.hf import save_pretrained
+from kvgraft.hf import KvgraftConfig, KvgraftForCausalLM, load_config, load_pretrained, register_auto_classes, save_pretrained
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.generate import generate
 from kvgraft.model.presets import get_preset

@@ -23,8 +23,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-from kvgraft.hf import save_pretrained
 from kvgraft.hf import continuous as cont
+from kvgraft.hf import save_pretrained
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.presets import get_preset
 from kvgraft.model.transformer import Transformer

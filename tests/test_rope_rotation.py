@@ -14,7 +14,6 @@ import torch
 from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.graft.mla_math import head_rotations
 
-
 CAL = torch.randint(0, 96, (8, 32), generator=torch.Generator().manual_seed(1))
 IDS = torch.randint(0, 96, (2, 28), generator=torch.Generator().manual_seed(2))
 

@@ -12,15 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from kvgraft.adapters.lora import (AdapterConfig, add_adapter, load_adapter, randomize_adapter, save_adapter,
-                                   transformer_of)
+from kvgraft.adapters.lora import AdapterConfig, add_adapter, load_adapter, randomize_adapter, save_adapter, transformer_of
 from kvgraft.adapters.placement import Placement
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.presets import get_preset
 from kvgraft.model.transformer import Transformer
-from kvgraft.serve.adapters import (AdapterBusyError, AdapterError, MultiLoraLinear, UnknownAdapterError,
-                                    read_adapter)
+from kvgraft.serve.adapters import AdapterBusyError, AdapterError, MultiLoraLinear, UnknownAdapterError, read_adapter
 from kvgraft.serve.engine import Engine
 from kvgraft.serve.sampling import SamplingParams
 

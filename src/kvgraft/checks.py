@@ -49,7 +49,7 @@ def check_text(name: str, text: str) -> str:
         bad = text[exc.start:exc.end]
         raw = bad.encode("utf-8", "surrogateescape") if all(0xDC80 <= ord(c) <= 0xDCFF for c in bad) else None
         what = f"bytes {raw!r}" if raw is not None else f"{bad!r}"
-        raise ValueError(f"{name} is not valid UTF-8 text ({what} at character {exc.start}); pass UTF-8 text")
+        raise ValueError(f"{name} is not valid UTF-8 text ({what} at character {exc.start}); pass UTF-8 text") from None
     return text
 
 

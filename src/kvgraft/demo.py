@@ -150,7 +150,7 @@ def demo(
     print(f"== 1. the reference model: {path}")
     original = evaluate(model_path=path, model=net, tokens=heldout, name="original", **speed)
     print(format_report(original))
-    print("\nsamples (temperature 0.8, top-p 0.95, seed %d):" % seed)
+    print(f"\nsamples (temperature 0.8, top-p 0.95, seed {seed}):")
     original["samples"] = _samples(net, tok, max_new_tokens, seed) if tok is not None else []
 
     print("== 2. doctor: can it take MLA?")

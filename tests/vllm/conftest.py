@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from engines import VLLM_ENV, vllm_available
 
 for _k, _v in VLLM_ENV.items():

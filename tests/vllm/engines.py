@@ -22,9 +22,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -142,7 +142,7 @@ class VllmRunner:
         except Exception:
             pass
 
-    def __enter__(self) -> "VllmRunner":
+    def __enter__(self) -> VllmRunner:
         return self
 
     def __exit__(self, *exc) -> None:

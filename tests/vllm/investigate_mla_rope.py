@@ -27,10 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
-from engines import (VLLM_ENV, VllmRunner, hf_logprobs, load_hf, random_prompts,  # noqa: E402
-                     write_random_deepseek_v3)
 from dsv3_reference import ReferenceDeepseekV3  # noqa: E402
+from engines import VLLM_ENV, VllmRunner, hf_logprobs, load_hf, random_prompts, write_random_deepseek_v3  # noqa: E402
 
 for _k, _v in VLLM_ENV.items():
     os.environ.setdefault(_k, _v)
@@ -155,11 +153,9 @@ def section_engines(d: Path, prompts) -> None:
             if hooks:
                 cap = capture_vllm(runner, long)
                 for i in sorted(cap):
-                    print("    layer %d: max|Δ| vs reference  q_pe %.2e  k_pe %.2e  attn %.2e  layer out %.2e" % (
-                        i, (cap[i]["q_pe"] - ref_cap[i]["q_pe"]).abs().max(),
-                        (cap[i]["k_pe"] - ref_cap[i]["k_pe"]).abs().max(),
-                        (cap[i]["attn"] - ref_cap[i]["attn"]).abs().max(),
-                        (cap[i]["out"] - ref_cap[i]["out"]).abs().max()))
+                    d = {k: float((cap[i][k] - ref_cap[i][k]).abs().max()) for k in ("q_pe", "k_pe", "attn", "out")}
+                    print(f"    layer {i}: max|Δ| vs reference  q_pe {d['q_pe']:.2e}  k_pe {d['k_pe']:.2e}  "
+                          f"attn {d['attn']:.2e}  layer out {d['out']:.2e}")
             runs = runner.greedy(prompts, n_new=2)
             diffs = [next_token_diff(r.top[0], hf_logprobs(hf, r.prompt)[-1]) for r in runs]
             print("    next token after prompts of " + ", ".join(

@@ -17,7 +17,6 @@ import shutil
 
 import pytest
 import torch
-
 from dsv3_reference import ReferenceDeepseekV3
 from engines import VllmRunner, hf_logprobs, load_hf, parity, random_prompts, write_random_deepseek_v3
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from engines import VllmRunner, load_hf, parity
 
 pytestmark = pytest.mark.vllm

@@ -16,9 +16,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from engines import VllmRunner, load_hf, parity, random_prompts
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.vllm
 

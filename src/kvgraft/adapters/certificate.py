@@ -39,7 +39,7 @@ class Certificate:
                 "reason": self.reason}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Certificate":
+    def from_dict(cls, d: dict) -> Certificate:
         return cls(tuple(d["untouched"]), tuple(d["touched"]), int(d["first_adapted_layer"]),
                    bool(d["shares_cache"]), str(d["reason"]))
 

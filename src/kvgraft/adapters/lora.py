@@ -26,10 +26,13 @@ import torch
 from torch import nn
 
 from kvgraft.adapters.certificate import Certificate, certify
-from kvgraft.adapters.placement import Placement, compile_placement
 from kvgraft.adapters.fingerprint import (  # base_fingerprint: re-exported here, its old home
-    base_fingerprint, base_record, base_reference, check_base_weights,
+    base_fingerprint,
+    base_record,
+    base_reference,
+    check_base_weights,
 )
+from kvgraft.adapters.placement import Placement, compile_placement
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.transformer import Transformer
 

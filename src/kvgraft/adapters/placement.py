@@ -131,7 +131,7 @@ class Placement:
                 "freeze_kv_writers": self.freeze_kv_writers}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Placement":
+    def from_dict(cls, d: dict) -> Placement:
         d = dict(d)
         if isinstance(d.get("layers"), list):
             d["layers"] = tuple(d["layers"])

@@ -465,7 +465,7 @@ def split_for(key: str, seed: int, val_fraction: float, test_fraction: float) ->
     ``u = sha256(f"{seed}\\0{key}")`` read as a number in [0, 1); ``u < val_fraction`` is
     validation, ``u < val_fraction + test_fraction`` is test, everything else is train.
     """
-    digest = hashlib.sha256(f"{seed}\0{key}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}\0{key}".encode()).digest()
     u = int.from_bytes(digest[:8], "big") / 2.0**64
     if u < val_fraction:
         return "validation"

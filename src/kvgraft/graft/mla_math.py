@@ -211,7 +211,7 @@ def shared_rope_pairs(scores: list[Tensor], d_rope: int) -> list[list[tuple[int,
         raise ValueError(f"d_rope ({d_rope}) exceeds the model's total RoPE width ({2 * K * half})")
     value = sum(r.values for r in ranked)  # (K ranks, d/2)
     flat = value.flatten().argsort(descending=True)[:n]
-    slots = sorted(((int(i) % half, int(i) // half) for i in flat))  # (f, rank), by frequency then rank
+    slots = sorted((int(i) % half, int(i) // half) for i in flat)  # (f, rank), by frequency then rank
     return [[(int(r.indices[rank, f]), f) for f, rank in slots] for r in ranked]
 
 

@@ -24,8 +24,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kvgraft.hf.config_map import KVGRAFT_MODEL_TYPE, _kvgraft_config, kvgraft_config_dict
-from kvgraft.hf.continuous import (continuous_hidden, guard_request_length, is_continuous_batching_call,
-                                   kvgraft_cb_config)
+from kvgraft.hf.continuous import continuous_hidden, guard_request_length, is_continuous_batching_call, kvgraft_cb_config
 from kvgraft.model.ced import Compressor
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention

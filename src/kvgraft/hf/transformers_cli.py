@@ -15,8 +15,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
-    import kvgraft.hf  # noqa: F401  (registers kvgraft's format with transformers)
     from transformers.cli.transformers import app
+
+    import kvgraft.hf  # noqa: F401  (registers kvgraft's format with transformers)
 
     app(args=sys.argv[1:] if argv is None else argv, prog_name="transformers")
 

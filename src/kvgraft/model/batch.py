@@ -52,13 +52,13 @@ class _Mixed:
 MIXED = _Mixed()  # Group.adapter of a group whose rows use different adapters
 
 
-def current_context() -> "_Context | None":
+def current_context() -> _Context | None:
     """The step context of the forward running on this thread (None outside a forward)."""
     return getattr(_local, "ctx", None)
 
 
 @contextmanager
-def active_context(ctx: "_Context") -> Iterator[None]:
+def active_context(ctx: _Context) -> Iterator[None]:
     """Make ``ctx`` the current context of this thread for the duration of a forward (nestable)."""
     prev = getattr(_local, "ctx", None)
     _local.ctx = ctx

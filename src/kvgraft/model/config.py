@@ -313,7 +313,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -328,7 +328,7 @@ class ModelConfig:
             d["rope_freq_index"] = tuple(tuple(x) for x in d["rope_freq_index"])
         return cls(**d)
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         """A copy with ``changes``; fields that were derived (not given) are derived again."""
         rederive = {name: None for name in getattr(self, "_derived", ()) if name not in changes}
         return dataclasses.replace(self, **rederive, **changes)

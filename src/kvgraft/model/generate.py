@@ -37,9 +37,8 @@ def generate(
               for r in range(input_ids.shape[0])]
     if max_new_tokens == 0:
         return input_ids.clone()
-    from kvgraft.serve.engine import Engine
-
     from kvgraft.model.cache import default_block_size
+    from kvgraft.serve.engine import Engine
 
     B, T = input_ids.shape
     total = T + max_new_tokens

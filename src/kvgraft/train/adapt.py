@@ -26,9 +26,9 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -212,9 +212,9 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     ``dry_run``: only resolve the placement and return every matched module and the parameter count.
     ``log``: where a note goes before training when the adapter will not share the base's cache (None: not
     said). Both results carry ``sharing`` (see :func:`sharing`)."""
-    from kvgraft.adapters.lora import add_adapter, certificate_of, dry_run as placement_dry_run, save_adapter
     from kvgraft.adapters.fingerprint import base_reference
-    from kvgraft.adapters.lora import transformer_of
+    from kvgraft.adapters.lora import add_adapter, certificate_of, save_adapter, transformer_of
+    from kvgraft.adapters.lora import dry_run as placement_dry_run
     from kvgraft.adapters.optim import adapter_param_groups, freeze
     from kvgraft.atomic import atomic_write_text
     from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir

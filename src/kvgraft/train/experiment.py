@@ -246,7 +246,7 @@ def placement_curve(
     curve = {"task": rs[0]["task"], "lr": lr, "steps": steps, "seeds": seeds, "rank": rank,
              "pivot": config.pivot_layer if config.is_ced else None, "rows": rows}
     atomic_write_text(out / "curve.json", json.dumps(curve, indent=2) + "\n")
-    lines = [f"| first adapted layer k | trainable | val loss | step time (s) | shares the cache |", "|---|---|---|---|---|"]
+    lines = ["| first adapted layer k | trainable | val loss | step time (s) | shares the cache |", "|---|---|---|---|---|"]
     for r in rows:
         v = r["val_loss"]
         lines.append(f"| {r['first_layer']} | {r['trainable_parameters']:,} | {v['mean']:.3f} ({v['min']:.3f}-"

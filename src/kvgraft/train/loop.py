@@ -90,7 +90,7 @@ class _StopRequested:
         self.flag = False
         self._old: dict[int, Any] = {}
 
-    def __enter__(self) -> "_StopRequested":
+    def __enter__(self) -> _StopRequested:
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._old[sig] = signal.signal(sig, self._handler)

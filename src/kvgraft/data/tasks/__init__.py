@@ -36,22 +36,14 @@ from __future__ import annotations
 # not in ``__all__``, which is unchanged.
 from kvgraft.data.tasks.common import (
     EOS_TOKEN as EOS_TOKEN,
+)
+from kvgraft.data.tasks.common import (
     GENERATOR_VERSION,
     IGNORE_INDEX,
     SPLIT_SIZES,
     SPLITS,
-    TASK_INFO_FILE as TASK_INFO_FILE,
     Example,
     TaskError,
-    TaskSpec as TaskSpec,
-    _check_seed as _check_seed,
-    _check_sizes as _check_sizes,
-    _encode as _encode,
-    _encode_many as _encode_many,
-    _parse_line as _parse_line,
-    _reference_counter as _reference_counter,
-    _summary as _summary,
-    _TokenCounter as _TokenCounter,
     encode_example,
     load_task,
     read_task_info,
@@ -60,29 +52,75 @@ from kvgraft.data.tasks.common import (
     token_stats,
     tokenizer_eos_id,
 )
+from kvgraft.data.tasks.common import (
+    TASK_INFO_FILE as TASK_INFO_FILE,
+)
+from kvgraft.data.tasks.common import (
+    TaskSpec as TaskSpec,
+)
+from kvgraft.data.tasks.common import (
+    _check_seed as _check_seed,
+)
+from kvgraft.data.tasks.common import (
+    _check_sizes as _check_sizes,
+)
+from kvgraft.data.tasks.common import (
+    _encode as _encode,
+)
+from kvgraft.data.tasks.common import (
+    _encode_many as _encode_many,
+)
+from kvgraft.data.tasks.common import (
+    _parse_line as _parse_line,
+)
+from kvgraft.data.tasks.common import (
+    _reference_counter as _reference_counter,
+)
+from kvgraft.data.tasks.common import (
+    _summary as _summary,
+)
+from kvgraft.data.tasks.common import (
+    _TokenCounter as _TokenCounter,
+)
 from kvgraft.data.tasks.geometry import (
     GEOMETRY_KINDS,
+)
+from kvgraft.data.tasks.geometry import (
     _fmt as _fmt,
+)
+from kvgraft.data.tasks.geometry import (
     _geometry_example as _geometry_example,
 )
 from kvgraft.data.tasks.registry import (
     REGISTRY as REGISTRY,
+)
+from kvgraft.data.tasks.registry import (
     TASK_SUMMARIES,
     TASKS,
-    _check_name as _check_name,
     accuracy,
     extract_answer,
     generate_task,
-    get_task as get_task,
     is_correct,
     write_task,
 )
+from kvgraft.data.tasks.registry import (
+    _check_name as _check_name,
+)
+from kvgraft.data.tasks.registry import (
+    get_task as get_task,
+)
 from kvgraft.data.tasks.ui_reply import (
     UI_MAX_COMPONENTS as UI_MAX_COMPONENTS,
+)
+from kvgraft.data.tasks.ui_reply import (
     UI_MAX_TOKENS,
-    UI_MIN_COMPONENTS as UI_MIN_COMPONENTS,
-    _ui_example as _ui_example,
     canonical_json,
+)
+from kvgraft.data.tasks.ui_reply import (
+    UI_MIN_COMPONENTS as UI_MIN_COMPONENTS,
+)
+from kvgraft.data.tasks.ui_reply import (
+    _ui_example as _ui_example,
 )
 
 __all__ = [

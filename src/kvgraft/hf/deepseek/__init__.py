@@ -61,21 +61,6 @@ from kvgraft.hf.deepseek.latent import (
     low_rank_query,
     pad_latent,
 )
-from kvgraft.hf.deepseek.measure import load_stock, measure_export, measure_export_error, perplexity
-from kvgraft.hf.deepseek.rope import (
-    STOCK_ROPE_LAYOUTS,
-    prefix_rope_index,
-    stock_rope_layout,
-    stock_rope_parameters,
-    stride_rope_index,
-)
-from kvgraft.hf.deepseek.tensors import (
-    attention_bias_needed,
-    deepseek_v3_config,
-    interleave_perm,
-    query_bias_layers,
-    stock_tensors,
-)
 
 # The names of the single-module kvgraft.hf.deepseek, kept importable: the private helpers made public above
 # under new names, and those that stay private in their module.
@@ -85,7 +70,22 @@ from kvgraft.hf.deepseek.latent import _pinned_constant as _pinned_constant
 from kvgraft.hf.deepseek.latent import _pow2_above as _pow2_above
 from kvgraft.hf.deepseek.measure import _kl as _kl
 from kvgraft.hf.deepseek.measure import _logits_pair as _logits_pair
+from kvgraft.hf.deepseek.measure import load_stock, measure_export, measure_export_error, perplexity
+from kvgraft.hf.deepseek.rope import (
+    STOCK_ROPE_LAYOUTS,
+    prefix_rope_index,
+    stock_rope_layout,
+    stock_rope_parameters,
+    stride_rope_index,
+)
 from kvgraft.hf.deepseek.rope import _yarn_range_for_stock as _yarn_range_for_stock
+from kvgraft.hf.deepseek.tensors import (
+    attention_bias_needed,
+    deepseek_v3_config,
+    interleave_perm,
+    query_bias_layers,
+    stock_tensors,
+)
 
 _stock_rope = stock_rope_parameters
 _config_problems = config_problems

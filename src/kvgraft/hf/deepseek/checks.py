@@ -14,7 +14,6 @@ from kvgraft.hf.deepseek.rope import prefix_rope_index, stock_rope_layout, strid
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.transformer import Transformer
 
-
 FLASH_MLA_KV_LORA_RANK = 512
 FLASH_MLA_ROPE_HEAD_DIM = 64
 

@@ -35,7 +35,6 @@ from kvgraft.hf.deepseek.tensors import attention_bias_needed, deepseek_v3_confi
 from kvgraft.hf.save import TOKENIZER_FILES, OutputExistsError, write_checkpoint_dir
 from kvgraft.model.transformer import Transformer
 
-
 # Who must compute the export's function. "engines" (the default): vLLM and SGLang as well as transformers.
 # Their DeepSeek-V2/V3 models build every attention projection with bias=False and skip bias tensors they
 # have no parameter for (vllm/model_executor/models/deepseek_v2.py, "Skip loading extra bias"; SGLang's

@@ -25,7 +25,6 @@ import torch
 
 from kvgraft.model.transformer import Transformer
 
-
 LATENT_NORM_STRATEGIES = ("pad", "fit", "scale")
 # rms of the exported latent for the fitted/scaled latent norms: transformers' kv_a_layernorm uses eps 1e-6,
 # vLLM/SGLang use rms_norm_eps (often 1e-5); at ms(latent) = 256 the two differ by < 4e-8 relative
