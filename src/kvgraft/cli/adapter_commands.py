@@ -87,7 +87,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from kvgraft.adapters.probe import probe, probe_markdown
+    from kvgraft.train.probe import probe, probe_markdown
 
     result = probe(args.adapter, args.task, base=args.base, steps=args.steps, micro_batch_size=args.micro_batch_size,
                    val_examples=args.val_examples)
