@@ -20,7 +20,8 @@ Two kinds of storage, both preallocated once:
   and the layers from the pivot on (the *decoder*). Sequences started from one snapshot (N adapters over
   one prompt) reference the encoder's ring blocks and the shared segments, and hold only their own
   decoder rings (:meth:`PagedKVCache.restore` with ``recompute_from``); a step that writes into a shared
-  ring block copies that block first (one ring block per group per decode step at most).
+  ring block copies that block first (one ring block per group per decode step at most). The ring pools,
+  ring groups and their allocators are :class:`kvgraft.model.rings.WindowRings`, which the cache owns.
 - **Per-sequence state**: each kv_source layer with m > 1 keeps the entries and gate scores of the (at
   most m - 1) tokens of its incomplete block. A sequence takes one state slot; a fork copies it.
 
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.rings import WindowRings, ring_shape
 
 
 class CacheFullError(RuntimeError):
@@ -124,16 +126,6 @@ class _Sequence:
     expect_blocks: int = 0  # blocks the sequence expects to fill (add_sequence(expect_tokens=)); 0: unknown
 
 
-class _RingGroup:
-    """Ring layers sharing one ring-block table per sequence, with their own allocator."""
-
-    def __init__(self, layers: tuple[int, ...], num_blocks: int, block_bytes: int) -> None:
-        self.layers, self.num_blocks, self.block_bytes = layers, num_blocks, block_bytes
-        self.refcount = [0] * num_blocks
-        self.free: deque[int] = deque(range(num_blocks))
-        self.multi = 0  # ring blocks held more than once
-
-
 class PagedKVCache:
     """Paged pools + paged window rings + per-sequence state slots, with block allocators and reference counts.
 
@@ -170,23 +162,13 @@ class PagedKVCache:
                              "holds whole pooled entries")
         self.config, self.block_size, self.num_blocks, self.max_seqs = config, block_size, num_blocks, max_seqs
         self.max_seq_len, self.dtype, self.device = max_seq_len, dtype, torch.device(device)
-        self.ring_len, self.ring_block, self.ring_blocks_per_seq = ring_geometry(config, block_size, max_seq_len)
-        rb, nrb = self.ring_block, self.ring_blocks_per_seq
         if ring_split == "pivot":
             ring_split = max(config.kv_source_layers) if config.is_ced and config.kv_source_layers else None
-        ring_layers = sorted(layout.rings)
-        bounds = [] if ring_split is None else [ring_split]
-        if ring_split is not None and (isinstance(ring_split, bool) or not isinstance(ring_split, int)
-                                       or not 0 <= ring_split <= config.num_layers):
-            raise ValueError(f"ring_split ({ring_split!r}) must be a layer index in [0, {config.num_layers}] or None")
-        parts = [[layer for layer in ring_layers if layer < bounds[0]], [layer for layer in ring_layers if layer >= bounds[0]]] \
-            if bounds else [ring_layers]
-        parts = [p for p in parts if p]
-        if ring_blocks is None:
-            ring_blocks = max_seqs * nrb
-        if nrb and (isinstance(ring_blocks, bool) or not isinstance(ring_blocks, int) or ring_blocks < nrb):
-            raise ValueError(f"ring_blocks ({ring_blocks!r}) must be an integer >= one sequence's ring ({nrb} blocks)")
-        self.ring_split = ring_split if len(parts) > 1 else None
+        # window rings: their pools, ring groups and allocators (a sequence keeps its ring-block tables)
+        self.window_rings = wr = WindowRings(layout.rings, layout.window, block_size, max_seq_len, max_seqs, ring_blocks,
+                                             ring_split, config.num_layers, config.is_ced, dtype, device)
+        self.ring_len, self.ring_block, self.ring_blocks_per_seq = wr.ring_len, wr.ring_block, wr.blocks_per_seq
+        self.ring_split, self.ring_groups, self.ring_group_of, self.rings = wr.split, wr.groups, wr.group_of, wr.pools
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -201,11 +183,6 @@ class PagedKVCache:
                       if layer in self.head_major else zeros(num_blocks, block_size, w)
                       for layer, w in layout.paged.items()}
         self.segments = {s: zeros(num_blocks, block_size // m, w) for s, w in layout.segments.items()}
-        # rings: (ring blocks, rb, width) per layer; a sequence's ring is its group's table of nrb blocks
-        self.ring_groups = [_RingGroup(tuple(p), ring_blocks, itemsize * rb * sum(layout.rings[x] for x in p))
-                            for p in parts] if nrb else []
-        self.ring_group_of = {layer: i for i, g in enumerate(self.ring_groups) for layer in g.layers}
-        self.rings = {layer: zeros(ring_blocks, rb, w) for layer, w in layout.rings.items()} if nrb else {}
         self.pending = {s: zeros(max_seqs, m - 1, w) for s, w in layout.pending.items()}
         # token blocks: one id space, a reference count per (unit, block): a unit is a paged layer or a
         # segment; a sequence's layers share one block table except where a restore split them into spans
@@ -246,7 +223,7 @@ class PagedKVCache:
         seq = self._next_id
         self._next_id += 1
         self._seqs[seq] = _Sequence(self._free_slots.popleft(),
-                                    rings=[[-1] * self.ring_blocks_per_seq for _ in self.ring_groups],
+                                    rings=self.window_rings.new_tables(),
                                     expect_blocks=math.ceil(min(expect_tokens or 0, self.max_seq_len) / self.block_size))
         self._clear_state(self._seqs[seq].slot)
         return seq
@@ -260,7 +237,7 @@ class PagedKVCache:
         c.spans, c.length = [[u, list(t)] for u, t in src.spans], src.length
         self._incref_spans(c.spans)
         c.rings = [list(t) for t in src.rings]
-        self._ring_incref(c.rings)
+        self.window_rings.hold(c.rings)
         for t in self.pending.values():
             t[c.slot] = t[src.slot]
         return child
@@ -270,7 +247,7 @@ class PagedKVCache:
         write into a held block copies it first) and copy its per-sequence state."""
         s = self._get(seq)
         self._incref_spans(s.spans)
-        self._ring_incref(s.rings)
+        self.window_rings.hold(s.rings)
         state = {("pending", layer): t[s.slot].clone() for layer, t in self.pending.items()}
         return CacheSnapshot(tuple((u, tuple(t)) for u, t in s.spans), s.length, state,
                              tuple(tuple(t) for t in s.rings))
@@ -287,12 +264,11 @@ class PagedKVCache:
         (changing nothing) when no slot or not enough blocks are free."""
         if snap.released:
             raise ValueError("restore: the snapshot was released")
-        fresh = self._fresh_groups(recompute_from)
         need = self.restore_ring_blocks(snap, recompute_from)
-        for gi, n in need.items():
-            if n > len(self.ring_groups[gi].free):
-                raise CacheFullError(f"restore needs {n} ring blocks of group {gi}, "
-                                     f"{len(self.ring_groups[gi].free)} free of {self.ring_groups[gi].num_blocks}")
+        gi = self.window_rings.shortfall(need)
+        if gi is not None:
+            raise CacheFullError(f"restore needs {need[gi]} ring blocks of group {gi}, "
+                                 f"{len(self.ring_groups[gi].free)} free of {self.ring_groups[gi].num_blocks}")
         spans = [[u, list(t)] for u, t in snap.spans]
         cut = self._unit_cut(recompute_from)
         n_blocks = -(-snap.length // self.block_size)
@@ -311,45 +287,21 @@ class PagedKVCache:
         self._incref_spans(s.spans)  # (the fresh span is still empty)
         if fresh_span:
             s.spans[-1][1] = [self._allocate(cut, len(self.units)) for _ in range(n_blocks)]
-        for gi, table in enumerate(snap.rings):
-            if gi in fresh:
-                for k in range(need[gi]):
-                    s.rings[gi][k] = self._ring_allocate(gi)
-            else:
-                s.rings[gi] = list(table)
-                self._ring_incref([table], gi)
+        self.window_rings.restore(s.rings, snap.rings, need)
         for (kind, layer), t in snap.state.items():
             self.pending[layer][s.slot] = t
         return seq
 
     def restore_ring_blocks(self, snap: CacheSnapshot, recompute_from: int | None = None) -> dict[int, int]:
         """Fresh ring blocks per ring group that ``restore(snap, recompute_from)`` takes."""
-        n = -(-min(snap.length, self.ring_len) // self.ring_block) if self.ring_len else 0
-        return {gi: n for gi in self._fresh_groups(recompute_from)}
-
-    def _fresh_groups(self, recompute_from: int | None) -> set[int]:
-        if recompute_from is None:
-            return set()
-        if isinstance(recompute_from, bool) or not isinstance(recompute_from, int):
-            raise ValueError(f"recompute_from ({recompute_from!r}) must be a layer index or None")
-        if self.ring_groups and not self.config.is_ced and recompute_from < self.config.num_layers:
-            raise ValueError(f"recompute_from={recompute_from}: this model's window rings are one group (only a "
-                             "causal encoder-decoder's rings split at its pivot)")
-        fresh = set()
-        for gi, g in enumerate(self.ring_groups):
-            if g.layers[0] >= recompute_from:
-                fresh.add(gi)
-            elif g.layers[-1] >= recompute_from:
-                raise ValueError(f"recompute_from={recompute_from} splits ring group {list(g.layers)}; ring groups "
-                                 f"start at layers {[x.layers[0] for x in self.ring_groups]}")
-        return fresh
+        return self.window_rings.restore_blocks(snap.length, recompute_from)
 
     def release(self, snap: CacheSnapshot) -> None:
         """Let a snapshot's blocks go (freed when no sequence or other snapshot holds them)."""
         if snap.released:
             return
         self._release_spans(snap.spans)
-        self._ring_release(snap.rings)
+        self.window_rings.release(snap.rings)
         snap.released = True
 
     def free(self, seq: int) -> None:
@@ -358,7 +310,7 @@ class PagedKVCache:
         if s is None:
             raise KeyError(f"unknown sequence {seq}")
         self._release_spans(s.spans)
-        self._ring_release(s.rings)
+        self.window_rings.release(s.rings)
         self._free_slots.append(s.slot)
         if s.expect_blocks:
             self._claim[self._claim == seq] = -1
@@ -385,13 +337,7 @@ class PagedKVCache:
 
     def ring(self, seq: int, layer: int) -> torch.Tensor:
         """A copy of ``seq``'s ring of ``layer``, (ring_len, width) by ring slot (zeros where never written)."""
-        table = self._get(seq).rings[self.ring_group_of[layer]]
-        pool = self.rings[layer]
-        out = torch.zeros(len(table), *pool.shape[1:], dtype=pool.dtype, device=pool.device)
-        for k, b in enumerate(table):
-            if b >= 0:
-                out[k] = pool[b]
-        return out.reshape(-1, pool.shape[-1])
+        return self.window_rings.ring(self._get(seq).rings[self.ring_group_of[layer]], layer)
 
     def slot(self, seq: int) -> int:
         return self._get(seq).slot
@@ -430,51 +376,20 @@ class PagedKVCache:
         lo, hi = self._span_range(s, i)
         return bool((self._rc[lo:hi, b] > 1).any())
 
-    def _ring_touched(self, start: int, n: int) -> list[int]:
-        """Ring-block indices that positions [start, start + n) write (their last ring_len positions)."""
-        if not self.ring_len or n <= 0:
-            return []
-        if n >= self.ring_len:
-            return list(range(self.ring_blocks_per_seq))
-        W = self.layout.window
-        return sorted({(p % W) // self.ring_block for p in range(start + n - min(n, self.ring_len), start + n)})
-
     def ring_blocks_needed(self, seq: int, start: int, n: int, groups=None) -> dict[int, int]:
         """Per ring group, free ring blocks that writing positions [start, start + n) takes (blocks never
         written plus copies of shared ones)."""
-        s = self._get(seq)
-        touched = self._ring_touched(start, n)
-        out = {}
-        for gi, g in enumerate(self.ring_groups):
-            if groups is not None and gi not in groups:
-                continue
-            table = s.rings[gi]
-            out[gi] = sum(1 for k in touched if table[k] < 0 or g.refcount[table[k]] > 1)
-        return out
+        return self.window_rings.needed(self._get(seq).rings, start, n, groups)
 
     def reserve_rings(self, seq: int, start: int, n: int, groups=None) -> None:
         """Make the ring blocks that positions [start, start + n) write private to ``seq`` (allocate blocks
         never written, copy shared ones first), in ``groups`` (default all)."""
         need = self.ring_blocks_needed(seq, start, n, groups)
-        for gi, k in need.items():
-            if k > len(self.ring_groups[gi].free):
-                raise CacheFullError(f"sequence {seq} needs {k} more ring blocks of group {gi}, "
-                                     f"{len(self.ring_groups[gi].free)} free of {self.ring_groups[gi].num_blocks}")
-        s = self._get(seq)
-        for gi in need:
-            if not need[gi]:
-                continue
-            g, table = self.ring_groups[gi], s.rings[gi]
-            for k in self._ring_touched(start, n):
-                old = table[k]
-                if old >= 0 and g.refcount[old] == 1:
-                    continue
-                new = self._ring_allocate(gi)
-                if old >= 0:  # copy on write
-                    for layer in g.layers:
-                        self.rings[layer][new] = self.rings[layer][old]
-                    self._ring_release_one(gi, old)
-                table[k] = new
+        gi = self.window_rings.shortfall(need)
+        if gi is not None:
+            raise CacheFullError(f"sequence {seq} needs {need[gi]} more ring blocks of group {gi}, "
+                                 f"{len(self.ring_groups[gi].free)} free of {self.ring_groups[gi].num_blocks}")
+        self.window_rings.reserve(self._get(seq).rings, need, start, n)
 
     def can_extend(self, seq: int, new_tokens: int) -> bool:
         s = self._get(seq)
@@ -483,8 +398,7 @@ class PagedKVCache:
         for i, k in self._span_needs(s, new_tokens).items():
             if k and k > self._available(*self._span_range(s, i)):
                 return False
-        need = self.ring_blocks_needed(seq, s.length, new_tokens)
-        return all(k <= len(self.ring_groups[gi].free) for gi, k in need.items())
+        return self.window_rings.shortfall(self.ring_blocks_needed(seq, s.length, new_tokens)) is None
 
     def extend(self, seq: int, new_tokens: int) -> None:
         """Make room for ``new_tokens`` more tokens: allocate blocks, copy a shared block before it is written."""
@@ -544,16 +458,15 @@ class PagedKVCache:
     def used_bytes(self) -> int:
         """Bytes of blocks (per layer) and ring blocks held by some sequence or snapshot plus the state
         slots of live sequences."""
-        rings = sum((g.num_blocks - len(g.free)) * g.block_bytes for g in self.ring_groups)
         blocks = int(((self._rc > 0).sum(1) * self.unit_bytes).sum()) if self.units else 0
-        return blocks + rings + len(self._seqs) * self.slot_bytes
+        return blocks + self.window_rings.used_bytes + len(self._seqs) * self.slot_bytes
 
     @property
     def shared_bytes(self) -> int:
         """Bytes of blocks (per layer) and ring blocks held more than once (by several sequences or
         snapshots), each counted once."""
         blocks = int(((self._rc > 1).sum(1) * self.unit_bytes).sum()) if self.units else 0
-        return blocks + sum(g.multi * g.block_bytes for g in self.ring_groups)
+        return blocks + self.window_rings.shared_bytes
 
     @property
     def free_bytes(self) -> int:
@@ -693,35 +606,6 @@ class PagedKVCache:
             hi = spans[i + 1][0] if i + 1 < len(spans) else len(self.units)
             self._release_ids(u, hi, t)
 
-    def _ring_allocate(self, gi: int) -> int:
-        g = self.ring_groups[gi]
-        b = g.free.popleft()
-        g.refcount[b] = 1
-        return b
-
-    def _ring_incref(self, tables, only: int | None = None) -> None:
-        for gi, table in enumerate(tables):
-            g = self.ring_groups[gi if only is None else only]
-            for b in table:
-                if b >= 0:
-                    if g.refcount[b] == 1:
-                        g.multi += 1
-                    g.refcount[b] += 1
-
-    def _ring_release_one(self, gi: int, b: int) -> None:
-        g = self.ring_groups[gi]
-        g.refcount[b] -= 1
-        if g.refcount[b] == 1:
-            g.multi -= 1
-        if g.refcount[b] == 0:
-            g.free.append(b)
-
-    def _ring_release(self, tables) -> None:
-        for gi, table in enumerate(tables):
-            for b in table:
-                if b >= 0:
-                    self._ring_release_one(gi, b)
-
     def _clear_state(self, slot: int) -> None:
         for t in self.pending.values():
             t[slot].zero_()
@@ -731,11 +615,7 @@ def ring_geometry(config: ModelConfig, block_size: int, max_seq_len: int) -> tup
     """(ring length R = min(W, max_seq_len), ring block rb = gcd(R, block_size), ring blocks per sequence
     and group R / rb); zeros without window layers."""
     layout = cache_layout(config)
-    if not layout.window or not layout.rings:
-        return 0, 0, 0
-    R = min(layout.window, max_seq_len)
-    rb = math.gcd(R, block_size)
-    return R, rb, R // rb
+    return ring_shape(layout.window if layout.rings else None, block_size, max_seq_len)
 
 
 def default_block_size(config: ModelConfig, tokens: int = 16) -> int:
