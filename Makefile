@@ -24,7 +24,8 @@ demo-full: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
-	$(PY) -m pytest -q
+	# one worker per core (pytest-xdist): 903 tests in 137 s instead of 170 s with a training run on the other core
+	$(PY) -m pytest -q -n auto
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
