@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from factories import sharp_model
 
 from kvgraft.adapters.certificate import certify
 from kvgraft.adapters.lora import (
@@ -25,7 +26,6 @@ from kvgraft.adapters.placement import PRESETS, Placement, compile_placement
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.presets import get_preset
-from kvgraft.model.transformer import Transformer
 
 # a causal encoder-decoder with the reference's layout: 8 layers, kv_source 1, 3 and pivot 4
 CED = get_preset("ced-tiny").replace(num_layers=8, kv_source_layers=(1, 3, 4), qkv_bias=True)
@@ -34,15 +34,7 @@ MLA = LLAMA.replace(attention_kinds=("mla",) * 4, kv_lora_rank=6, qk_rope_head_d
                     v_head_dim=16, mla_latent_norm=True)
 
 
-def build(cfg, seed=0) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(cfg)
-    m.init_weights(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    return m.eval()
+build = sharp_model  # tests/factories.py
 
 
 def ids(cfg, n=2, t=24, seed=1):

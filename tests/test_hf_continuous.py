@@ -21,13 +21,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from factories import sharp_model
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
 from kvgraft.hf import continuous as cont
 from kvgraft.hf import save_pretrained
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.presets import get_preset
-from kvgraft.model.transformer import Transformer
 from kvgraft.serve.engine import Engine
 from kvgraft.serve.sampling import SamplingParams
 
@@ -43,15 +43,7 @@ LENGTHS = [1, 5, 20, 33, 9, 3, 14]
 NEW = 12
 
 
-def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(cfg)
-    m.init_weights(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    return m.eval()
+build = sharp_model  # tests/factories.py
 
 
 def prompts(vocab: int, lengths=LENGTHS, seed: int = 0) -> list[list[int]]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import sharp_model
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -19,7 +20,6 @@ from kvgraft.adapters.lora import AdapterConfig, add_adapter, randomize_adapter,
 from kvgraft.adapters.placement import Placement
 from kvgraft.hf import KvgraftForCausalLM, load_pretrained, save_pretrained
 from kvgraft.model.presets import get_preset
-from kvgraft.model.transformer import Transformer
 from kvgraft.serve.engine import Engine
 from kvgraft.serve.sampling import SamplingParams
 
@@ -36,15 +36,7 @@ LENGTHS = (1, 7, 20)  # 20: past ced-tiny's window of 8, so the compressed share
 NEW = 10
 
 
-def build(cfg, seed=0) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(cfg)
-    m.init_weights(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    return m.eval()
+build = sharp_model  # tests/factories.py
 
 
 def prompts(vocab: int, seed: int = 0) -> list[list[int]]:

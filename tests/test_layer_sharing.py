@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from factories import sharp_model
 
 from kvgraft.adapters.lora import (
     AdapterConfig,
@@ -14,7 +15,6 @@ from kvgraft.adapters.lora import (
     save_adapter,
 )
 from kvgraft.adapters.placement import Placement
-from kvgraft.model import Transformer
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.presets import get_preset
@@ -31,15 +31,7 @@ ADAPTERS = {
 }
 
 
-def build(cfg, seed=0) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(cfg)
-    m.init_weights(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    return m.eval()
+build = sharp_model  # tests/factories.py
 
 
 @pytest.fixture(scope="module", params=[LLAMA, MLA], ids=["llama", "mla"])

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from factories import sharp_model
 from torch import nn
 
 from kvgraft.adapters.lora import AdapterConfig, add_adapter, load_adapter, randomize_adapter, save_adapter, transformer_of
@@ -17,7 +18,6 @@ from kvgraft.adapters.placement import Placement
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.presets import get_preset
-from kvgraft.model.transformer import Transformer
 from kvgraft.serve.adapters import AdapterBusyError, AdapterError, MultiLoraLinear, UnknownAdapterError, read_adapter
 from kvgraft.serve.engine import Engine
 from kvgraft.serve.sampling import SamplingParams
@@ -37,15 +37,7 @@ MAX_NEW = [6, 9, 4, 8, 7, 5, 9, 6]
 ROUTE = ["all", "dec", None, "mlp", "all", "dec", "mlp", None]
 
 
-def build(cfg, seed=0) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(cfg)
-    m.init_weights(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    return m.eval()
+build = sharp_model  # tests/factories.py
 
 
 _setups: dict = {}

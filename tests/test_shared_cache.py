@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from factories import sharp_model
 
 from kvgraft.adapters.lora import (
     AdapterConfig,
@@ -36,14 +37,7 @@ ADAPTERS = {
 
 
 def build(seed=0) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(CED)
-    m.init_weights(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    return m.eval()
+    return sharp_model(CED, seed)  # tests/factories.py
 
 
 @pytest.fixture(scope="module")
@@ -208,14 +202,7 @@ def test_a_shared_system_prompt_is_kept_where_prompts_fork(tmp_path):
     it forks from the first one's kept prompt, and later requests (other adapters) start there. A window
     longer than the short prompts (their rings are kept partly filled). Tokens equal each alone."""
     cfg = CED.replace(sliding_window=32)
-    torch.manual_seed(1)
-    base = Transformer(cfg)
-    base.init_weights(1)
-    with torch.no_grad():
-        for p in base.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    base.eval()
+    base = sharp_model(cfg, 1)
     dirs = {}
     for i, name in enumerate(("dec", "late")):
         placement, acfg = ADAPTERS[name]
