@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgraft.hf.deepseek.checks import has_nonzero
+from kvgraft.hf.deepseek.latent import run_with_kv_a_hooks
 from kvgraft.model.transformer import Transformer
 
 
@@ -25,20 +26,14 @@ def collect_input_moments(model: Transformer, ids: torch.Tensor, batch_size: int
     device = model.embed_tokens.weight.device
     sums = [[0, torch.zeros(h, dtype=torch.float64, device=device), torch.zeros(h, h, device=device)]
             for _ in model.layers]
-    hooks = []
-    for i, block in enumerate(model.layers):
-        def hook(_mod, inp, _out, i=i):
-            x = inp[0].detach().reshape(-1, h).float()
-            sums[i][0] += x.shape[0]
-            sums[i][1] += x.sum(0).double()
-            sums[i][2] += x.T @ x
-        hooks.append(block.self_attn.kv_a_proj.register_forward_hook(hook))
-    try:
-        for start in range(0, ids.shape[0], batch_size):
-            model(ids[start:start + batch_size].to(device))
-    finally:
-        for hk in hooks:
-            hk.remove()
+
+    def accumulate(i: int, x: torch.Tensor, _out: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, h).float()
+        sums[i][0] += x.shape[0]
+        sums[i][1] += x.sum(0).double()
+        sums[i][2] += x.T @ x
+
+    run_with_kv_a_hooks(model, ids, accumulate, batch_size)
     return [(s.cpu() / n, o.double().cpu() / n) for n, s, o in sums]
 
 

@@ -122,15 +122,11 @@ def low_rank_query(wq: torch.Tensor, bq: torch.Tensor, input_norm: torch.Tensor)
 
 
 @torch.no_grad()
-def collect_latents(model: Transformer, ids: torch.Tensor, max_tokens: int, batch_size: int = 8) -> list[torch.Tensor]:
-    """Per layer, the raw latents c = kv_a(x)[:d_c] (fp64, CPU) over (at most ``max_tokens``) calibration tokens."""
-    dc = model.config.kv_lora_rank
-    store: list[list[torch.Tensor]] = [[] for _ in model.layers]
-    hooks = []
-    for i, block in enumerate(model.layers):
-        def hook(_mod, _inp, out, i=i):
-            store[i].append(out[..., :dc].detach().reshape(-1, dc).to("cpu", torch.float64))
-        hooks.append(block.self_attn.kv_a_proj.register_forward_hook(hook))
+def run_with_kv_a_hooks(model: Transformer, ids: torch.Tensor, on_kv_a, batch_size: int = 8) -> None:
+    """Run ``model`` over the calibration ids (N, T) in batches with ``on_kv_a(layer, input, output)`` called at
+    every layer's kv_a_proj (its input is the attention input x, its output the latent and RoPE key)."""
+    hooks = [block.self_attn.kv_a_proj.register_forward_hook(lambda _m, inp, out, i=i: on_kv_a(i, inp[0], out))
+             for i, block in enumerate(model.layers)]
     device = model.embed_tokens.weight.device
     try:
         for start in range(0, ids.shape[0], batch_size):
@@ -138,6 +134,18 @@ def collect_latents(model: Transformer, ids: torch.Tensor, max_tokens: int, batc
     finally:
         for h in hooks:
             h.remove()
+
+
+@torch.no_grad()
+def collect_latents(model: Transformer, ids: torch.Tensor, max_tokens: int, batch_size: int = 8) -> list[torch.Tensor]:
+    """Per layer, the raw latents c = kv_a(x)[:d_c] (fp64, CPU) over (at most ``max_tokens``) calibration tokens."""
+    dc = model.config.kv_lora_rank
+    store: list[list[torch.Tensor]] = [[] for _ in model.layers]
+
+    def keep(i: int, _x: torch.Tensor, out: torch.Tensor) -> None:
+        store[i].append(out[..., :dc].detach().reshape(-1, dc).to("cpu", torch.float64))
+
+    run_with_kv_a_hooks(model, ids, keep, batch_size)
     out = []
     for chunks in store:
         c = torch.cat(chunks)
