@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,6 +128,18 @@ def test_resume_refuses_a_different_config(tmp_path):
     train(_model(), Patterned(), _cfg(max_steps=4), tmp_path)
     with pytest.raises(ValueError, match=r"lr: 0.003 -> 0.01"):
         train(_model(), Patterned(), _cfg(max_steps=4, lr=1e-2), tmp_path)
+
+
+def test_resume_may_change_precision_and_saving_and_the_log_says_where(tmp_path):
+    train(_model(), Patterned(), _cfg(max_steps=6, precision="bf16", keep_checkpoints=3), tmp_path)
+    shutil.rmtree(find_latest(tmp_path))  # as if stopped after step 4 (checkpoints every 2 steps)
+    result = train(_model(), Patterned(), _cfg(max_steps=6, precision="fp32", save_every=3), tmp_path)
+    assert result.step == 6
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    marks = [r for r in rows if "resumed_with" in r]
+    assert marks == [{"step": 4, "tokens": marks[0]["tokens"], "resumed_with": {"precision": ["bf16", "fp32"]}}]
+    assert json.loads((tmp_path / "train_config.json").read_text())["precision"] == "fp32"
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
 def test_grad_accumulation_matches_a_bigger_batch(tmp_path):

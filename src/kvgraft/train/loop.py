@@ -208,7 +208,7 @@ def train(
 
     step, tokens, elapsed_before = 0, 0, 0.0
     latest = find_latest(out_dir)
-    _check_config(out_dir, cfg, write=accelerator.is_main_process)
+    changed = _check_config(out_dir, cfg, write=accelerator.is_main_process)
     if latest is not None:
         state = load_checkpoint(latest, model, optimizer)
         step, tokens, elapsed_before = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
@@ -219,6 +219,8 @@ def train(
     model, optimizer = accelerator.prepare(model, optimizer)
     log = RunLog(out_dir, enabled=accelerator.is_main_process)
     log.truncate_after(step)
+    if changed and latest is not None:
+        log.write({"step": step, "tokens": tokens, "resumed_with": changed})
 
     world = accelerator.num_processes
     rank = accelerator.process_index
@@ -318,16 +320,23 @@ def train(
                        stopped_early=stopped_early, history=log.read())
 
 
-_RESUME_FREE_FIELDS = ("max_time_s", "progress", "gradient_checkpointing")
+# May change when a run resumes: what does not touch the arithmetic (how often to save, log, keep), and
+# ``precision``: the weights and AdamW moments are fp32 either way, and bf16
+# autocast is fast only where the CPU has bf16 instructions (one core without them: 196 s a step of
+# ced-8m-deep in bf16 against 31 s in fp32), so a run that moves machines may have to switch. A change is
+# recorded in log.jsonl as {"step", "resumed_with"} so the curve says where it happened.
+_RESUME_FREE_FIELDS = ("max_time_s", "progress", "gradient_checkpointing", "precision", "save_every",
+                       "keep_checkpoints", "log_every")
 
 
-def _check_config(out_dir: Path, cfg: TrainConfig, write: bool = True) -> None:
+def _check_config(out_dir: Path, cfg: TrainConfig, write: bool = True) -> dict[str, Any]:
     """First run: write train_config.json (``write``: the main process only). Later runs: refuse to resume
-    under a different config."""
+    under a different config, except for ``_RESUME_FREE_FIELDS``; returns those that changed (old, new)."""
     from kvgraft.atomic import atomic_write_text
 
     path = out_dir / "train_config.json"
     mine = cfg.to_dict()
+    changed: dict[str, Any] = {}
     if path.exists():
         theirs = json.loads(path.read_text())
         diff = {k: (theirs.get(k), v) for k, v in mine.items()
@@ -338,5 +347,8 @@ def _check_config(out_dir: Path, cfg: TrainConfig, write: bool = True) -> None:
                 f"{out_dir} holds a run with a different training config ({details}); "
                 "resume with the same settings or choose another output directory"
             )
+        changed = {k: [theirs.get(k), mine[k]] for k in ("precision", "gradient_checkpointing")
+                   if k in theirs and theirs[k] != mine[k]}
     if write:
         atomic_write_text(path, json.dumps(mine, indent=2) + "\n")
+    return changed
