@@ -16,7 +16,6 @@ gradients + AdamW state. Prints a markdown table; JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 from kvgraft.adapters.lora import AdapterConfig, add_adapter
 from kvgraft.adapters.placement import Placement
+from kvgraft.atomic import atomic_write_json
 from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
 
@@ -122,9 +122,7 @@ def main() -> None:
               f"{r['activations_vs_all_linear']:.2f}x | {r['adapter_state_bytes'] / 2**20:.1f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(out)
+    atomic_write_json(out, results, indent=2)
     print(f"\nJSON: {out}")
 
 

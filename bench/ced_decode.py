@@ -32,13 +32,13 @@ path with .png).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from kvgraft.atomic import atomic_savefig, atomic_write_json
 from kvgraft.graft.convert import ranks_for_compression
 from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.hf import load_pretrained
@@ -173,7 +173,7 @@ def plot(rows: list[dict], path: Path, dtype_name: str, device: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -251,7 +251,7 @@ def main() -> None:
         "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "batch": args.batch,
         "contexts": args.contexts, "elapsed_s": elapsed, "rows": rows,
     }
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    atomic_write_json(out, record, indent=2)
     png = Path(args.plot) if args.plot else out.with_suffix(".png")
     png.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, png, args.dtype, args.device)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from kvgraft.atomic import atomic_savefig, atomic_write_json
 from kvgraft.data import PackedDataset
 from kvgraft.graft.convert import convert
 from kvgraft.hf import load_pretrained
@@ -111,7 +112,7 @@ def main() -> None:
     for n, b in kv.items():
         print(f"KV bytes/sequence at {n} tokens (bf16): original {b['original']:,}, share graft {b['converted']:,} "
               f"({b['original'] / b['converted']:.2f}x smaller)")
-    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write_json((out / "results.json"), summary, indent=2)
     plot(healed_curve, scratch, base, out / "ced_graft.png")
     print(f"\nwrote {out / 'results.json'} and {out / 'ced_graft.png'}")
 
@@ -133,7 +134,7 @@ def plot(healed: list, scratch: list, base: float, png: Path) -> None:
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    atomic_savefig(fig, png, dpi=110)
     plt.close(fig)
 
 

@@ -12,12 +12,12 @@ sharing costs. Validation perplexity on the same first 12 x 16 validation sequen
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 import torch
 
+from kvgraft.atomic import atomic_write_json
 from kvgraft.data import PackedDataset
 from kvgraft.graft.ced import CEDGraftConfig, graft_ced
 from kvgraft.graft.convert import convert, load_calibration
@@ -63,7 +63,7 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, (p, kv) in rows.items():
         print(f"| {name} | {p:.3f} | {p / base:.3f}x | {'' if kv is None else f'{kv:,}'} |")
-    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    atomic_write_json((out / "results.json"), rows, indent=2)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ pooling rate ``--compress-rate``). ``8m`` = the shipped reference shapes (llama-
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kvgraft.atomic import atomic_write_json
 from kvgraft.graft.ranks import default_ranks  # noqa: E402
 from kvgraft.model import ModelConfig, Transformer  # noqa: E402
 from kvgraft.model.presets import get_preset  # noqa: E402
@@ -499,7 +499,7 @@ def main() -> None:
 def _write(path: str, result: dict) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_json(out, result, indent=1)
     print(f"\nwrote {out}")
 
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from kvgraft.atomic import atomic_write_json
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, head_dim=16)
@@ -176,7 +177,7 @@ def main() -> None:
     rows = []
     for name in args.cases:
         rows += run_case(out / "models", name)
-    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    atomic_write_json((out / "results.json"), rows, indent=2)
     print(table(rows))
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # engine in this process: one model at a time
 
 import torch  # noqa: E402
+
+from kvgraft.atomic import atomic_write_json  # noqa: E402
 
 LENGTHS = (1, 2, 4, 20, 100)
 N_NEW = 32
@@ -190,7 +191,7 @@ def main() -> int:
                           f"{row['max']:>10.3g}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vllm_parity.json").write_text(json.dumps(report, indent=1))
+    atomic_write_json(out / "vllm_parity.json", report, indent=1)
     ran = [r for r in report["engine"].values() if r["started"]]
     ok = all(r["ok"] for r in report["op"].values()) and bool(ran) and all(r["ok"] for r in ran)
     print("PASS" if ok else "FAIL")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvgraft.atomic import atomic_savefig, atomic_write_json
 from kvgraft.data import PackedDataset
 from kvgraft.graft.convert import convert
 from kvgraft.hf import load_pretrained
@@ -94,7 +95,7 @@ def main() -> None:
                                      "ends_below_original": final < math.exp(base_loss)}
         reach_s = "not reached" if reach is None else f"{reach:,} ({reach / pre_tokens:.2%})"
         print(f"{name:<20} {final:10.3f} {final / math.exp(base_loss):11.3f}x {reach_s:>24}")
-    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write_json((out / "results.json"), summary, indent=2)
     plot(curves, math.exp(base_loss), out / "heal.png", pre_tokens)
     print(f"\nwrote {out / 'results.json'} and {out / 'heal.png'}")
 
@@ -115,7 +116,7 @@ def plot(curves: dict, base_ppl: float, png: Path, pre_tokens: int) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    atomic_savefig(fig, png, dpi=110)
     plt.close(fig)
 
 

@@ -36,6 +36,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from kvgraft.atomic import atomic_write_json
+
 BASE = "kvgraft-ced-8m"
 SYSTEM = "You answer geometry questions with the arithmetic and the result."
 
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     print("server /metrics at the end: " + ", ".join(f"{k} {v:g}" for k, v in result["metrics"].items()
                                                      if k.startswith(keys)))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(args.json), result, indent=2)
     bad = {k: v for s in result["rounds"] for k, v in s["errors"].items() if k != "429"}
     return 1 if bad else 0
 

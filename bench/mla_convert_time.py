@@ -16,13 +16,13 @@ objective is timed on both models in one run; calibration is the same number of 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 from bench_shapes import random_model
 
+from kvgraft.atomic import atomic_write_json
 from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.graft.ranks import default_ranks
 from kvgraft.hf import load_pretrained
@@ -93,7 +93,7 @@ def main() -> None:
                                  args.progress)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    atomic_write_json((out / "results.json"), rows, indent=2)
     print(f"wrote {out / 'results.json'}")
 
 

@@ -12,7 +12,6 @@ Contexts past the model's trained length measure speed only (RoPE extrapolates; 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kvgraft.atomic import atomic_write_json
 from kvgraft.eval.speed import decode_speed
 from kvgraft.graft.convert import ranks_for_compression
 from kvgraft.graft.mla import GraftConfig, graft_mla
@@ -120,8 +120,8 @@ def main() -> None:
         hf_rows = hf_part(original, mla, path, args, dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"model": str(path), "dtype": args.dtype, "kv_lora_rank": d_c,
-                                                  "rope_dim": d_rope, "kvgraft": rows, "hf": hf_rows}, indent=2) + "\n")
+    atomic_write_json(out / "results.json", {"model": str(path), "dtype": args.dtype, "kv_lora_rank": d_c,
+                                             "rope_dim": d_rope, "kvgraft": rows, "hf": hf_rows})
     print(f"\nwrote {out / 'results.json'}")
 
 

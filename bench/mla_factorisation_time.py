@@ -13,12 +13,12 @@ positive-definite C, so a checkpoint's factorisation time is about layers x the 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
+from kvgraft.atomic import atomic_write_json
 from kvgraft.graft.mla_math import GQAWeights, convert_layer
 from kvgraft.graft.ranks import default_ranks
 from kvgraft.model import ModelConfig
@@ -63,7 +63,7 @@ def main() -> None:
               f"{seconds:.1f} s per layer, {seconds * layers:.0f} s for {layers} layers", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    atomic_write_json((out / "results.json"), rows, indent=2)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@ Prints a table of perplexities and their ratio to the original; writes JSON and 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
+from kvgraft.atomic import atomic_savefig, atomic_write_json
 from kvgraft.eval import perplexity
 from kvgraft.graft.convert import load_calibration, ranks_for_compression
 from kvgraft.graft.mla import GraftConfig, graft_mla
@@ -91,8 +91,7 @@ def main() -> None:
                       f"({res.ppl / base.ppl:6.3f}x original)  convert {seconds:5.1f} s", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"model": str(path), "eval_tokens": base.tokens_scored,
-                                                  "rows": rows}, indent=2) + "\n")
+    atomic_write_json(out / "results.json", {"model": str(path), "eval_tokens": base.tokens_scored, "rows": rows})
     print("\n" + table(rows))
     plot(rows, out / "mla_oneshot.png", base.ppl)
     print(f"\nwrote {out / 'results.json'} and {out / 'mla_oneshot.png'}")
@@ -131,7 +130,7 @@ def plot(rows: list[dict], png: Path, base_ppl: float) -> None:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    atomic_savefig(fig, png, dpi=110)
     plt.close(fig)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from kvgraft.atomic import atomic_write_json
 from kvgraft.eval import perplexity
 from kvgraft.graft.convert import load_calibration
 from kvgraft.graft.mla import GraftConfig, graft_mla
@@ -144,8 +145,8 @@ def main() -> None:
                       f"{g.qk_rope_head_dim:<3} " + "  ".join(
                           f"{k} {scored[k]:.3f} ({scored[k] / base[k]:.3f}x)" for k in base)
                       + f"  graft {seconds:.0f} s", flush=True)
-                (out / "results.json").write_text(json.dumps({"model": str(path), "texts": {k: str(v) for k, v in
-                                                              texts.items()}, "rows": rows}, indent=2) + "\n")
+                atomic_write_json(out / "results.json", {"model": str(path), "texts": {k: str(v) for k, v in
+                                                                       texts.items()}, "rows": rows})
         for spec in args.extra:
             selection, d_rope, shrinkage, *rest = spec.split(":")
             d_rope, shrinkage = int(d_rope), float(shrinkage)
@@ -172,8 +173,8 @@ def main() -> None:
             print(f"{compression:g}x {how + ' ' + selection + ' ' + rotation:<24} shrink {shrinkage:<5g} d_c {g.kv_lora_rank:<3} "
                   f"d_rope {d_rope:<3} " + "  ".join(f"{k} {scored[k]:.3f} ({scored[k] / base[k]:.3f}x)" for k in base)
                   + f"  graft {seconds:.0f} s", flush=True)
-            (out / "results.json").write_text(json.dumps({"model": str(path), "texts": {k: str(v) for k, v in
-                                                          texts.items()}, "rows": rows}, indent=2) + "\n")
+            atomic_write_json(out / "results.json", {"model": str(path), "texts": {k: str(v) for k, v in
+                                                                   texts.items()}, "rows": rows})
     print(f"wrote {out / 'results.json'}")
 
 

@@ -12,10 +12,11 @@ and examples. Prints a table (one row per task, one column per layer) and writes
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
+
+from kvgraft.atomic import atomic_write_json
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
               f"{share.positions} answer positions)", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(path), "adapter": args.adapter, "tasks": rows}, indent=2) + "\n")
+    atomic_write_json(out, {"model": str(path), "adapter": args.adapter, "tasks": rows}, indent=2)
     print(f"wrote {out}")
 
 

@@ -47,6 +47,20 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         handle.write(text)
 
 
+def atomic_write_json(path: str | Path, obj: object, indent: int | None = 2, default: object = None) -> None:
+    """Write ``obj`` as JSON (with a final newline) to ``path`` atomically; ``default`` as in ``json.dumps``."""
+    import json  # small, but only the writers of JSON need it
+
+    atomic_write_text(path, json.dumps(obj, indent=indent, default=default) + "\n")  # type: ignore[arg-type]
+
+
+def atomic_savefig(fig: object, path: str | Path, **kwargs: object) -> None:
+    """``fig.savefig`` (a matplotlib Figure) to ``path`` atomically; the format comes from the suffix."""
+    path = Path(path)
+    with atomic_open(path, "wb") as handle:
+        fig.savefig(handle, format=path.suffix.lstrip(".") or "png", **kwargs)  # type: ignore[attr-defined]
+
+
 @contextmanager
 def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to ``path``; on clean exit it becomes ``path``.
