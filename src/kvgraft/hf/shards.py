@@ -1,0 +1,170 @@
+"""Checkpoints tensor by tensor: a lazy reader over (sharded) safetensors and a writer that fills shards as
+tensors arrive, so a model larger than memory can be read, and written, one layer at a time.
+
+``CheckpointReader`` opens every shard memory-mapped (``safetensors.safe_open``) and reads a tensor only
+when asked for it by name; nothing else is resident. ``ShardWriter`` keeps at most one shard's worth of
+tensors (``max_shard_bytes``) in memory, writes each full shard to disk, and at ``close()`` names the shards
+as transformers does (``model-00001-of-00003.safetensors`` + ``model.safetensors.index.json``, or one
+``model.safetensors`` when everything fit in one shard). Write into a directory made by
+``kvgraft.atomic.atomic_dir`` so that a crash leaves no half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from kvgraft.errors import CheckpointError
+from kvgraft.hf.load import WEIGHTS, WEIGHTS_INDEX, _checkpoint_dir, _read_json, _shard_files
+
+DEFAULT_SHARD_BYTES = 4 * 2**30  # transformers' save_pretrained default ("5GB") rounded down to a power of two
+
+
+class CheckpointReader:
+    """Tensors of a checkpoint directory read one at a time, by name (file names, e.g. ``model.norm.weight``).
+
+    Use as a context manager (or call ``close()``): the shards stay memory-mapped while it is open. ``get``
+    copies the tensor out of the map (so the caller owns it) in the requested dtype and device."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.directory = _checkpoint_dir(path)
+        self._handles: list[Any] = []
+        self._where: dict[str, int] = {}
+        try:
+            for shard in _shard_files(self.directory):
+                try:
+                    handle = safe_open(str(shard), framework="pt", device="cpu")
+                except SafetensorError as exc:
+                    raise CheckpointError(f"{shard} is not a valid safetensors file (truncated or corrupt?): "
+                                          f"{exc}") from exc
+                index = len(self._handles)
+                self._handles.append(handle)
+                for key in handle.keys():
+                    if key in self._where:
+                        raise CheckpointError(f"{shard} repeats tensor {key} already read from another shard")
+                    self._where[key] = index
+        except BaseException:
+            self.close()
+            raise
+        index_path = self.directory / WEIGHTS_INDEX
+        if not (self.directory / WEIGHTS).is_file() and index_path.is_file():
+            absent = sorted(set(_read_json(index_path)["weight_map"]) - set(self._where))
+            if absent:
+                raise CheckpointError(f"tensors listed in {index_path} are in none of its shards: {absent}")
+
+    def keys(self) -> list[str]:
+        """Every tensor name, in file order (shard by shard)."""
+        return list(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, read from the header (no data is read)."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The tensor ``name`` (cast to ``dtype`` if given); ``CheckpointError`` names a missing one."""
+        tensor = self._handle(name).get_tensor(name)
+        if dtype is not None and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        return tensor.to(device)
+
+    def prefixed(self, prefix: str) -> Iterator[str]:
+        """The names that start with ``prefix`` (e.g. ``model.layers.3.``), in file order."""
+        return (k for k in self._where if k.startswith(prefix))
+
+    def _handle(self, name: str) -> Any:
+        if name not in self._where:
+            raise CheckpointError(f"{self.directory} has no tensor {name}")
+        return self._handles[self._where[name]]
+
+    def close(self) -> None:
+        self._handles.clear()  # safe_open handles unmap when collected
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+class ShardWriter:
+    """Collect tensors into shards of at most ``max_shard_bytes`` (a tensor larger than that gets a shard of its
+    own), writing each shard as soon as it is full; ``close()`` writes the last one and names them.
+
+    Tensors are copied to CPU, made contiguous, and never kept past their shard's write. Names must be unique.
+    ``close()`` returns the ``weight_map`` (name -> file)."""
+
+    def __init__(self, directory: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 metadata: dict[str, str] | None = None) -> None:
+        if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes ({max_shard_bytes!r}) must be a positive integer")
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory} is not a directory (ShardWriter writes into an existing one)")
+        self.max_shard_bytes = max_shard_bytes
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._written: list[tuple[Path, list[str]]] = []
+        self._names: set[str] = set()
+        self.total_bytes = 0
+        self.peak_pending_bytes = 0
+        self._closed = False
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._closed:
+            raise RuntimeError("ShardWriter is closed")
+        if name in self._names:
+            raise ValueError(f"tensor {name} was already written")
+        t = tensor.detach().to("cpu").contiguous()
+        if any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in self._pending.values()):
+            t = t.clone()  # safetensors refuses tensors that share memory
+        size = t.numel() * t.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = t
+        self._names.add(name)
+        self._pending_bytes += size
+        self.total_bytes += size
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)
+
+    def add_all(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self.add(name, tensor)
+
+    def _flush(self) -> None:
+        path = self.directory / f".shard-{len(self._written):05d}.safetensors"
+        save_file(self._pending, str(path), metadata=self.metadata)
+        self._written.append((path, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> dict[str, str]:
+        """Write what is pending, give the shards their final names, write the index; the weight map."""
+        if self._closed:
+            raise RuntimeError("ShardWriter is closed")
+        if self._pending or not self._written:
+            self._flush()
+        self._closed = True
+        n = len(self._written)
+        weight_map: dict[str, str] = {}
+        for i, (path, names) in enumerate(self._written):
+            final = WEIGHTS if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(path, self.directory / final)
+            weight_map.update(dict.fromkeys(names, final))
+        if n > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        return weight_map
+
+
+__all__ = ["DEFAULT_SHARD_BYTES", "CheckpointReader", "ShardWriter"]
