@@ -22,16 +22,16 @@ Prints a markdown table and writes JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
+from kvgraft.atomic import atomic_write_json
 from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
-from kvgraft.serve.engine import Engine
-from kvgraft.serve.sampling import SamplingParams
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 
 MODELS = {"llama": "kvgraft-llama-8m", "ced": "kvgraft-ced-8m"}
 
@@ -134,9 +134,7 @@ def main() -> None:
               f"{m['contiguous'] / 2**20:.2f} MB ({m['contiguous'] / m['needed']:.2f}x) |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(out)
+    atomic_write_json(out, results, indent=2)
     print(f"\nJSON: {out}")
 
 

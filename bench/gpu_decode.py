@@ -26,7 +26,6 @@ printed next to the measured one, so a shortfall can be told apart: runtime over
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "src")]
 
 from decode_cost import KINDS, ced_of, configs, mla_of, step_cost  # noqa: E402
 
+from kvgraft.atomic import atomic_write_json  # noqa: E402
 from kvgraft.model import ModelConfig, Transformer  # noqa: E402
 
 
@@ -197,7 +197,7 @@ def main() -> None:
     print(f"\nwall time {time.perf_counter() - t_start:.0f} s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": name, "args": vars(args), "rows": rows}, indent=1) + "\n")
+    atomic_write_json(out, {"device": name, "args": vars(args), "rows": rows}, indent=1)
     print(f"wrote {out}")
 
 

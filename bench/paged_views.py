@@ -76,8 +76,8 @@ def prefix_rows(n_rows: int, rounds: int) -> None:
     from kvgraft.hf import load_pretrained
     from kvgraft.model.batch import BatchContext
     from kvgraft.reference import resolve_model
-    from kvgraft.serve.engine import Engine
-    from kvgraft.serve.sampling import SamplingParams
+    from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.sampling import SamplingParams
 
     model = load_pretrained(resolve_model("kvgraft-llama-8m")).eval()
     prompt = torch.randint(0, model.config.vocab_size, (1000,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -56,7 +56,7 @@ def make_adapters(base, n: int, root: Path) -> dict[str, Path]:
 
 
 def new_engine(base, adapters, args, prefix: bool):
-    from kvgraft.serve.engine import Engine
+    from kvgraft.runtime.engine import Engine
 
     e = Engine(base, max_seqs=max(8, args.max_n) + 1, max_batch_tokens=args.chunk,
                max_seq_len=args.prompt + args.new_tokens, prefix_cache=prefix)
@@ -106,8 +106,8 @@ def main() -> None:
 
     from kvgraft.hf import load_pretrained
     from kvgraft.reference import resolve_model
-    from kvgraft.serve.prefix import replay_span
-    from kvgraft.serve.sampling import SamplingParams
+    from kvgraft.runtime.prefix import replay_span
+    from kvgraft.runtime.sampling import SamplingParams
 
     base = load_pretrained(resolve_model(args.base)).eval()
     cfg = base.config

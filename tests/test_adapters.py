@@ -251,8 +251,8 @@ def test_adapter_carries_to_the_stock_deepseek_v3_export(tmp_path, latent_norm):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from kvgraft.adapters.export import export_adapter_deepseek_v3
     from kvgraft.hf import export_deepseek_v3
+    from kvgraft.hf.deepseek.adapters import export_adapter_deepseek_v3
 
     cfg = MLA.replace(qk_nope_head_dim=8, rms_norm_eps=1e-6, mla_latent_norm=latent_norm)
     base = build(cfg)
@@ -283,7 +283,7 @@ def test_adapter_carries_to_the_stock_deepseek_v3_export(tmp_path, latent_norm):
 def test_adapter_export_refuses_q_proj_on_a_base_with_query_bias(tmp_path):
     """Stock DeepSeek-V3 takes biased queries (Qwen2) through q_a_proj -> q_a_layernorm -> q_b_proj, which a
     q_proj delta cannot follow: refused before anything is written, naming what to train instead."""
-    from kvgraft.adapters.export import export_adapter_deepseek_v3
+    from kvgraft.hf.deepseek.adapters import export_adapter_deepseek_v3
 
     cfg = MLA.replace(qk_nope_head_dim=8, qkv_bias=True)
     base = build(cfg)

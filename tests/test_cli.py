@@ -93,7 +93,7 @@ def test_convert_bad_rank_names_the_value(tiny_dir, tmp_path, capsys):
 
 
 def test_generate_is_reproducible_with_a_seed(tiny_dir, capsys):
-    from kvgraft.model import generate
+    from kvgraft.runtime import generate
 
     model = load_pretrained(tiny_dir)
     ids = torch.tensor([[1, 2, 3]])

@@ -26,7 +26,8 @@ from kvgraft.hf.deepseek import (
     load_stock,
     measure_export_error,
 )
-from kvgraft.model import ModelConfig, RopeConfig, Transformer, generate
+from kvgraft.model import ModelConfig, RopeConfig, Transformer
+from kvgraft.runtime import generate
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402

@@ -18,6 +18,7 @@ from kvgraft.graft.doctor import (
 )
 from kvgraft.hf.config_map import kvgraft_config_dict
 from kvgraft.model.config import ModelConfig, RopeConfig
+from kvgraft.model.shapes import num_parameters
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -103,9 +104,9 @@ def test_llama_gqa_from_config_json(tmp_path):
     assert report.rope == {"rope_type": "default", "theta": 10000.0}
     assert report.tie_word_embeddings and not report.qkv_bias and not report.qk_norm
     assert report.sliding_window is None and report.sliding_layers == []
-    assert report.num_parameters == ModelConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=8,
-                                                num_kv_heads=2, intermediate_size=96,
-                                                tie_word_embeddings=True).num_parameters()
+    assert report.num_parameters == num_parameters(ModelConfig(vocab_size=64, hidden_size=64, num_layers=2,
+                                                               num_heads=8, num_kv_heads=2, intermediate_size=96,
+                                                               tie_word_embeddings=True))
     assert report.num_parameters_after is not None
     assert report.blockers == [] and report.warnings == [] and report.notes == []
     assert report.verdict == "convertible"

@@ -13,8 +13,8 @@ from kvgraft.hf import load_pretrained
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import CacheFullError, PagedKVCache
 from kvgraft.model.transformer import Transformer
-from kvgraft.serve.engine import Engine
-from kvgraft.serve.sampling import SamplingParams
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 _cache: dict[str, Transformer] = {}
@@ -185,8 +185,8 @@ def test_every_engine_caller_fits_blocks_to_the_compression_rate():
     """An encoder-decoder whose compression rate does not divide 16 (m = 3): generate, the engine and the
     decode benchmark choose whole-entry blocks (18 tokens) instead of failing; cached decode == full forward."""
     from kvgraft.eval.speed import decode_speed
-    from kvgraft.model import generate
     from kvgraft.model.presets import get_preset
+    from kvgraft.runtime import generate
 
     torch.manual_seed(0)
     model = Transformer(get_preset("ced-tiny").replace(compress_rate=3, sliding_window=8))
@@ -207,7 +207,7 @@ def test_sampling_at_float32_underflow_limits():
     """A temperature or top_p that rounds to 0 in fp32 used to fail the whole engine step (softmax of
     logits / 1e-40 is NaN; top_p 1e-46 dropped every token): tiny temperatures act as greedy, the most
     likely token always stays in the nucleus."""
-    from kvgraft.serve.sampling import sample_next
+    from kvgraft.runtime.sampling import sample_next
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)

@@ -14,9 +14,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from kvgraft.hf import KvgraftConfig, KvgraftForCausalLM, load_config, load_pretrained, register_auto_classes, save_pretrained
 from kvgraft.model.config import ModelConfig
-from kvgraft.model.generate import generate
 from kvgraft.model.presets import get_preset
 from kvgraft.model.transformer import Transformer
+from kvgraft.runtime import generate
 
 CED = get_preset("ced-tiny")
 MLA = ModelConfig(

@@ -28,8 +28,8 @@ from kvgraft.hf import continuous as cont
 from kvgraft.hf import save_pretrained
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.presets import get_preset
-from kvgraft.serve.engine import Engine
-from kvgraft.serve.sampling import SamplingParams
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 CED = get_preset("ced-tiny")  # window 8, kv_source layers 1 and 2, compress rate 2

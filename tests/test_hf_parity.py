@@ -17,8 +17,8 @@ import torch
 import transformers
 
 from kvgraft.hf import load_config, load_pretrained, save_pretrained
-from kvgraft.model import generate
 from kvgraft.model.rope import base_inv_freq
+from kvgraft.runtime import generate
 
 TINY = dict(
     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -20,8 +20,8 @@ from kvgraft.adapters.lora import AdapterConfig, add_adapter, randomize_adapter,
 from kvgraft.adapters.placement import Placement
 from kvgraft.hf import KvgraftForCausalLM, load_pretrained, save_pretrained
 from kvgraft.model.presets import get_preset
-from kvgraft.serve.engine import Engine
-from kvgraft.serve.sampling import SamplingParams
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 CED = get_preset("ced-tiny").replace(num_layers=6, kv_source_layers=(1, 3), qkv_bias=True)

@@ -18,8 +18,8 @@ from kvgraft.adapters.placement import Placement
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.presets import get_preset
-from kvgraft.serve.engine import Engine
-from kvgraft.serve.sampling import SamplingParams
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 
 LLAMA = get_preset("llama-tiny").replace(num_layers=4, max_position_embeddings=256)
 MLA = LLAMA.replace(attention_kinds=("mla",) * 4, kv_lora_rank=6, qk_rope_head_dim=8, qk_nope_head_dim=8,

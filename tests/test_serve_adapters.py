@@ -18,9 +18,9 @@ from kvgraft.adapters.placement import Placement
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.presets import get_preset
-from kvgraft.serve.adapters import AdapterBusyError, AdapterError, MultiLoraLinear, UnknownAdapterError, read_adapter
-from kvgraft.serve.engine import Engine
-from kvgraft.serve.sampling import SamplingParams
+from kvgraft.runtime.adapters import AdapterBusyError, AdapterError, MultiLoraLinear, UnknownAdapterError, read_adapter
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 
 CED = get_preset("ced-tiny").replace(num_layers=6, kv_source_layers=(1, 3), qkv_bias=True)
 LLAMA = get_preset("llama-tiny").replace(num_layers=3)

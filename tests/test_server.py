@@ -23,8 +23,8 @@ import uvicorn
 from kvgraft.adapters.lora import AdapterConfig, add_adapter, randomize_adapter, save_adapter
 from kvgraft.adapters.placement import Placement
 from kvgraft.hf import load_pretrained, load_tokenizer_dir
-from kvgraft.serve.engine import Engine
-from kvgraft.serve.sampling import SamplingParams
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 from kvgraft.serve.server import CHAT_STOP, build_server, render_chat
 
 BASE = Path(__file__).resolve().parents[1] / "models" / "kvgraft-ced-8m"

@@ -23,9 +23,9 @@ from kvgraft.adapters.placement import Placement
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.presets import get_preset
 from kvgraft.model.transformer import Transformer
-from kvgraft.serve.engine import Engine
-from kvgraft.serve.prefix import replay_layer, replay_span
-from kvgraft.serve.sampling import SamplingParams
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.prefix import replay_layer, replay_span
+from kvgraft.runtime.sampling import SamplingParams
 
 CED = get_preset("ced-tiny").replace(num_layers=6, kv_source_layers=(1, 3), qkv_bias=True,
                                      max_position_embeddings=256)
@@ -246,7 +246,7 @@ def test_rows_of_several_adapters_prefill_and_decode_in_one_group(setup, monkeyp
     """Prompts of one length for different adapters (and the base) run as one mixed group: the prefill
     (expanded latent path, kv_b per adapter) and the decode (absorbed, base kv_b plus per-row low-rank
     deltas) give each request its tokens alone."""
-    import kvgraft.serve.engine as engine_mod
+    import kvgraft.runtime.engine as engine_mod
     from kvgraft.model.batch import MIXED
 
     seen = []

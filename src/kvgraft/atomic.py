@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -49,7 +50,6 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def atomic_write_json(path: str | Path, obj: object, indent: int | None = 2, default: object = None) -> None:
     """Write ``obj`` as JSON (with a final newline) to ``path`` atomically; ``default`` as in ``json.dumps``."""
-    import json  # small, but only the writers of JSON need it
 
     atomic_write_text(path, json.dumps(obj, indent=indent, default=default) + "\n")  # type: ignore[arg-type]
 

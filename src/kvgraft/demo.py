@@ -18,9 +18,21 @@ import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
 
 from kvgraft.atomic import atomic_write_text
+from kvgraft.checks import check_writable
+from kvgraft.eval import compare_table, evaluate, format_report
+from kvgraft.graft.convert import convert
+from kvgraft.graft.doctor import doctor
+from kvgraft.graft.mla import GraftConfig
+from kvgraft.graft.ranks import default_ranks
+from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir
 from kvgraft.reference import resolve_model
+from kvgraft.runtime import generate
 
 PROMPTS = ("In the beginning", "The for statement in Python")
 HELDOUT = Path("eval") / "heldout.npy"
@@ -55,7 +67,6 @@ def _spread_windows(tokens, n_windows: int, window: int):
     """``n_windows`` chunks of ``window`` tokens evenly spaced over ``tokens``, concatenated, plus the token
     after the last chunk (the last window's final target). The slices kvgraft ships are themselves evenly
     spaced chunks of the whole split (``kvgraft.data.spread_tokens``), so this keeps every source."""
-    import numpy as np
 
     n_chunks = (tokens.size - 1) // window  # chunks followed by at least one token
     if n_chunks == 0:
@@ -68,10 +79,6 @@ def _spread_windows(tokens, n_windows: int, window: int):
 
 
 def _samples(model, tok, max_new_tokens: int, seed: int) -> list[dict]:
-    import torch
-
-    from kvgraft.model import generate
-
     out = []
     for prompt in PROMPTS:
         ids = torch.tensor([tok.encode(prompt)])
@@ -85,9 +92,6 @@ def _samples(model, tok, max_new_tokens: int, seed: int) -> list[dict]:
 
 def _check_arguments(path: Path, out: Path, compression: float, max_new_tokens: int, seed: int) -> None:
     """Everything that can be checked before the first minute of work (ValueError/CheckpointError)."""
-    from kvgraft.graft.mla import GraftConfig
-    from kvgraft.graft.ranks import default_ranks
-    from kvgraft.hf import load_config
 
     if isinstance(compression, bool) or not isinstance(compression, (int, float)):
         raise ValueError(f"compression must be a number > 1, got {compression!r}")
@@ -104,7 +108,6 @@ def _check_arguments(path: Path, out: Path, compression: float, max_new_tokens: 
                              "reference model carries (see `kvgraft ship`)")
     ranks = default_ranks(config, compression=compression)  # convert's own rule
     GraftConfig(kv_lora_rank=ranks.kv_lora_rank, qk_rope_head_dim=ranks.qk_rope_head_dim).check_against(config)
-    from kvgraft.checks import check_writable
 
     check_writable(out / "report.json", what="demo output")
 
@@ -118,12 +121,7 @@ def demo(
     ``full=False`` (the default) runs the quick setting, ``full=True`` the long one (see the module
     docstring); the report's ``setting`` says which ran. Arguments are checked before any work.
     """
-    import numpy as np
 
-    from kvgraft.eval import compare_table, evaluate, format_report
-    from kvgraft.graft.convert import convert
-    from kvgraft.graft.doctor import doctor
-    from kvgraft.hf import load_pretrained, load_tokenizer_dir
 
     setting = FULL if full else QUICK
     path = resolve_model(model)
@@ -133,8 +131,8 @@ def demo(
     net = load_pretrained(path)
     tok = load_tokenizer_dir(path)
     ctx = net.config.max_position_embeddings
-    speed = dict(contexts=(ctx // 4, ctx - 16), batch_sizes=(1, 8), new_tokens=setting.speed_new_tokens,
-                 repeats=setting.speed_repeats)
+    speed: dict[str, Any] = dict(contexts=(ctx // 4, ctx - 16), batch_sizes=(1, 8),
+                                 new_tokens=setting.speed_new_tokens, repeats=setting.speed_repeats)
     heldout = path / HELDOUT
     if setting.heldout_windows is not None:
         heldout = _spread_windows(np.load(heldout, mmap_mode="r"), setting.heldout_windows, ctx)
@@ -161,7 +159,7 @@ def demo(
     print(f"\n== 3. convert to MLA at {compression:g}x KV compression (one shot, no training) -> {converted_dir}")
     if converted_dir.exists():
         shutil.rmtree(converted_dir)
-    convert_args = {} if calibration is None else {"calibration": calibration,
+    convert_args: dict[str, Any] = {} if calibration is None else {"calibration": calibration,
                                                    "calibration_tokens": setting.calibration_tokens}
     record = convert(path, converted_dir, compression=compression, **convert_args)
     kv = record["kv_bytes_per_token_bf16"]

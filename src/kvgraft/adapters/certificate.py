@@ -52,7 +52,7 @@ def cache_groups(config: ModelConfig) -> dict[str, tuple[int, tuple[str, ...]]]:
         full = tuple(f"layers.{layer}.{m}" for m in writers)
         if config.is_ced:
             groups[f"window:{layer}"] = (layer, tuple(n for n in full if ".compressor." not in n))
-            if layer in config.kv_source_layers:
+            if layer in (config.kv_source_layers or ()):
                 groups[f"segment:{layer}"] = (layer, tuple(n for n in full if ".compressor." in n))
         elif config.is_kv_writer(layer):
             groups[f"kv:{layer}"] = (layer, full)
@@ -65,7 +65,8 @@ def certify(config: ModelConfig, modules: list[str]) -> Certificate:
         raise ValueError("certify: the adapter has no modules")
     adapted = set(modules)
     first = min(module_layer(n) for n in modules)
-    untouched, touched = [], []
+    untouched: list[str] = []
+    touched: list[str] = []
     for name, (layer, writers) in cache_groups(config).items():
         clean = layer < first or (layer == first and not adapted.intersection(writers))
         (untouched if clean else touched).append(name)

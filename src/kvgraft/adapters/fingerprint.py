@@ -24,11 +24,15 @@ import base64
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from kvgraft.errors import CheckpointError
+from kvgraft.reference import reference_model_dir
 
 PER_TENSOR = 32  # sampled values per tensor, at most
 SAMPLE_BUDGET = 4096  # sampled values in all, at most (fewer per tensor, or every k-th tensor, beyond)
@@ -128,8 +132,6 @@ def check_base_weights(meta: dict, model, adapter_dir: str | Path) -> bool:
 def base_reference(base_path: str | Path, adapter_dir: str | Path) -> dict[str, Any]:
     """How an adapter written to ``adapter_dir`` names its base at ``base_path``, without absolute paths:
     a shipped reference model by name, any other base by its path relative to the adapter directory."""
-    from kvgraft.errors import CheckpointError
-    from kvgraft.reference import reference_model_dir
 
     path = Path(base_path).resolve()
     try:
@@ -158,10 +160,7 @@ def relocate_reference(meta: dict, from_dir: str | Path, to_dir: str | Path) -> 
 def resolve_base(adapter_dir: str | Path, meta: dict) -> Path:
     """The base model directory an adapter records, on this machine; FileNotFoundError saying what was tried
     (give the base explicitly then). An old adapter's absolute path is used if it exists, with a warning."""
-    import warnings
 
-    from kvgraft.errors import CheckpointError
-    from kvgraft.reference import reference_model_dir
 
     base = meta.get("base")
     tried = []

@@ -11,7 +11,7 @@ refuses any other base.
 The base is hosted as ``AdapterHost.model`` so module names are transformers' (``model.layers.4.self_attn.
 q_proj``): the same adapter files load on kvgraft's model, on ``KvgraftForCausalLM`` (the transformers
 Auto classes) and, for a stock DeepSeek-V3 export, on ``DeepseekV3ForCausalLM`` (see
-``kvgraft.adapters.export``). PEFT's ``target_modules`` gets the compiled full names, so the adapter sits
+``kvgraft.hf.deepseek.adapters``). PEFT's ``target_modules`` gets the compiled full names, so the adapter sits
 exactly where the placement says.
 """
 
@@ -21,6 +21,7 @@ import json
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ from kvgraft.adapters.fingerprint import (  # base_fingerprint: re-exported here
 )
 from kvgraft.adapters.placement import Placement, compile_placement
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.shapes import num_parameters
 from kvgraft.model.transformer import Transformer
 
 META_FILE = "kvgraft_adapter.json"
@@ -44,7 +46,7 @@ INITS = ("default", "gaussian")
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    """LoRA hyper-parameters. ``alpha`` defaults to 2 x rank (the seed's choice)."""
+    """LoRA hyper-parameters. ``alpha`` defaults to 2 x rank (the choice of Mind Lab's article on LoRA placement)."""
 
     rank: int = 16
     alpha: float | None = None
@@ -54,10 +56,10 @@ class AdapterConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"rank ({self.rank!r}) must be a positive integer")
-        if self.alpha is None:
-            object.__setattr__(self, "alpha", 2.0 * self.rank)
-        if not self.alpha > 0:
-            raise ValueError(f"alpha ({self.alpha!r}) must be > 0")
+        alpha = 2.0 * self.rank if self.alpha is None else self.alpha
+        object.__setattr__(self, "alpha", alpha)
+        if not alpha > 0:
+            raise ValueError(f"alpha ({alpha!r}) must be > 0")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout ({self.dropout!r}) must be in [0, 1)")
         if self.init not in INITS:
@@ -82,12 +84,12 @@ def add_adapter(model: Transformer, placement: Placement, cfg: AdapterConfig | N
 
     cfg = cfg or AdapterConfig()
     modules = compile_placement(model.config, placement)
-    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
+    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",  # type: ignore[arg-type]
                       target_modules=[HOST_PREFIX + m for m in modules],
                       init_lora_weights=True if cfg.init == "default" else "gaussian")
     meta = _meta(model, placement, modules, cfg)  # the base's weights fingerprinted before LoRA wraps them
     peft_model = get_peft_model(AdapterHost(model), lora)
-    peft_model.kvgraft_meta = meta
+    peft_model.kvgraft_meta = meta  # type: ignore[assignment]  # our record rides on the PeftModel
     return peft_model
 
 
@@ -121,7 +123,8 @@ def save_adapter(peft_model, out_dir: str | Path, extra: dict | None = None, bas
     out = Path(out_dir)
     meta = dict(peft_model.kvgraft_meta, **(extra or {}))
     if base is not None:
-        recorded = meta.get("base") if isinstance(meta.get("base"), dict) else {}
+        given = meta.get("base")
+        recorded: dict[str, Any] = given if isinstance(given, dict) else {}
         meta["base"] = base_reference(base, out) | {k: v for k, v in recorded.items()
                                                       if k not in ("name", "path", "reference")}
     with atomic_dir(out, overwrite=True) as tmp:
@@ -163,7 +166,7 @@ def load_adapter(model: Transformer, adapter_dir: str | Path, trainable: bool = 
     meta = read_meta(adapter_dir)
     check_base(meta, model, adapter_dir)
     peft_model = PeftModel.from_pretrained(AdapterHost(model), str(adapter_dir), is_trainable=trainable)
-    peft_model.kvgraft_meta = meta
+    peft_model.kvgraft_meta = meta  # type: ignore[assignment]  # our record rides on the PeftModel
     return peft_model
 
 
@@ -184,7 +187,7 @@ def dry_run(config: ModelConfig, placement: Placement, cfg: AdapterConfig | None
         out_f, in_f = shapes[f"{m}.weight"]
         rows.append({"module": HOST_PREFIX + m, "in": in_f, "out": out_f, "lora_params": cfg.rank * (in_f + out_f)})
     return {"modules": rows, "trainable_parameters": sum(r["lora_params"] for r in rows),
-            "base_parameters": config.num_parameters(), "certificate": certify(config, modules).to_dict()}
+            "base_parameters": num_parameters(config), "certificate": certify(config, modules).to_dict()}
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Optimizer parameter groups for adapters: per-module learning-rate multipliers, LoRA+, frozen trees.
 
-PEFT has LoRA+ (B's learning rate as a multiple of A's) but no per-module multipliers; the seed's
+PEFT has LoRA+ (B's learning rate as a multiple of A's) but no per-module multipliers; Mind Lab's placement article's
 gradient-energy analysis (``kvgraft probe``) suggests one factor per module group (1/sqrt(rho_c)).
 Globs match kvgraft module names (``layers.4.self_attn.compressor.kv_a_proj``); when several match a
 module, their factors multiply. The groups carry ``lr_scale``, which the one training loop applies.

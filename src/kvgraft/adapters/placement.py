@@ -39,6 +39,8 @@ def layer_modules(config: ModelConfig, layer: int) -> dict[str, tuple[str, ...]]
     kind = config.attention_kinds[layer]
     writer = config.is_kv_writer(layer)
     query, out = ("self_attn.q_proj",), ("self_attn.o_proj",)
+    writers: tuple[str, ...]
+    read: tuple[str, ...]
     if kind == "gqa":
         writers = ("self_attn.k_proj", "self_attn.v_proj") if writer else ()
         read = ()
@@ -47,7 +49,7 @@ def layer_modules(config: ModelConfig, layer: int) -> dict[str, tuple[str, ...]]
         read = ("self_attn.kv_b_proj",)
     else:  # ced
         writers = ("self_attn.k_proj", "self_attn.v_proj")
-        if layer in config.kv_source_layers:
+        if layer in (config.kv_source_layers or ()):
             writers += ("self_attn.compressor.kv_a_proj",)
             if config.compress_rate > 1:
                 writers += ("self_attn.compressor.gate_proj",)
@@ -176,7 +178,7 @@ class Preset:
     rank: int
 
 
-# The seed's configurations (MISSION.md Part B): placement and rank.
+# The configurations of Mind Lab's article on LoRA placement (MISSION.md Part B): placement and rank.
 PRESETS: dict[str, Preset] = {
     "all-linear-r16": Preset(Placement("all", ("all-linear",)), 16),
     "encoder-half-r16": Preset(Placement("encoder-half", ("all-linear",)), 16),

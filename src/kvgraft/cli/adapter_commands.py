@@ -52,6 +52,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
                    log=lambda line: print(line, flush=True))  # the note before training, when it will not share
     share = result.get("sharing")  # absent when the run stopped early (no adapter yet)
     if args.dry_run:
+        assert share is not None  # a dry run always certifies the placement
         for row in result["modules"]:
             print(f"{row['module']:<48} {row['in']:>6} -> {row['out']:<6} {row['lora_params']:>10,}")
         cert = result["certificate"]

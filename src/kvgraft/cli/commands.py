@@ -91,7 +91,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     # every value is checked before the model loads
     from kvgraft.checks import check_text
-    from kvgraft.serve.sampling import SamplingParams
+    from kvgraft.runtime.sampling import SamplingParams
+    from kvgraft.runtime.stops import StopStrings
 
     check_text("--prompt", args.prompt)  # argv bytes that are not UTF-8 arrive as lone surrogates
     for stop in args.stop or ():
@@ -103,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from kvgraft.hf import load_pretrained, load_tokenizer_dir
     from kvgraft.reference import resolve_model
-    from kvgraft.serve.engine import Engine
+    from kvgraft.runtime.engine import Engine
 
     path = resolve_model(args.model)
     tok = load_tokenizer_dir(path)
@@ -129,13 +130,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(model, max_seqs=1, max_seq_len=len(ids) + sampling.max_new_tokens, detokenize=detok)
     rid = engine.add_request(ids, sampling)
     print(detok(ids), end="", flush=True)
+    stops = StopStrings(sampling.stop)
     shown = ""
     while engine.has_unfinished():  # stream: print what each step adds to the decoded text
         engine.step()
-        text = detok(engine.requests[rid].output)
-        for stop in sampling.stop:
-            if stop in text:
-                text = text[: text.index(stop)]
+        req = engine.requests[rid]
+        # cut before a stop string; until the end, hold back a tail that could begin one
+        text = stops.visible(detok(req.output), finished=req.status == "finished")
         if text.startswith(shown):
             print(text[len(shown):], end="", flush=True)
             shown = text

@@ -22,6 +22,7 @@ from kvgraft.cli.commands import (
     cmd_tasks,
 )
 from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_ERROR
+from kvgraft.graft.options import add_cli_options
 
 
 def _add_train_args(p: argparse.ArgumentParser, defaults) -> None:
@@ -131,63 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "or make it a causal encoder-decoder (--to ced)")
     p.add_argument("model", nargs="?", default=None, help=model_help)
     p.add_argument("--out", required=True, help="output directory (refused if it exists, unless --overwrite)")
-    p.add_argument("--to", choices=["mla", "ced"], default="mla",
-                   help="mla: per-layer latent KV; ced: causal encoder-decoder with shared compressed KV written "
-                        "by a few kv_source layers plus a sliding window per layer (the share graft)")
-    p.add_argument("--kv-source-layers", type=int, nargs="+", default=None,
-                   help="--to ced: layers that write the shared KV, the last is the pivot (default: pivot at "
-                        "the middle layer, e.g. 1 3 4 for 8 layers)")
-    p.add_argument("--sliding-window", type=int, default=64, help="--to ced: window of every layer (tokens)")
-    p.add_argument("--compress-rate", type=int, default=1, help="--to ced: tokens pooled per shared entry (m)")
-    p.add_argument("--compression", type=float, default=None,
-                   help="per-layer KV reduction factor (default 4; 2 with --to ced): the budget d_c + d_rope = "
-                        "KV width / compression, split by the default rank rule (docs/ranks.md)")
-    p.add_argument("--kv-lora-rank", type=int, default=None,
-                   help="latent width d_c cached per token per layer (instead of --compression)")
-    p.add_argument("--rope-dim", type=int, default=None,
-                   help="width of the shared RoPE key d_rope (default: the largest even width <= min(64, "
-                        "head_dim, budget / 2); a divisor of head_dim with --format deepseek_v3/both)")
-    p.add_argument("--objective", choices=["weights", "activations", "attention"], default="attention",
-                   help="latent initialisation: joint SVD of the weights, PCA of K/V outputs on calibration "
-                        "text, or attention-aware (key error weighted by queries, value error by W_O)")
-    p.add_argument("--rope-selection", choices=["auto", "stride", "prefix", "norm", "shared"], default="auto",
-                   help="which RoPE frequencies stay: the fastest d_rope/2 (prefix) or every k-th (stride), "
-                        "both stock DeepSeek-V3 layouts, or the largest measured contributions per layer (norm, "
-                        "kvgraft format only), or one layout for all layers by measured contribution (shared); "
-                        "auto: norm, shared with --to ced, prefix with --format deepseek_v3/both")
-    p.add_argument("--rope-rotation", choices=["real", "complex"], default=None,
-                   help="how the KV heads' RoPE pairs are mixed per frequency before the kept ones are chosen: "
-                        "orthogonal (real) or unitary (complex: each kept pair the best rank-1 complex fit of the "
-                        "heads' pairs, a per-head phase folded into the queries); default complex (--to mla), "
-                        "real (--to ced)")
-    p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
-                   help="calibrate each layer on the converted layers' activations")
-    p.add_argument("--calibration-shrinkage", type=float, default=0.5,
-                   help="shrink each layer's calibration second moment toward the weights-only fit's, in [0, 1] "
-                        "(0: the calibrated fit as measured; default 0.5, measured to generalise better out of "
-                        "domain: bench/RESULTS.md)")
-    p.add_argument("--rope-expectation", action=argparse.BooleanOptionalAction, default=True,
-                   help="pairs that lose RoPE keep their expected rotation under the layer's measured attention "
-                        "distances (instead of none)")
-    p.add_argument("--layers", type=int, nargs="+", default=None,
-                   help="convert only these layers (progressive grafting); the rest stay as they are")
-    p.add_argument("--calibration", default=None,
-                   help="calibration text (.txt) or token ids (.npy); default: the model's eval/calibration.npy")
-    p.add_argument("--calibration-tokens", type=int, default=32768)
-    p.add_argument("--format", choices=["kvgraft", "deepseek_v3", "both"], default=None,
-                   help="kvgraft's own format and/or a stock DeepSeek-V3 checkpoint (all layers converted); "
-                        "default kvgraft, or deepseek_v3 with --target")
-    p.add_argument("--target", choices=["vllm"], default=None,
-                   help="shape the stock DeepSeek-V3 export for an engine: vllm = d_c 512 + d_rope 64, the only "
-                        "shape vLLM's CPU backends and FlashMLA-class kernels take (refused, saying why, when the "
-                        "model's KV width or head_dim cannot); `kvgraft doctor` lists what each backend accepts")
-    p.add_argument("--stock-construction", choices=["engines", "transformers"], default="engines",
-                   help="engines (default): no attention bias tensors and fp16-safe weights, so vLLM and SGLang "
-                        "compute what transformers does (latent norm fitted, biases folded: approximate, error "
-                        "printed); transformers: the exact constructions held in attention biases, which vLLM and "
-                        "SGLang drop (transformers only; docs/export.md)")
-    p.add_argument("--device", default="cpu", help="where the model and calibration run, e.g. cuda")
-    p.add_argument("--overwrite", action="store_true")
+    add_cli_options(p)  # every other option, declared once with convert()'s (kvgraft.graft.options)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("heal", help="heal a converted model by continued pretraining (optionally distilled)")

@@ -188,7 +188,8 @@ def parse_kjv(text: str) -> Iterator[Document]:
     Input: chapter header lines (``Genesis 1``) at column 0, verse lines indented and
     starting with the verse number, optional wrapped continuation lines.
     """
-    book = chapter = None
+    book: str | None = None
+    chapter = ""
     verses: list[str] = []
     for line in text.splitlines():
         if not line.strip():
@@ -284,6 +285,7 @@ def parse_web(text: str, canon_only: bool = True) -> Iterator[Document]:
                 verses[-1] = f"{verses[-1]} {line.strip()}"
             continue
         match = _WEB_VERSE.match(line)
+        assert match is not None  # _web_lines marks as headers only the lines this pattern matches
         canon = _canonical_book(match["book"])
         book = canon if canon is not None else match["book"]
         if key != (book, match["chapter"]):

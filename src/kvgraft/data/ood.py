@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvgraft.hf.load import load_tokenizer_dir
+
 OOD_PACKAGE = "debian-reference-en"
 OOD_TEXT = Path("/usr/share/debian-reference/debian-reference.en.txt.gz")
 DEFAULT_CACHE = Path("runs/ood/pkg")
@@ -94,7 +96,6 @@ def build_ood_eval(model_dir: str | Path, out: str | Path, tokens: int = 65536, 
 
     Returns a small record: package, text bytes, total tokens, tokens written, bytes per token.
     """
-    from kvgraft.hf.load import load_tokenizer_dir
 
     tokenizer = load_tokenizer_dir(model_dir)
     if tokenizer is None:

@@ -21,10 +21,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from kvgraft.atomic import atomic_write_text
+from kvgraft.checks import check_writable
 from kvgraft.data.corpus import DEFAULT_SOURCES, SOURCES, SPLITS, CorpusError, build_corpus, iter_documents
 from kvgraft.data.packing import tokenize_split
-from kvgraft.data.tokenizer import train_tokenizer
+from kvgraft.data.tokenizer import _check_vocab_size, train_tokenizer
 
 
 def prepare_data(
@@ -54,8 +57,6 @@ def prepare_data(
     Values are checked before anything is written; on failure, whatever this call created
     (``out_dir`` itself if it did not exist, else its ``corpus/``, ``tokenizer/``, ``tokens/``) is removed.
     """
-    from kvgraft.checks import check_writable
-    from kvgraft.data.tokenizer import _check_vocab_size
 
     _check_vocab_size(vocab_size)
     tok_src = None
@@ -64,7 +65,6 @@ def prepare_data(
         if not (tok_src / "tokenizer.json").is_file():
             raise CorpusError(f"--tokenizer {tok_src}: no tokenizer.json there (give a model directory or a "
                               "prepare-data tokenizer/ directory)")
-        from tokenizers import Tokenizer
 
         size = Tokenizer.from_file(str(tok_src / "tokenizer.json")).get_vocab_size()
         if size != vocab_size:

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvgraft.data.tasks import encode_example
+from kvgraft.model.ced import CEDAttention
+
 
 @dataclass
 class SharedShare:
@@ -59,7 +62,6 @@ def shared_attention_share(model, sequences: Sequence[tuple[Sequence[int], int, 
     projections are fine). ``sequences``: (token ids, first, last) with positions ``first..last`` (inclusive)
     the ones averaged, e.g. the positions predicting the answer: ``first = len(prompt) - 1``, ``last =
     len(prompt) + len(answer) - 2``. Each sequence runs alone (batch 1, no cache)."""
-    from kvgraft.model.ced import CEDAttention
 
     layers = [b.self_attn for b in model.layers]
     if not any(isinstance(a, CEDAttention) and a.source is not None for a in layers):
@@ -81,7 +83,7 @@ def shared_attention_share(model, sequences: Sequence[tuple[Sequence[int], int, 
             return type(_attn).attend(_attn, q, k, v, latents, mask, absorbed, kv_b_delta)
 
         originals[i] = attn.__dict__.get("attend")
-        attn.attend = wrapped
+        attn.attend = wrapped  # type: ignore[method-assign]  # this instance only, restored in the finally below
     was_training = model.training
     model.eval()
     positions = 0
@@ -109,7 +111,6 @@ def shared_attention_share(model, sequences: Sequence[tuple[Sequence[int], int, 
 def task_sequences(tokenizer, examples, max_len: int) -> list[tuple[list[int], int, int]]:
     """(ids, first, last) of each task example: the positions that predict its answer tokens (the EOS
     after the answer not included)."""
-    from kvgraft.data.tasks import encode_example
 
     out = []
     for e in examples:

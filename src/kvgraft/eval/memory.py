@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from kvgraft.model.transformer import Transformer
+
 CONTEXTS: tuple[int, ...] = (1024, 4096, 8192, 32768)
 
 
@@ -32,7 +34,7 @@ class KVMemory:
 
 
 def kv_memory(
-    model: torch.nn.Module,
+    model: Transformer,
     dtype: torch.dtype = torch.bfloat16,
     max_len: int = 4096,
     contexts: tuple[int, ...] = CONTEXTS,

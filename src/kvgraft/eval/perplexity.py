@@ -19,6 +19,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from kvgraft.data.corpus import DOC_SEPARATOR, iter_documents
+from kvgraft.data.packing import load_tokens
+from kvgraft.data.tokenizer import EOS_TOKEN
+
 
 @dataclass(frozen=True)
 class PerplexityResult:
@@ -34,8 +38,6 @@ class PerplexityResult:
 
 def _as_stream(tokens: np.ndarray | str | Path) -> np.ndarray:
     if isinstance(tokens, (str, Path)):
-        from kvgraft.data.packing import load_tokens
-
         return load_tokens(tokens)
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.detach().cpu().numpy()
@@ -66,7 +68,7 @@ def perplexity(
     the cross-entropy; per-token losses are summed in fp64. Raises ``ValueError`` when the stream is
     shorter than ``seq_len + 1`` tokens, or for a non-positive ``seq_len``/``batch_size``/``max_tokens``.
     """
-    config = model.config
+    config: Any = model.config  # a kvgraft or a transformers model: both have these fields
     if seq_len is None:
         seq_len = config.max_position_embeddings
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
@@ -130,8 +132,6 @@ def perplexity(
 
 
 def _has_doc_separators(path: Path) -> bool:
-    from kvgraft.data.corpus import DOC_SEPARATOR
-
     with path.open("r", encoding="utf-8", newline="") as handle:
         return any(line in (DOC_SEPARATOR + "\n", DOC_SEPARATOR) for line in handle)
 
@@ -149,8 +149,6 @@ def _eos_id(tokenizer: Any) -> int | None:
     if isinstance(eos, int):
         return eos
     if hasattr(tokenizer, "token_to_id"):
-        from kvgraft.data.tokenizer import EOS_TOKEN
-
         return tokenizer.token_to_id(EOS_TOKEN)
     return None
 
@@ -187,8 +185,6 @@ def text_to_tokens(
 def _text_to_tokens(path: Path, tokenizer: Any, eos_token_id: int | None, batch_size: int) -> np.ndarray:
     chunks: list[list[int]] = []
     if _has_doc_separators(path):
-        from kvgraft.data.corpus import iter_documents
-
         eos = eos_token_id if eos_token_id is not None else _eos_id(tokenizer)
         if eos is None:
             raise ValueError(f"{path} holds several documents but the tokenizer has no EOS token; pass eos_token_id")

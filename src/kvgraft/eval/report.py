@@ -16,9 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvgraft.atomic import atomic_write_text
+from kvgraft.checks import check_writable
 from kvgraft.eval.memory import dtype_name, kv_memory
 from kvgraft.eval.perplexity import perplexity, text_to_tokens
 from kvgraft.eval.speed import decode_speed
+from kvgraft.hf import load_pretrained, load_tokenizer_dir
+from kvgraft.model.transformer import Transformer
 
 HELDOUT = Path("eval") / "heldout.npy"
 CALIBRATION = Path("eval") / "calibration.npy"
@@ -90,7 +94,7 @@ def config_summary(config: Any) -> dict[str, Any]:
 
 def evaluate(
     model_path: str | Path | None = None,
-    model: torch.nn.Module | None = None,
+    model: Transformer | None = None,
     tokens: np.ndarray | str | Path | None = None,
     text_file: str | Path | None = None,
     seq_len: int | None = None,
@@ -123,14 +127,11 @@ def evaluate(
         raise ValueError("evaluate needs model_path (a model directory) or model (a loaded model)")
     check_eval_args(seq_len, max_tokens, tuple(contexts), tuple(batch_sizes), new_tokens, batch_size)
     if json_out is not None:
-        from kvgraft.checks import check_writable
-
         check_writable(json_out, what="JSON report")
     path = Path(model_path) if model_path is not None else None
     source, payload = _resolve_tokens(path, tokens, text_file)
     if source == "text_file":
-        from kvgraft.hf import load_tokenizer_dir
-
+        assert path is not None  # _resolve_tokens chose the text file only with a model directory
         tokenizer = load_tokenizer_dir(path)
         if tokenizer is None:
             raise ValueError(f"text_file given but {path} holds no tokenizer; pass tokens= instead")
@@ -141,8 +142,7 @@ def evaluate(
     else:
         token_source = str(payload) if isinstance(payload, (str, Path)) else "array"
     if model is None:  # once the tokens are known to be readable
-        from kvgraft.hf import load_pretrained
-
+        assert path is not None  # checked at the top: one of model and model_path is given
         model = load_pretrained(path, dtype=dtype)
 
     config = model.config
@@ -163,8 +163,6 @@ def evaluate(
         "speed": {"new_tokens": new_tokens, "points": [p.to_dict() for p in speed]},
     }
     if json_out is not None:
-        from kvgraft.atomic import atomic_write_text
-
         atomic_write_text(json_out, json.dumps(result, indent=2) + "\n")
     return result
 
@@ -288,7 +286,6 @@ def compare_table(results: list[dict[str, Any]]) -> str:
         base = metrics[0].get(key, (None, ""))[0]
         for m in metrics[1:]:
             value = m.get(key, (None, ""))[0]
-            ok = base is not None and value is not None and base != 0
-            cells.append(f"{value / base:.3f}x" if ok else "-")
+            cells.append(f"{value / base:.3f}x" if base is not None and value is not None and base != 0 else "-")
         rows.append([key, *cells])
     return "\n".join(_table(header, rows))

@@ -1,7 +1,7 @@
 """Decode throughput through the serving engine: prefill random prompts, then time single-token steps.
 
 A measuring function only: it never asserts on timings. For every (context, batch) and repeat it
-builds an engine (``kvgraft.serve.engine``) whose paged cache holds ``batch`` sequences of
+builds an engine (``kvgraft.runtime.engine``) whose paged cache holds ``batch`` sequences of
 ``context + new_tokens + 1`` tokens, adds ``batch`` greedy requests, times the first step (the whole
 prefill, which also samples the first token), then times each of the ``new_tokens`` decode steps
 (all rows at once) with ``time.perf_counter`` (synchronising the GPU when there is one). The first
@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from kvgraft.model.cache import default_block_size
-from kvgraft.serve.engine import Engine
-from kvgraft.serve.sampling import SamplingParams
+from kvgraft.model.transformer import Transformer
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def _check_positive(name: str, values: tuple[int, ...]) -> None:
 
 
 def decode_speed(
-    model: torch.nn.Module,
+    model: Transformer,
     contexts: tuple[int, ...] = (128, 512, 2048),
     batch_sizes: tuple[int, ...] = (1, 8),
     new_tokens: int = 32,

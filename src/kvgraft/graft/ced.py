@@ -23,11 +23,17 @@ window holds the recent tokens' own keys, the shared path each earlier token's o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
+from kvgraft.graft.fields import known
 from kvgraft.model import ModelConfig, Transformer
+from kvgraft.model.ced import CEDAttention
+from kvgraft.model.mla import MLAttention
+from kvgraft.model.transformer import Block
 
 
 def default_kv_sources(num_layers: int) -> tuple[int, ...]:
@@ -55,12 +61,14 @@ class CEDGraftConfig:
             raise ValueError(f"ridge ({self.ridge}) must be >= 0")
 
     def check_against(self, config: ModelConfig) -> None:
-        if set(config.attention_kinds) != {"mla"}:
+        """Raise ValueError naming the problem when the share graft cannot start from ``config``."""
+        kinds = known(config.attention_kinds, "attention_kinds")
+        if set(kinds) != {"mla"}:
             raise ValueError(
                 "the share graft starts from a model whose every layer is MLA; convert the original model "
-                f"(its attention kinds are {sorted(set(config.attention_kinds))}) with `kvgraft convert --to ced`"
+                f"(its attention kinds are {sorted(set(kinds))}) with `kvgraft convert --to ced`"
             )
-        if len(set(config.rope_freq_index)) != 1:
+        if len(set(known(config.rope_freq_index, "rope_freq_index"))) != 1:
             raise ValueError(
                 "the MLA layers use different RoPE frequencies per layer, but shared RoPE keys need one layout; "
                 "graft MLA with rope_selection='stride' (what `kvgraft convert --to ced` does)"
@@ -79,10 +87,15 @@ def ced_config(mla: ModelConfig, g: CEDGraftConfig) -> ModelConfig:
     """The causal encoder-decoder config of the graft: window heads = query heads, MLA widths kept."""
     return mla.replace(
         attention_kinds=None, layer_types=None, kv_slots=None,
-        rope_freq_index=(mla.rope_freq_index[0],) * mla.num_layers,
+        rope_freq_index=(known(mla.rope_freq_index, "rope_freq_index")[0],) * mla.num_layers,
         kv_source_layers=g.kv_source_layers, sliding_window=g.sliding_window, compress_rate=g.compress_rate,
         num_kv_heads=mla.num_heads,
     )
+
+
+def _mla_attention(model: Transformer, layer: int) -> MLAttention:
+    """Layer ``layer``'s attention of the all-MLA ``model``."""
+    return cast(MLAttention, cast(Block, model.layers[layer]).self_attn)
 
 
 def _pool(c: torch.Tensor, m: int) -> torch.Tensor:
@@ -99,15 +112,16 @@ def graft_ced(
     calibration: torch.Tensor,  # (N, T) token ids
     batch_size: int = 8,
     progress: bool = True,
-) -> tuple[Transformer, dict]:
+) -> tuple[Transformer, dict[str, Any]]:
     """Return (causal encoder-decoder, report) built from the all-MLA model ``mla`` (left untouched)."""
     cfg = mla.config
     g.check_against(cfg)
     new_cfg = ced_config(cfg, g)
     device = mla.embed_tokens.weight.device
-    dc, m = cfg.kv_lora_rank, g.compress_rate
-    readers = {l: new_cfg.kv_source_of(l) for l in range(cfg.num_layers)}
-    fitted = [l for l, s in readers.items() if s is not None and (s != l or m > 1)]
+    dc, m = known(cfg.kv_lora_rank, "kv_lora_rank"), g.compress_rate
+    sources = {l: new_cfg.kv_source_of(l) for l in range(cfg.num_layers)}
+    readers = {l: s for l, s in sources.items() if s is not None}  # layer -> the kv_source layer it reads
+    fitted = [l for l, s in readers.items() if s != l or m > 1]
 
     # second moments of the (pooled, intercept-augmented) source latents and their cross moments with
     # each fitted reader's latent, accumulated over calibration batches of the MLA model's own forward
@@ -117,10 +131,10 @@ def graft_ced(
     yy = {l: torch.zeros((), dtype=torch.float64) for l in fitted}
     latents: dict[int, torch.Tensor] = {}
     hooks = []
-    for layer, block in enumerate(mla.layers):
-        def keep(module, args, out, layer=layer):
+    for layer in range(cfg.num_layers):
+        def keep(module: nn.Module, args: Any, out: torch.Tensor, layer: int = layer) -> None:
             latents[layer] = out[..., :dc].double().cpu()
-        hooks.append(block.self_attn.kv_a_proj.register_forward_hook(keep))
+        hooks.append(_mla_attention(mla, layer).kv_a_proj.register_forward_hook(keep))
     try:
         batches = range(0, calibration.shape[0], batch_size)
         for start in tqdm(batches, desc="share graft: calibrate", unit="batch", disable=not progress):
@@ -145,11 +159,13 @@ def graft_ced(
     outside = [k for k in result.missing_keys + result.unexpected_keys if ".self_attn." not in k]
     if outside:
         raise RuntimeError(f"share graft: tensors outside attention do not carry over: {outside}")
-    H, dn, dr, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    report: dict = {"kv_source_layers": list(g.kv_source_layers), "pivot": new_cfg.pivot_layer,
-                    "sliding_window": g.sliding_window, "compress_rate": m, "readers": {}}
+    H, dn, dr, dv = (cfg.num_heads, known(cfg.qk_nope_head_dim, "qk_nope_head_dim"),
+                     known(cfg.qk_rope_head_dim, "qk_rope_head_dim"), known(cfg.v_head_dim, "v_head_dim"))
+    report: dict[str, Any] = {"kv_source_layers": list(g.kv_source_layers), "pivot": new_cfg.pivot_layer,
+                              "sliding_window": g.sliding_window, "compress_rate": m, "readers": {}}
     for layer in range(cfg.num_layers):
-        old, attn = mla.layers[layer].self_attn, new.layers[layer].self_attn
+        old = _mla_attention(mla, layer)
+        attn = cast(CEDAttention, cast(Block, new.layers[layer]).self_attn)
         dtype = attn.q_proj.weight.dtype
         w_a = old.kv_a_proj.weight.double()  # (dc + dr, h)
         b_a = old.kv_a_proj.bias.double() if old.kv_a_proj.bias is not None else None
@@ -175,20 +191,23 @@ def graft_ced(
             if m > 1:  # zero gates: each block starts as the plain mean of its tokens' entries
                 attn.compressor.gate_proj.weight.zero_()
                 attn.compressor.gate_bias.zero_()
-        if attn.source is None:
+        source = readers.get(layer)
+        if source is None:  # attn.source: a layer before the first kv_source layer keeps only its window
             continue
         if layer not in fitted:  # a kv_source layer reading its own latent (m == 1): unchanged
             attn.kv_b_proj.load_state_dict(old.kv_b_proj.state_dict())
             continue
-        s = readers[layer]
         k = dc + 1 if attn.kv_b_proj.bias is not None else dc  # an intercept only where a bias can hold it
-        reg = xx[s][:k, :k].clone()
+        reg = xx[source][:k, :k].clone()
         reg.diagonal()[:dc] += g.ridge * reg.diagonal()[:dc].mean()
         sol = torch.linalg.solve(reg, xy[layer][:k])  # (k, dc): c_l ~ sol[:dc]^T c_s (+ sol[dc])
         resid = (yy[layer] - (sol * xy[layer][:k]).sum()) / yy[layer]  # relative residual of the fit
         w_b2 = w_b.reshape(H * (dn + dv), dc)
         attn.kv_b_proj.weight.copy_((w_b2 @ sol[:dc].T).to(dtype))
         if k > dc:
-            attn.kv_b_proj.bias.copy_((w_b2 @ sol[dc] + b_b.reshape(-1)).to(dtype))
-        report["readers"][layer] = {"source": s, "relative_residual": float(resid)}
+            bias = attn.kv_b_proj.bias
+            if bias is None or b_b is None:  # k > dc only where kv_b has a bias, here as in the MLA model
+                raise RuntimeError(f"share graft: layer {layer}'s up-projection bias is missing")
+            bias.copy_((w_b2 @ sol[dc] + b_b.reshape(-1)).to(dtype))
+        report["readers"][layer] = {"source": source, "relative_residual": float(resid)}
     return new, report

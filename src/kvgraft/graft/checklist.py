@@ -1,4 +1,4 @@
-"""The seed's troubleshooting checklist as automatic checks on a converted (or healed) model.
+"""The TransMLA article's troubleshooting checklist as automatic checks on a converted (or healed) model.
 
 ``kvgraft doctor --after CONVERTED --original ORIGINAL`` runs each check and prints pass/fail with
 the measured value. A check that cannot apply (e.g. healing checks on a model that was not healed)
@@ -10,33 +10,43 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
-PPL_BAR = 1.3  # one-shot perplexity at most 1.3x the original (seed)
-LATENCY_BAR = 1.15  # decode latency at most 1.15x the original (seed)
-TOKENS_BAR = 0.03  # at least 3% of the original pretraining tokens before judging (seed)
+from kvgraft.graft.fields import known
+from kvgraft.model import Transformer
+from kvgraft.model.mla import MLAttention
+from kvgraft.model.transformer import Block
+
+PPL_BAR = 1.3  # one-shot perplexity at most 1.3x the original (the TransMLA article)
+LATENCY_BAR = 1.15  # decode latency at most 1.15x the original (the TransMLA article)
+TOKENS_BAR = 0.03  # at least 3% of the original pretraining tokens before judging (the TransMLA article)
 
 
 @dataclass
 class Check:
+    """One check's outcome: what it ``name``s, what was expected, whether it passed, the measured value."""
+
     name: str
     expectation: str
     passed: bool | None  # None: not applicable
     value: str
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _rope_not_mixed(model) -> Check:
+def _rope_not_mixed(model: Transformer) -> Check:
     """The latent of a token must not depend on its position; the RoPE key must."""
-    layers = [i for i, k in enumerate(model.config.attention_kinds) if k == "mla" and model.config.is_kv_writer(i)]
+    kinds = known(model.config.attention_kinds, "attention_kinds")
+    layers = [i for i, k in enumerate(kinds) if k == "mla" and model.config.is_kv_writer(i)]
     name, expect = "RoPE injection", "latent identical at shifted positions; RoPE key not"
     if not layers:
         return Check(name, expect, None, "no MLA layers")
-    attn = model.layers[layers[0]].self_attn
-    x = model.layers[layers[0]].input_layernorm(model.embed_tokens(torch.arange(16)[None] % model.config.vocab_size))
+    block = cast(Block, model.layers[layers[0]])
+    attn = cast(MLAttention, block.self_attn)
+    x = block.input_layernorm(model.embed_tokens(torch.arange(16)[None] % model.config.vocab_size))
     pos_a = torch.arange(16)[None]
     entries = []
     for pos in (pos_a, pos_a + 100):
@@ -51,6 +61,8 @@ def _rope_not_mixed(model) -> Check:
 
 
 def checklist(after: str | Path, original: str | Path, max_tokens: int = 32768) -> list[Check]:
+    """Run the checks on the converted (or healed) model ``after`` against ``original`` (directories or
+    shipped names; perplexity on at most ``max_tokens`` held-out tokens)."""
     from kvgraft.eval import kv_memory, perplexity
     from kvgraft.eval.speed import decode_speed
     from kvgraft.hf import load_pretrained
@@ -82,7 +94,7 @@ def checklist(after: str | Path, original: str | Path, max_tokens: int = 32768) 
         checks.append(Check(name, expect, None, "not healed (no heal.json)"))
     else:
         fp32 = record.get("fp32_params") or []
-        mla_layers = sum(k == "mla" for k in model.config.attention_kinds)
+        mla_layers = sum(k == "mla" for k in known(model.config.attention_kinds, "attention_kinds"))
         checks.append(Check(name, expect, len(fp32) >= mla_layers > 0,
                             f"{len(fp32)} fp32 parameter tensors for {mla_layers} MLA layers"))
     name, expect = "healing budget", f"at least {TOKENS_BAR:.0%} of the original pretraining tokens"
@@ -93,9 +105,8 @@ def checklist(after: str | Path, original: str | Path, max_tokens: int = 32768) 
         checks.append(Check(name, expect, frac >= TOKENS_BAR, f"{record['tokens']:,} tokens = {frac:.2%}"))
 
     ctx = max(16, model.config.max_position_embeddings - 32)
-    kw = dict(contexts=(ctx,), batch_sizes=(1,), new_tokens=24, repeats=3)
-    t_new = decode_speed(model, **kw)[0].ms_per_token_median
-    t_old = decode_speed(base, **kw)[0].ms_per_token_median
+    t_new = decode_speed(model, contexts=(ctx,), batch_sizes=(1,), new_tokens=24, repeats=3)[0].ms_per_token_median
+    t_old = decode_speed(base, contexts=(ctx,), batch_sizes=(1,), new_tokens=24, repeats=3)[0].ms_per_token_median
     checks.append(Check("up-projection", f"decode latency <= {LATENCY_BAR}x the original (absorbed, context {ctx})",
                         t_new / t_old <= LATENCY_BAR, f"{t_new:.2f} ms vs {t_old:.2f} ms ({t_new / t_old:.2f}x)"))
     mem = kv_memory(model, dtype=torch.bfloat16, max_len=1024)
@@ -105,6 +116,7 @@ def checklist(after: str | Path, original: str | Path, max_tokens: int = 32768) 
 
 
 def format_checklist(checks: list[Check]) -> str:
+    """The checks as terminal text: one [PASS]/[FAIL]/[n/a ] line each, with the measured and expected."""
     width = max(len(c.name) for c in checks)
     lines = []
     for c in checks:

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvgraft.graft.fields import known
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.shapes import num_parameters
 
 VERDICTS = ("convertible", "convertible with notes", "blocked")
 DEFAULT_CONTEXTS = (1024, 4096, 8192, 32768)
@@ -159,7 +161,7 @@ class DoctorReport:
     qk_rope_head_dim: int
     dtype_bytes: int
     kv_width: int  # values per layer per token now: 2 x num_kv_heads x head_dim
-    kv_bytes_per_token_before: int
+    kv_bytes_per_token_before: float  # (a causal encoder-decoder's depends on the context: not whole)
     kv_bytes_per_token_after: int
     kv_compression: float  # before / after (> 1: smaller cache)
     kv_saving_pct: float  # 100 x (1 - after / before); negative when the cache grows
@@ -303,7 +305,7 @@ def default_kv_lora_rank(config: ModelConfig) -> int:
     return default_ranks(config).kv_lora_rank
 
 
-def _load(model: str | os.PathLike | ModelConfig | None) -> tuple[ModelConfig, str | None, str | None]:
+def _load(model: str | os.PathLike[str] | ModelConfig | None) -> tuple[ModelConfig, str | None, str | None]:
     if isinstance(model, ModelConfig):
         return model, None, None
     from kvgraft.hf.load import CONFIG, load_config
@@ -334,15 +336,16 @@ _CHECK_CODES = (
 def _blockers(config: ModelConfig, d_c: int, d_rope: int) -> list[Blocker]:
     from kvgraft.graft.mla import GraftConfig
 
-    K, hd, L = config.num_kv_heads, config.head_dim, config.num_layers
+    K, hd, L = config.num_kv_heads, known(config.head_dim, "head_dim"), config.num_layers
     out: list[Blocker] = []
-    mla = [i for i, k in enumerate(config.attention_kinds) if k == "mla"]
+    mla = [i for i, k in enumerate(known(config.attention_kinds, "attention_kinds")) if k == "mla"]
     if mla:
         out.append(Blocker("already_mla", f"layers {_ranges(mla, L)} are already MLA; only GQA/MHA layers can "
                                           "be grafted"))
     if config.is_ced:
         out.append(Blocker("already_ced", f"this is a causal encoder-decoder (kv_source layers "
-                                          f"{list(config.kv_source_layers)}): its KV cache is already shared "
+                                          f"{list(known(config.kv_source_layers, 'kv_source_layers'))}): its KV "
+                                          "cache is already shared "
                                           "and compressed"))
         return out
     if config.num_slots != L:
@@ -372,7 +375,7 @@ def _blockers(config: ModelConfig, d_c: int, d_rope: int) -> list[Blocker]:
 
 
 def doctor(
-    model: str | os.PathLike | ModelConfig | None,
+    model: str | os.PathLike[str] | ModelConfig | None,
     kv_lora_rank: int | None = None,
     qk_rope_head_dim: int | None = None,
     dtype_bytes: int = 2,
@@ -408,16 +411,16 @@ def doctor(
         info.append("DeepSeek-V2/V3 cache d_c = 512 plus d_rope = 64; the rule gives exactly that at a 576-value "
                     "budget")
 
-    L, K, hd = config.num_layers, config.num_kv_heads, config.head_dim
+    L, K, hd = config.num_layers, config.num_kv_heads, known(config.head_dim, "head_dim")
     before = config.kv_bytes_per_token(dtype_bytes)
     after = L * (d_c + d_rope) * dtype_bytes
-    mla_layers = [i for i, k in enumerate(config.attention_kinds) if k == "mla"]
+    mla_layers = [i for i, k in enumerate(known(config.attention_kinds, "attention_kinds")) if k == "mla"]
     kind = attention_kind(config.num_heads, K)
     if len(mla_layers) == L:
         kind = "MLA"
     elif mla_layers:
         kind = f"{kind} + MLA on {len(mla_layers)}/{L} layers"
-    sliding_layers = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
+    sliding_layers = [i for i, t in enumerate(known(config.layer_types, "layer_types")) if t == "sliding_attention"]
 
     fast_path = []
     if (d_c, d_rope) == (FLASHMLA_KV_LORA_RANK, FLASHMLA_ROPE_DIM):
@@ -476,7 +479,7 @@ def doctor(
         half = hd // 2
         index = {layer: tuple(i % half for i in range(d_rope // 2)) for layer in range(L)}
         try:
-            params_after = mla_model_config(config, GraftConfig(d_c, d_rope), index).num_parameters()
+            params_after = num_parameters(mla_model_config(config, GraftConfig(d_c, d_rope), index))
         except ValueError:
             params_after = None
     verdict = "blocked" if blockers else "convertible with notes" if warnings or notes else "convertible"
@@ -486,7 +489,7 @@ def doctor(
         attention_kind=kind, mla_layers=mla_layers, rope=_rope_dict(config),
         qkv_bias=config.qkv_bias, o_bias=config.o_bias, mlp_bias=config.mlp_bias, qk_norm=config.qk_norm,
         sliding_window=config.sliding_window if sliding_layers else None, sliding_layers=sliding_layers,
-        tie_word_embeddings=config.tie_word_embeddings, num_parameters=config.num_parameters(),
+        tie_word_embeddings=config.tie_word_embeddings, num_parameters=num_parameters(config),
         num_parameters_after=params_after,
         kv_lora_rank=d_c, qk_rope_head_dim=d_rope, dtype_bytes=dtype_bytes, kv_width=config.kv_width,
         kv_bytes_per_token_before=before, kv_bytes_per_token_after=after,

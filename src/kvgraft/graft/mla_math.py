@@ -24,6 +24,7 @@ Everything is exact when P holds every (m, f) and d_c >= rank of the targets (te
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -209,7 +210,7 @@ def shared_rope_pairs(scores: list[Tensor], d_rope: int) -> list[list[tuple[int,
     K, half = scores[0].shape
     if n > K * half:
         raise ValueError(f"d_rope ({d_rope}) exceeds the model's total RoPE width ({2 * K * half})")
-    value = sum(r.values for r in ranked)  # (K ranks, d/2)
+    value = cast(Tensor, sum(r.values for r in ranked))  # (K ranks, d/2)
     flat = value.flatten().argsort(descending=True)[:n]
     slots = sorted((int(i) % half, int(i) // half) for i in flat)  # (f, rank), by frequency then rank
     return [[(int(r.indices[rank, f]), f) for f, rank in slots] for r in ranked]
@@ -267,8 +268,14 @@ def convert_layer(
     group = H // K
     dtype = torch.float64
     dev = w.q.device if device is None else torch.device(device)  # where the fp64 math runs (CPU or a GPU)
-    w = GQAWeights(*(None if t is None else t.to(device=dev, dtype=dtype) for t in (
-        w.q, w.k, w.v, w.o, w.q_bias, w.k_bias, w.v_bias, w.o_bias)))
+    def on_dev(t: Tensor) -> Tensor:
+        return t.to(device=dev, dtype=dtype)
+
+    def on_dev_or_none(t: Tensor | None) -> Tensor | None:
+        return None if t is None else on_dev(t)
+
+    w = GQAWeights(on_dev(w.q), on_dev(w.k), on_dev(w.v), on_dev(w.o), on_dev_or_none(w.q_bias),
+                   on_dev_or_none(w.k_bias), on_dev_or_none(w.v_bias), on_dev_or_none(w.o_bias))
     if rope_expectation is not None:
         rope_expectation = rope_expectation.to(device=dev, dtype=dtype)
     if q_norm_weight is not None:
@@ -309,7 +316,7 @@ def convert_layer(
     for j, (m, f) in enumerate(pairs):
         rows = rotated_k_rows(m, f, w.k)
         k_rope[j], k_rope[j + n] = rows[0], rows[1]
-        if k_rope_b is not None:
+        if k_rope_b is not None and w.k_bias is not None:  # (both or neither)
             b = rotated_k_rows(m, f, w.k_bias[:, None])[:, 0]
             k_rope_b[j], k_rope_b[j + n] = b[0], b[1]
     # residual (no-RoPE) keys per group: k - sum_{kept} U_f[m, g] k'_{m,f}
@@ -323,7 +330,7 @@ def convert_layer(
         for g in range(K):
             k_res[_pair_rows(g, f, d)] -= back(m, f, g, rows)
             k_resC[_pair_rows(g, f, d)] -= back(m, f, g, rowsC)
-            if k_res_b is not None:
+            if k_res_b is not None and brow is not None:  # (both or neither)
                 k_res_b[_pair_rows(g, f, d)] -= back(m, f, g, brow)
 
     # ---- 2. joint K/V latent -----------------------------------------------------------------
@@ -335,18 +342,19 @@ def convert_layer(
     M = torch.eye(2 * K * d, dtype=dtype, device=dev)
     M_inv = torch.eye(2 * K * d, dtype=dtype, device=dev)
     if objective == "attention":
+        assert w_qC is not None  # need_q
         for g in range(K):
-            rows = slice(g * d, (g + 1) * d)
+            grows = slice(g * d, (g + 1) * d)
             # keys: logit error q^T (k - k_hat) summed over the group's query heads
             Wq = w.q[group * g * d:(group * g + group) * d].view(group, d, h)
             WqC = w_qC[group * g * d:(group * g + group) * d].view(group, d, h)
-            Sq = sum(WqC[i] @ Wq[i].T for i in range(group))
+            Sq = cast(Tensor, sum(WqC[i] @ Wq[i].T for i in range(group)))
             Sq = (Sq + Sq.T) / 2
             s, s_inv = _sqrtm_psd(Sq)
-            M[rows, rows], M_inv[rows, rows] = s, s_inv
+            M[grows, grows], M_inv[grows, grows] = s, s_inv
             # values: output error W_O,i (v - v_hat) summed over the group's heads
             Wo = w.o[:, group * g * d:(group * g + group) * d].view(h, group, d)
-            So = sum(Wo[:, i].T @ Wo[:, i] for i in range(group))
+            So = cast(Tensor, sum(Wo[:, i].T @ Wo[:, i] for i in range(group)))
             s, s_inv = _sqrtm_psd(So)
             vr = slice(K * d + g * d, K * d + (g + 1) * d)
             M[vr, vr], M_inv[vr, vr] = s, s_inv
@@ -387,12 +395,12 @@ def convert_layer(
         g = i // group
         for j, (m, f) in enumerate(pairs):
             coef = U[f][m, g] * scale  # the query pair times U_f[m, g] (complex: a phase too)
-            rows = _pair_rows(i, f, d)
-            q_rope[i, j], q_rope[i, j + n] = _mix(coef, w.q[rows[0]], w.q[rows[1]])
-            if qb_rope is not None:
-                qb_rope[i, j], qb_rope[i, j + n] = _mix(coef, w.q_bias[rows[0]], w.q_bias[rows[1]])
+            prow = _pair_rows(i, f, d)
+            q_rope[i, j], q_rope[i, j + n] = _mix(coef, w.q[prow[0]], w.q[prow[1]])
+            if qb_rope is not None and w.q_bias is not None:  # (both or neither)
+                qb_rope[i, j], qb_rope[i, j + n] = _mix(coef, w.q_bias[prow[0]], w.q_bias[prow[1]])
     q_proj = torch.cat([q_nope, q_rope], dim=1).reshape(H * (d + 2 * n), h)
-    q_bias = None if w.q_bias is None else torch.cat([qb_nope, qb_rope], dim=1).reshape(-1)
+    q_bias = None if qb_nope is None or qb_rope is None else torch.cat([qb_nope, qb_rope], dim=1).reshape(-1)
     q_mix = None
     if q_norm_weight is not None:  # the same per-head linear map, applied after the query norm
         q_mix = torch.zeros(H, d + 2 * n, d, dtype=dtype, device=dev)

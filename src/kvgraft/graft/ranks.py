@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvgraft.graft.fields import known
 from kvgraft.model.config import ModelConfig
 
 DEFAULT_COMPRESSION = 4.0  # --to mla
@@ -53,13 +54,13 @@ class Ranks:
     how: tuple[str, ...] = ()
 
 
-def _positive_int(name: str, value) -> int:
+def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} ({value!r}) must be a positive integer")
     return value
 
 
-def check_compression(compression) -> float:
+def check_compression(compression: object) -> float:
     """``compression`` as a float > 1, or ValueError naming the value (0, negative, NaN, inf, not a number)."""
     if isinstance(compression, bool) or not isinstance(compression, (int, float)):
         raise ValueError(f"compression ({compression!r}) must be a number > 1 (original bytes / converted bytes)")
@@ -74,12 +75,13 @@ def stock_rope_problem(config: ModelConfig, d_rope: int, layout: str = STOCK_ROP
     d_rope (None: it can)."""
     if layout not in STOCK_LAYOUTS:
         raise ValueError(f"stock layout {layout!r} is not one of {', '.join(STOCK_LAYOUTS)}")
-    if layout == "stride" and (d_rope > config.head_dim or config.head_dim % d_rope or d_rope % 2):
+    hd = known(config.head_dim, "head_dim")
+    if layout == "stride" and (d_rope > hd or hd % d_rope or d_rope % 2):
         return (f"the stock DeepSeek-V3 layout (rope selection 'stride') needs an even d_rope dividing head_dim "
-                f"({config.head_dim}), got {d_rope}")
-    if layout == "prefix" and (d_rope > config.head_dim or d_rope % 2):
+                f"({hd}), got {d_rope}")
+    if layout == "prefix" and (d_rope > hd or d_rope % 2):
         return (f"the stock DeepSeek-V3 layout (rope selection 'prefix') needs an even d_rope <= head_dim "
-                f"({config.head_dim}), got {d_rope}")
+                f"({hd}), got {d_rope}")
     if config.rope.rope_type in ("default", "linear") or (layout == "stride" and config.rope.rope_type == "llama3"):
         return None  # functions of each base frequency alone, which both layouts reproduce exactly
     from kvgraft.errors import UnsupportedModelError
@@ -94,7 +96,7 @@ def stock_rope_problem(config: ModelConfig, d_rope: int, layout: str = STOCK_ROP
 
 def _allowed(config: ModelConfig, stock: bool, layout: str = STOCK_ROPE_SELECTION) -> list[int]:
     """d_rope values the rule may pick, ascending."""
-    hd = config.head_dim
+    hd = known(config.head_dim, "head_dim")
     values = [v for v in range(2, hd + 1, 2) if not stock or layout == "prefix" or hd % v == 0]
     if stock:
         values = [v for v in values if stock_rope_problem(config, v, layout) is None]
@@ -129,7 +131,7 @@ def default_ranks(
         _positive_int("qk_rope_head_dim", qk_rope_head_dim)
     if kv_lora_rank is not None and qk_rope_head_dim is not None:
         return Ranks(kv_lora_rank, qk_rope_head_dim, None)
-    hd, width = config.head_dim, config.kv_width
+    hd, width = known(config.head_dim, "head_dim"), config.kv_width
     how: list[str] = []
     budget = None
     if kv_lora_rank is None:
@@ -187,6 +189,7 @@ def default_ranks(
             "kvgraft's own format (--format kvgraft)")
     how.append(f"d_rope = largest {kind} <= {what}: {d_rope}")
     if budget is None:
+        assert kv_lora_rank is not None  # no budget: d_c was given
         return Ranks(kv_lora_rank, d_rope, None, tuple(how))
     d_c = budget - d_rope
     how.insert(0, f"budget = KV width / compression = {width} / {compression:g} = {budget} values per layer")

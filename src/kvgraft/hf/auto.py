@@ -12,25 +12,39 @@ a directory ``kvgraft.hf.load_pretrained`` reads back.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
+import sys
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    ContinuousBatchingConfig,
+    GenerationMixin,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kvgraft.hf.config_map import KVGRAFT_MODEL_TYPE, _kvgraft_config, kvgraft_config_dict
 from kvgraft.hf.continuous import continuous_hidden, guard_request_length, is_continuous_batching_call, kvgraft_cb_config
+from kvgraft.model.batch import BatchContext
+from kvgraft.model.cache import PagedKVCache, default_block_size
 from kvgraft.model.ced import Compressor
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention
 from kvgraft.model.norm import RMSNorm
 from kvgraft.model.rope import RotaryEmbedding, rope_frequencies
 from kvgraft.model.transformer import Transformer
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 
 # top-level config.json fields copied from the ModelConfig (kvgraft_config_dict writes the same)
 _TOP_LEVEL = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
@@ -185,8 +199,6 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
     def _padded_logits(self, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, vocab) of padded rows: the real tokens of each row run as one row of a batch
         context over a throwaway paged cache (rows of different lengths, no padding attended)."""
-        from kvgraft.model.batch import BatchContext
-        from kvgraft.model.cache import PagedKVCache, default_block_size
 
         lens = keep.sum(dim=1).tolist()
         if min(lens) == 0:
@@ -206,11 +218,8 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  generation_config: Any = None, **kwargs: Any) -> torch.Tensor:
         """(B, T + n) ids: each row's prompt (padding kept) then its new tokens, padded with pad_token_id
-        (else eos) after a row stops; decoded by kvgraft's engine (``kvgraft.serve.engine``)."""
-        import copy
+        (else eos) after a row stops; decoded by kvgraft's engine (``kvgraft.runtime.engine``)."""
 
-        from kvgraft.serve.engine import Engine
-        from kvgraft.serve.sampling import SamplingParams
 
         if input_ids is None or input_ids.dim() != 2:
             raise ValueError("generate needs input_ids of shape (batch, length)")
@@ -238,7 +247,6 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         if max_new == 0:
             return input_ids.clone()
         total = max(len(p) for p in prompts) + max_new
-        from kvgraft.model.cache import default_block_size
 
         bs = default_block_size(self.config.model_config)
         routes = _peft_adapter_names(self)  # PeftModel.generate(..., adapter_names=[...]): a mixed batch
@@ -247,11 +255,12 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         with _eval_mode(self):
             engine = Engine(self.to_kvgraft(), num_blocks=B * -(-total // bs), block_size=bs, max_seqs=B,
                             max_batch_tokens=max(sum(len(p) for p in prompts), 256), max_seq_len=total)
+            outs: list[list[int]]
             if routes is None:
                 outs = engine.generate(prompts, params)
             else:  # the rows of each adapter together, that adapter active on PEFT's layers (kvgraft's forward
                 # packs rows on one token axis, which PEFT's per-row mixed-batch forward cannot index)
-                outs = [None] * B
+                outs = [[] for _ in range(B)]
                 with _peft_hooks_removed(self):
                     for name in dict.fromkeys(routes):
                         rows = [r for r in range(B) if routes[r] == name]
@@ -284,7 +293,6 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         needs (:func:`kvgraft.hf.continuous.kvgraft_cb_config`: no block sharing, CPU offload, CUDA graphs,
         compile or async batching); ``num_return_sequences > 1`` (forked requests) is refused, and so is, at
         ``add_request``, a request whose prompt + max_new_tokens exceeds ``max_position_embeddings``."""
-        from transformers import ContinuousBatchingConfig
 
         gen = generation_config if generation_config is not None else self.generation_config
         if (getattr(gen, "num_return_sequences", None) or 1) != 1:
@@ -308,13 +316,12 @@ def _keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Ten
     return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
 
 
-def _lora_layers(model: nn.Module) -> list[nn.Module]:
+def _lora_layers(model: nn.Module) -> list[Any]:
     """PEFT's LoRA layers inside ``model`` (empty without PEFT)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
+    lora = sys.modules.get("peft.tuners.lora")  # PEFT wrapped this model only if PEFT is imported already
+    if lora is None:
         return []
-    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+    return [m for m in model.modules() if isinstance(m, lora.LoraLayer)]
 
 
 def _adapter_name_hooks(model: nn.Module) -> list[tuple[nn.Module, int, Any]]:
@@ -391,7 +398,6 @@ def register_auto_classes() -> None:
     global _registered
     if _registered:
         return
-    import transformers
 
     AutoConfig.register(KVGRAFT_MODEL_TYPE, KvgraftConfig, exist_ok=True)
     AutoModelForCausalLM.register(KvgraftConfig, KvgraftForCausalLM, exist_ok=True)

@@ -150,7 +150,7 @@ def model_config_from_hf(d: dict[str, Any], source: str) -> ModelConfig:
             num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads,
             intermediate_size=d["intermediate_size"],
-            head_dim=head_dim,
+            head_dim=head_dim,  # type: ignore[arg-type]  # None: ModelConfig derives it (hidden / heads)
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
             rope=_rope_from_hf(d, source, max_pos, d.get("layer_types")),
@@ -159,7 +159,7 @@ def model_config_from_hf(d: dict[str, Any], source: str) -> ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)) and model_type == "llama",
             qk_norm=model_type == "qwen3",
             sliding_window=window,
-            layer_types=layer_types,
+            layer_types=layer_types,  # type: ignore[arg-type]  # None: ModelConfig derives them
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             initializer_range=float(d.get("initializer_range", 0.02)),
             bos_token_id=_first(d.get("bos_token_id", defaults.get("bos_token_id"))),

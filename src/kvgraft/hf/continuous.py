@@ -47,7 +47,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -197,6 +197,7 @@ class ContinuousRequests:
                                        f"{have} tokens of it")
                 out.append((i, seq))
             elif start == 0:
+                assert rid is not None  # checked above: every row has an owner
                 out.append(self._add(rid))
             else:
                 raise RuntimeError(
@@ -242,7 +243,7 @@ def continuous_hidden(model: nn.Module, backbone: nn.Module, input_ids: torch.Te
         raise ValueError("kvgraft: a continuous-batching step without position_ids")
     state = getattr(tcache, "_kvgraft_requests", None)
     if state is None:
-        weight = backbone.embed_tokens.weight
-        state = ContinuousRequests(model.config.model_config, weight.dtype, weight.device)
+        weight = cast(nn.Embedding, backbone.embed_tokens).weight
+        state = ContinuousRequests(cast(Any, model.config).model_config, weight.dtype, weight.device)
         tcache._kvgraft_requests = state
     return state.forward(backbone, input_ids, position_ids, kwargs["cu_seq_lens_q"], kwargs["write_index"], tcache)

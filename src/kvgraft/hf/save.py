@@ -68,12 +68,7 @@ def save_pretrained(
     cfg = model.config
     dtype = dtype or model.embed_tokens.weight.dtype
     hf_config = hf_config_from_model(cfg, model_type, dtype=_dtype_name(dtype))  # validates first
-    tokenizer_files: list[Path] = []
-    if tokenizer_dir is not None:
-        tokenizer_dir = Path(tokenizer_dir)
-        tokenizer_files = [tokenizer_dir / n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
-        if not tokenizer_files:
-            raise CheckpointError(f"tokenizer directory {tokenizer_dir} has none of {', '.join(TOKENIZER_FILES)}")
+    tokenizer_files = tokenizer_files_of(tokenizer_dir)
     extra_files = dict(extra_files or {})
     reserved = {CONFIG, WEIGHTS, GENERATION_CONFIG, *(p.name for p in tokenizer_files)}
     for name in extra_files:
@@ -89,14 +84,34 @@ def write_checkpoint_dir(
     extra_files: dict[str, str], overwrite: bool,
 ) -> None:
     """Write config.json, model.safetensors, generation_config.json, tokenizer and extra files atomically."""
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        write_side_files(tmp, config_json, cfg, tokenizer_files, extra_files)
+
+
+def tokenizer_files_of(tokenizer_dir: str | Path | None) -> list[Path]:
+    """The tokenizer files of ``tokenizer_dir`` that a checkpoint carries (none for None); CheckpointError
+    when the directory has none of them."""
+    if tokenizer_dir is None:
+        return []
+    tokenizer_dir = Path(tokenizer_dir)
+    files = [tokenizer_dir / n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
+    if not files:
+        raise CheckpointError(f"tokenizer directory {tokenizer_dir} has none of {', '.join(TOKENIZER_FILES)}")
+    return files
+
+
+def write_side_files(directory: Path, config_json: dict, cfg, tokenizer_files: list[Path],
+                     extra_files: dict[str, str] | None = None) -> None:
+    """Everything of a checkpoint directory but its weights: config.json, generation_config.json, the
+    tokenizer and extra files (``write_checkpoint_dir``; the layer-by-layer converter writes its weights
+    through ``kvgraft.hf.shards.ShardWriter``)."""
     generation = {"_from_model_config": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
     if cfg.pad_token_id is not None:
         generation["pad_token_id"] = cfg.pad_token_id
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        (tmp / CONFIG).write_text(_json(config_json), encoding="utf-8")
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / GENERATION_CONFIG).write_text(_json(generation), encoding="utf-8")
-        for src in tokenizer_files:
-            shutil.copyfile(src, tmp / src.name)
-        for name, text in extra_files.items():
-            (tmp / name).write_text(text, encoding="utf-8")
+    (directory / CONFIG).write_text(_json(config_json), encoding="utf-8")
+    (directory / GENERATION_CONFIG).write_text(_json(generation), encoding="utf-8")
+    for src in tokenizer_files:
+        shutil.copyfile(src, directory / src.name)
+    for name, text in (extra_files or {}).items():
+        (directory / name).write_text(text, encoding="utf-8")

@@ -11,6 +11,8 @@ applied in place, broadcast over the heads of a group (no repeated copy of the m
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -59,7 +61,7 @@ def grouped_attention_head_major(
     return y.transpose(0, 1).reshape(G, K, R, T, -1).reshape(G, H, T, -1)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` that keeps the CPU's fused kernel when the value width differs from
     the query/key width (latent attention: d_nope + d_rope vs d_v). That kernel needs equal widths; otherwise
     SDPA falls back to its math path, which materialises the scores (measured 2-3x slower at the reference
@@ -92,7 +94,7 @@ def attention_over_pieces(
     qk = (q * scale).reshape(1, K, R * T, D).transpose(0, 1)  # (K, 1, R*T, D)
     scores = torch.cat([torch.matmul(qk, k.transpose(-1, -2)) for k in keys], dim=-1).float()  # (K, 1, R*T, S)
     p = torch.softmax(scores, dim=-1).to(values[0].dtype)
-    parts = p.split([k.shape[2] for k in keys], dim=-1)
+    parts = torch.split(p, [k.shape[2] for k in keys], dim=-1)
     y = torch.matmul(parts[0], values[0])
     for part, v in zip(parts[1:], values[1:]):
         y = y + torch.matmul(part, v)

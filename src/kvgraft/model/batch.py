@@ -8,9 +8,10 @@ form a *group*; attention runs once per group, with per-row masks built from pos
 different lengths never see each other's keys or padding.
 
 Both contexts offer the same three storage operations to the layers, so a layer has one code path:
-``kv`` (store this layer's new key/value entries, return every entry its queries may read, with their
-positions), ``compress`` (a kv_source layer's compressor writes the shared segment) and ``segment``
-(read a shared segment). Cross-layer sharing is the ``layer -> source`` map in the config: a reader
+``kv`` (store this layer's new key/value entries, return a typed view of every entry its queries may
+read: :mod:`kvgraft.model.views`, whose class the context picks from the layer's storage and the group),
+``compress`` (a kv_source layer's compressor writes the shared segment) and ``segment`` (read a shared
+segment). Cross-layer sharing is the ``layer -> source`` map in the config: a reader
 names its source layer and gets what the source stored in this step.
 
 **Adapters.** ``BatchContext(..., adapter_ids=...)`` names each row's adapter (None: the base). Rows of
@@ -35,10 +36,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from kvgraft.model.cache import CacheFullError, PagedKVCache
+from kvgraft.model.views import Entries, HeadMajorKV, KVView, RowPieces
 
 _FAR = -(10**9)  # position of a ring slot never written: outside every window
 _local = threading.local()
@@ -52,13 +55,13 @@ class _Mixed:
 MIXED = _Mixed()  # Group.adapter of a group whose rows use different adapters
 
 
-def current_context() -> _Context | None:
+def current_context() -> StepContext | None:
     """The step context of the forward running on this thread (None outside a forward)."""
     return getattr(_local, "ctx", None)
 
 
 @contextmanager
-def active_context(ctx: _Context) -> Iterator[None]:
+def active_context(ctx: StepContext) -> Iterator[None]:
     """Make ``ctx`` the current context of this thread for the duration of a forward (nestable)."""
     prev = getattr(_local, "ctx", None)
     _local.ctx = ctx
@@ -104,14 +107,23 @@ class Group:
     slots: torch.Tensor | None = None  # (G,) state slots
     max_end: int = 0  # max over rows of start + T
     adapter: object = None  # the adapter of every row of the group (None: the base model), or MIXED
-    adapter_rows: tuple = ()  # MIXED groups: ((adapter, row indices within the group (tensor)), ...)
+    # MIXED groups: ((adapter, row indices within the group (tensor)), ...)
+    adapter_rows: tuple[tuple[object, torch.Tensor], ...] = ()
     run: int | None = None  # one row whose blocks are consecutive (first block id): read as a view, no copy
-    rings: tuple = ()  # per ring group: (G, ring blocks) ring-block tables (never-written blocks read as block 0)
-    tables: tuple = ()  # per unit (paged layer or segment: cache.unit_of_*): (G, blocks), shared by units of one span
+    # per ring group: (G, ring blocks) ring-block tables (never-written blocks read as block 0)
+    rings: tuple[torch.Tensor, ...] = ()
+    # per unit (paged layer or segment: cache.unit_of_*): (G, blocks), shared by units of one span
+    tables: tuple[torch.Tensor, ...] = ()
     # decode rows (T = 1) read as views: per row, its cache as a few pieces of consecutive blocks, each
     # (first block id, blocks, tokens); paged layers (GQA, MLA) attend each row over its pieces instead of
     # gathering the batch's blocks
-    row_pieces: tuple | None = None
+    row_pieces: tuple[list[tuple[int, int, int]], ...] | None = None
+
+    def paged_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(starts (G,), state slots (G,)) of a group of cache rows; ValueError for the dense batch."""
+        if self.starts is None or self.slots is None:
+            raise ValueError("a group of the dense batch holds no cache rows")
+        return self.starts, self.slots
 
     @property
     def G(self) -> int:
@@ -131,9 +143,28 @@ class Group:
         return out
 
 
-class _Context:
+class EntryWriter(Protocol):
+    """What a kv_source layer's compressor offers the step context (``kvgraft.model.ced.Compressor``)."""
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+    def token_entries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+    def gate_scores(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def pool(self, entries: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class StepContext:
+    """What the layers of one forward read and write (see the module docstring): the base of
+    :class:`DenseContext` and :class:`BatchContext`."""
+
     groups: list[Group]
-    scratch: dict
+    scratch: dict[object, Any]
+    cache: PagedKVCache | None
+    adapter_ids: list[object]  # per row: its adapter (None: the base model)
+    new_tokens: list[int]  # per row: tokens it adds in this step
+    default_positions: bool = False  # cache-free rows at positions 0..T-1: plain causal masks suffice
     active_group: int | None = None  # the group a layer is processing (inside each_group), else None
     active_adapter: object = MIXED  # inside ``each_adapter``: the adapter of the rows being processed
     has_adapters: bool = False  # some row names an adapter
@@ -183,6 +214,21 @@ class _Context:
         """The adapter of each row of group ``gi``, in the group's row order."""
         return [self.adapter_ids[r] for r in self.groups[gi].rows]
 
+    def kv(self, layer: int, gi: int, entries: torch.Tensor | None) -> KVView:
+        """Writer (``entries`` (G, T, E)): store the new entries of ``layer``; reader (None): fetch what
+        the writer ``layer`` stored this step. The typed view of every entry group ``gi`` may read."""
+        raise NotImplementedError
+
+    def compress(self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+        """kv_source ``layer``'s compressor writes the shared entries of the group's new tokens (G, T, h)."""
+        raise NotImplementedError
+
+    def segment(self, source: int, gi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared entries of ``source`` group ``gi`` may read (G, N, E), with each entry's first token
+        position (G, N)."""
+        raise NotImplementedError
+
     def token_adapters(self) -> list[object]:
         """The adapter of each token on the packed token axis."""
         return [a for a, t in zip(self.adapter_ids, self.new_tokens) for _ in range(t)]
@@ -201,7 +247,7 @@ class _Context:
         return mask
 
 
-class DenseContext(_Context):
+class DenseContext(StepContext):
     """Cache-free forward over a (B, T) batch: every row's tokens at ``positions`` (default 0..T-1)."""
 
     def __init__(self, positions: torch.Tensor, default_positions: bool, compress_rate: int = 1) -> None:
@@ -209,16 +255,19 @@ class DenseContext(_Context):
         self.compress_rate = compress_rate
         self.groups = [Group(list(range(B)), T, positions)]
         self.default_positions = default_positions  # plain causal masks suffice
-        self.scratch: dict = {}
+        self.scratch = {}
         self.cache = None
+        self.adapter_ids, self.new_tokens = [None] * B, [T] * B
 
-    def kv(self, layer: int, gi: int, entries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store (writer) or fetch (reader) ``layer``'s entries (B, T, E); returns them and their positions."""
+    def kv(self, layer: int, gi: int, entries: torch.Tensor | None) -> KVView:
+        """Store (writer) or fetch (reader) ``layer``'s entries (B, T, E); returns them with their positions
+        (the batch itself: an :class:`~kvgraft.model.views.Entries` view)."""
         if entries is not None:
             self.scratch[("kv", layer)] = entries
-        return self.scratch[("kv", layer)], self.groups[gi].qpos
+        return Entries(self.scratch[("kv", layer)], self.groups[gi].qpos)
 
-    def compress(self, layer: int, gi: int, compressor, x: torch.Tensor, cos, sin) -> None:
+    def compress(self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
         self.scratch[("seg", layer)] = compressor(x, cos, sin)
 
     def segment(self, source: int, gi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +277,7 @@ class DenseContext(_Context):
         return entries, first.expand(entries.shape[0], -1)
 
 
-class BatchContext(_Context):
+class BatchContext(StepContext):
     """One forward step over sequences of a :class:`PagedKVCache`.
 
     ``seqs[r]`` adds ``new_tokens[r]`` tokens (packed in row order on the token axis); construction
@@ -249,6 +298,7 @@ class BatchContext(_Context):
     entering that layer (packed, (1, N, h)) in ``captured``.
     """
 
+    cache: PagedKVCache  # (always a cache: narrows the base class's optional one)
     views = True  # read a single row's consecutive blocks as a view of the pool (False: always gather)
 
     def __init__(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[int],
@@ -282,7 +332,7 @@ class BatchContext(_Context):
                       if cache.ring_split is None or g.layers[0] >= cache.ring_split}
             for s, t in zip(seqs, new_tokens):
                 need = cache.ring_blocks_needed(s, cache.length(s) - t, t, groups)
-                if any(k > len(cache.ring_groups[gi].free) for gi, k in need.items()):
+                if any(k > cache.ring_groups[gi].blocks.free_count for gi, k in need.items()):
                     raise CacheFullError(f"replay of sequence {s} needs ring blocks {need}; not enough free")
             for s, t in zip(seqs, new_tokens):
                 cache.reserve_rings(s, cache.length(s) - t, t, groups)
@@ -304,16 +354,18 @@ class BatchContext(_Context):
                         raise ValueError(f"replay of sequence {s} would write blocks of layer {cache.units[u][1]} "
                                          "that other sequences share; restore it with recompute_from first")
         self.write_from = write_from
-        self.replay, self.capture_layer, self.captured = replay, capture_layer, None
+        self.replay, self.capture_layer = replay, capture_layer
+        self.captured: torch.Tensor | None = None  # the hidden state entering capture_layer, after a forward
         self.cache, self.seqs, self.new_tokens = cache, list(seqs), list(new_tokens)
         self.adapter_ids = list(adapter_ids) if adapter_ids is not None else [None] * len(seqs)
         self.has_adapters = any(a is not None for a in self.adapter_ids)
         self._adapter_tokens: dict[object, torch.Tensor] | None = None
         self.starts = list(replay_at) if replay_at is not None else \
             [cache.length(s) - (t if replay else 0) for s, t in zip(seqs, new_tokens)]
-        self.scratch: dict = {"compress_rate": cache.layout.compress_rate}
+        self.scratch = {"compress_rate": cache.layout.compress_rate}
         dev, bs = cache.device, cache.block_size
-        offsets, n = [], 0
+        offsets: list[int] = []
+        n = 0
         for t in new_tokens:
             offsets.append(n)
             n += t
@@ -329,18 +381,19 @@ class BatchContext(_Context):
         self.groups = []
         for (t, _), rows in by_t.items():
             names = [self.adapter_ids[r] for r in rows]
-            adapter, adapter_rows = names[0], ()
+            adapter: object = names[0]
+            adapter_rows: tuple[tuple[object, torch.Tensor], ...] = ()
             if len(set(names)) > 1:
                 by_a: dict[object, list[int]] = {}
-                for i, a in enumerate(names):
-                    by_a.setdefault(a, []).append(i)
+                for i, name in enumerate(names):
+                    by_a.setdefault(name, []).append(i)
                 adapter = MIXED
                 adapter_rows = tuple((a, torch.tensor(ix, device=dev)) for a, ix in by_a.items())
             starts = [self.starts[r] for r in rows]
             ends = [s + t for s in starts]
             nb = -(-max(ends) // bs)
             cuts = sorted({u for r in rows for u in cache.span_starts(seqs[r])})  # unit spans: one unless split
-            by_cut = {}
+            by_cut: dict[int, torch.Tensor] = {}
             for u in cuts:
                 tables = [cache.block_table(seqs[r], u)[:nb] for r in rows]
                 by_cut[u] = torch.tensor([tb + [0] * (nb - len(tb)) for tb in tables], dtype=torch.long, device=dev)
@@ -349,7 +402,7 @@ class BatchContext(_Context):
             tb = tables[0]
             run = tb[0] if self.views and len(cuts) == 1 and len(rows) == 1 and len(tb) == nb and \
                 len(_pieces(tb, nb * bs, bs)) == 1 else None
-            row_pieces = None
+            row_pieces: list[list[tuple[int, int, int]]] | None = None
             if self.views and t == 1 and len(cuts) == 1 and run is None and self._row_views_pay(cache, ends):
                 row_pieces = []
                 for r, e in zip(rows, ends):
@@ -368,7 +421,7 @@ class BatchContext(_Context):
                                      None if row_pieces is None else tuple(row_pieces)))
 
     @staticmethod
-    def _row_views_pay(cache, ends: list[int]) -> bool:
+    def _row_views_pay(cache: PagedKVCache, ends: list[int]) -> bool:
         """Whether decode rows should attend over per-row views of the paged pools (GQA keys/values, MLA
         latents) rather than one gathered copy: on the CPU, once the average row's largest paged layer holds
         ROW_VIEW_MIN_BYTES. Below that the
@@ -380,7 +433,7 @@ class BatchContext(_Context):
         widths = [math.prod(cache.head_major[x]) if x in cache.head_major else p.shape[-1]
                   for x, p in cache.paged.items()]  # values per token: 2K x head_dim, or the latent's width
         per_token = max(widths) * torch.empty((), dtype=cache.dtype).element_size()
-        return sum(ends) * per_token >= ROW_VIEW_MIN_BYTES * len(ends)
+        return bool(sum(ends) * per_token >= ROW_VIEW_MIN_BYTES * len(ends))
 
     def adapter_tokens(self) -> dict[object, torch.Tensor]:
         """Adapter -> indices (on the packed token axis) of the tokens of its rows; the base is left out."""
@@ -402,14 +455,19 @@ class BatchContext(_Context):
             self.cache.commit(s, t)
 
     # ---- storage operations -------------------------------------------------------------------
-    def kv(self, layer: int, gi: int, entries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self, layer: int, gi: int, entries: torch.Tensor | None) -> KVView:
         """Writer (``entries`` (G, T, E)): store the new entries of ``layer``; reader (None): fetch what
-        the writer ``layer`` stored this step. Returns (keys (G, S, E), key positions (G, S)); a GQA layer's
-        paged keys come head-major, (2K, G, S, head_dim)."""
+        the writer ``layer`` stored this step. Returns the typed view (:mod:`kvgraft.model.views`) of every
+        entry the group's queries may read: a GQA layer's paged keys head-major (:class:`HeadMajorKV`),
+        decode rows read as views of the pools (:class:`RowPieces`, when the group was built so), else one
+        tensor by key with positions (:class:`Entries`: gathered paged rows, a window ring and the step's
+        tokens)."""
         key = ("kv", layer, gi)
         if entries is None:
-            return self.scratch[key]
+            stored: KVView = self.scratch[key]
+            return stored
         g, c = self.groups[gi], self.cache
+        out: KVView
         write = True
         if self.replay and layer not in c.rings:
             if self.write_from is None:
@@ -426,9 +484,9 @@ class BatchContext(_Context):
                 src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
                 pool.view(H2, -1, d).index_copy_(1, flat, src)
             if g.row_pieces is not None:  # decode rows read as views: per row, its pieces (2K, 1, S_i, d), no copy
-                keys = [[pool[:, b:b + n].reshape(H2, 1, n * bs, d)[:, :, :e] for b, n, e in pieces]
-                        for pieces in g.row_pieces]
-                self.scratch[key] = out = (keys, None)
+                out = RowPieces([[pool[:, b:b + n].reshape(H2, 1, n * bs, d)[:, :, :e] for b, n, e in pieces]
+                                 for pieces in g.row_pieces])
+                self.scratch[key] = out
                 return out
             if g.run is not None:  # one row in consecutive blocks: a view of the pool
                 nb = table.shape[1]
@@ -437,7 +495,7 @@ class BatchContext(_Context):
                 # index_select, not pool[:, table]: the same copy, ~4x faster on the CPU (advanced indexing
                 # takes a generic strided path; index_select copies whole (bs, d) blocks)
                 keys = pool.index_select(1, table.reshape(-1)).view(H2, g.G, -1, d)[:, :, : g.max_end]
-            out = (keys, torch.arange(g.max_end, device=keys.device).expand(g.G, -1))
+            out = HeadMajorKV(keys, torch.arange(g.max_end, device=keys.device).expand(g.G, -1))
         elif layer in c.paged:
             pool = c.paged[layer]
             table = g.tables[c.unit_of_paged[layer]]
@@ -448,22 +506,24 @@ class BatchContext(_Context):
                 pool.view(-1, pool.shape[-1]).index_copy_(0, flat.reshape(-1),
                                                           entries.reshape(-1, entries.shape[-1]).to(pool.dtype))
             if g.row_pieces is not None:  # decode rows read as views: per row, its pieces (S_i, E)
-                keys = [[pool[b:b + n].reshape(n * bs, pool.shape[-1])[:e] for b, n, e in pieces]
-                        for pieces in g.row_pieces]
-                self.scratch[key] = out = (keys, None)
+                out = RowPieces([[pool[b:b + n].reshape(n * bs, pool.shape[-1])[:e] for b, n, e in pieces]
+                                 for pieces in g.row_pieces])
+                self.scratch[key] = out
                 return out
             if g.run is not None:
                 keys = pool[g.run:g.run + table.shape[1]].reshape(1, -1, pool.shape[-1])[:, : g.max_end]
             else:
                 keys = pool.index_select(0, table.reshape(-1)).view(g.G, -1, pool.shape[-1])[:, : g.max_end]
             kpos = torch.arange(g.max_end, device=keys.device).expand(g.G, -1)
-            out = (keys, kpos)
+            out = Entries(keys, kpos)
         else:  # a ring of the last W tokens: [ring as it was ; new tokens], then the ring is updated
             ring_pool = c.rings[layer]  # (ring blocks, rb, E)
-            W, R, rb = c.layout.window, c.ring_len, c.ring_block
+            W, R, rb = c.window_rings.window, c.ring_len, c.ring_block
+            if W is None:
+                raise ValueError(f"layer {layer} has a ring but the cache no window")
             rtab = g.rings[c.ring_group_of[layer]]  # (G, R / rb)
             ring = ring_pool.index_select(0, rtab.reshape(-1)).view(g.G, R, -1)  # (G, R, E) copy, by ring slot
-            last = (g.starts - 1)[:, None]
+            last = (g.paged_rows()[0] - 1)[:, None]
             slot = torch.arange(R, device=ring.device)[None]
             ring_pos = last - torch.remainder(last - slot, W)
             ring_pos = torch.where((ring_pos >= 0) & (not self.replay), ring_pos, torch.full_like(ring_pos, _FAR))
@@ -474,11 +534,12 @@ class BatchContext(_Context):
             flat = rtab.gather(1, idx // rb) * rb + idx % rb
             ring_pool.view(-1, ring_pool.shape[-1]).index_copy_(
                 0, flat.reshape(-1), entries[:, g.T - n:].reshape(-1, entries.shape[-1]).to(ring_pool.dtype))
-            out = (keys, kpos)
+            out = Entries(keys, kpos)
         self.scratch[key] = out
         return out
 
-    def compress(self, layer: int, gi: int, compressor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def compress(self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
         """Run kv_source ``layer``'s compressor on the group's new tokens (G, T, h): store every entry
         they complete in the shared segment, keep the rest as the row's pending tokens."""
         if self.replay:  # the shared segments already hold these tokens (a replay recomputes windows only)
@@ -496,11 +557,12 @@ class BatchContext(_Context):
             seg.view(-1, E).index_copy_(0, flat.reshape(-1), entries.reshape(-1, E).to(seg.dtype))
             return
         scores = compressor.gate_scores(x, g.qpos)  # (G, T, D)
-        phase = g.starts % m
+        starts, row_slots = g.paged_rows()
+        phase = starts % m
         pend = c.pending[layer]
         for p in sorted(set(phase.tolist())):
             sub = (phase == p).nonzero().squeeze(1)
-            slots = g.slots[sub]
+            slots = row_slots[sub]
             held = pend.index_select(0, slots)  # (Gs, m - 1, E + D)
             all_e = torch.cat([held[:, :p, :E].to(entries.dtype), entries[sub]], dim=1)
             all_s = torch.cat([held[:, :p, E:].to(scores.dtype), scores[sub]], dim=1)
@@ -511,7 +573,7 @@ class BatchContext(_Context):
                     torch.cat([all_e[:, n:], all_s[:, n:]], dim=-1).to(pend.dtype)
             if n:
                 blocks = compressor.pool(all_e[:, :n], all_s[:, :n])  # (Gs, n / m, E)
-                e = (g.starts[sub] // m)[:, None] + torch.arange(n // m, device=blocks.device)[None]
+                e = (starts[sub] // m)[:, None] + torch.arange(n // m, device=blocks.device)[None]
                 flat = table[sub].gather(1, e // epb) * epb + e % epb
                 seg.view(-1, E).index_copy_(0, flat.reshape(-1), blocks.reshape(-1, E).to(seg.dtype))
 
@@ -531,4 +593,5 @@ class BatchContext(_Context):
                 entries = seg.index_select(0, table.reshape(-1)).view(g.G, -1, seg.shape[-1])[:, :N]
             first = (torch.arange(N, device=entries.device) * m).expand(g.G, -1)
             self.scratch[key] = (entries, first)
-        return self.scratch[key]
+        seg_entries: tuple[torch.Tensor, torch.Tensor] = self.scratch[key]
+        return seg_entries

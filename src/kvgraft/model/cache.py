@@ -20,79 +20,37 @@ Two kinds of storage, both preallocated once:
   and the layers from the pivot on (the *decoder*). Sequences started from one snapshot (N adapters over
   one prompt) reference the encoder's ring blocks and the shared segments, and hold only their own
   decoder rings (:meth:`PagedKVCache.restore` with ``recompute_from``); a step that writes into a shared
-  ring block copies that block first (one ring block per group per decode step at most). The ring pools,
-  ring groups and their allocators are :class:`kvgraft.model.rings.WindowRings`, which the cache owns.
+  ring block copies that block first (one ring block per group per decode step at most). The ring pools
+  and ring groups are :class:`kvgraft.model.rings.WindowRings`, which the cache owns.
 - **Per-sequence state**: each kv_source layer with m > 1 keeps the entries and gate scores of the (at
   most m - 1) tokens of its incomplete block. A sequence takes one state slot; a fork copies it.
 
-``cache_layout(config)`` is the one table of what each layer stores; ``ModelConfig.kv_cache_bytes``
-and this class's allocation both derive from it (tested equal). Layers never touch the pools
-directly: :class:`kvgraft.model.batch.BatchContext` hands them gathered views for one forward step.
+Every block, a token block or a ring block, is handed out by one allocator class,
+:class:`kvgraft.model.blocks.BlockAllocator` (reference counts per pool, copy on write decided here): one
+instance for the token blocks, one per ring group. ``cache_layout(config)`` (defined with the config,
+:mod:`kvgraft.model.config`, and handed on here) is the one table of what each layer stores;
+``ModelConfig.kv_cache_bytes`` and this class's allocation both derive from it (tested equal). Layers never
+touch the pools directly: :class:`kvgraft.model.batch.BatchContext` hands them typed views
+(:mod:`kvgraft.model.views`) for one forward step.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvgraft.model.config import ModelConfig
+from kvgraft.model.blocks import BlockAllocator, CacheFullError
+from kvgraft.model.config import CacheLayout, ModelConfig, cache_layout
 from kvgraft.model.rings import WindowRings, ring_shape
 
-
-class CacheFullError(RuntimeError):
-    """Not enough free blocks or sequence slots; the engine preempts, direct callers allocate more."""
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """What every layer stores, per sequence. Widths are values per token (per entry for segments)."""
-
-    paged: dict[int, int]  # full-attention KV-writing layer -> values per token
-    rings: dict[int, int]  # sliding-window storing layer -> values per token (ring of ``window`` tokens)
-    window: int | None  # ring length W (one window size per model)
-    segments: dict[int, int]  # kv_source layer -> values per pooled entry (latent, RoPE key, index key)
-    compress_rate: int  # m: tokens per pooled entry
-    pending: dict[int, int]  # kv_source layer -> values per pending token (entry + gate scores), m > 1
-
-    def values(self, context: int, ring_len: int | None = None) -> int:
-        """Values one sequence holding ``context`` tokens stores (rings of ``ring_len``, default
-        ``min(W, context)``; pooled entries for complete blocks only)."""
-        if ring_len is None:
-            ring_len = min(self.window, context) if self.window else 0
-        total = sum(self.paged.values()) * context
-        total += sum(self.segments.values()) * (context // self.compress_rate)
-        total += sum(self.rings.values()) * ring_len
-        total += sum(self.pending.values()) * (self.compress_rate - 1)
-        return total
-
-
-def cache_layout(config: ModelConfig) -> CacheLayout:
-    """The one table of cache storage, derived from the config."""
-    paged: dict[int, int] = {}
-    rings: dict[int, int] = {}
-    segments: dict[int, int] = {}
-    pending: dict[int, int] = {}
-    if config.is_ced:
-        D = config.kv_lora_rank + config.qk_rope_head_dim
-        E = D + (config.index_head_dim if config.index_topk else 0)
-        K = config.num_kv_heads
-        for layer in range(config.num_layers):
-            rings[layer] = K * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
-        for s in config.kv_source_layers:
-            segments[s] = E
-            if config.compress_rate > 1:
-                pending[s] = E + D
-        return CacheLayout(paged, rings, config.sliding_window, segments, config.compress_rate, pending)
-    for layer in range(config.num_layers):
-        if not config.is_kv_writer(layer):
-            continue
-        width = sum(h * w for h, w in config.cache_entry_shapes(layer))
-        (rings if config.window(layer) is not None else paged)[layer] = width
-    return CacheLayout(paged, rings, config.sliding_window if rings else None, segments, 1, pending)
+__all__ = ["CacheFullError", "CacheLayout", "CacheSnapshot", "PagedKVCache", "cache_layout", "default_block_size",
+           "ring_geometry", "static_cache"]
 
 
 @dataclass
@@ -120,14 +78,15 @@ class CacheSnapshot:
 @dataclass
 class _Sequence:
     slot: int  # state slot (pending tokens)
-    spans: list[list] = field(default_factory=lambda: [[0, []]])  # [first unit, block ids] per layer span
+    spans: list[list[Any]] = field(default_factory=lambda: [[0, []]])  # [first unit, block ids] per layer span
     length: int = 0  # tokens committed
     rings: list[list[int]] = field(default_factory=list)  # per ring group: ring-block ids, -1 = not allocated
     expect_blocks: int = 0  # blocks the sequence expects to fill (add_sequence(expect_tokens=)); 0: unknown
 
 
 class PagedKVCache:
-    """Paged pools + paged window rings + per-sequence state slots, with block allocators and reference counts.
+    """Paged pools + paged window rings + per-sequence state slots; every block (token blocks here, ring blocks
+    in each ring group) comes from the one allocator class, :class:`kvgraft.model.blocks.BlockAllocator`.
 
     ``num_blocks`` token blocks of ``block_size`` tokens are shared by all sequences; ``max_seqs`` sequences
     can be live at once; ``max_seq_len`` bounds one sequence (and sizes the rings: ``min(W, max_seq_len)``).
@@ -162,9 +121,12 @@ class PagedKVCache:
                              "holds whole pooled entries")
         self.config, self.block_size, self.num_blocks, self.max_seqs = config, block_size, num_blocks, max_seqs
         self.max_seq_len, self.dtype, self.device = max_seq_len, dtype, torch.device(device)
-        if ring_split == "pivot":
-            ring_split = max(config.kv_source_layers) if config.is_ced and config.kv_source_layers else None
-        # window rings: their pools, ring groups and allocators (a sequence keeps its ring-block tables)
+        if isinstance(ring_split, str):
+            if ring_split != "pivot":
+                raise ValueError(f"ring_split ({ring_split!r}) must be a layer index in [0, {config.num_layers}], "
+                                 "'pivot' or None")
+            ring_split = max(config.kv_source_layers) if config.kv_source_layers else None
+        # window rings: their pools and ring groups (a sequence keeps its ring-block tables)
         self.window_rings = wr = WindowRings(layout.rings, layout.window, block_size, max_seq_len, max_seqs, ring_blocks,
                                              ring_split, config.num_layers, config.is_ced, dtype, device)
         self.ring_len, self.ring_block, self.ring_blocks_per_seq = wr.ring_len, wr.ring_block, wr.blocks_per_seq
@@ -192,15 +154,9 @@ class PagedKVCache:
         self.unit_bytes = np.array([itemsize * (block_size * layout.paged[x] if k == "paged"
                                                 else block_size // m * layout.segments[x]) for k, x in self.units],
                                    dtype=np.int64)
-        U = len(self.units)
-        self._rc = np.zeros((U, num_blocks), dtype=np.int32)
-        self._free_units = np.full(num_blocks, U, dtype=np.int32)  # units in which a block id is free
-        self._free_q: deque[int] = deque(range(num_blocks))  # ids free in every unit (stale entries skipped)
-        # Contiguity: a sequence that says how long it will get claims a run of free ids at its first block
-        # and grows into it, so its blocks stay consecutive and decode reads them as views of the pools (no
-        # gather). A claim is a preference, not a reservation: claimed ids count as free, and other sequences
-        # take them only when no unclaimed id is left.
-        self._claim = np.full(num_blocks, -1, dtype=np.int64)  # claiming sequence of a free id, -1: none
+        # token blocks (a sequence that says how long it will get claims a run of consecutive ids and grows
+        # into it, so decode reads its blocks as views of the pools)
+        self.blocks = BlockAllocator(len(self.units), num_blocks, tuple(x for _, x in self.units))
         self._free_slots: deque[int] = deque(range(max_seqs))
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
@@ -268,14 +224,14 @@ class PagedKVCache:
         gi = self.window_rings.shortfall(need)
         if gi is not None:
             raise CacheFullError(f"restore needs {need[gi]} ring blocks of group {gi}, "
-                                 f"{len(self.ring_groups[gi].free)} free of {self.ring_groups[gi].num_blocks}")
-        spans = [[u, list(t)] for u, t in snap.spans]
+                                 f"{self.ring_groups[gi].blocks.free_count} free of {self.ring_groups[gi].num_blocks}")
+        spans: list[list[Any]] = [[u, list(t)] for u, t in snap.spans]
         cut = self._unit_cut(recompute_from)
         n_blocks = -(-snap.length // self.block_size)
         if cut < len(self.units) and self.block_bytes:  # the units from ``cut`` on come fresh
-            if self._available(cut, len(self.units)) < n_blocks:
+            if self.blocks.available(cut, len(self.units)) < n_blocks:
                 raise CacheFullError(f"restore needs {n_blocks} blocks for layers from {recompute_from} on, "
-                                     f"{self._available(cut, len(self.units))} free there")
+                                     f"{self.blocks.available(cut, len(self.units))} free there")
             spans = self._split(spans, cut)
             spans = [sp for sp in spans if sp[0] < cut]
         if not self._free_slots:
@@ -286,7 +242,7 @@ class PagedKVCache:
         s.spans, s.length = spans + ([[cut, []]] if fresh_span else []), snap.length
         self._incref_spans(s.spans)  # (the fresh span is still empty)
         if fresh_span:
-            s.spans[-1][1] = [self._allocate(cut, len(self.units)) for _ in range(n_blocks)]
+            s.spans[-1][1] = [self.blocks.allocate(cut, len(self.units)) for _ in range(n_blocks)]
         self.window_rings.restore(s.rings, snap.rings, need)
         for (kind, layer), t in snap.state.items():
             self.pending[layer][s.slot] = t
@@ -313,7 +269,7 @@ class PagedKVCache:
         self.window_rings.release(s.rings)
         self._free_slots.append(s.slot)
         if s.expect_blocks:
-            self._claim[self._claim == seq] = -1
+            self.blocks.unclaim(seq)
 
     def length(self, seq: int) -> int:
         return self._get(seq).length
@@ -343,10 +299,10 @@ class PagedKVCache:
         return self._get(seq).slot
 
     def refcount(self, block: int, unit: int = 0) -> int:
-        return int(self._rc[unit, block]) if self.units else 0
+        return self.blocks.refcount(block, unit) if self.units else 0
 
     def ring_refcount(self, group: int, block: int) -> int:
-        return self.ring_groups[group].refcount[block]
+        return int(self.ring_groups[group].refcount[block])
 
     @property
     def sequences(self) -> list[int]:
@@ -373,22 +329,21 @@ class PagedKVCache:
         return out
 
     def _shared(self, i: int, s: _Sequence, b: int) -> bool:
-        lo, hi = self._span_range(s, i)
-        return bool((self._rc[lo:hi, b] > 1).any())
+        return self.blocks.shared(*self._span_range(s, i), b)
 
-    def ring_blocks_needed(self, seq: int, start: int, n: int, groups=None) -> dict[int, int]:
+    def ring_blocks_needed(self, seq: int, start: int, n: int, groups: Collection[int] | None = None) -> dict[int, int]:
         """Per ring group, free ring blocks that writing positions [start, start + n) takes (blocks never
         written plus copies of shared ones)."""
         return self.window_rings.needed(self._get(seq).rings, start, n, groups)
 
-    def reserve_rings(self, seq: int, start: int, n: int, groups=None) -> None:
+    def reserve_rings(self, seq: int, start: int, n: int, groups: Collection[int] | None = None) -> None:
         """Make the ring blocks that positions [start, start + n) write private to ``seq`` (allocate blocks
         never written, copy shared ones first), in ``groups`` (default all)."""
         need = self.ring_blocks_needed(seq, start, n, groups)
         gi = self.window_rings.shortfall(need)
         if gi is not None:
             raise CacheFullError(f"sequence {seq} needs {need[gi]} more ring blocks of group {gi}, "
-                                 f"{len(self.ring_groups[gi].free)} free of {self.ring_groups[gi].num_blocks}")
+                                 f"{self.ring_groups[gi].blocks.free_count} free of {self.ring_groups[gi].num_blocks}")
         self.window_rings.reserve(self._get(seq).rings, need, start, n)
 
     def can_extend(self, seq: int, new_tokens: int) -> bool:
@@ -396,7 +351,7 @@ class PagedKVCache:
         if s.length + new_tokens > self.max_seq_len:
             return False
         for i, k in self._span_needs(s, new_tokens).items():
-            if k and k > self._available(*self._span_range(s, i)):
+            if k and k > self.blocks.available(*self._span_range(s, i)):
                 return False
         return self.window_rings.shortfall(self.ring_blocks_needed(seq, s.length, new_tokens)) is None
 
@@ -408,10 +363,10 @@ class PagedKVCache:
             raise ValueError(f"cache overflow: {end} tokens > max_seq_len {self.max_seq_len}; allocate a longer cache")
         needs = self._span_needs(s, new_tokens)
         for i, k in needs.items():
-            if k and k > self._available(*self._span_range(s, i)):
+            if k and k > self.blocks.available(*self._span_range(s, i)):
                 raise CacheFullError(
                     f"sequence {seq} needs {self.blocks_needed(seq, new_tokens)} more blocks for {new_tokens} tokens, "
-                    f"{self._available(*self._span_range(s, i))} free of {self.num_blocks}")
+                    f"{self.blocks.available(*self._span_range(s, i))} free of {self.num_blocks}")
         self.reserve_rings(seq, s.length, new_tokens)
         if not self.block_bytes:
             return
@@ -419,20 +374,20 @@ class PagedKVCache:
         for i, (u, table) in enumerate(s.spans):
             lo, hi = self._span_range(s, i)
             if new_tokens and first < len(table) and self._shared(i, s, table[first]):
-                old, new = table[first], self._allocate(lo, hi)
-                for k, x in self.units[lo:hi]:
-                    t = self.paged[x] if k == "paged" else self.segments[x]
-                    if x in self.head_major and k == "paged":
+                old, new = table[first], self.blocks.allocate(lo, hi)
+                for kind, x in self.units[lo:hi]:
+                    t = self.paged[x] if kind == "paged" else self.segments[x]
+                    if x in self.head_major and kind == "paged":
                         t[:, new] = t[:, old]
                     else:
                         t[new] = t[old]
-                self._release_ids(lo, hi, [old])
+                self.blocks.release(lo, hi, [old])
                 table[first] = new
             while len(table) * self.block_size < end:
                 if lo == 0 and hi == len(self.units) and s.expect_blocks:
-                    table.append(self._allocate_for(seq, s, table))
+                    table.append(self.blocks.allocate_next(seq, table, s.expect_blocks))
                 else:
-                    table.append(self._allocate(lo, hi))
+                    table.append(self.blocks.allocate(lo, hi))
 
     def commit(self, seq: int, new_tokens: int) -> None:
         """Record ``new_tokens`` written (called once per forward, after every layer ran)."""
@@ -452,20 +407,20 @@ class PagedKVCache:
     @property
     def free_blocks(self) -> int:
         """Block ids free in every layer."""
-        return int(np.count_nonzero(self._free_units == len(self.units))) if self.units else self.num_blocks
+        return self.blocks.free_count
 
     @property
     def used_bytes(self) -> int:
         """Bytes of blocks (per layer) and ring blocks held by some sequence or snapshot plus the state
         slots of live sequences."""
-        blocks = int(((self._rc > 0).sum(1) * self.unit_bytes).sum()) if self.units else 0
+        blocks = int((self.blocks.held_per_unit() * self.unit_bytes).sum())
         return blocks + self.window_rings.used_bytes + len(self._seqs) * self.slot_bytes
 
     @property
     def shared_bytes(self) -> int:
         """Bytes of blocks (per layer) and ring blocks held more than once (by several sequences or
         snapshots), each counted once."""
-        blocks = int(((self._rc > 1).sum(1) * self.unit_bytes).sum()) if self.units else 0
+        blocks = int((self.blocks.held_per_unit(2) * self.unit_bytes).sum())
         return blocks + self.window_rings.shared_bytes
 
     @property
@@ -492,7 +447,8 @@ class PagedKVCache:
     def _table(self, s: _Sequence, unit: int) -> list[int]:
         for u, t in reversed(s.spans):
             if u <= unit:
-                return t
+                table: list[int] = t
+                return table
         raise AssertionError("spans start at unit 0")
 
     def _span_range(self, s: _Sequence, i: int) -> tuple[int, int]:
@@ -506,9 +462,9 @@ class PagedKVCache:
         return next((u for u, (k, x) in enumerate(self.units) if x >= recompute_from), len(self.units))
 
     @staticmethod
-    def _split(spans: list[list], cut: int) -> list[list]:
+    def _split(spans: list[list[Any]], cut: int) -> list[list[Any]]:
         """Spans with a boundary at unit ``cut`` (the table is the same on both sides)."""
-        out = []
+        out: list[list[Any]] = []
         for i, (u, t) in enumerate(spans):
             end = spans[i + 1][0] if i + 1 < len(spans) else None
             out.append([u, list(t)])
@@ -516,95 +472,13 @@ class PagedKVCache:
                 out.append([cut, list(t)])
         return out
 
-    def _available(self, lo: int, hi: int) -> int:
-        """Block ids free in every unit of [lo, hi)."""
-        if lo == 0 and hi == len(self.units):
-            return int(np.count_nonzero(self._free_units == hi))
-        return int(np.count_nonzero((self._rc[lo:hi] == 0).all(0)))
-
-    def _allocate(self, lo: int = 0, hi: int | None = None) -> int:
-        """A block id free in units [lo, hi), now held once there. All units: the oldest fully free id;
-        a span: preferably an id some other span already holds (keeping fully free ids whole)."""
-        U = len(self.units)
-        hi = U if hi is None else hi
-        if lo == 0 and hi == U:
-            claimed = []  # free ids claimed by a growing sequence: taken only when nothing else is free
-            while True:
-                if not self._free_q:
-                    if not claimed:
-                        raise CacheFullError(f"no free block ({self.num_blocks} in all)")
-                    b = claimed.pop(0)
-                    break
-                b = self._free_q.popleft()
-                if self._free_units[b] == U:
-                    if self._claim[b] < 0:
-                        break
-                    claimed.append(b)
-            self._free_q.extendleft(reversed(claimed))
-            self._claim[b] = -1
-        else:
-            free = (self._rc[lo:hi] == 0).all(0)
-            idx = np.flatnonzero(free & (self._free_units < U))
-            if not idx.size:
-                idx = np.flatnonzero(free)
-            if not idx.size:
-                raise CacheFullError(f"no block free in layers {self.units[lo][1]}..{self.units[hi - 1][1]}")
-            b = int(idx[0])
-        self._rc[lo:hi, b] = 1
-        self._free_units[b] -= hi - lo
-        return b
-
-    def _allocate_for(self, seq: int, s: _Sequence, table: list[int]) -> int:
-        """The next block of ``seq``'s (all-unit) table: the id after its last one when free and not claimed
-        by another sequence; for its first block, the start of the first free run of ``expect_blocks``
-        unclaimed ids (claimed for it); else any id, unclaimed ones first."""
-        U = len(self.units)
-        if table:
-            b = table[-1] + 1
-            if b < self.num_blocks and self._free_units[b] == U and self._claim[b] in (-1, seq):
-                return self._take(b)
-        else:
-            free = (self._free_units == U) & (self._claim < 0)
-            n = min(s.expect_blocks, self.num_blocks)
-            if n > 1:
-                # run starts: free ids with n free ids from there (a sliding window sum over the free mask)
-                c = np.concatenate([[0], np.cumsum(free, dtype=np.int64)])
-                starts = np.flatnonzero(c[n:] - c[:-n] == n)
-                if starts.size:
-                    b = int(starts[0])
-                    self._claim[b + 1:b + n] = seq
-                    return self._take(b)
-        return self._allocate()
-
-    def _take(self, b: int) -> int:
-        """Hold free id ``b`` in every unit (its stale entry in the free queue is skipped later)."""
-        self._rc[:, b] = 1
-        self._free_units[b] = 0
-        self._claim[b] = -1
-        return b
-
-    def _incref_spans(self, spans) -> None:
+    def _incref_spans(self, spans: list[list[Any]] | tuple[tuple[int, tuple[int, ...]], ...]) -> None:
         for i, (u, t) in enumerate(spans):
-            if t:
-                hi = spans[i + 1][0] if i + 1 < len(spans) else len(self.units)
-                self._rc[u:hi, np.asarray(t, dtype=np.int64)] += 1
+            self.blocks.hold(u, spans[i + 1][0] if i + 1 < len(spans) else len(self.units), t)
 
-    def _release_ids(self, lo: int, hi: int, ids) -> None:
-        if not len(ids):
-            return
-        ix = np.asarray(ids, dtype=np.int64)
-        self._rc[lo:hi, ix] -= 1
-        self._free_units[ix] += (self._rc[lo:hi, ix] == 0).sum(0).astype(np.int32)
-        U = len(self.units)
-        for b in ix[self._free_units[ix] == U].tolist():
-            self._free_q.append(b)
-        if len(self._free_q) > 2 * self.num_blocks:  # ids taken outside the queue left stale entries: compact
-            self._free_q = deque(np.flatnonzero(self._free_units == U).tolist())
-
-    def _release_spans(self, spans) -> None:
+    def _release_spans(self, spans: list[list[Any]] | tuple[tuple[int, tuple[int, ...]], ...]) -> None:
         for i, (u, t) in enumerate(spans):
-            hi = spans[i + 1][0] if i + 1 < len(spans) else len(self.units)
-            self._release_ids(u, hi, t)
+            self.blocks.release(u, spans[i + 1][0] if i + 1 < len(spans) else len(self.units), t)
 
     def _clear_state(self, slot: int) -> None:
         for t in self.pending.values():

@@ -33,11 +33,13 @@ shared with MLA. Shapes: G rows, T new tokens, N shared entries, H heads, K wind
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS
-from kvgraft.model.batch import MIXED
+from kvgraft.model.batch import MIXED, StepContext
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.latent import LatentAttention
 from kvgraft.model.norm import RMSNorm
@@ -47,10 +49,13 @@ from kvgraft.model.rope import apply_rope
 class Compressor(nn.Module):
     """A kv_source layer's KV writer: hidden state -> shared entries (latent ; rotated RoPE key)."""
 
+    kv_a_norm: RMSNorm | None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, b = config.hidden_size, config.qkv_bias
-        self.dc, self.dr, self.m = config.kv_lora_rank, config.qk_rope_head_dim, config.compress_rate
+        self.dc, self.dr, _, _ = config.latent_dims()
+        self.m = config.compress_rate
         self.kv_a_proj = nn.Linear(h, self.dc + self.dr, bias=b)
         self.kv_a_norm = RMSNorm(self.dc, config.rms_norm_eps) if config.mla_latent_norm else None
         if self.m > 1:
@@ -62,7 +67,7 @@ class Compressor(nn.Module):
 
     def token_entries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(B, T, h) -> per-token entries (B, T, d_c + d_rope [+ index_head_dim]); cos/sin: the d_rope columns."""
-        c, k_rope = self.kv_a_proj(x).split([self.dc, self.dr], dim=-1)
+        c, k_rope = torch.split(self.kv_a_proj(x), [self.dc, self.dr], dim=-1)
         if self.kv_a_norm is not None:
             c = self.kv_a_norm(c)
         parts = [c, apply_rope(k_rope[:, None], cos, sin)[:, 0]]
@@ -72,13 +77,16 @@ class Compressor(nn.Module):
 
     def gate_scores(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, T, h), positions (B, T) -> pooling logits (B, T, d_c + d_rope)."""
-        return self.gate_proj(x) + self.gate_bias[positions % self.m]
+        scores: torch.Tensor = self.gate_proj(x) + self.gate_bias[positions % self.m]
+        return scores
 
     def pool(self, entries: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         """(B, n*m, E) block-aligned tokens -> (B, n, E) pooled entries (identity when m == 1): the gated
         weighting for latent and RoPE key, the plain mean for the indexer's key."""
         if self.m == 1:
             return entries
+        if scores is None:
+            raise ValueError(f"pooling blocks of {self.m} tokens needs their gate scores")
         B, n, E = entries.shape[0], entries.shape[1] // self.m, entries.shape[2]
         D = self.dc + self.dr
         blocks = entries.view(B, n, self.m, E)
@@ -105,9 +113,10 @@ class CEDAttention(LatentAttention):
         self.layer = layer
         h, H, K, b = config.hidden_size, config.num_heads, config.num_kv_heads, config.qkv_bias
         self.num_heads, self.num_kv_heads = H, K
-        self.dc, self.dr = config.kv_lora_rank, config.qk_rope_head_dim
-        self.dn, self.dv = config.qk_nope_head_dim, config.v_head_dim
-        self.window = config.sliding_window
+        self.dc, self.dr, self.dn, self.dv = config.latent_dims()
+        if config.sliding_window is None:
+            raise ValueError("a causal encoder-decoder layer needs sliding_window")
+        self.window: int = config.sliding_window
         self.q_proj = nn.Linear(h, H * (self.dn + self.dr), bias=b)
         self.k_proj = nn.Linear(h, K * (self.dn + self.dr), bias=b)  # window keys (own hidden state)
         self.v_proj = nn.Linear(h, K * self.dv, bias=b)
@@ -125,7 +134,7 @@ class CEDAttention(LatentAttention):
             self.index_w_proj = nn.Linear(h, self.index_heads, bias=False)
         self.scale = (self.dn + self.dr) ** -0.5
 
-    def _qkv(self, x, cos, sin):
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, -1).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, -1)
@@ -135,7 +144,7 @@ class CEDAttention(LatentAttention):
         k = torch.cat([k[..., : self.dn], k_rope], dim=-1).reshape(B, T, -1)
         return q, torch.cat([k, v], dim=-1)  # (B, H, T, dn+dr), window entry (B, T, K (dn+dr) + K dv)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x (B, N, h) normalised hidden state -> (B, N, h). ``cos``/``sin`` are the d_rope columns every
         layer rotates (``rope_tables``). The indexer's training loss goes to ``ctx.scratch["aux"]``."""
         K, dk = self.num_kv_heads, self.dn + self.dr
@@ -146,7 +155,7 @@ class CEDAttention(LatentAttention):
         out = None
         for gi, g in ctx.each_group():
             qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, dk)
-            win, kpos = ctx.kv(self.layer, gi, g.take(entry))  # (G, S, K (dk + dv))
+            win, kpos = ctx.kv(self.layer, gi, g.take(entry)).entries()  # (G, S, K (dk + dv))
             G, S = win.shape[:2]
             k = win[..., : K * dk].view(G, S, K, dk).transpose(1, 2)
             v = win[..., K * dk:].view(G, S, K, self.dv).transpose(1, 2)
@@ -161,7 +170,7 @@ class CEDAttention(LatentAttention):
                     smask = self._select(g.take(x), qg, shared, smask, ctx)
                 mask = torch.cat([mask, smask], dim=-1)
             absorbed = ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS and not torch.is_grad_enabled()
-            kv_b = getattr(self, "kv_b_proj", None)
+            kv_b: Any = getattr(self, "kv_b_proj", None)  # a linear, or an adapter wrapper around one
             loras = getattr(kv_b, "loras", {})
             if g.adapter is not MIXED or not any(a in loras for a, _ in g.adapter_rows):
                 y = self.attend(qg, k, v, shared, mask, absorbed)  # (G, H, T, dv): one kv_b for every row
@@ -169,16 +178,23 @@ class CEDAttention(LatentAttention):
                 with ctx.base_weights():
                     y = self.attend(qg, k, v, shared, mask, absorbed, kv_b_delta=kv_b.row_factors(ctx.row_adapters(gi)))
             else:  # expanded: kv_b through the door, one adapter at a time
+                if shared is None:
+                    raise ValueError(f"layer {self.layer}: adapters on kv_b, but the layer reads no shared entries")
                 y = qg.new_empty(G, self.num_heads, g.T, self.dv)
                 for _, rows in ctx.each_adapter(gi):
+                    if rows is None:
+                        raise ValueError("a group of several adapters names each adapter's rows")
                     sub = self.attend(qg[rows], k[rows], v[rows], shared[rows], mask[rows], absorbed)
                     y.index_copy_(0, rows, sub.to(y.dtype))
             y = self.o_proj(y.transpose(1, 2).reshape(G, g.T, self.num_heads * self.dv))
             out = g.put(out if out is not None else x.new_empty(*x.shape[:2], y.shape[-1]), y)
+        if out is None:
+            raise ValueError("a step context has at least one group")
         return out
 
     # ---- the optional indexer -------------------------------------------------------------------
-    def _select(self, x, q, shared, visible, ctx) -> torch.Tensor:
+    def _select(self, x: torch.Tensor, q: torch.Tensor, shared: torch.Tensor, visible: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
         """Top-k selection of the visible shared entries per query: (G, T, N) bool; in training the
         indexer's loss is appended to ``ctx.scratch["aux"]``.
 
@@ -200,13 +216,14 @@ class CEDAttention(LatentAttention):
         chosen = torch.zeros(B, T, N, dtype=torch.bool, device=x.device)
         if N:
             # a stable sort: ties (relu zeros) go to the earlier entry, the same in every path
-            idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : min(self.topk, N)]
+            k = N if self.topk is None else min(self.topk, N)
+            idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
             chosen.scatter_(-1, idx, True)
         chosen &= visible
         if self.training and torch.is_grad_enabled() and N:
             with torch.no_grad():  # the target: this layer's dense attention over the visible entries
                 w_uk = self.split_kv_b()[0]
-                q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+                q_nope, q_rope = torch.split(q, [self.dn, self.dr], dim=-1)
                 q_lat = torch.cat([torch.matmul(q_nope, w_uk), q_rope], dim=-1)
                 s = torch.matmul(q_lat, shared[:, None, :, :D].transpose(-1, -2)).float() * self.scale
                 target = torch.softmax(s.masked_fill(~visible[:, None], float("-inf")), dim=-1).nan_to_num(0.0).mean(1)
@@ -227,6 +244,8 @@ def shared_visible(first: torch.Tensor, qpos: torch.Tensor, window: int) -> torc
 def rope_tables(config: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's (B, T, head_dim) RoPE tables -> the (B, T, d_rope) columns of the pairs every layer of a
     causal encoder-decoder rotates (one layout for all layers: they share RoPE keys)."""
+    if config.rope_freq_index is None:
+        raise ValueError("a causal encoder-decoder config has rope_freq_index")
     idx = list(config.rope_freq_index[0])
     cols = torch.tensor(idx + [i + config.head_dim // 2 for i in idx], device=cos.device)
     return cos.index_select(-1, cols), sin.index_select(-1, cols)

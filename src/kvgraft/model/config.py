@@ -1,8 +1,12 @@
 """Typed, validated configuration of kvgraft's decoder-only transformer.
 
 One dataclass per component; every check raises ``ValueError`` naming the field and the value.
-The config is the single source of truth for shapes, RoPE, attention kind per layer and the
-``layer -> cache slot`` map that cross-layer KV sharing builds on.
+The config is the single source of truth for shapes, RoPE, attention kind per layer, the
+``layer -> cache slot`` map that cross-layer KV sharing builds on, and the table of what each layer
+stores in the KV cache (:func:`cache_layout`, which the paged cache allocates from).
+
+This module is the floor of ``kvgraft.model``: it imports no other model module. What needs more than
+the config lives above it (parameter counts: ``kvgraft.model.shapes.num_parameters``).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ class RopeConfig:
             for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 if getattr(self, name) is None:
                     raise ValueError(f"rope_type 'llama3' needs {name}")
-            if self.high_freq_factor <= self.low_freq_factor:
+            low, high = self.low_freq_factor, self.high_freq_factor
+            if low is not None and high is not None and high <= low:
                 raise ValueError(
                     f"llama3 rope: high_freq_factor ({self.high_freq_factor}) must exceed "
                     f"low_freq_factor ({self.low_freq_factor})"
@@ -67,7 +72,9 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
-    head_dim: int | None = None  # default hidden_size // num_heads
+    # Fields that default to None and are derived from the others in __post_init__ (never None after
+    # construction) are typed as what they hold: a dataclass cannot say "optional in __init__ only".
+    head_dim: int = None  # type: ignore[assignment]  # default hidden_size // num_heads
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
     rope: RopeConfig = field(default_factory=RopeConfig)
@@ -76,9 +83,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None  # per layer: full_attention | sliding_attention
-    attention_kinds: tuple[str, ...] | None = None  # per layer: gqa (| mla)
-    kv_slots: tuple[int, ...] | None = None  # per layer cache slot
+    layer_types: tuple[str, ...] = None  # type: ignore[assignment]  # per layer: full_attention | sliding_attention
+    attention_kinds: tuple[str, ...] = None  # type: ignore[assignment]  # per layer: gqa | mla | ced
+    kv_slots: tuple[int, ...] = None  # type: ignore[assignment]  # per layer cache slot (default: its own)
     # Multi-head latent attention (layers whose attention_kinds entry is "mla"), DeepSeek's names:
     kv_lora_rank: int | None = None  # d_c, the cached latent width
     qk_rope_head_dim: int | None = None  # d_rope, the shared RoPE key width (cached too)
@@ -197,26 +204,30 @@ class ModelConfig:
                 if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                     raise ValueError(f"{name} ({value!r}) must be a positive integer when the indexer is on")
 
-    def _check_mla(self) -> None:
+    def _latent_dim(self, name: str) -> int:
+        """The MLA width ``name`` (kv_lora_rank, ...), checked: a positive integer (qk_nope_head_dim may be 0)."""
+        value = getattr(self, name)
+        if not isinstance(value, int) or value < 0 or (value == 0 and name != "qk_nope_head_dim"):
+            raise ValueError(f"{name} ({value!r}) must be a positive integer for MLA layers")
+        return value
 
+    def _check_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0 or (value == 0 and name != "qk_nope_head_dim"):
-                raise ValueError(f"{name} ({value!r}) must be a positive integer for MLA layers")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even (RoPE rotates pairs)")
+            self._latent_dim(name)
+        dr = self._latent_dim("qk_rope_head_dim")
+        if dr % 2:
+            raise ValueError(f"qk_rope_head_dim ({dr}) must be even (RoPE rotates pairs)")
         half = self.head_dim // 2
         mla_layers = [i for i, k in enumerate(self.attention_kinds) if k in ("mla", "ced")]
-        if self.rope_freq_index is None:
-            if self.head_dim % self.qk_rope_head_dim:
+        given = self.rope_freq_index
+        if given is None:
+            if self.head_dim % dr:
                 raise ValueError(
-                    f"qk_rope_head_dim ({self.qk_rope_head_dim}) must divide head_dim ({self.head_dim}) "
-                    "unless rope_freq_index is given"
+                    f"qk_rope_head_dim ({dr}) must divide head_dim ({self.head_dim}) unless rope_freq_index is given"
                 )
-            stride = tuple(range(0, half, self.head_dim // self.qk_rope_head_dim))
-            object.__setattr__(self, "rope_freq_index", tuple(
-                stride if i in mla_layers else () for i in range(self.num_layers)))
-        index = tuple(tuple(int(f) for f in layer) for layer in self.rope_freq_index)
+            stride = tuple(range(0, half, self.head_dim // dr))
+            given = tuple(stride if i in mla_layers else () for i in range(self.num_layers))
+        index = tuple(tuple(int(f) for f in layer) for layer in given)
         object.__setattr__(self, "rope_freq_index", index)
         if len(index) != self.num_layers:
             raise ValueError(f"rope_freq_index has {len(index)} entries, expected one per layer ({self.num_layers})")
@@ -225,10 +236,10 @@ class ModelConfig:
                              "(all layers attend over the same shared RoPE keys)")
         for layer in mla_layers:
             idx = index[layer]
-            if len(idx) != self.qk_rope_head_dim // 2 or any(not 0 <= f < half for f in idx):
+            if len(idx) != dr // 2 or any(not 0 <= f < half for f in idx):
                 raise ValueError(
                     f"rope_freq_index[{layer}] = {idx} must hold qk_rope_head_dim/2 = "
-                    f"{self.qk_rope_head_dim // 2} frequency indices in [0, {half})"
+                    f"{dr // 2} frequency indices in [0, {half})"
                 )
 
     # ---- derived quantities -------------------------------------------------------------------
@@ -244,8 +255,18 @@ class ModelConfig:
         so absorbed decode attends over it as a single key/value head (MQA).
         """
         if self.attention_kinds[layer] == "mla":
-            return ((1, self.kv_lora_rank + self.qk_rope_head_dim),)
+            dc, dr, _, _ = self.latent_dims()
+            return ((1, dc + dr),)
         return ((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim))
+
+    def latent_dims(self) -> tuple[int, int, int, int]:
+        """(d_c, d_rope, d_nope, d_v): kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim, the
+        widths of MLA and causal encoder-decoder layers; ValueError when the config sets none."""
+        dims = (self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim)
+        if dims[0] is None or dims[1] is None or dims[2] is None or dims[3] is None:
+            raise ValueError(f"latent widths (kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim) = {dims}: "
+                             "this config has no MLA or causal encoder-decoder layers")
+        return dims[0], dims[1], dims[2], dims[3]
 
     @property
     def is_ced(self) -> bool:
@@ -254,7 +275,7 @@ class ModelConfig:
     @property
     def pivot_layer(self) -> int:
         """The last kv_source layer: the first decoder layer, whose compressor writes what the decoder reads."""
-        if not self.is_ced:
+        if self.kv_source_layers is None:
             raise ValueError("pivot_layer: this model is not a causal encoder-decoder (no kv_source_layers)")
         return self.kv_source_layers[-1]
 
@@ -263,17 +284,15 @@ class ModelConfig:
 
         GQA/MLA: the first layer of its ``kv_slots`` slot (itself when it writes its own KV). A causal
         encoder-decoder: the nearest kv_source layer at or before it (None: it reads only its window)."""
-        if self.is_ced:
+        if self.kv_source_layers is not None:
             before = [s for s in self.kv_source_layers if s <= layer]
             return before[-1] if before else None
         return self.kv_slots.index(self.kv_slots[layer])
 
     def kv_cache_bytes(self, context: int, bytes_per_value: int = 2) -> int:
         """KV cache bytes of one sequence holding ``context`` tokens: the paged cache's own layout table
-        (``kvgraft.model.cache.cache_layout``): per-token entries, pooled shared entries, window rings of
+        (:func:`cache_layout`): per-token entries, pooled shared entries, window rings of
         ``min(W, context)`` tokens and pending tokens of an incomplete block."""
-        from kvgraft.model.cache import cache_layout
-
         return cache_layout(self).values(context) * bytes_per_value
 
     def window(self, layer: int) -> int | None:
@@ -294,20 +313,11 @@ class ModelConfig:
         unbounded: the doctor's before/after rate; ``kv_cache_bytes`` gives the exact, ring-bounded
         figure at a context). A causal encoder-decoder's windows are a fixed cost, so its figure depends
         on the context (default: max_position_embeddings)."""
-        from kvgraft.model.cache import cache_layout
-
         layout = cache_layout(self)
         if layout.segments:
             context = context or self.max_position_embeddings
             return self.kv_cache_bytes(context, bytes_per_value) / context
         return (sum(layout.paged.values()) + sum(layout.rings.values())) * bytes_per_value
-
-    def num_parameters(self) -> int:
-        """Parameters of the model this config builds (tied embeddings once), counted from the modules
-        themselves built on the meta device (``kvgraft.model.shapes``): shapes live in one place."""
-        from kvgraft.model.shapes import num_parameters
-
-        return num_parameters(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -330,5 +340,54 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with ``changes``; fields that were derived (not given) are derived again."""
-        rederive = {name: None for name in getattr(self, "_derived", ()) if name not in changes}
+        rederive: dict[str, Any] = {name: None for name in getattr(self, "_derived", ()) if name not in changes}
         return dataclasses.replace(self, **rederive, **changes)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What every layer stores, per sequence. Widths are values per token (per entry for segments)."""
+
+    paged: dict[int, int]  # full-attention KV-writing layer -> values per token
+    rings: dict[int, int]  # sliding-window storing layer -> values per token (ring of ``window`` tokens)
+    window: int | None  # ring length W (one window size per model)
+    segments: dict[int, int]  # kv_source layer -> values per pooled entry (latent, RoPE key, index key)
+    compress_rate: int  # m: tokens per pooled entry
+    pending: dict[int, int]  # kv_source layer -> values per pending token (entry + gate scores), m > 1
+
+    def values(self, context: int, ring_len: int | None = None) -> int:
+        """Values one sequence holding ``context`` tokens stores (rings of ``ring_len``, default
+        ``min(W, context)``; pooled entries for complete blocks only)."""
+        if ring_len is None:
+            ring_len = min(self.window, context) if self.window else 0
+        total = sum(self.paged.values()) * context
+        total += sum(self.segments.values()) * (context // self.compress_rate)
+        total += sum(self.rings.values()) * ring_len
+        total += sum(self.pending.values()) * (self.compress_rate - 1)
+        return total
+
+
+def cache_layout(config: ModelConfig) -> CacheLayout:
+    """The one table of cache storage, derived from the config."""
+    paged: dict[int, int] = {}
+    rings: dict[int, int] = {}
+    segments: dict[int, int] = {}
+    pending: dict[int, int] = {}
+    if config.kv_source_layers is not None:
+        dc, dr, dn, dv = config.latent_dims()
+        D = dc + dr
+        E = D + (config.index_head_dim if config.index_topk else 0)
+        K = config.num_kv_heads
+        for layer in range(config.num_layers):
+            rings[layer] = K * (dn + dr + dv)
+        for s in config.kv_source_layers:
+            segments[s] = E
+            if config.compress_rate > 1:
+                pending[s] = E + D
+        return CacheLayout(paged, rings, config.sliding_window, segments, config.compress_rate, pending)
+    for layer in range(config.num_layers):
+        if not config.is_kv_writer(layer):
+            continue
+        width = sum(h * w for h, w in config.cache_entry_shapes(layer))
+        (rings if config.window(layer) is not None else paged)[layer] = width
+    return CacheLayout(paged, rings, config.sliding_window if rings else None, segments, 1, pending)

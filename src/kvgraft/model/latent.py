@@ -25,6 +25,8 @@ Shapes: G rows, H query heads, K window heads, T queries, S window keys, N laten
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,48 +36,51 @@ from kvgraft.model.attention_ops import sdpa
 
 def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight (out, in), bias (out,) or None) that ``module``'s forward applies, adapters included."""
-    effective = getattr(module, "effective_weight", None)
+    # duck typed: an adapter wrapper, a PEFT LoRA layer (untyped) or a plain linear
+    layer: Any = module
+    effective = getattr(layer, "effective_weight", None)
     if effective is not None:
-        return effective()
-    base = getattr(module, "base_layer", None)
-    if base is not None and hasattr(module, "get_delta_weight"):  # a PEFT LoRA layer
+        weight, bias = effective()
+        return weight, bias
+    base = getattr(layer, "base_layer", None)
+    if base is not None and hasattr(layer, "get_delta_weight"):  # a PEFT LoRA layer
         weight, bias = linear_weight(base)
-        if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
+        if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
             return weight, bias
-        names = [n for n in module.active_adapters if n in module.lora_A]
+        names = [n for n in layer.active_adapters if n in layer.lora_A]
         if not names:
             return weight, bias
         if torch.is_grad_enabled():  # training: the merge must stay in the graph
             return _merge_peft(module, weight, names), bias
         key = _peft_key(module, weight, names)
-        hit = getattr(module, "_kvgraft_merged", None)
+        hit = getattr(layer, "_kvgraft_merged", None)
         if hit is not None and hit[0] == key and all(a is b for a, b in zip(hit[1], _peft_tensors(module, weight, names))):
             return hit[2], bias
         merged = _merge_peft(module, weight, names)
         # the tensors the key names are held, so no id in the key can be reused while the entry lives
-        module._kvgraft_merged = (key, _peft_tensors(module, weight, names), merged)
+        layer._kvgraft_merged = (key, _peft_tensors(module, weight, names), merged)
         return merged, bias
-    return module.weight, module.bias
+    return layer.weight, layer.bias
 
 
-def _merge_peft(module: nn.Module, weight: torch.Tensor, names: list[str]) -> torch.Tensor:
+def _merge_peft(module: Any, weight: torch.Tensor, names: list[str]) -> torch.Tensor:
     for name in names:
         weight = weight + module.get_delta_weight(name).to(weight.dtype)
     return weight
 
 
-def _peft_tensors(module: nn.Module, weight: torch.Tensor, names: list[str]) -> list[torch.Tensor]:
+def _peft_tensors(module: Any, weight: torch.Tensor, names: list[str]) -> list[torch.Tensor]:
     out = [weight]
     for name in names:
         out += [module.lora_A[name].weight, module.lora_B[name].weight]
     return out
 
 
-def _version(t: torch.Tensor) -> tuple:
+def _version(t: torch.Tensor) -> tuple[int, int, torch.dtype, torch.device]:
     return id(t), -1 if t.is_inference() else t._version, t.dtype, t.device
 
 
-def _peft_key(module: nn.Module, weight: torch.Tensor, names: list[str]) -> tuple:
+def _peft_key(module: Any, weight: torch.Tensor, names: list[str]) -> tuple[object, ...]:
     scaling = getattr(module, "scaling", {})
     return (tuple(names), tuple(scaling.get(n) for n in names),
             tuple(_version(t) for t in _peft_tensors(module, weight, names)))
@@ -125,10 +130,11 @@ class LatentAttention(nn.Module):
             raise ValueError("kv_b_delta is for the absorbed path")
         return self._attend_expanded(q, k, v, latents, mask)
 
-    def _attend_expanded(self, q, k, v, latents, mask) -> torch.Tensor:
+    def _attend_expanded(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                         latents: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
         G, H, T, _ = q.shape
         keys, values = [], []
-        if k is not None:
+        if k is not None and v is not None:
             rep = H // k.shape[1]
             keys.append(k.repeat_interleave(rep, dim=1))
             values.append(v.repeat_interleave(rep, dim=1))
@@ -143,19 +149,21 @@ class LatentAttention(nn.Module):
         v_all = values[0] if len(values) == 1 else torch.cat(values, dim=2)
         return sdpa(q, k_all, v_all, attn_mask=mask[:, None], scale=self.scale)  # (the CPU's fused kernel)
 
-    def _attend_absorbed(self, q, k, v, latents, mask, kv_b_delta=None) -> torch.Tensor:
+    def _attend_absorbed(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                         latents: torch.Tensor | None, mask: torch.Tensor,
+                         kv_b_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Scores against the latents directly (W_UK folded into the query, W_UV applied after), next to
         the window scores under one softmax. Window heads are read per group (the query heads of a group
         side by side on the query axis), not repeated."""
         G, H, T, _ = q.shape
         q = q * self.scale  # the softmax scale on the (small) query, not on the score matrix
         parts = []
-        if k is not None:
+        if k is not None and v is not None:
             K, S = k.shape[1], k.shape[2]
             parts.append(torch.matmul(q.reshape(G, K, H // K * T, -1), k.transpose(-1, -2)).view(G, H, T, S))
         if latents is not None:
             w_uk, w_uv, bk, bv = self.split_kv_b()
-            q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+            q_nope, q_rope = torch.split(q, [self.dn, self.dr], dim=-1)
             q_c = torch.matmul(q_nope, w_uk)  # (G, H, T, dc)
             if kv_b_delta is not None:  # + q_nope B_k A per row: (G, H, T, dn) (G, H, dn, r) (G, 1, r, dc)
                 A, B = kv_b_delta
@@ -173,7 +181,7 @@ class LatentAttention(nn.Module):
         p = torch.softmax(scores, dim=-1).to(q.dtype)
         y = None
         Sw = 0
-        if k is not None:
+        if k is not None and v is not None:
             K, Sw = k.shape[1], k.shape[2]
             y = torch.matmul(p[..., :Sw].reshape(G, K, H // K * T, Sw), v).view(G, H, T, self.dv)
         if latents is not None:
@@ -187,4 +195,6 @@ class LatentAttention(nn.Module):
             if bv is not None:  # the value bias, weighted by the mass on latents (all of it without a window)
                 y_l = y_l + p_lat.sum(-1, keepdim=True) * bv[None, :, None, :]
             y = y_l if y is None else y + y_l
+        if y is None:
+            raise ValueError("attend: give window keys, latents or both")
         return y

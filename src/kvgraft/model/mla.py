@@ -18,36 +18,44 @@ Shapes: B batch, T new tokens, S cached + new tokens, H heads.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvgraft.model.attention_ops import (
-    DECODE_MAX_NEW_TOKENS,
-    attention_over_pieces,
-    grouped_attention,
-    last_positions,
-    sdpa,
-)
+from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, sdpa
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.latent import LatentAttention
 from kvgraft.model.norm import RMSNorm
 from kvgraft.model.rope import apply_rope
+from kvgraft.model.views import KVView, MaskOf
+
+if TYPE_CHECKING:
+    from kvgraft.model.batch import StepContext
 
 ABSORB_MODES = ("auto", "always", "never")
 # "auto" absorbs when a cached step adds at most DECODE_MAX_NEW_TOKENS tokens per row (decode); longer
 # steps (prefill) and cache-free forwards expand, which costs less when the prompt is long.
 
 
+# (q weight, q bias, o weight, o bias) with W_UK / W_UV folded in; None where that fold does not pay
+Folds = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
 class MLAttention(LatentAttention):
+    kv_a_norm: RMSNorm | None
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_heads
-        self.dc, self.dr = config.kv_lora_rank, config.qk_rope_head_dim
-        self.dn, self.dv = config.qk_nope_head_dim, config.v_head_dim
+        self.dc, self.dr, self.dn, self.dv = config.latent_dims()
         self.writes_kv = config.is_kv_writer(layer)
-        self.source = config.kv_source_of(layer)  # the layer that stores what this one reads
+        source = config.kv_source_of(layer)
+        if source is None:
+            raise ValueError(f"layer {layer}: an MLA layer reads the KV of a layer at or before it")
+        self.source = source  # the layer that stores what this one reads
         self.window = config.window(layer)
         h, H = config.hidden_size, config.num_heads
         self.qk_norm = config.qk_norm
@@ -65,6 +73,8 @@ class MLAttention(LatentAttention):
             self.kv_a_norm = RMSNorm(self.dc, config.rms_norm_eps) if config.mla_latent_norm else None
         self.kv_b_proj = nn.Linear(self.dc, H * (self.dn + self.dv), bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * self.dv, h, bias=config.o_bias)
+        if config.rope_freq_index is None:
+            raise ValueError(f"layer {layer} is an MLA layer but the config has no rope_freq_index")
         idx = list(config.rope_freq_index[layer])
         # columns of the model's (B, T, head_dim) cos/sin tables that this layer's RoPE pairs use
         # (a plain list, not a buffer: it is config, and must survive meta-device construction)
@@ -79,63 +89,58 @@ class MLAttention(LatentAttention):
         self.fold_o = self.dc * h <= self.dc * self.dv + self.dv * h
         # folds by the weights they came from: one entry per adapter a mixed-adapter batch decodes with
         # (the adapter registry raises fold_cache_size to the number of loaded adapters + 1)
-        self._folded: dict[tuple, tuple] = {}
+        self._folded: dict[tuple[object, ...], tuple[list[torch.Tensor], Folds]] = {}
         self.fold_cache_size = 2
 
     def latent_entry(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(B, T, h) -> the cache entry (B, T, d_c + d_rope): latent then rotated RoPE key."""
         ckv = self.kv_a_proj(x)
-        c, k_rope = ckv.split([self.dc, self.dr], dim=-1)
+        c, k_rope = torch.split(ckv, [self.dc, self.dr], dim=-1)
         if self.kv_a_norm is not None:
             c = self.kv_a_norm(c)
         k_rope = apply_rope(k_rope[:, None], cos, sin)[:, 0]  # (B, T, dr)
         return torch.cat([c, k_rope], dim=-1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x (B, N, h) -> (B, N, h); cos/sin (B, N, head_dim) tables; ``ctx`` a step context."""
         cos, sin = cos[..., self.rope_cols], sin[..., self.rope_cols]  # (B, N, dr)
         entry = self.latent_entry(x, cos, sin) if self.writes_kv else None
         out = None
         for gi, g in ctx.each_group():
             xg, cg, sg = g.take(x), g.take(cos), g.take(sin)
-            entries, kpos = ctx.kv(self.source, gi, None if entry is None else g.take(entry))  # (G, S, dc + dr)
+            view = ctx.kv(self.source, gi, None if entry is None else g.take(entry))  # (G, S, dc + dr) entries
+
+            def mask(kpos: torch.Tensor, gi: int = gi) -> torch.Tensor:
+                return ctx.window_mask(gi, kpos, self.window, "kv")
+
             absorbed = self._absorbed(g.T, ctx)
-            if isinstance(entries, list):  # decode rows read as views: per row, its pieces (S_i, dc + dr)
-                if absorbed and not torch.is_grad_enabled():
-                    # a decode token sees every entry, or the last `window` of them
-                    rows = [last_positions(pieces, self.window, dim=0) for pieces in entries]
-                    y = self._decode_folded(xg, cg, sg, rows, None)
-                    out = g.put(out if out is not None else x.new_empty(*x.shape[:2], y.shape[-1]), y)
-                    continue
-                # any other path: join the rows back into one padded batch (a copy, as the gather would make);
-                # positions past a row's end are masked as in the gathered batch
-                entries = torch.nn.utils.rnn.pad_sequence([torch.cat(p) for p in entries], batch_first=True)
-                kpos = torch.arange(entries.shape[1], device=entries.device).expand(g.G, -1)
-            plain = ctx.cache is None and ctx.default_positions and (self.window is None or self.window >= g.T)
-            mask = None if plain and not absorbed else ctx.window_mask(gi, kpos, self.window, "kv")
             if absorbed and not torch.is_grad_enabled():
-                y = self._decode_folded(xg, cg, sg, entries, mask)
+                y = self._decode_folded(xg, cg, sg, view, mask)
             else:
+                entries, kpos = view.entries()
+                plain = ctx.cache is None and ctx.default_positions and (self.window is None or self.window >= g.T)
                 q_nope, q_rope = self._query(xg, cg, sg)
                 q = torch.cat([q_nope, q_rope], dim=-1)
-                if mask is None:  # cache-free causal prefill: SDPA's causal kernel
+                if plain and not absorbed:  # cache-free causal prefill: SDPA's causal kernel
                     yh = self._attend_causal(q, entries)
                 else:
-                    yh = self.attend(q, None, None, entries, mask, absorbed)
+                    yh = self.attend(q, None, None, entries, mask(kpos), absorbed)
                 G, H, T, _ = yh.shape
                 y = self.o_proj(yh.transpose(1, 2).reshape(G, T, H * self.dv))
             out = g.put(out if out is not None else x.new_empty(*x.shape[:2], y.shape[-1]), y)
+        if out is None:
+            raise ValueError("a step context has at least one group")
         return out
 
     def _attend_causal(self, q: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         G, H, T, _ = q.shape
-        c, k_rope = entries.split([self.dc, self.dr], dim=-1)
+        c, k_rope = torch.split(entries, [self.dc, self.dr], dim=-1)
         w, b = self.weights("kv_b_proj")
         kv = F.linear(c, w, b).view(G, T, H, self.dn + self.dv).transpose(1, 2)
         k = torch.cat([kv[..., : self.dn], k_rope[:, None].expand(G, H, T, self.dr)], dim=-1)
         return sdpa(q, k, kv[..., self.dn:], is_causal=T > 1, scale=self.scale)  # (the CPU's fused kernel)
 
-    def _query(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def _query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, H, T, dn) no-RoPE and (B, H, T, dr) rotated RoPE parts of the query."""
         B, T, _ = x.shape
         H = self.num_heads
@@ -145,17 +150,17 @@ class MLAttention(LatentAttention):
             q = torch.einsum("bthd,hed->bhte", q, self.q_mix)  # (B, H, T, dn + dr)
         else:
             q = self.q_proj(x).view(B, T, H, self.dn + self.dr).transpose(1, 2)  # (B, H, T, dn + dr)
-        q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+        q_nope, q_rope = torch.split(q, [self.dn, self.dr], dim=-1)
         return q_nope, apply_rope(q_rope, cos, sin)
 
-    def _absorbed(self, t: int, ctx) -> bool:
+    def _absorbed(self, t: int, ctx: StepContext) -> bool:
         if self.absorb == "always":
             return True
         if self.absorb == "never":
             return False
         return ctx.cache is not None and t <= DECODE_MAX_NEW_TOKENS
 
-    def _folded_weights(self) -> tuple:
+    def _folded_weights(self) -> Folds:
         """(q weight, q bias, o weight, o bias) with W_UK / W_UV folded in, rebuilt when weights change."""
         wq, bq = self.weights("q_proj")
         wkv, bkv = self.weights("kv_b_proj")
@@ -169,7 +174,10 @@ class MLAttention(LatentAttention):
             return hit[1]
         H, dc, dn, dr = self.num_heads, self.dc, self.dn, self.dr
         w_uk, w_uv, _, b_v = self.split_kv_b()
-        q_w = q_b = o_w = o_b = None
+        q_w: torch.Tensor | None = None
+        q_b: torch.Tensor | None = None
+        o_w: torch.Tensor | None = None
+        o_b: torch.Tensor | None = None
         if self.fold_q:
             if self.qk_norm:  # fold into the per-head map after the query norm
                 mix = self.q_mix
@@ -193,9 +201,10 @@ class MLAttention(LatentAttention):
         self._folded[key] = (params, (q_w, q_b, o_w, o_b))
         return q_w, q_b, o_w, o_b
 
-    def _decode_folded(self, x, cos, sin, entries, mask) -> torch.Tensor:
+    def _decode_folded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: KVView,
+                       mask: MaskOf) -> torch.Tensor:
         """Absorbed decode with the up-projections folded into the query and output projections:
-        x (G, T, h), entries (G, S, dc + dr), mask (G, T, S) -> (G, T, h)."""
+        x (G, T, h) over the latent entries ``view`` holds (mask: their visibility) -> (G, T, h)."""
         B, T, _ = x.shape
         H, dc = self.num_heads, self.dc
         q_w, q_b, o_w, o_b = self._folded_weights()
@@ -208,20 +217,15 @@ class MLAttention(LatentAttention):
                 q = torch.einsum("bthd,hed->bhte", self.q_norm(F.linear(x, wq, bq).view(B, T, H, -1)), q_w)
             else:
                 q = F.linear(x, q_w, q_b).view(B, T, H, dc + self.dr).transpose(1, 2)
-            q_lat, q_rope = q.split([dc, self.dr], dim=-1)
+            q_lat, q_rope = torch.split(q, [dc, self.dr], dim=-1)
             q_rope = apply_rope(q_rope, cos, sin)
         q = torch.cat([q_lat, q_rope], dim=-1)  # (B, H, T, dc + dr)
-        if isinstance(entries, list):  # decode rows as views (per row, its pieces), every entry visible
-            y_lat = torch.cat([attention_over_pieces(q[r:r + 1], [e[None, None] for e in pieces],
-                                                     [e[None, None, :, :dc] for e in pieces], self.scale)
-                               for r, pieces in enumerate(entries)])
-        else:
-            ent = entries[:, None]  # one key/value head shared by all query heads (MQA over the latents)
-            y_lat = grouped_attention(q, ent, ent[..., :dc], mask, self.scale)  # (B, H, T, dc)
+        y_lat = view.attend_latent(q, dc, self.window, self.scale, mask)  # (B, H, T, dc)
         if o_w is not None:
             return F.linear(y_lat.transpose(1, 2).reshape(B, T, H * dc), o_w, o_b)
         _, w_uv, _, b_v = self.split_kv_b()
         y = torch.einsum("bhtc,hvc->bhtv", y_lat, w_uv)
         if b_v is not None:
             y = y + b_v[None, :, None, :]
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.dv))
+        out: torch.Tensor = self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.dv))
+        return out

@@ -7,17 +7,22 @@ ring-block table per sequence (a causal encoder-decoder: the layers before its p
 each group has its own pool of ring blocks, held by reference count with copy on write, so sequences and
 snapshots can share ring blocks without seeing each other's writes.
 
-:class:`WindowRings` owns the ring pools and the groups' allocators; a sequence's ring-block tables (one
-list per group, ``-1`` = never written) live with the sequence in :class:`kvgraft.model.cache.PagedKVCache`,
-which owns this object and delegates every ring operation to it. Capacity errors are raised by the cache.
+:class:`WindowRings` owns the ring pools and the ring groups; each group takes its ring blocks from the
+cache's one allocator class, :class:`kvgraft.model.blocks.BlockAllocator` (one unit: the group's table),
+as the token blocks do. A sequence's ring-block tables (one list per group, ``-1`` = never written) live
+with the sequence in :class:`kvgraft.model.cache.PagedKVCache`, which owns this object and delegates every
+ring operation to it. Capacity errors are raised by the cache.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections.abc import Collection, Sequence
 
+import numpy as np
 import torch
+
+from kvgraft.model.blocks import BlockAllocator
 
 
 def ring_shape(window: int | None, block_size: int, max_seq_len: int) -> tuple[int, int, int]:
@@ -31,31 +36,28 @@ def ring_shape(window: int | None, block_size: int, max_seq_len: int) -> tuple[i
 
 
 class RingGroup:
-    """Ring layers sharing one ring-block table per sequence, with their own reference-counted allocator."""
+    """Ring layers sharing one ring-block table per sequence. Their ring blocks come from a
+    :class:`~kvgraft.model.blocks.BlockAllocator` of one unit (the group's table), reference counted."""
 
     def __init__(self, layers: tuple[int, ...], num_blocks: int, block_bytes: int) -> None:
         self.layers, self.num_blocks, self.block_bytes = layers, num_blocks, block_bytes
-        self.refcount = [0] * num_blocks
-        self.free: deque[int] = deque(range(num_blocks))
-        self.multi = 0  # ring blocks held more than once
+        self.blocks = BlockAllocator(1, num_blocks, (layers[0],))
 
-    def allocate(self) -> int:
-        """A free ring block, now held once."""
-        b = self.free.popleft()
-        self.refcount[b] = 1
-        return b
+    @property
+    def refcount(self) -> np.ndarray:
+        """Holders per ring block, (num_blocks,)."""
+        rc: np.ndarray = self.blocks.rc[0]
+        return rc
 
-    def incref(self, b: int) -> None:
-        if self.refcount[b] == 1:
-            self.multi += 1
-        self.refcount[b] += 1
+    @property
+    def free(self) -> np.ndarray:
+        """The free ring blocks' ids."""
+        return np.flatnonzero(self.blocks.rc[0] == 0)
 
-    def release(self, b: int) -> None:
-        self.refcount[b] -= 1
-        if self.refcount[b] == 1:
-            self.multi -= 1
-        if self.refcount[b] == 0:
-            self.free.append(b)
+    @property
+    def multi(self) -> int:
+        """Ring blocks held more than once."""
+        return int(self.blocks.held_per_unit(2)[0])
 
 
 class WindowRings:
@@ -98,14 +100,15 @@ class WindowRings:
 
     def touched(self, start: int, n: int) -> list[int]:
         """Ring-block indices that positions [start, start + n) write (their last ring_len positions)."""
-        if not self.ring_len or n <= 0:
+        W = self.window
+        if not self.ring_len or n <= 0 or W is None:
             return []
         if n >= self.ring_len:
             return list(range(self.blocks_per_seq))
-        W = self.window
         return sorted({(p % W) // self.ring_block for p in range(start + n - min(n, self.ring_len), start + n)})
 
-    def needed(self, tables: list[list[int]], start: int, n: int, groups=None) -> dict[int, int]:
+    def needed(self, tables: list[list[int]], start: int, n: int,
+               groups: Collection[int] | None = None) -> dict[int, int]:
         """Per group (of ``groups``, default all), free ring blocks that writing positions [start, start + n)
         into ``tables`` takes (blocks never written plus copies of shared ones)."""
         touched = self.touched(start, n)
@@ -113,13 +116,13 @@ class WindowRings:
         for gi, g in enumerate(self.groups):
             if groups is not None and gi not in groups:
                 continue
-            table = tables[gi]
-            out[gi] = sum(1 for k in touched if table[k] < 0 or g.refcount[table[k]] > 1)
+            table, rc = tables[gi], g.refcount
+            out[gi] = sum(1 for k in touched if table[k] < 0 or rc[table[k]] > 1)
         return out
 
     def shortfall(self, need: dict[int, int]) -> int | None:
         """The first group with fewer free ring blocks than ``need`` asks for; None when all fit."""
-        return next((gi for gi, k in need.items() if k > len(self.groups[gi].free)), None)
+        return next((gi for gi, k in need.items() if k > self.groups[gi].blocks.free_count), None)
 
     def reserve(self, tables: list[list[int]], need: dict[int, int], start: int, n: int) -> None:
         """Make the ring blocks of ``tables`` that positions [start, start + n) write private (allocate blocks
@@ -132,28 +135,22 @@ class WindowRings:
                 old = table[k]
                 if old >= 0 and g.refcount[old] == 1:
                     continue
-                new = g.allocate()
+                new = g.blocks.allocate()
                 if old >= 0:  # copy on write
                     for layer in g.layers:
                         self.pools[layer][new] = self.pools[layer][old]
-                    g.release(old)
+                    g.blocks.release(0, 1, [old])
                 table[k] = new
 
-    def hold(self, tables, only: int | None = None) -> None:
+    def hold(self, tables: Sequence[Sequence[int]], only: int | None = None) -> None:
         """Hold every written block of ``tables`` once more (per group; ``only``: all are that group's)."""
         for gi, table in enumerate(tables):
-            g = self.groups[gi if only is None else only]
-            for b in table:
-                if b >= 0:
-                    g.incref(b)
+            self.groups[gi if only is None else only].blocks.hold(0, 1, [b for b in table if b >= 0])
 
-    def release(self, tables) -> None:
+    def release(self, tables: Sequence[Sequence[int]]) -> None:
         """Let go of every written block of ``tables`` (one table per group)."""
         for gi, table in enumerate(tables):
-            g = self.groups[gi]
-            for b in table:
-                if b >= 0:
-                    g.release(b)
+            self.groups[gi].blocks.release(0, 1, [b for b in table if b >= 0])
 
     # ---- restore ---------------------------------------------------------------------------------
     def fresh_groups(self, recompute_from: int | None) -> set[int]:
@@ -180,13 +177,13 @@ class WindowRings:
         n = -(-min(length, self.ring_len) // self.ring_block) if self.ring_len else 0
         return {gi: n for gi in self.fresh_groups(recompute_from)}
 
-    def restore(self, tables: list[list[int]], snap_tables, need: dict[int, int]) -> None:
+    def restore(self, tables: list[list[int]], snap_tables: Sequence[Sequence[int]], need: dict[int, int]) -> None:
         """Fill a new sequence's ``tables`` from a snapshot's: fresh blocks in the groups of ``need`` (from
         :meth:`restore_blocks`, checked), the snapshot's blocks shared in the others."""
         for gi, table in enumerate(snap_tables):
             if gi in need:
                 for k in range(need[gi]):
-                    tables[gi][k] = self.groups[gi].allocate()
+                    tables[gi][k] = self.groups[gi].blocks.allocate()
             else:
                 tables[gi] = list(table)
                 self.hold([table], gi)
@@ -205,7 +202,7 @@ class WindowRings:
     @property
     def used_bytes(self) -> int:
         """Bytes of ring blocks held by some sequence or snapshot."""
-        return sum((g.num_blocks - len(g.free)) * g.block_bytes for g in self.groups)
+        return sum((g.num_blocks - g.blocks.free_count) * g.block_bytes for g in self.groups)
 
     @property
     def shared_bytes(self) -> int:

@@ -23,6 +23,14 @@ def base_inv_freq(dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
+def _needed(rope: RopeConfig, name: str) -> float:
+    """RoPE field ``name``, which ``rope.rope_type`` needs (RopeConfig validated it is set)."""
+    value: float | None = getattr(rope, name)
+    if value is None:
+        raise ValueError(f"rope_type {rope.rope_type!r} needs {name}")
+    return value
+
+
 def rope_frequencies(
     rope: RopeConfig, dim: int, max_position_embeddings: int, seq_len: int | None = None
 ) -> tuple[torch.Tensor, float]:
@@ -35,19 +43,21 @@ def rope_frequencies(
     if kind == "default":
         return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / rope.factor, 1.0
+        return inv_freq / _needed(rope, "factor"), 1.0
     if kind == "dynamic":
+        factor = _needed(rope, "factor")
         seq_len = max(seq_len or max_position_embeddings, max_position_embeddings)
-        base = rope.theta * ((rope.factor * seq_len / max_position_embeddings) - (rope.factor - 1)) ** (dim / (dim - 2))
+        base = rope.theta * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
         return base_inv_freq(dim, base), 1.0
     if kind == "llama3":
-        old_len = rope.original_max_position_embeddings
-        low_wavelen = old_len / rope.low_freq_factor
-        high_wavelen = old_len / rope.high_freq_factor
+        factor, old_len = _needed(rope, "factor"), _needed(rope, "original_max_position_embeddings")
+        low, high = _needed(rope, "low_freq_factor"), _needed(rope, "high_freq_factor")
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
         wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
@@ -91,6 +101,8 @@ def _yarn(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[tor
 
 class RotaryEmbedding(torch.nn.Module):
     """Computes cos/sin tables for given positions; holds no learned state."""
+
+    inv_freq: torch.Tensor  # a non-persistent buffer
 
     def __init__(self, config: ModelConfig, dim: int | None = None) -> None:
         super().__init__()

@@ -19,14 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kvgraft.model.attention_ops import (
-    DECODE_MAX_NEW_TOKENS,
-    attention_over_pieces,
-    grouped_attention,
-    grouped_attention_head_major,
-    last_positions,
-)
-from kvgraft.model.batch import BatchContext, DenseContext, active_context
+from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS
+from kvgraft.model.batch import BatchContext, DenseContext, StepContext, active_context
 from kvgraft.model.cache import PagedKVCache, static_cache
 from kvgraft.model.ced import CEDAttention, Compressor, rope_tables
 from kvgraft.model.config import ModelConfig
@@ -46,7 +40,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, h, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return y
 
 
 class GQAttention(nn.Module):
@@ -58,7 +53,10 @@ class GQAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.window = config.window(layer)
         self.writes_kv = config.is_kv_writer(layer)
-        self.source = config.kv_source_of(layer)  # the layer that stores what this one reads
+        source = config.kv_source_of(layer)
+        if source is None:
+            raise ValueError(f"layer {layer}: a GQA layer reads the KV of a layer at or before it")
+        self.source = source  # the layer that stores what this one reads
         h, H, K, d = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(h, H * d, bias=config.qkv_bias)
         if self.writes_kv:  # a layer that only reads a shared slot has no K/V projections
@@ -71,7 +69,7 @@ class GQAttention(nn.Module):
                 self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x (B, N, h), cos/sin (B, N, d) -> (B, N, h)."""
         B, N, _ = x.shape
         H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -89,42 +87,18 @@ class GQAttention(nn.Module):
         out = None
         for gi, g in ctx.each_group():
             qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, d)
-            keys, kpos = ctx.kv(self.source, gi, None if entry is None else g.take(entry))
-            if isinstance(keys, list):  # decode rows read as views: per row, its pieces (2K, 1, S_i, d)
-                y = []
-                for r, pieces in enumerate(keys):  # a decode token sees every position, or the last `window`
-                    pieces = last_positions(pieces, self.window, dim=2)
-                    y.append(attention_over_pieces(qg[r:r + 1], [p[:K] for p in pieces], [p[K:] for p in pieces],
-                                                   d**-0.5))
-                y = torch.cat(y)
-                y = self.o_proj(y.transpose(1, 2).reshape(len(keys), g.T, H * d))
-                out = g.put(out if out is not None else x.new_empty(B, N, y.shape[-1]), y)
-                continue
-            if keys.dim() == 4:  # the paged cache's head-major layout, (2K, G, S, d)
-                G = keys.shape[1]
-                k_hm, v_hm = keys[:K], keys[K:]
-                mask = ctx.window_mask(gi, kpos, self.window, "kv")
-                if g.T <= DECODE_MAX_NEW_TOKENS:
-                    y = grouped_attention_head_major(qg, k_hm, v_hm, mask, d**-0.5)  # decode step
-                else:
-                    y = F.scaled_dot_product_attention(qg, k_hm.transpose(0, 1), v_hm.transpose(0, 1),
-                                                       attn_mask=mask[:, None], enable_gqa=K != H)
-                y = self.o_proj(y.transpose(1, 2).reshape(G, g.T, H * d))
-                out = g.put(out if out is not None else x.new_empty(B, N, y.shape[-1]), y)
-                continue
-            G, S = keys.shape[:2]  # (G, S, 2 K d): the batch itself, or a window ring
-            k = keys[..., : K * d].view(G, S, K, d).transpose(1, 2)
-            v = keys[..., K * d:].view(G, S, K, d).transpose(1, 2)
-            if ctx.cache is None and ctx.default_positions and (self.window is None or self.window >= g.T):
-                y = F.scaled_dot_product_attention(qg, k, v, is_causal=g.T > 1, enable_gqa=K != H)
-            else:
-                mask = ctx.window_mask(gi, kpos, self.window, "kv")
-                if ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS:
-                    y = grouped_attention(qg, k, v, mask, d**-0.5)  # decode step
-                else:
-                    y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None], enable_gqa=K != H)
-            y = self.o_proj(y.transpose(1, 2).reshape(G, g.T, H * d))
+            view = ctx.kv(self.source, gi, None if entry is None else g.take(entry))
+
+            def mask(kpos: torch.Tensor, gi: int = gi) -> torch.Tensor:
+                return ctx.window_mask(gi, kpos, self.window, "kv")
+
+            causal = ctx.cache is None and ctx.default_positions and (self.window is None or self.window >= g.T)
+            decode = ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS
+            y = view.attend_heads(qg, K, self.window, mask, causal, decode)  # (G, H, T, d)
+            y = self.o_proj(y.transpose(1, 2).reshape(y.shape[0], g.T, H * d))
             out = g.put(out if out is not None else x.new_empty(B, N, y.shape[-1]), y)
+        if out is None:
+            raise ValueError("a step context has at least one group")
         return out
 
 
@@ -141,9 +115,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, ctx):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return y
 
 
 class Transformer(nn.Module):
@@ -232,6 +207,7 @@ class Transformer(nn.Module):
         vocab). With ``ctx``: (1, N, vocab). ``last_only``: only each row's last token ((B, 1, vocab),
         or (1, rows, vocab) with ``ctx``). A cached forward commits its tokens to the cache."""
         rows = None
+        step: StepContext  # ctx, or the cache-free batch's
         if cache is not None:
             if ctx is not None or positions is not None:
                 raise ValueError("give either cache (every sequence adds T tokens) or ctx, and no positions with a cache")
@@ -247,41 +223,41 @@ class Transformer(nn.Module):
             input_ids = input_ids.reshape(1, -1)
             if input_ids.shape[1] != ctx.num_tokens:
                 raise ValueError(f"{input_ids.shape[1]} tokens given for a step of {ctx.num_tokens}")
-            positions = ctx.positions
+            step_positions = ctx.positions
+            step = ctx
         else:
             B, T = input_ids.shape
             default = positions is None
-            if default:
-                positions = torch.arange(T, device=input_ids.device).expand(B, T)
+            step_positions = torch.arange(T, device=input_ids.device).expand(B, T) if positions is None else positions
             m = self.config.compress_rate if self.config.is_ced else 1
-            ctx = DenseContext(positions, default, m)
+            step = DenseContext(step_positions, default, m)
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary(step_positions, x.dtype)
         if self.config.is_ced:
             cos, sin = rope_tables(self.config, cos, sin)
         # Backward stops at the first trainable layer: the layers below it run without autograd and keep
         # no activations (a decoder-side adapter trains through the decoder only), checkpointing or not.
         first = self.first_trainable_layer() if torch.is_grad_enabled() else 0
-        with active_context(ctx):  # adapter layers read the step's rows from it (kvgraft.model.batch)
-            capture = getattr(ctx, "capture_layer", None)
+        with active_context(step):  # adapter layers read the step's rows from it (kvgraft.model.batch)
+            capture = ctx.capture_layer if ctx is not None else None
             for i, block in enumerate(self.layers):
-                if i == capture:
+                if ctx is not None and i == capture:
                     ctx.captured = x
                 if i < first:
                     with torch.no_grad():
-                        x = block(x, cos, sin, ctx)
-                elif self.gradient_checkpointing and self.training and ctx.cache is None:
-                    x = checkpoint(block, x, cos, sin, ctx, use_reentrant=False)
+                        x = block(x, cos, sin, step)
+                elif self.gradient_checkpointing and self.training and step.cache is None:
+                    x = checkpoint(block, x, cos, sin, step, use_reentrant=False)
                 else:
-                    x = block(x, cos, sin, ctx)
-        aux = ctx.scratch.get("aux")
+                    x = block(x, cos, sin, step)
+        aux = step.scratch.get("aux")
         # the indexers' training loss (None without one); the training loop adds it to the step's loss
         self.aux_loss = torch.stack(aux).sum() if aux else None
-        if ctx.cache is not None:
+        if ctx is not None:
             ctx.commit()
         if last_only:
-            x = x[:, -1:] if ctx.cache is None else x[:, ctx.last_index]
-        logits = self.lm_head(self.norm(x))
+            x = x[:, -1:] if ctx is None else x[:, ctx.last_index]
+        logits: torch.Tensor = self.lm_head(self.norm(x))
         if rows is not None:  # the (B, T) convenience call
             logits = logits.view(rows, -1, logits.shape[-1])
         return logits

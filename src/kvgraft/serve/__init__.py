@@ -1,1 +1,1 @@
-"""Serving: the engine (scheduling, sampling, the paged cache) runs and is tested without HTTP."""
+"""Serving over HTTP: the OpenAI-compatible server over :mod:`kvgraft.runtime`'s engine (which runs and is tested without HTTP)."""

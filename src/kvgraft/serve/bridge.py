@@ -1,9 +1,10 @@
 """The bridge between the HTTP side and the engine: :class:`EngineWorker` runs an
-:class:`~kvgraft.serve.engine.Engine` in its own thread, and the HTTP handlers talk to it only through typed
+:class:`~kvgraft.runtime.engine.Engine` in its own thread, and the HTTP handlers talk to it only through typed
 messages on thread-safe queues, so neither ever blocks the other.
 
-- HTTP -> engine (:attr:`EngineWorker.commands`): :class:`Add` (a request), :class:`Cancel` (a client went
-  away), :class:`Call` (run a function on the engine between steps: loading or unloading an adapter).
+- HTTP -> engine (:attr:`EngineWorker.commands`): :class:`Submit` (a request), :class:`Cancel` (a client
+  went away), :class:`LoadAdapter` / :class:`UnloadAdapter` (run between steps; their result or exception
+  comes back on a future), :class:`Shutdown` (wakes the engine thread so that it stops at once).
 - engine -> HTTP (a :class:`RequestStream` per request, on the request's event loop): the request id or the
   reason it was refused (:attr:`RequestStream.accepted`), then :class:`Tokens` as they are generated, or one
   :class:`Failure`.
@@ -26,7 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgraft.serve.sampling import SamplingParams
+from kvgraft.runtime.adapters import Adapter, AdapterFiles
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 
 
 class QueueFull(Exception):
@@ -63,30 +66,40 @@ class RequestStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.accepted: asyncio.Future = loop.create_future()
+        self.accepted: asyncio.Future[int | None] = loop.create_future()
         self.items: asyncio.Queue[StreamItem] = asyncio.Queue()
         self.rid: int | None = None
         self.done = False  # the engine will send nothing more
 
-    def _call(self, fn, *args) -> None:
+    def _call(self, fn: Callable[[], None]) -> None:
         try:
-            self.loop.call_soon_threadsafe(fn, *args)
+            self.loop.call_soon_threadsafe(fn)
         except RuntimeError:  # the event loop is closed (shutdown)
             pass
 
     def accept(self, rid: int | None, exc: BaseException | None = None) -> None:
-        def set_result():
-            if not self.accepted.done():
-                self.accepted.set_exception(exc) if exc is not None else self.accepted.set_result(rid)
+        """Resolve :attr:`accepted` (from the engine thread): the request id, or the exception that refused it."""
+        def set_result() -> None:
+            if self.accepted.done():
+                return
+            if exc is not None:
+                self.accepted.set_exception(exc)
+            else:
+                self.accepted.set_result(rid)
         self._call(set_result)
 
     def push(self, item: StreamItem) -> None:
-        self._call(self.items.put_nowait, item)
+        """Queue ``item`` on the request's event loop (from the engine thread)."""
+        def put() -> None:
+            self.items.put_nowait(item)
+        self._call(put)
 
 
 # ---- HTTP -> engine: commands -------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class Add:
+class Submit:
+    """A new request: its stream is answered with the request id (or the refusal), then its tokens."""
+
     stream: RequestStream
     prompt: list[int]
     sampling: SamplingParams
@@ -95,24 +108,43 @@ class Add:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
+    """The request of ``stream`` is to stop now (its client went away)."""
+
     stream: RequestStream
 
 
 @dataclass(frozen=True, slots=True)
-class Call:
-    fn: Callable[[Any], Any]
-    future: concurrent.futures.Future
+class LoadAdapter:
+    """Install adapter files (read and checked on the HTTP side) under ``name``; the future gets the Adapter."""
+
+    name: str
+    files: AdapterFiles
+    future: concurrent.futures.Future[Adapter]
 
 
-Command = Add | Cancel | Call
+@dataclass(frozen=True, slots=True)
+class UnloadAdapter:
+    """Unload ``name`` (with ``wait``: once its requests finish); the future gets whether it went now."""
+
+    name: str
+    wait: bool
+    future: concurrent.futures.Future[bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Stop the engine thread (put by :meth:`EngineWorker.stop`, so that an idle thread wakes at once)."""
+
+
+Command = Submit | Cancel | LoadAdapter | UnloadAdapter | Shutdown
 
 
 # ---- the engine thread --------------------------------------------------------------------------------
 class EngineWorker:
-    """Runs an :class:`~kvgraft.serve.engine.Engine` in its own thread; everything else talks to it
+    """Runs an :class:`~kvgraft.runtime.engine.Engine` in its own thread; everything else talks to it
     through :meth:`submit`, :meth:`cancel` and :meth:`call` (thread-safe, never blocking)."""
 
-    def __init__(self, engine, max_in_flight: int) -> None:
+    def __init__(self, engine: Engine, max_in_flight: int) -> None:
         self.engine = engine
         self.max_in_flight = max_in_flight
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -127,9 +159,9 @@ class EngineWorker:
         self._stop = threading.Event()
         self._paused = threading.Event()
         self._thread: threading.Thread | None = None
-        self.snapshot: dict = {}
+        self.snapshot: dict[str, Any] = {}
         self._cache_at = -1.0
-        self.adapters: dict[str, dict] = {}
+        self.adapters: dict[str, dict[str, Any]] = {}
         self._update_adapters()
         self._update_snapshot()
 
@@ -141,6 +173,7 @@ class EngineWorker:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        self.commands.put(Shutdown())
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -166,24 +199,34 @@ class EngineWorker:
                                 f"{self.max_in_flight}); retry later")
             self.in_flight += 1
         stream = RequestStream(loop)
-        self.commands.put(Add(stream, prompt, sampling, adapter))
+        self.commands.put(Submit(stream, prompt, sampling, adapter))
         return stream
 
     def cancel(self, stream: RequestStream) -> None:
         if not stream.done:
             self.commands.put(Cancel(stream))
 
-    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
-        """Run ``fn(engine)`` in the engine thread between steps; its result as a future (EngineStopped
-        when the engine is not running)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    def load_adapter(self, name: str, files: AdapterFiles) -> concurrent.futures.Future[Adapter]:
+        """Install ``files`` under ``name`` in the engine thread between steps; the Adapter (or the engine's
+        refusal, or EngineStopped when the engine is not running) as a future."""
+        future: concurrent.futures.Future[Adapter] = concurrent.futures.Future()
+        self._send(LoadAdapter(name, files, future), future)
+        return future
+
+    def unload_adapter(self, name: str, wait: bool) -> concurrent.futures.Future[bool]:
+        """Unload ``name`` in the engine thread between steps (``Engine.unload_adapter``); whether it went now
+        (or the engine's refusal, or EngineStopped) as a future."""
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._send(UnloadAdapter(name, wait, future), future)
+        return future
+
+    def _send(self, cmd: Command, future: concurrent.futures.Future[Any]) -> None:
         try:
             self.check_running()
         except EngineStopped as exc:
             future.set_exception(exc)
-            return future
-        self.commands.put(Call(fn, future))
-        return future
+            return
+        self.commands.put(cmd)
 
     def check_running(self) -> None:
         if self._stop.is_set():
@@ -224,12 +267,12 @@ class EngineWorker:
                 cmd = self.commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, Add):
+            if isinstance(cmd, Submit):
                 with self._lock:
                     self.in_flight -= 1
                 cmd.stream.done = True
                 cmd.stream.accept(None, EngineStopped("the server is shutting down"))
-            elif isinstance(cmd, Call) and cmd.future.set_running_or_notify_cancel():
+            elif isinstance(cmd, (LoadAdapter, UnloadAdapter)) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(EngineStopped("the server is shutting down"))
 
     def _loop(self) -> None:
@@ -278,8 +321,10 @@ class EngineWorker:
             self._close(rid, Failure("the server is shutting down"), "cancelled")
 
     def _do(self, cmd: Command) -> None:
+        """Carry out one command in the engine thread (:class:`Shutdown` needs nothing here: it only woke the
+        thread, which then sees the stop flag)."""
         engine = self.engine
-        if isinstance(cmd, Add):
+        if isinstance(cmd, Submit):
             stream = cmd.stream
             try:
                 rid = engine.add_request(cmd.prompt, cmd.sampling, adapter=cmd.adapter)
@@ -299,13 +344,19 @@ class EngineWorker:
             if stream.rid is not None and stream.rid in self.streams:
                 engine.cancel(stream.rid)
                 self._close(stream.rid, Tokens([], True, "cancelled"), "cancelled")
-        elif isinstance(cmd, Call):
-            future = cmd.future
-            if future.set_running_or_notify_cancel():
+        elif isinstance(cmd, LoadAdapter):
+            if cmd.future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(cmd.fn(engine))
+                    cmd.future.set_result(engine.load_adapter(cmd.name, cmd.files))
                 except Exception as exc:
-                    future.set_exception(exc)
+                    cmd.future.set_exception(exc)
+            self._update_adapters()
+        elif isinstance(cmd, UnloadAdapter):
+            if cmd.future.set_running_or_notify_cancel():
+                try:
+                    cmd.future.set_result(engine.unload_adapter(cmd.name, cmd.wait))
+                except Exception as exc:
+                    cmd.future.set_exception(exc)
             self._update_adapters()
 
     def _close(self, rid: int, item: StreamItem | None, reason: str | None) -> None:

@@ -5,10 +5,16 @@ and the worker's counters.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 from kvgraft.serve.bridge import EngineWorker
 
+if TYPE_CHECKING:  # prometheus_client ships no type information: these read as Any
+    from prometheus_client import CollectorRegistry, Metric
 
-def metrics_registry(worker: EngineWorker):
+
+def metrics_registry(worker: EngineWorker) -> CollectorRegistry:
     """A registry holding only this worker's metrics (prometheus_client is imported here, when a server is
     built, not when the module is)."""
     from prometheus_client import CollectorRegistry
@@ -24,7 +30,7 @@ class _Metrics:
     def __init__(self, worker: EngineWorker) -> None:
         self.worker = worker
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         w, s = self.worker, self.worker.snapshot

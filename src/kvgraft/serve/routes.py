@@ -10,7 +10,7 @@ The endpoints themselves are the server's methods (``completions``, ``chat``, ``
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import version
 from typing import Any, Protocol
@@ -18,9 +18,11 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvgraft.runtime.engine import Engine
 from kvgraft.serve.bridge import EngineWorker
 from kvgraft.serve.schemas import (
     _NON_EMPTY,
@@ -37,30 +39,60 @@ from kvgraft.serve.schemas import (
 )
 
 
+class ServedConfig(Protocol):
+    """What the app reads of the server's configuration (:class:`~kvgraft.serve.server.ServerConfig`)."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_tokens_limit(self) -> int: ...
+
+    @property
+    def max_request_bytes(self) -> int: ...
+
+
 class Served(Protocol):
     """What the app needs of the server (:class:`~kvgraft.serve.server.KvgraftServer`): its state, and its
     endpoints as callables whose signatures FastAPI reads."""
 
-    engine: Any
-    config: Any  # a ServerConfig
+    engine: Engine
     worker: EngineWorker
     max_prompt_tokens: int
     app: FastAPI
-    completions: Callable[..., Any]
-    chat: Callable[..., Any]
-    models: Callable[..., Any]
-    load_adapter: Callable[..., Any]
-    unload_adapter: Callable[..., Any]
-    health: Callable[..., Any]
-    metrics: Callable[..., Any]
-    openapi: Callable[[], dict]
+
+    @property
+    def config(self) -> ServedConfig: ...
+
+    @property
+    def completions(self) -> Callable[..., Any]: ...
+
+    @property
+    def chat(self) -> Callable[..., Any]: ...
+
+    @property
+    def models(self) -> Callable[..., Any]: ...
+
+    @property
+    def load_adapter(self) -> Callable[..., Any]: ...
+
+    @property
+    def unload_adapter(self) -> Callable[..., Any]: ...
+
+    @property
+    def health(self) -> Callable[..., Any]: ...
+
+    @property
+    def metrics(self) -> Callable[..., Any]: ...
+
+    def openapi(self) -> dict[str, Any]: ...
 
 
 def build_app(server: Served) -> FastAPI:
     """The app: starts the server's engine thread on start-up and stops it on shut-down."""
 
     @asynccontextmanager
-    async def lifespan(app):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.worker.start()
         yield
         server.worker.stop()
@@ -71,31 +103,33 @@ def build_app(server: Served) -> FastAPI:
     app.add_middleware(_BodyLimit, limit=server.config.max_request_bytes)
 
     @app.exception_handler(HTTPError)
-    async def http_error(request: Request, exc: HTTPError):
+    async def http_error(request: Request, exc: HTTPError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.kind, exc.param)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         parts = [f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errors[:5]]
         param = ".".join(str(x) for x in errors[0].get("loc", ())[1:]) if errors else None
         return error_response(400, "invalid request: " + "; ".join(parts), param=param or None)
 
     @app.exception_handler(StarletteHTTPException)
-    async def starlette_error(request: Request, exc: StarletteHTTPException):  # unknown paths, methods
+    async def starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown paths, methods
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def server_error(request: Request, exc: Exception):  # a bug: still the documented shape
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:  # a bug: still the documented shape
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
     generate = _responses(400, 404, 409, 411, 413, 429, 500, 503)
     stream = {"text/event-stream": {"schema": _SSE}}
-    app.post("/v1/completions", responses={
+    # response_model=None: what the endpoint's return annotation says is not a response model (a dict, or
+    # a stream); the 200 body is documented under ``responses``
+    app.post("/v1/completions", response_model=None, responses={
         200: {"model": Completion, "description": "The completion (JSON), or its stream", "content": stream},
         **generate})(server.completions)
-    app.post("/v1/chat/completions", responses={
+    app.post("/v1/chat/completions", response_model=None, responses={
         200: {"model": ChatCompletion, "description": "The chat completion (JSON), or its stream",
               "content": stream},
         **generate})(server.chat)
@@ -113,11 +147,11 @@ def build_app(server: Served) -> FastAPI:
     app.get("/metrics", response_model=None, response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus text exposition format",
               "content": {"text/plain": {"schema": {"type": "string"}}}}})(server.metrics)
-    app.openapi = server.openapi
+    app.openapi = server.openapi  # type: ignore[method-assign]  # FastAPI's documented way to serve a custom schema
     return app
 
 
-def openapi(server: Served) -> dict:
+def openapi(server: Served) -> dict[str, Any]:
     """FastAPI's schema with this server's limits filled in (max_tokens, the vocabulary, the prompt's
     length in token ids), examples that name the served models, and FastAPI's default 422 validation
     response removed (validation errors are 400 here)."""
@@ -176,10 +210,10 @@ class _BodyLimit:
     """Pure ASGI middleware: a POST must say its size (Content-Length: 411 if not) and stay within the
     limit (413 if not)."""
 
-    def __init__(self, app, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             length = dict(scope["headers"]).get(b"content-length")
             response = None

@@ -14,17 +14,20 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from kvgraft.serve.adapters import NAME_RE
+from kvgraft.runtime.adapters import NAME_RE
 
 
 # ---- errors -----------------------------------------------------------------------------------------------
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    """A refusal: answered with ``status`` and OpenAI's error body (``kind`` is its ``type``)."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def error_body(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
+def error_body(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
@@ -40,10 +43,10 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 # check in ``check_supported`` says why another value is refused. Bodies are validated strictly (no
 # "1" for 1, no true for 1), as the schema's types say. Limits of one server (max_tokens, the vocabulary,
 # the prompt's length in token ids) are filled into /openapi.json by :func:`kvgraft.serve.routes.openapi`.
-_NON_EMPTY = {"type": "string", "minLength": 1}
+_NON_EMPTY: dict[str, Any] = {"type": "string", "minLength": 1}
 
 
-def _integral(value):
+def _integral(value: object) -> object:
     """JSON Schema's integers include 1.0: take a float with no fraction as the int (strict otherwise)."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
@@ -51,15 +54,20 @@ def _integral(value):
 Int = Annotated[int, BeforeValidator(_integral)]
 
 
-def _int(**constraints):
+def _int(**constraints: Any) -> Any:
     """An Int with constraints (inside the Annotated, so a union with None keeps them in the schema)."""
     return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+# _int(...) spelled out, as type checkers read no call in an annotation
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
 
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-def _schema(**kw) -> dict:
+def _schema(**kw: Any) -> dict[str, Any]:
     return {"json_schema_extra": kw}
 
 
@@ -69,16 +77,16 @@ class _Common(BaseModel):
     model: str = Field(description="the base model's name or a loaded adapter's (GET /v1/models)")
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: _int(ge=1) = Field(1, description="one choice per request", **_schema(maximum=1))
+    n: PositiveInt = Field(1, description="one choice per request", json_schema_extra=dict(maximum=1))
     stream: bool = False
-    stream_options: dict | None = Field(None, description='{"include_usage": true}: a last chunk with usage')
-    stop: str | list[str] | None = Field(None, description="up to 4 non-empty strings", **_schema(anyOf=[
+    stream_options: dict[str, Any] | None = Field(None, description='{"include_usage": true}: a last chunk with usage')
+    stop: str | list[str] | None = Field(None, description="up to 4 non-empty strings", json_schema_extra=dict(anyOf=[
         _NON_EMPTY, {"type": "array", "items": _NON_EMPTY, "maxItems": 4}, {"type": "null"}]))
-    seed: _int(ge=0) | None = Field(None, description="any integer >= 0 (taken modulo 2**64)")
-    logprobs: Any = Field(None, description="not supported", **_schema(enum=[None, False, 0]))
-    presence_penalty: float = Field(0.0, description="not supported", **_schema(maximum=0, minimum=0))
-    frequency_penalty: float = Field(0.0, description="not supported", **_schema(maximum=0, minimum=0))
-    logit_bias: dict | None = Field(None, description="not supported", **_schema(anyOf=[
+    seed: NonNegativeInt | None = Field(None, description="any integer >= 0 (taken modulo 2**64)")
+    logprobs: Any = Field(None, description="not supported", json_schema_extra=dict(enum=[None, False, 0]))
+    presence_penalty: float = Field(0.0, description="not supported", json_schema_extra=dict(maximum=0, minimum=0))
+    frequency_penalty: float = Field(0.0, description="not supported", json_schema_extra=dict(maximum=0, minimum=0))
+    logit_bias: dict[str, Any] | None = Field(None, description="not supported", json_schema_extra=dict(anyOf=[
         {"type": "object", "maxProperties": 0}, {"type": "null"}]))
     user: str | None = None
 
@@ -102,11 +110,11 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[Int] | list[str] | list[list[Int]] = Field(
         description="text, token ids, or a list of one of either (one prompt per request)")
-    max_tokens: _int(ge=1) | None = None
-    echo: bool = Field(False, description="not supported", **_schema(enum=[False]))
-    best_of: Int | None = Field(None, description="not supported (1)", **_schema(anyOf=[
+    max_tokens: PositiveInt | None = None
+    echo: bool = Field(False, description="not supported", json_schema_extra=dict(enum=[False]))
+    best_of: Int | None = Field(None, description="not supported (1)", json_schema_extra=dict(anyOf=[
         {"type": "integer", "minimum": 0, "maximum": 1}, {"type": "null"}]))
-    suffix: str | None = Field(None, description="not supported", **_schema(anyOf=[
+    suffix: str | None = Field(None, description="not supported", json_schema_extra=dict(anyOf=[
         {"type": "string", "maxLength": 0}, {"type": "null"}]))
 
 
@@ -114,7 +122,7 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict] = Field(description="text, or a list of text parts", **_schema(anyOf=[
+    content: str | list[dict[str, Any]] = Field(description="text, or a list of text parts", json_schema_extra=dict(anyOf=[
         {"type": "string"},
         {"type": "array", "items": {"type": "object", "required": ["type", "text"],
                                     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]))
@@ -132,14 +140,14 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: _int(ge=1) | None = None
-    max_completion_tokens: _int(ge=1) | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
 
 
 class LoadAdapterRequest(BaseModel):
     model_config = _STRICT
 
-    lora_name: str = Field(description="the name requests will use", **_schema(pattern=NAME_RE.pattern))
+    lora_name: str = Field(description="the name requests will use", json_schema_extra=dict(pattern=NAME_RE.pattern))
     lora_path: str = Field(description="an adapter directory, relative to the server's --adapter-dir")
 
 
@@ -215,8 +223,8 @@ class AdapterInfo(BaseModel):
     modules: int
     rank: int
     parameters: int
-    placement: dict | None
-    certificate: dict
+    placement: dict[str, Any] | None
+    certificate: dict[str, Any]
     draining: bool
 
 
@@ -275,6 +283,6 @@ _SSE = {"type": "object", "description": "One server-sent event (stream: true): 
         "required": ["data"]}
 
 
-def _responses(*codes: int) -> dict:
+def _responses(*codes: int) -> dict[int | str, Any]:
     return {code: {"model": ErrorResponse, "description": _ERRORS[code]} for code in codes}
 

@@ -61,7 +61,7 @@ string, or an incomplete UTF-8 character, is held back until it resolves).
 endpoints, the engine's answers as HTTP), :func:`build_server`, :func:`serve` and :func:`shipped_adapters`;
 the pydantic bodies, the error body and the OpenAPI error documentation are in :mod:`kvgraft.serve.schemas`,
 the engine thread and its typed messages in :mod:`kvgraft.serve.bridge`, text and SSE streaming in
-:mod:`kvgraft.serve.streaming`, the FastAPI app, its routes and ``/openapi.json`` in
+:mod:`kvgraft.serve.streaming` (stop strings: :mod:`kvgraft.runtime.stops`), the FastAPI app, its routes and ``/openapi.json`` in
 :mod:`kvgraft.serve.routes`, the Prometheus collector in :mod:`kvgraft.serve.metrics`. Every name of those
 that this module held before the split is still importable from it.
 """
@@ -73,20 +73,24 @@ import concurrent.futures
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from kvgraft.model.config import ModelConfig
+from kvgraft.runtime.adapters import NAME_RE, AdapterBusyError, AdapterError, UnknownAdapterError, read_adapter
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 from kvgraft.serve import routes
-from kvgraft.serve.adapters import NAME_RE, AdapterBusyError, AdapterError, UnknownAdapterError, read_adapter
 from kvgraft.serve.bridge import EngineStopped, EngineWorker, QueueFull, RequestStream
 from kvgraft.serve.bridge import RequestStream as _Stream  # its name before the split
 from kvgraft.serve.metrics import _Metrics, metrics_registry
 from kvgraft.serve.routes import _BodyLimit, _version
-from kvgraft.serve.sampling import SamplingParams
 from kvgraft.serve.schemas import (
     _ERRORS,
     _NON_EMPTY,
@@ -141,10 +145,27 @@ MIN_TEMPERATURE = 1e-6  # below: greedy (see KvgraftServer._sampling)
 MIN_TOP_P = 1e-6
 
 
-def render_chat(messages: list[dict], tokenizer=None) -> str:
+class Tokenizer(Protocol):
+    """What the server needs of a tokenizer (a ``transformers.PreTrainedTokenizerFast``, as
+    ``kvgraft.hf.load_tokenizer_dir`` gives; a chat template, when it has one, is read as ``chat_template``
+    and applied with ``apply_chat_template``)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], *, tokenize: bool = ...,
+                            add_generation_prompt: bool = ...) -> Any: ...
+
+
+_T = TypeVar("_T")
+
+
+def render_chat(messages: list[dict[str, str]], tokenizer: Tokenizer | None = None) -> str:
     """The prompt text of a chat (see the module docstring)."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return str(text)  # tokenize=False: the text
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
 
 
@@ -182,7 +203,7 @@ def _check_unicode(text: str, param: str) -> None:
 class KvgraftServer:
     """The FastAPI app (``.app``) over an engine run by an :class:`EngineWorker` (``.worker``)."""
 
-    def __init__(self, engine, tokenizer, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: ServerConfig) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.worker = EngineWorker(engine, engine.cache.max_seqs + config.max_queue)
         self.max_seq_len = engine.cache.max_seq_len
@@ -208,15 +229,20 @@ class KvgraftServer:
         raise HTTPError(404, f"model {model!r} not found; served: base {self.config.model_name!r}, adapters: {loaded}",
                         kind="not_found_error", param="model")
 
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+    def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+        """The token ids of a request's prompt (text or ids, alone or as a list of one), checked against the
+        vocabulary and this server's limit; HTTPError 400 otherwise."""
+        first = prompt[0] if isinstance(prompt, list) and prompt else None
+        if isinstance(first, (str, list)):
             if len(prompt) != 1:
                 raise HTTPError(400, f"one prompt per request ({len(prompt)} given)", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = self._encode(prompt, "prompt")
+            one: str | list[int] = first
+        else:  # text, or a list of ids (the lists of text or of lists are the case above)
+            one = cast("str | list[int]", prompt)
+        if isinstance(one, str):
+            ids = self._encode(one, "prompt")
         else:
-            ids = list(prompt)
+            ids = list(one)
             vocab = self.engine.model.config.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
@@ -258,18 +284,18 @@ class KvgraftServer:
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from None
 
-    async def _engine(self, future: asyncio.Future | concurrent.futures.Future):
+    async def _engine(self, future: asyncio.Future[_T] | concurrent.futures.Future[_T]) -> _T:
         """The result of a future the engine thread resolves, or 503 if the engine stops first (never hangs)."""
-        future = asyncio.wrap_future(future) if isinstance(future, concurrent.futures.Future) else future
+        waited = asyncio.wrap_future(future) if isinstance(future, concurrent.futures.Future) else future
         while True:
-            done, _ = await asyncio.wait({future}, timeout=0.5)
+            done, _ = await asyncio.wait({waited}, timeout=0.5)
             if done:
                 break
             if not self.worker.alive:
-                future.cancel()
+                waited.cancel()
                 raise HTTPError(503, "the engine is not running", kind="server_error")
         try:
-            return future.result()
+            return waited.result()
         except EngineStopped as exc:
             raise HTTPError(503, str(exc), kind="server_error") from None
 
@@ -295,11 +321,11 @@ class KvgraftServer:
         return stream
 
     @staticmethod
-    def _usage(n_prompt: int, n_out: int) -> dict:
+    def _usage(n_prompt: int, n_out: int) -> dict[str, int]:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
     # -- endpoints --
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def completions(self, body: CompletionRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         body.check_supported()
         if body.echo or (body.best_of or 1) != 1 or body.suffix:
             raise HTTPError(400, "echo, best_of and suffix are not supported")
@@ -312,15 +338,16 @@ class KvgraftServer:
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         text = TextStream(self.decode, stops)
 
-        def chunk(delta: str, reason: str | None) -> dict:
+        def chunk(delta: str, reason: str | None) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
                     "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]}
 
         if body.stream:
-            usage = None
+            usage: Callable[[list[int]], dict[str, Any]] | None = None
             if (body.stream_options or {}).get("include_usage"):
-                def usage(out: list[int]) -> dict:
+                def usage_chunk(out: list[int]) -> dict[str, Any]:
                     return dict(chunk("", None), choices=[], usage=self._usage(len(ids), len(out)))
+                usage = usage_chunk
             return StreamingResponse(sse_events(self.worker, stream, text, chunk, usage),
                                      media_type="text/event-stream")
         out, reason = await collect(self.worker, stream, request)
@@ -328,7 +355,7 @@ class KvgraftServer:
         result["usage"] = self._usage(len(ids), len(out))
         return result
 
-    async def chat(self, body: ChatRequest, request: Request):
+    async def chat(self, body: ChatRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         body.check_supported()
         adapter = self._adapter_of(body.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
@@ -351,7 +378,7 @@ class KvgraftServer:
         text = TextStream(self.decode, stops)
         first = [True]
 
-        def chunk(delta: str, reason: str | None) -> dict:
+        def chunk(delta: str, reason: str | None) -> dict[str, Any]:
             d = {"content": delta}
             if first[0]:
                 d["role"] = "assistant"
@@ -360,11 +387,12 @@ class KvgraftServer:
                     "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]}
 
         if body.stream:
-            usage = None
+            usage: Callable[[list[int]], dict[str, Any]] | None = None
             if (body.stream_options or {}).get("include_usage"):
-                def usage(out: list[int]) -> dict:
+                def usage_chunk(out: list[int]) -> dict[str, Any]:
                     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
                             "choices": [], "usage": self._usage(len(ids), len(out))}
+                usage = usage_chunk
             return StreamingResponse(sse_events(self.worker, stream, text, chunk, usage),
                                      media_type="text/event-stream")
         out, reason = await collect(self.worker, stream, request)
@@ -373,7 +401,7 @@ class KvgraftServer:
                              "logprobs": None, "finish_reason": reason}],
                 "usage": self._usage(len(ids), len(out))}
 
-    def models(self) -> dict:
+    def models(self) -> dict[str, Any]:
         base = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "kvgraft",
                 "root": self.config.model_name, "parent": None, "max_model_len": self.max_seq_len}
         data = [base]
@@ -406,7 +434,7 @@ class KvgraftServer:
                             kind="not_found_error", param="lora_path")
         return path
 
-    async def load_adapter(self, body: LoadAdapterRequest) -> dict:
+    async def load_adapter(self, body: LoadAdapterRequest) -> dict[str, Any]:
         root = self.config.adapter_dir
         if root is None:
             raise HTTPError(403, "loading adapters over HTTP is off: start the server with --adapter-dir DIR",
@@ -427,15 +455,15 @@ class KvgraftServer:
             raise HTTPError(422, f"lora_path {body.lora_path!r} cannot be read ({type(exc).__name__}: {exc.strerror})",
                             param="lora_path") from None
         try:
-            adapter = await self._engine(self.worker.call(lambda e: e.load_adapter(body.lora_name, files)))
+            adapter = await self._engine(self.worker.load_adapter(body.lora_name, files))
         except AdapterError as exc:  # loaded meanwhile, or the layers refuse it
             status = 409 if "already loaded" in str(exc) else 422
             raise HTTPError(status, str(exc), param="lora_name" if status == 409 else "lora_path") from None
         return {"loaded": adapter.name, "adapter": adapter.info()}
 
-    async def unload_adapter(self, body: UnloadAdapterRequest) -> dict:
+    async def unload_adapter(self, body: UnloadAdapterRequest) -> dict[str, Any]:
         try:
-            now = await self._engine(self.worker.call(lambda e: e.unload_adapter(body.lora_name, body.wait)))
+            now = await self._engine(self.worker.unload_adapter(body.lora_name, body.wait))
         except UnknownAdapterError as exc:
             raise HTTPError(404, str(exc), kind="not_found_error", param="lora_name") from None
         except AdapterBusyError as exc:
@@ -454,14 +482,14 @@ class KvgraftServer:
         return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- the schema --
-    def openapi(self) -> dict:
+    def openapi(self) -> dict[str, Any]:
         """``/openapi.json``: :func:`kvgraft.serve.routes.openapi` (FastAPI's schema with this server's limits
         and served models filled in)."""
         return routes.openapi(self)
 
 
 # ---- building and running -------------------------------------------------------------------------------
-def shipped_adapters(base_dir: str | Path, config) -> dict[str, Path]:
+def shipped_adapters(base_dir: str | Path, config: ModelConfig) -> dict[str, Path]:
     """The example adapters shipped for a base: ``models/adapters/NAME`` (under ``KVGRAFT_MODELS_DIR`` if set)
     whose ``kvgraft_adapter.json`` names this base (its directory name, as a reference) and its architecture
     (``base_fingerprint``), by directory name. Unreadable ones are skipped."""
@@ -470,7 +498,7 @@ def shipped_adapters(base_dir: str | Path, config) -> dict[str, Path]:
 
     root = models_dir() / "adapters"
     name, mine = Path(base_dir).resolve().name, base_fingerprint(config)
-    found = {}
+    found: dict[str, Path] = {}
     for path in sorted(root.iterdir()) if root.is_dir() else ():
         try:
             meta = json.loads((path / "kvgraft_adapter.json").read_text())
@@ -485,7 +513,7 @@ def shipped_adapters(base_dir: str | Path, config) -> dict[str, Path]:
 def build_server(base: str | Path, adapters: dict[str, str | Path] | None = None, *, model_name: str | None = None,
                  max_seqs: int = 16, max_batch_tokens: int = 512, max_seq_len: int | None = None,
                  num_blocks: int | None = None, prefix_cache: bool = True, with_shipped_adapters: bool = False,
-                 **config) -> KvgraftServer:
+                 **config: Any) -> KvgraftServer:
     """Load ``base`` (a model directory or shipped reference name) and its tokenizer, start adapters, build
     the server (not started: run it with uvicorn, or :func:`serve`). ``prefix_cache``: the engine's prefix
     cache (on by default; ``kvgraft serve --no-prefix-cache`` turns it off). ``with_shipped_adapters``: also
@@ -493,10 +521,9 @@ def build_server(base: str | Path, adapters: dict[str, str | Path] | None = None
     ``config``: :class:`ServerConfig` fields."""
     from kvgraft.hf import load_pretrained, load_tokenizer_dir
     from kvgraft.reference import resolve_model
-    from kvgraft.serve.engine import Engine
 
     path = resolve_model(base)
-    tokenizer = load_tokenizer_dir(path)
+    tokenizer: Tokenizer | None = load_tokenizer_dir(path)
     if tokenizer is None:
         raise FileNotFoundError(f"{path} has no tokenizer.json; the server needs one")
     cfg = ServerConfig(model_name=model_name or Path(path).resolve().name, **config)
@@ -513,10 +540,10 @@ def build_server(base: str | Path, adapters: dict[str, str | Path] | None = None
         for name, adapter_path in shipped_adapters(path, model.config).items():
             if name != cfg.model_name and adapter_path.resolve() not in given:  # not under another name already
                 adapters.setdefault(name, adapter_path)
-    for name, adapter_path in adapters.items():
+    for name, source in adapters.items():
         if name == cfg.model_name:
             raise ValueError(f"an adapter cannot take the base model's name {name!r}")
-        engine.load_adapter(name, adapter_path)
+        engine.load_adapter(name, source)
     return KvgraftServer(engine, tokenizer, cfg)
 
 

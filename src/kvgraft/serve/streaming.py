@@ -11,32 +11,31 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 
+from kvgraft.runtime.stops import StopStrings
 from kvgraft.serve.bridge import EngineWorker, Failure, RequestStream
 from kvgraft.serve.schemas import HTTPError, error_body
 
 
 class TextStream:
-    """Generated ids -> text that never shows part of a stop string, nor an incomplete character."""
+    """Generated ids -> text that never shows part of a stop string, nor an incomplete character
+    (:meth:`kvgraft.runtime.stops.StopStrings.visible`: cut before the first stop string, and until the
+    output finishes without the tail that could still begin one)."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
-        self.decode, self.stops = decode, stops
-        self.hold = max((len(s) - 1 for s in stops), default=0)
+        self.decode = decode
+        self.stops = StopStrings(stops)
         self.sent = ""
 
     def text(self, ids: list[int], finished: bool) -> str:
-        text = self.decode(ids)
-        cuts = [text.find(s) for s in self.stops if s in text]
-        if cuts:
-            return text[: min(cuts)]
-        if not finished:
-            text = text[: len(text) - self.hold] if self.hold else text
-            text = text.rstrip("\ufffd")
-        return text
+        """What may be shown of the text of ``ids`` (all of the output so far)."""
+        return self.stops.visible(self.decode(ids), finished)
 
     def delta(self, ids: list[int], finished: bool) -> str:
+        """The text to send now: what :meth:`text` adds to what was sent (nothing if it would retract any)."""
         text = self.text(ids, finished)
         if not text.startswith(self.sent):  # never retract what was sent
             return ""
@@ -44,7 +43,7 @@ class TextStream:
         return new
 
 
-async def collect(worker: EngineWorker, stream: RequestStream, request: Request) -> tuple[list[int], str]:
+async def collect(worker: EngineWorker, stream: RequestStream, request: Request) -> tuple[list[int], str | None]:
     """Every generated id and the finish reason; cancels the request if the client goes away."""
     ids: list[int] = []
     while True:
@@ -65,8 +64,8 @@ async def collect(worker: EngineWorker, stream: RequestStream, request: Request)
 
 
 async def sse_events(worker: EngineWorker, stream: RequestStream, text: TextStream,
-                     chunk: Callable[[str, str | None], dict],
-                     usage: Callable[[list[int]], dict] | None) -> AsyncIterator[str]:
+                     chunk: Callable[[str, str | None], dict[str, Any]],
+                     usage: Callable[[list[int]], dict[str, Any]] | None) -> AsyncIterator[str]:
     """The request's server-sent events (see the module docstring); cancels the request when it ends or the
     client goes away."""
     ids: list[int] = []

@@ -15,7 +15,7 @@ training, and refused when ``require_sharing`` asks for sharing.
   ``kvgraft_adapter.json`` (placement, modules, sharing certificate, the base by name or relative path with
   its fingerprint, training summary);
 - ``out_dir/result.json`` (written last, atomically: its presence means the run is complete): the
-  validation loss at every evaluation, the seed's protocol value (mean of the evaluations at 50%, 70% and
+  validation loss at every evaluation, Mind Lab's article's protocol value (mean of the evaluations at 50%, 70% and
   100% of the steps: steps 50, 70 and 100 of a 100-step run), test loss, test answer accuracy, step time.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -33,8 +34,20 @@ from typing import Any
 
 import torch
 
-from kvgraft.adapters.lora import AdapterConfig
+from kvgraft.adapters.certificate import certify, sharing_obstacle, sharing_verdict
+from kvgraft.adapters.fingerprint import base_reference
+from kvgraft.adapters.lora import AdapterConfig, add_adapter, certificate_of, save_adapter, transformer_of
+from kvgraft.adapters.lora import dry_run as placement_dry_run
+from kvgraft.adapters.optim import adapter_param_groups, freeze
 from kvgraft.adapters.placement import Placement, get_preset
+from kvgraft.atomic import atomic_write_text
+from kvgraft.data.tasks import TASKS, encode_example, generate_task, is_correct, load_task, read_task_info, tokenizer_eos_id
+from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir
+from kvgraft.reference import resolve_model
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
+from kvgraft.train.config import TrainConfig
+from kvgraft.train.loop import evaluate, lm_loss, train
 
 RESULT_FILE = "result.json"
 DEFAULT_PRESET = "decoder-half-r16"
@@ -111,7 +124,11 @@ class AdaptConfig:
     def resolved_placement(self) -> Placement:
         if self.is_default_placement:
             raise ValueError("the default placement depends on the base: resolve it with for_base(config) first")
-        p = self.placement if self.placement is not None else get_preset(self.preset).placement
+        if self.placement is not None:
+            p = self.placement
+        else:
+            assert self.preset is not None  # not the default placement: one of the two is given
+            p = get_preset(self.preset).placement
         if self.freeze_kv_writers and not p.freeze_kv_writers:
             p = Placement(p.layers, p.modules, p.include, p.exclude, True)
         return p
@@ -121,7 +138,7 @@ class AdaptConfig:
         return AdapterConfig(rank=rank, alpha=self.alpha, dropout=self.dropout)
 
     def eval_steps(self) -> tuple[int, ...]:
-        """The seed's protocol: evaluations at 50%, 70% and 100% of the steps (50, 70, 100 of 100)."""
+        """The protocol of Mind Lab's article on LoRA placement: evaluations at 50%, 70% and 100% of the steps (50, 70, 100 of 100)."""
         return tuple(sorted({max(1, round(self.steps * f)) for f in (0.5, 0.7, 1.0)}))
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,7 +153,6 @@ class AdaptConfig:
 def encode_split(tokenizer, examples, seq_len: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
     """Fixed-length items for the loop: ``input_ids`` (seq_len) and next-token ``labels`` (-100 on the
     prompt and the padding)."""
-    from kvgraft.data.tasks import encode_example
 
     items = []
     for ex in examples:
@@ -148,8 +164,6 @@ def encode_split(tokenizer, examples, seq_len: int, pad_id: int) -> list[dict[st
 
 
 def task_seq_len(tokenizer, splits, limit: int) -> int:
-    from kvgraft.data.tasks import encode_example
-
     longest = max(len(encode_example(tokenizer, ex, 10**6)[0]) for exs in splits.values() for ex in exs) - 1
     if longest > limit:
         raise ValueError(f"the task's longest example is {longest + 1} tokens; the model takes {limit + 1}")
@@ -158,7 +172,6 @@ def task_seq_len(tokenizer, splits, limit: int) -> int:
 
 def load_task_any(task: str | Path, seed: int = 0) -> tuple[str, dict]:
     """A task directory (``kvgraft tasks NAME --out DIR``) or a task name (generated in memory)."""
-    from kvgraft.data.tasks import TASKS, generate_task, load_task, read_task_info
 
     if str(task) in TASKS:
         return str(task), generate_task(str(task), seed=seed)
@@ -175,9 +188,6 @@ def _ids(tokenizer, text: str) -> list[int]:
 
 def answer_accuracy(model, tokenizer, task_name: str, examples, max_new_tokens: int) -> float:
     """Greedy answers (engine, batched) to ``examples``; the fraction ``is_correct`` accepts."""
-    from kvgraft.data.tasks import is_correct, tokenizer_eos_id
-    from kvgraft.serve.engine import Engine
-    from kvgraft.serve.sampling import SamplingParams
 
     if not examples:
         return float("nan")
@@ -199,7 +209,6 @@ def sharing(config, modules: list[str], base_name: str | None = None) -> dict[st
     """Whether an adapter on ``modules`` shares the base's cache: ``applies`` (the base has a shared cache:
     a causal encoder-decoder), ``shares_cache`` (None where it does not apply), ``verdict`` (one line, with
     why) and ``why_not`` (what stops it, and what would share; None when it shares or does not apply)."""
-    from kvgraft.adapters.certificate import certify, sharing_obstacle, sharing_verdict
 
     applies = bool(config.is_ced)
     return {"applies": applies, "shares_cache": certify(config, modules).shares_cache if applies else None,
@@ -212,15 +221,6 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     ``dry_run``: only resolve the placement and return every matched module and the parameter count.
     ``log``: where a note goes before training when the adapter will not share the base's cache (None: not
     said). Both results carry ``sharing`` (see :func:`sharing`)."""
-    from kvgraft.adapters.fingerprint import base_reference
-    from kvgraft.adapters.lora import add_adapter, certificate_of, save_adapter, transformer_of
-    from kvgraft.adapters.lora import dry_run as placement_dry_run
-    from kvgraft.adapters.optim import adapter_param_groups, freeze
-    from kvgraft.atomic import atomic_write_text
-    from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir
-    from kvgraft.reference import resolve_model
-    from kvgraft.train.config import TrainConfig
-    from kvgraft.train.loop import evaluate, lm_loss, train
 
     path = resolve_model(base)
     model_config = load_config(path)
@@ -306,8 +306,6 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     atomic_write_text(done, json.dumps(summary, indent=2) + "\n")
     ckpts = out / "checkpoints"
     if ckpts.is_dir():  # the adapter and the result are written; the resume state is no longer needed
-        import shutil
-
         shutil.rmtree(ckpts)
     return summary
 

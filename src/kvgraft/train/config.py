@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +60,6 @@ class TrainConfig:
 
         ``step`` counts optimizer steps already taken (0 for the first update).
         """
-        import math
 
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps

@@ -1,14 +1,15 @@
-"""Placement studies over seeds (the seed article's protocol) and the placement curve.
+"""Placement studies over seeds (the protocol of Mind Lab's article "Adapting causal encoder-decoder
+models with LoRA") and the placement curve.
 
 ``placement_study``: the same task, data order and learning rate for every configuration; 3 seeds; each
 run's validation loss is the mean of its evaluations at steps 50, 70 and 100 (of 100); reported as the
 mean and (min-max) over seeds, with the per-seed difference decoder-half minus encoder-half, test loss
 and answer accuracy, trainable parameters, the sharing certificate and step time. The learning rate is
 picked first by a short sweep judged by *plateau* (the mean training loss over the sweep's last third),
-not by early loss, as the seed did.
+not by early loss, as that article did.
 
 The LR sweep's short runs are fp32; the study's runs use ``precision`` (bf16 autocast with fp32 master
-weights by default, the seed's mixed precision, about 1.5x faster on the CPU).
+weights by default, the article's mixed precision, about 1.5x faster on the CPU).
 
 ``placement_curve``: adapters on layers k..L-1 for every k at equal rank (the pivot's KV writers frozen),
 validation loss and step time against k, marking which k leave the shared cache untouched.
@@ -24,7 +25,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from kvgraft.adapters.placement import PRESETS, Placement
+from kvgraft.atomic import atomic_write_text
+from kvgraft.hf import load_config
+from kvgraft.reference import resolve_model
 from kvgraft.train.adapt import AdaptConfig, adapt
 
 FROZEN = "+frozen-kv-writers"
@@ -42,8 +48,6 @@ def parse_config(name: str) -> tuple[str, bool]:
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, unit="run", disable=not enabled, dynamic_ncols=True)
 
 
@@ -95,7 +99,6 @@ def placement_study(
     test_examples: int | None = None,
 ) -> dict[str, Any]:
     """Run (or continue) the study; writes ``study.json``, ``study.md`` and ``curves.png`` to ``out_dir``."""
-    from kvgraft.atomic import atomic_write_text
 
     parsed = [parse_config(c) for c in configs]  # validate everything before any work
     if seeds < 1 or steps < 10 or steps % 10:
@@ -217,9 +220,6 @@ def placement_curve(
     precision: str = "bf16",
 ) -> dict[str, Any]:
     """Adapters on layers k..L-1 for every k (all linear projections, the pivot's KV writers frozen)."""
-    from kvgraft.atomic import atomic_write_text
-    from kvgraft.hf import load_config
-    from kvgraft.reference import resolve_model
 
     config = load_config(resolve_model(base))
     if lr is None:

@@ -1,6 +1,6 @@
 """Healing recipe: continued pretraining of a grafted model on the shared loop, optionally distilled.
 
-The seed's recipe is the default (MISSION.md, Part A step 7): AdamW, weight decay 0.1, peak LR 1/10 of
+The TransMLA article's recipe is the default (MISSION.md, Part A step 7): AdamW, weight decay 0.1, peak LR 1/10 of
 the original model's, warmup then cosine decay, gradient clipping at global norm 1.0, bf16 autocast
 with fp32 master weights, and the new latent down-projections (``kv_a_proj``) kept in fp32 even when
 the rest of the model is held in bf16 (their bf16 gradients underflow). Options: freeze everything
@@ -18,9 +18,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from accelerate import PartialState
 from torch import nn
 
 from kvgraft.atomic import atomic_dir
+from kvgraft.data import PackedDataset
+from kvgraft.graft.convert import load_calibration
+from kvgraft.hf import load_pretrained, save_pretrained
+from kvgraft.hf.deepseek import export_deepseek_v3
+from kvgraft.reference import resolve_model
+from kvgraft.train.checkpoint import find_latest, load_checkpoint
 from kvgraft.train.config import TrainConfig
 from kvgraft.train.loop import TrainResult, lm_loss, train
 
@@ -131,10 +138,6 @@ def heal(
     format and/or (``output_format`` "deepseek_v3" or "both") as stock DeepSeek-V3 in
     ``out/final/deepseek_v3``, with a card (README.md) and ``heal.json``.
     """
-    from kvgraft.data import PackedDataset
-    from kvgraft.hf import load_pretrained, save_pretrained
-    from kvgraft.reference import resolve_model
-    from kvgraft.train.checkpoint import find_latest, load_checkpoint
 
     hc = heal_config or HealConfig()
     if output_format not in ("kvgraft", "deepseek_v3", "both"):
@@ -185,7 +188,11 @@ def heal(
             raise FileNotFoundError(f"{data / name} is missing; run `kvgraft prepare-data --out {data}` first")
     train_ds = PackedDataset(data / "tokens" / "train.npy", seq_len)
     val_ds = PackedDataset(data / "tokens" / "validation.npy", seq_len)
-    loss_fn = lm_loss if hc.loss == "lm" else distillation_loss(teacher_model, hc)
+    if hc.loss == "lm":
+        loss_fn = lm_loss
+    else:
+        assert teacher_model is not None  # loaded above for "kl" and "mix"
+        loss_fn = distillation_loss(teacher_model, hc)
     extra = {"heal": asdict(hc), "source": str(src), "fp32_params": fp32, "original_lr": original_lr,
              "pretraining_tokens": pretraining_tokens}
     result = train(student, train_ds, base, out, val_data=val_ds, loss_fn=loss_fn, extra_state=extra,
@@ -197,7 +204,6 @@ def heal(
     summary = {**extra, "train_config": asdict(base), "steps": result.step, "tokens": result.tokens,
                "val_loss": result.val_loss,
                "fraction_of_pretraining": (result.tokens / pretraining_tokens) if pretraining_tokens else None}
-    from accelerate import PartialState
 
     if not PartialState().is_main_process:  # under a multi-process launch one process writes the result
         PartialState().wait_for_everyone()
@@ -213,12 +219,8 @@ def heal(
             for name, text in files.items():
                 (tmp / name).write_text(text)
         if output_format in ("deepseek_v3", "both"):
-            from kvgraft.hf.deepseek import export_deepseek_v3
-
             calib = None
             if (src / "eval" / "calibration.npy").is_file():
-                from kvgraft.graft.convert import load_calibration
-
                 calib = load_calibration(src, None, 8192, min(512, healed.config.max_position_embeddings))
             export_deepseek_v3(healed, tmp / "deepseek_v3", tokenizer_dir=tok_dir, calibration=calib)
         if (src / "eval").is_dir():

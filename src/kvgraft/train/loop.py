@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
+from tqdm.auto import tqdm
 
+from kvgraft.atomic import atomic_write_text
 from kvgraft.train.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from kvgraft.train.config import TrainConfig
 from kvgraft.train.logging import RunLog
@@ -51,7 +54,6 @@ def make_accelerator() -> Accelerator:
     """The Accelerator for this launch. Under torchrun or ``accelerate launch`` (WORLD_SIZE > 1) on a machine
     without CUDA it needs ``cpu=True``: without it each process sees no distributed setup and trains alone
     (world 1, the same data); with it they form one gloo group (``DistributedType.MULTI_CPU``)."""
-    import os
 
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     return Accelerator(cpu=world > 1 and not torch.cuda.is_available())
@@ -65,7 +67,8 @@ def _sum_over_processes(accelerator: Accelerator, values: list[float]) -> list[f
 
 def default_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: decay on matrices (dim >= 2), none on norms and biases; frozen params skipped."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
@@ -149,7 +152,7 @@ def evaluate(
     the result is the loss over the same sequences as one process with ``batch_size * num_processes``."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total, count = 0.0, 0.0
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
     n = min(len(dataset), batch_size * max_batches * world)
@@ -213,7 +216,7 @@ def train(
         state = load_checkpoint(latest, model, optimizer)
         step, tokens, elapsed_before = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
     if hasattr(model, "gradient_checkpointing"):
-        model.gradient_checkpointing = cfg.gradient_checkpointing
+        model.gradient_checkpointing = cfg.gradient_checkpointing  # type: ignore[assignment]  # any module with the switch
     elif cfg.gradient_checkpointing:
         raise ValueError(f"gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing switch")
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -232,8 +235,6 @@ def train(
     stopped_early = False
     progress = None
     if cfg.progress and accelerator.is_local_main_process:
-        from tqdm.auto import tqdm
-
         progress = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
 
     def checkpoint_now() -> None:
@@ -253,7 +254,7 @@ def train(
             t_step = time.perf_counter()
             for g in optimizer.param_groups:
                 g["lr"] = lr * g["lr_scale"]
-            step_loss, step_metrics = 0.0, {}
+            step_loss, step_metrics = 0.0, dict[str, float]()
             for micro in range(cfg.grad_accum):
                 micro_index = (step * cfg.grad_accum + micro) * world + rank
                 idx = batch_indices(len(train_data), cfg.seed, micro_index, cfg.micro_batch_size)
@@ -332,7 +333,6 @@ _RESUME_FREE_FIELDS = ("max_time_s", "progress", "gradient_checkpointing", "prec
 def _check_config(out_dir: Path, cfg: TrainConfig, write: bool = True) -> dict[str, Any]:
     """First run: write train_config.json (``write``: the main process only). Later runs: refuse to resume
     under a different config, except for ``_RESUME_FREE_FIELDS``; returns those that changed (old, new)."""
-    from kvgraft.atomic import atomic_write_text
 
     path = out_dir / "train_config.json"
     mine = cfg.to_dict()

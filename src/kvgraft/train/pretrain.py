@@ -6,7 +6,14 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
+from accelerate import PartialState
+from tokenizers import Tokenizer
+
+from kvgraft.checks import check_writable
 from kvgraft.data import PackedDataset
+from kvgraft.hf import save_pretrained
+from kvgraft.hf.config_map import natural_model_type
 from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.presets import get_preset
 from kvgraft.train.checkpoint import find_latest, load_checkpoint
@@ -20,15 +27,12 @@ def check_data_vocab(data_dir: Path, config: ModelConfig, preset: str | None = N
     Token ids >= ``config.vocab_size`` would crash the embedding mid-run; a tokenizer larger than the
     model's vocabulary would produce them on new text.
     """
-    import numpy as np
 
     name = f"model preset {preset!r}" if preset else "the model"
     fix = (f"prepare the data with --vocab-size {config.vocab_size} (or less), or choose a model whose "
            "vocab_size covers the data's")
     tokenizer = data_dir / "tokenizer" / "tokenizer.json"
     if tokenizer.is_file():
-        from tokenizers import Tokenizer
-
         size = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
         if size > config.vocab_size:
             raise ValueError(f"the data in {data_dir} uses a {size}-token vocabulary ({tokenizer}), but {name} has "
@@ -69,7 +73,6 @@ def pretrain(
         if not (data_dir / name).exists():
             raise FileNotFoundError(f"{data_dir / name} is missing; run `kvgraft prepare-data --out {data_dir}` first")
     check_data_vocab(data_dir, config, model if isinstance(model, str) else None)
-    from kvgraft.checks import check_writable
 
     check_writable(out_dir / "train_config.json", what="run directory")
     train_ds = PackedDataset(data_dir / "tokens" / "train.npy", seq_len)
@@ -81,15 +84,12 @@ def pretrain(
         net, train_ds, train_config, out_dir, val_data=val_ds,
         extra_state={"model_config": config.to_dict(), "seq_len": seq_len},
     )
-    from accelerate import PartialState
 
     state = PartialState()  # the launch's processes (one unless torchrun / accelerate launch): one writer
     if export and state.is_main_process:
         latest = find_latest(out_dir)
         if latest is not None:
             load_checkpoint(latest, net)
-        from kvgraft.hf import save_pretrained
-        from kvgraft.hf.config_map import natural_model_type
 
         save_pretrained(net, out_dir / "final", tokenizer_dir=data_dir / "tokenizer", overwrite=True,
                         model_type=natural_model_type(config))

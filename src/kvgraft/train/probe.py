@@ -9,7 +9,7 @@ For a trained adapter and a task, per module group c (``q_proj``, ``kv_b_proj``,
 - ``rho_c = (G_c / G) / (n_c / n)``: the mean squared gradient per parameter relative to the adapter's.
   With a module kappa times as sensitive, its best step is 1/kappa of the average while Adam's step stays
   near the LR, so a shared LR is about sqrt(rho_c) too large for it: the suggested multiplier is
-  ``1 / sqrt(rho_c)`` (the seed article's argument; ``kvgraft adapt --lr-mult GLOB=FACTOR`` applies it);
+  ``1 / sqrt(rho_c)`` (the argument of Mind Lab's article on LoRA placement; ``kvgraft adapt --lr-mult GLOB=FACTOR`` applies it);
 - the zeroing ablation: validation loss with the group's adapter zeroed (others kept), and with all
   zeroed (= the base model).
 """
@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
+from kvgraft.adapters.fingerprint import resolve_base
+from kvgraft.adapters.lora import load_adapter, read_meta
 from kvgraft.adapters.optim import module_name
+from kvgraft.hf import load_pretrained, load_tokenizer_dir
+from kvgraft.reference import resolve_model
+from kvgraft.train.adapt import encode_split, load_task_any, task_seq_len
+from kvgraft.train.loop import batch_indices, collate, evaluate, lm_loss
 
 
 def module_group(name: str) -> str:
@@ -39,12 +45,6 @@ def module_group(name: str) -> str:
 def probe(adapter_dir: str | Path, task: str | Path, base: str | Path | None = None, steps: int = 8,
           micro_batch_size: int = 16, val_examples: int = 224) -> dict[str, Any]:
     """Gradient energy and zeroing ablation per module group (see the module docstring)."""
-    from kvgraft.adapters.fingerprint import resolve_base
-    from kvgraft.adapters.lora import load_adapter, read_meta
-    from kvgraft.hf import load_pretrained, load_tokenizer_dir
-    from kvgraft.reference import resolve_model
-    from kvgraft.train.adapt import encode_split, load_task_any, task_seq_len
-    from kvgraft.train.loop import batch_indices, collate, evaluate, lm_loss
 
     if steps < 1 or micro_batch_size < 1 or val_examples < 1:
         raise ValueError(f"steps ({steps}), micro_batch_size ({micro_batch_size}) and val_examples ({val_examples}) "

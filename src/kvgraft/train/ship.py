@@ -16,6 +16,10 @@ from pathlib import Path
 
 from kvgraft.atomic import atomic_dir
 from kvgraft.data import spread_tokens
+from kvgraft.eval import perplexity
+from kvgraft.hf import load_pretrained
+from kvgraft.hf.config_map import model_config_from_hf
+from kvgraft.model.shapes import num_parameters
 
 
 def ship_reference(
@@ -35,8 +39,6 @@ def ship_reference(
     final = run_dir / "final"
     if not (final / "config.json").is_file():
         raise FileNotFoundError(f"{final} has no exported model; finish the run with `kvgraft pretrain` first")
-    from kvgraft.eval import perplexity
-    from kvgraft.hf import load_pretrained
 
     log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
     summary = json.loads((final / "training_summary.json").read_text())
@@ -79,7 +81,7 @@ def ship_reference(
                        for s, v in prepare["splits"].items()},
             "wall_time_s": train_rows[-1]["elapsed_s"] if train_rows else None,
             "kv_cache_bytes_bf16": {str(n): model.config.kv_cache_bytes(n, 2) for n in (512, 4096)},
-            "parameters": model.config.num_parameters(),
+            "parameters": num_parameters(model.config),
             "run_dir_name": run_dir.name,
         }
         if compare_with is not None:
@@ -93,14 +95,12 @@ def ship_reference(
 
 def _comparison(other_dir: Path, heldout, seq_len: int, val_rows: list[dict]) -> dict:
     """The other reference model on this model's held-out slice, its card's figures, both caches' sizes."""
-    from kvgraft.eval import perplexity
-    from kvgraft.hf import load_pretrained
 
     other = load_pretrained(other_dir)
     held = perplexity(other, heldout, seq_len=seq_len, progress=False)
     card = json.loads((other_dir / "training.json").read_text())
     return {
-        "name": other_dir.name, "parameters": other.config.num_parameters(), "tokens_seen": card["tokens_seen"],
+        "name": other_dir.name, "parameters": num_parameters(other.config), "tokens_seen": card["tokens_seen"],
         "final_val_ppl": card["final_val_ppl"], "heldout_ppl": held.ppl,
         "kv_cache_bytes_bf16": {str(n): other.config.kv_cache_bytes(n, 2) for n in (512, 4096)},
     }
@@ -245,7 +245,5 @@ def _f(value: float | None, fmt: str = ".4f") -> str:
 def _count_params(config: dict) -> int:
     """Parameters of the model a config.json describes (any format kvgraft loads; for older training.json
     records without a "parameters" entry)."""
-    from kvgraft.hf.config_map import model_config_from_hf
-    from kvgraft.model.shapes import num_parameters
 
     return num_parameters(model_config_from_hf(config, "config.json"))

@@ -8,6 +8,7 @@ build on this module and nothing else of the package; :mod:`~kvgraft.data.tasks.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -17,7 +18,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from kvgraft.atomic import atomic_dir
+from kvgraft.data.tokenizer import load_tokenizer
 from kvgraft.errors import KvgraftError
+from kvgraft.reference import reference_model_dir
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 SPLIT_SIZES: Mapping[str, int] = MappingProxyType({"train": 1472, "validation": 224, "test": 601})
@@ -237,7 +241,6 @@ _REFERENCE_COUNTER: _TokenCounter | None = None
 
 def reference_tokenizer_file() -> Path:
     """The shipped reference models' ``tokenizer.json``, the ruler of the ui-reply token budget."""
-    from kvgraft.reference import reference_model_dir
 
     try:
         return reference_model_dir() / "tokenizer.json"
@@ -248,8 +251,6 @@ def reference_tokenizer_file() -> Path:
 def _reference_counter() -> _TokenCounter:
     global _REFERENCE_COUNTER
     if _REFERENCE_COUNTER is None:
-        from kvgraft.data.tokenizer import load_tokenizer
-
         path = reference_tokenizer_file()
         if not path.is_file():
             raise TaskError(f"ui-reply sizes its examples with the reference tokenizer, and {path} is missing")
@@ -259,7 +260,6 @@ def _reference_counter() -> _TokenCounter:
 
 def reference_token_budget(max_tokens: int) -> dict[str, Any]:
     """The ``task.json`` entry of a task sized with the reference tokenizer: the budget and the ruler's hash."""
-    import hashlib
 
     ruler = reference_tokenizer_file()
     return {"max_tokens": max_tokens, "counted": "prompt + answer + EOS",
@@ -325,7 +325,6 @@ def read_task_info(directory: str | Path) -> dict[str, Any]:
 def _write_splits(out: Path, splits: Mapping[str, Sequence[Example]], info: Mapping[str, Any], *,
                   overwrite: bool) -> None:
     """Write the split files and ``task.json`` into ``out``, which appears complete or not at all."""
-    from kvgraft.atomic import atomic_dir
 
     with atomic_dir(out, overwrite=overwrite) as tmp:
         for split in SPLITS:

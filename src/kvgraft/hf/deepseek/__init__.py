@@ -26,6 +26,8 @@ is said in the module that builds it. One concept per module; imports run one wa
 - ``tensors``: the tensors under DeepSeek-V3's names and config.json.
 - ``export``: ``export_deepseek_v3``, its ``ExportReport`` and README card (a sliding window).
 - ``measure``: loading the export with stock transformers and measuring it against the kvgraft model.
+- ``adapters``: ``export_adapter_deepseek_v3``, a kvgraft LoRA adapter carried to the stock export (imported
+  by its own path, not from this package).
 
 transformers builds ``kv_a_layernorm`` with eps 1e-6 whatever ``rms_norm_eps`` says, while vLLM and SGLang
 use ``rms_norm_eps``. The export is exact in transformers; when ``rms_norm_eps != 1e-6`` the serving stacks

@@ -8,14 +8,39 @@ layer), non-zero MLP biases (nothing can carry them).
 
 from __future__ import annotations
 
+from typing import NamedTuple, cast
+
 import torch
 
+from kvgraft.errors import UnsupportedModelError
 from kvgraft.hf.deepseek.rope import prefix_rope_index, stock_rope_layout, stride_rope_index
 from kvgraft.model.config import ModelConfig
-from kvgraft.model.transformer import Transformer
+from kvgraft.model.fields import known
+from kvgraft.model.mla import MLAttention
+from kvgraft.model.transformer import MLP, Block, Transformer
 
 FLASH_MLA_KV_LORA_RANK = 512
 FLASH_MLA_ROPE_HEAD_DIM = 64
+
+
+class MLALayer(NamedTuple):
+    """One decoder block of an all-MLA model, its parts typed."""
+
+    block: Block
+    attn: MLAttention
+    mlp: MLP
+
+
+def mla_layers(model: Transformer) -> list[MLALayer]:
+    """Every decoder block with its MLA attention; ``UnsupportedModelError`` names a layer that is not MLA."""
+    out = []
+    for i, module in enumerate(model.layers):
+        block = cast(Block, module)
+        if not isinstance(block.self_attn, MLAttention):
+            raise UnsupportedModelError(f"layer {i} runs {type(block.self_attn).__name__}, not MLA; stock "
+                                        "DeepSeek-V3 needs MLA in every layer")
+        out.append(MLALayer(block, block.self_attn, block.mlp))
+    return out
 
 
 def config_problems(config: ModelConfig) -> list[str]:
@@ -40,15 +65,16 @@ def config_problems(config: ModelConfig) -> list[str]:
         )
     if not gqa and stock_rope_layout(config) is None:
         stride, prefix = stride_rope_index(config), prefix_rope_index(config)
-        layouts = {tuple(config.rope_freq_index[i]) for i in range(config.num_layers)}
-        bad = [i for i in range(config.num_layers) if config.rope_freq_index[i] not in (stride, prefix)] or \
+        freq_index = known(config.rope_freq_index, "rope_freq_index")  # every layer is MLA here
+        layouts = {tuple(freq_index[i]) for i in range(config.num_layers)}
+        bad = [i for i in range(config.num_layers) if freq_index[i] not in (stride, prefix)] or \
             list(range(1, config.num_layers))  # each layer is one of the two, but not all the same one
         fix = ("graft with --rope-selection stride or prefix (rope_selection='stride' / 'prefix')"
                if stride is not None else
                "graft with --rope-selection prefix, or --rope-selection stride with --rope-dim set to an even divisor "
                f"of head_dim {config.head_dim}")
         problems.append(
-            f"the RoPE frequency layout of layers {bad} (rope_freq_index {config.rope_freq_index[bad[0]]}"
+            f"the RoPE frequency layout of layers {bad} (rope_freq_index {freq_index[bad[0]]}"
             f"{'; not the same in every layer' if len(layouts) > 1 else ''}) is not one stock DeepSeek-V3 can "
             f"hold: it rotates RoPE pair j at theta'^(-2j/d_rope) in every layer, each frequency once, which is "
             f"the stride layout {stride if stride is not None else '(0, s, 2s, ...)'} at theta' = rope_theta or "
@@ -63,7 +89,7 @@ def weight_problems(model: Transformer) -> list[str]:
     cfg = model.config
     if cfg.mlp_bias:
         nonzero = [i for i, b in enumerate(model.layers)
-                   if any(has_nonzero(getattr(b.mlp, n).bias) for n in ("gate_proj", "up_proj", "down_proj"))]
+                   if any(has_nonzero(getattr(cast(Block, b).mlp, n).bias) for n in ("gate_proj", "up_proj", "down_proj"))]
         if nonzero:
             problems.append(
                 f"the MLP of layers {nonzero} has non-zero biases; stock DeepSeek-V3's MLP has none, and no flag "
@@ -106,8 +132,10 @@ def deepseek_v3_fast_path(config: ModelConfig, original_kv_width: int | None = N
 __all__ = [
     "FLASH_MLA_KV_LORA_RANK",
     "FLASH_MLA_ROPE_HEAD_DIM",
+    "MLALayer",
     "config_problems",
     "deepseek_v3_fast_path",
     "has_nonzero",
+    "mla_layers",
     "weight_problems",
 ]

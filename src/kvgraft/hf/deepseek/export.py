@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 
 from kvgraft.errors import CheckpointError, UnsupportedModelError
-from kvgraft.hf.deepseek.checks import config_problems, deepseek_v3_fast_path, has_nonzero, weight_problems
+from kvgraft.hf.deepseek.checks import (
+    config_problems,
+    deepseek_v3_fast_path,
+    has_nonzero,
+    mla_layers,
+    weight_problems,
+)
 from kvgraft.hf.deepseek.folds import collect_input_moments, engine_folds
 from kvgraft.hf.deepseek.latent import (
     ENGINE_LATENT_RMS,
@@ -182,6 +188,7 @@ def export_deepseek_v3(
     problems = config_problems(cfg) + weight_problems(model)
     if problems:
         raise UnsupportedModelError("cannot export to stock DeepSeek-V3: " + "; ".join(problems))
+    layers, (dc, dr, dn, dv) = mla_layers(model), cfg.latent_dims()  # every layer is MLA (config_problems)
     rope_parameters, q_fold, rope_notes = stock_rope_parameters(cfg)
     if calibration is not None and (calibration.dim() != 2 or calibration.numel() == 0):
         raise ValueError(f"calibration must be token ids of shape (N, T), got shape {tuple(calibration.shape)}")
@@ -192,10 +199,10 @@ def export_deepseek_v3(
             raise CheckpointError(f"tokenizer directory {tokenizer_dir} has none of {', '.join(TOKENIZER_FILES)}")
 
     if target == "engines" and calibration is None:
-        biased = [i for i, b in enumerate(model.layers)
-                  if any(has_nonzero(getattr(b.self_attn, n).bias) for n in ("q_proj", "kv_a_proj", "o_proj"))
-                  or (b.self_attn.kv_b_proj.bias is not None and has_nonzero(
-                      b.self_attn.kv_b_proj.bias.view(cfg.num_heads, -1)[:, cfg.qk_nope_head_dim:]))]
+        biased = [i for i, b in enumerate(layers)
+                  if any(has_nonzero(getattr(b.attn, n).bias) for n in ("q_proj", "kv_a_proj", "o_proj"))
+                  or (b.attn.kv_b_proj.bias is not None and has_nonzero(
+                      b.attn.kv_b_proj.bias.view(cfg.num_heads, -1)[:, dn:]))]
         if biased:
             raise ValueError(
                 f"layers {biased} have attention biases: the engine-safe stock export folds them into bias-free weights "
@@ -227,7 +234,7 @@ def export_deepseek_v3(
     try:
         if cfg.mla_latent_norm:
             strategy = "exact"
-            latents = [exact_latent(b.self_attn, cfg.rms_norm_eps) for b in model.layers]
+            latents = [exact_latent(b.attn, cfg.rms_norm_eps) for b in layers]
             if cfg.rms_norm_eps != STOCK_LATENT_NORM_EPS:
                 notes.append(
                     f"rms_norm_eps is {cfg.rms_norm_eps}: the latent is rescaled so transformers' kv_a_layernorm "
@@ -236,10 +243,10 @@ def export_deepseek_v3(
                 )
         elif latent_norm == "pad":
             strategy = "pad"
-            latents = [pad_latent(b.self_attn, b.input_layernorm.weight) for b in model.layers]
+            latents = [pad_latent(b.attn, b.block.input_layernorm.weight) for b in layers]
             folded.append(
-                f"latent RMSNorm: one constant latent coordinate (kv_lora_rank {cfg.kv_lora_rank} -> "
-                f"{cfg.kv_lora_rank + 1}) pins stock's kv_a_layernorm to a constant rms (relative error <= "
+                f"latent RMSNorm: one constant latent coordinate (kv_lora_rank {dc} -> "
+                f"{dc + 1}) pins stock's kv_a_layernorm to a constant rms (relative error <= "
                 f"{PIN_DELTA / 2:.0e} for any input), undone by its weight; +1 cached value per token and layer"
             )
         else:
@@ -252,9 +259,9 @@ def export_deepseek_v3(
                 strategy = "scale"
             raw = collect_latents(model, calibration, max_fit_tokens) if calibration is not None else None
             latents = [
-                approx_latent(b.self_attn, None if raw is None else raw[i], strategy,
-                               b.input_layernorm.weight.detach())
-                for i, b in enumerate(model.layers)
+                approx_latent(b.attn, None if raw is None else raw[i], strategy,
+                               b.block.input_layernorm.weight.detach())
+                for i, b in enumerate(layers)
             ]
             for lat in latents:  # scale-free after the norm: only the engines' different eps sees this
                 lat.M = lat.M * ENGINE_LATENT_RMS
@@ -266,11 +273,12 @@ def export_deepseek_v3(
             )
         folds = None
         if target == "engines":
-            has_bias = any(has_nonzero(getattr(b.self_attn, n).bias)
-                           for b in model.layers for n in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"))
+            has_bias = any(has_nonzero(getattr(b.attn, n).bias)
+                           for b in layers for n in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"))
             moments = collect_input_moments(model, calibration) if has_bias and calibration is not None else None
             folds = engine_folds(model, moments)
             if any(f is not None and f.value is not None for f in folds) and any(lat.unit is None for lat in latents):
+                assert calibration is not None  # engine_folds refuses a value fold without it
                 raw_c = collect_latents(model, calibration, max_fit_tokens)
                 for i, lat in enumerate(latents):
                     if lat.unit is None:
@@ -290,30 +298,31 @@ def export_deepseek_v3(
                     worst = max(f.o_residual for f in folds if f is not None)
                     approximations.append(f"o_proj bias: o_proj cannot produce all of it from the values (relative "
                                           f"residual up to {worst:.3g}); the rest is dropped")
-            if any(has_nonzero(b.self_attn.kv_b_proj.bias) for b in model.layers):
+            if any(has_nonzero(b.attn.kv_b_proj.bias) for b in layers):
                 folded.append("key bias: adds the same amount to every logit of a query (softmax ignores it): dropped")
         q_bias_layers = query_bias_layers(model) if cfg.qkv_bias and target == "transformers" else []
         low_rank_q = bool(q_bias_layers)
         H, h = cfg.num_heads, cfg.hidden_size
-        Hq = H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-        q_lora_rank = min(h, Hq) + 1 if low_rank_q else None
+        Hq = H * (dn + dr)
+        q_rank = min(h, Hq) + 1  # the low-rank query path's width, when a query bias needs it
+        q_lora_rank = q_rank if low_rank_q else None
         dc_out = latents[0].M.shape[0]
         extra = 0
         if strategy == "pad":
-            extra += cfg.num_layers * (h + 2 + H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+            extra += cfg.num_layers * (h + 2 + H * (dn + dv))
         if low_rank_q:
-            extra += cfg.num_layers * (q_lora_rank * h + 2 * q_lora_rank + Hq * q_lora_rank - Hq * h)
+            extra += cfg.num_layers * (q_rank * h + 2 * q_rank + Hq * q_rank - Hq * h)
             folded.append(
                 f"query bias (layers {q_bias_layers}): stock's q_proj has no bias, so the queries go through its "
-                f"low-rank path q_a_proj (with bias) -> q_a_layernorm -> q_b_proj with q_lora_rank {q_lora_rank} "
+                f"low-rank path q_a_proj (with bias) -> q_a_layernorm -> q_b_proj with q_lora_rank {q_rank} "
                 f"(min(hidden {h}, heads x qk_head_dim {Hq}) + 1): a constant coordinate pins the norm's rms "
                 f"(relative error <= {PIN_DELTA / 2:.0e}) and carries the bias; "
-                f"+{cfg.num_layers * (q_lora_rank * h + 2 * q_lora_rank + Hq * q_lora_rank - Hq * h):,} parameters"
+                f"+{cfg.num_layers * (q_rank * h + 2 * q_rank + Hq * q_rank - Hq * h):,} parameters"
             )
-        if target == "transformers" and any(has_nonzero(b.self_attn.kv_b_proj.bias) for b in model.layers):
+        if target == "transformers" and any(has_nonzero(b.attn.kv_b_proj.bias) for b in layers):
             folded.append("key bias: adds the same amount to every logit of a query (softmax ignores it); value "
                           "bias: through attention (weights sum to one) into o_proj's bias")
-        if target == "transformers" and any(has_nonzero(b.self_attn.kv_a_proj.bias) for b in model.layers):
+        if target == "transformers" and any(has_nonzero(b.attn.kv_a_proj.bias) for b in layers):
             folded.append("latent / RoPE-key bias: kv_a_proj_with_mqa's bias (attention_bias)")
         notes = deepseek_v3_fast_path(cfg.replace(kv_lora_rank=dc_out), cfg.kv_width) + notes
         attention_bias = target == "transformers" and attention_bias_needed(model, latents, low_rank_q)
@@ -323,7 +332,7 @@ def export_deepseek_v3(
         if target == "engines":
             big = {k: float(v.abs().max()) for k, v in tensors.items() if v.numel() and float(v.abs().max()) > FP16_MAX}
             if big:
-                name = max(big, key=big.get)
+                name = max(big, key=lambda k: big[k])
                 raise UnsupportedModelError(
                     f"{len(big)} exported tensors exceed fp16's range ({FP16_MAX:.0f}), e.g. {name} up to {big[name]:.4g}: "
                     "vLLM and SGLang serve in fp16/bf16; rescale the source model's weights, or export with "

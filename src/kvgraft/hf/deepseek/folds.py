@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgraft.hf.deepseek.checks import has_nonzero
+from kvgraft.hf.deepseek.checks import has_nonzero, mla_layers
 from kvgraft.hf.deepseek.latent import run_with_kv_a_hooks
 from kvgraft.model.transformer import Transformer
 
@@ -24,17 +24,18 @@ def collect_input_moments(model: Transformer, ids: torch.Tensor, batch_size: int
     whatever the number of calibration tokens."""
     h = model.config.hidden_size
     device = model.embed_tokens.weight.device
-    sums = [[0, torch.zeros(h, dtype=torch.float64, device=device), torch.zeros(h, h, device=device)]
-            for _ in model.layers]
+    counts = [0] * len(model.layers)
+    firsts = [torch.zeros(h, dtype=torch.float64, device=device) for _ in model.layers]
+    seconds = [torch.zeros(h, h, device=device) for _ in model.layers]
 
     def accumulate(i: int, x: torch.Tensor, _out: torch.Tensor) -> None:
         x = x.detach().reshape(-1, h).float()
-        sums[i][0] += x.shape[0]
-        sums[i][1] += x.sum(0).double()
-        sums[i][2] += x.T @ x
+        counts[i] += x.shape[0]
+        firsts[i] += x.sum(0).double()
+        seconds[i] += x.T @ x
 
     run_with_kv_a_hooks(model, ids, accumulate, batch_size)
-    return [(s.cpu() / n, o.double().cpu() / n) for n, s, o in sums]
+    return [(s.cpu() / n, o.double().cpu() / n) for n, s, o in zip(counts, firsts, seconds)]
 
 
 @dataclass
@@ -58,10 +59,10 @@ class EngineFold:
 def engine_folds(model: Transformer, moments: list[tuple[torch.Tensor, torch.Tensor]] | None) -> list[EngineFold | None]:
     """Per layer, the bias folds of ``EngineFold`` (None: the layer has no bias to fold)."""
     cfg = model.config
-    H, dn, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    H = cfg.num_heads
+    _, _, dn, dv = cfg.latent_dims()
     out: list[EngineFold | None] = []
-    for i, block in enumerate(model.layers):
-        attn = block.self_attn
+    for i, (_, attn, _) in enumerate(mla_layers(model)):
         bq = attn.q_proj.bias if has_nonzero(attn.q_proj.bias) else None
         ba = attn.kv_a_proj.bias if has_nonzero(attn.kv_a_proj.bias) else None
         bb = attn.kv_b_proj.bias if has_nonzero(attn.kv_b_proj.bias) else None

@@ -19,10 +19,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvgraft.hf.deepseek.checks import mla_layers
 from kvgraft.model.transformer import Transformer
 
 LATENT_NORM_STRATEGIES = ("pad", "fit", "scale")
@@ -122,11 +124,12 @@ def low_rank_query(wq: torch.Tensor, bq: torch.Tensor, input_norm: torch.Tensor)
 
 
 @torch.no_grad()
-def run_with_kv_a_hooks(model: Transformer, ids: torch.Tensor, on_kv_a, batch_size: int = 8) -> None:
+def run_with_kv_a_hooks(model: Transformer, ids: torch.Tensor,
+                        on_kv_a: Callable[[int, torch.Tensor, torch.Tensor], None], batch_size: int = 8) -> None:
     """Run ``model`` over the calibration ids (N, T) in batches with ``on_kv_a(layer, input, output)`` called at
     every layer's kv_a_proj (its input is the attention input x, its output the latent and RoPE key)."""
-    hooks = [block.self_attn.kv_a_proj.register_forward_hook(lambda _m, inp, out, i=i: on_kv_a(i, inp[0], out))
-             for i, block in enumerate(model.layers)]
+    hooks = [layer.attn.kv_a_proj.register_forward_hook(lambda _m, inp, out, i=i: on_kv_a(i, inp[0], out))
+             for i, layer in enumerate(mla_layers(model))]
     device = model.embed_tokens.weight.device
     try:
         for start in range(0, ids.shape[0], batch_size):
@@ -139,7 +142,7 @@ def run_with_kv_a_hooks(model: Transformer, ids: torch.Tensor, on_kv_a, batch_si
 @torch.no_grad()
 def collect_latents(model: Transformer, ids: torch.Tensor, max_tokens: int, batch_size: int = 8) -> list[torch.Tensor]:
     """Per layer, the raw latents c = kv_a(x)[:d_c] (fp64, CPU) over (at most ``max_tokens``) calibration tokens."""
-    dc = model.config.kv_lora_rank
+    dc = model.config.latent_dims()[0]
     store: list[list[torch.Tensor]] = [[] for _ in model.layers]
 
     def keep(i: int, _x: torch.Tensor, out: torch.Tensor) -> None:
@@ -150,8 +153,8 @@ def collect_latents(model: Transformer, ids: torch.Tensor, max_tokens: int, batc
     for chunks in store:
         c = torch.cat(chunks)
         if c.shape[0] > max_tokens:
-            keep = torch.randperm(c.shape[0], generator=torch.Generator().manual_seed(0))[:max_tokens]
-            c = c[keep.sort().values]
+            chosen = torch.randperm(c.shape[0], generator=torch.Generator().manual_seed(0))[:max_tokens]
+            c = c[chosen.sort().values]
         out.append(c)
     return out
 

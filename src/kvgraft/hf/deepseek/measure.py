@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -20,7 +21,8 @@ def load_stock(export_dir: str | Path, dtype: torch.dtype = torch.float32):
     """The exported checkpoint in stock transformers (AutoModelForCausalLM), checked to load cleanly."""
     from transformers import AutoModelForCausalLM
 
-    stock, info = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=dtype, output_loading_info=True)
+    # with output_loading_info transformers returns (model, info); its stubs only know the model
+    stock, info = cast(Any, AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=dtype, output_loading_info=True))
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:
         raise CheckpointError(f"{export_dir} does not load cleanly in transformers: {bad}")

@@ -28,6 +28,7 @@ import torch
 
 from kvgraft.errors import UnsupportedModelError
 from kvgraft.model.config import ModelConfig, RopeConfig
+from kvgraft.model.fields import known
 from kvgraft.model.rope import rope_frequencies
 
 
@@ -57,7 +58,10 @@ def stock_rope_layout(config: ModelConfig) -> str | None:
     DeepSeek-V3's pair j at theta'^(-2j/d_rope), for theta' = theta resp. theta^(d_rope/head_dim)); "stride" when
     they coincide (d_rope = head_dim); None otherwise (per-layer or repeated frequencies: kvgraft's own)."""
     mla = [i for i, k in enumerate(config.attention_kinds) if k == "mla"]
-    layouts = {tuple(config.rope_freq_index[i]) for i in mla}
+    if not mla:
+        return None
+    freq_index = known(config.rope_freq_index, "rope_freq_index")  # set on every config with an MLA layer
+    layouts = {tuple(freq_index[i]) for i in mla}
     if len(layouts) != 1:
         return None
     (index,) = layouts
@@ -126,7 +130,7 @@ def stock_rope_parameters(config: ModelConfig, layout: str | None = None) -> tup
     layout). Checked numerically (relative 2e-6: the changed theta rounds differently in fp32, ~5e-7).
     """
     rope: RopeConfig = config.rope
-    d, dr, max_pos = config.head_dim, config.qk_rope_head_dim, config.max_position_embeddings
+    d, dr, max_pos = config.head_dim, known(config.qk_rope_head_dim, "qk_rope_head_dim"), config.max_position_embeddings
     kind = rope.rope_type
     if layout is None:
         layout = stock_rope_layout(config) or "stride"
@@ -141,7 +145,8 @@ def stock_rope_parameters(config: ModelConfig, layout: str | None = None) -> tup
             f"dim = {dr} where kvgraft uses {d}, so the frequencies would differ (whatever the rope selection); "
             f"graft with --rope-dim {d} (qk_rope_head_dim = head_dim), or use --format kvgraft"
         )
-    idx = list(stride_rope_index(config) if layout == "stride" else prefix_rope_index(config))
+    idx = list(known(stride_rope_index(config) if layout == "stride" else prefix_rope_index(config),
+                     f"{layout} RoPE layout"))
     ours, our_scale = rope_frequencies(rope, d, max_pos)
     stock_theta = float(rope.theta) if layout == "stride" else float(rope.theta) ** (dr / d)
     stock_rope = dataclasses.replace(rope, theta=stock_theta)
@@ -177,11 +182,13 @@ def stock_rope_parameters(config: ModelConfig, layout: str | None = None) -> tup
         notes.append(f"prefix RoPE layout: rope_theta {rope.theta:g} -> {stock_theta:.9g} (= rope_theta^(d_rope/head_dim) "
                      f"= rope_theta^({dr}/{d})), so stock's pair j rotates at kvgraft's frequency j: exact")
     if kind in ("linear", "dynamic"):
-        params["factor"] = float(rope.factor)
-    elif kind == "llama3":
-        params |= {"factor": float(rope.factor), "low_freq_factor": float(rope.low_freq_factor),
-                   "high_freq_factor": float(rope.high_freq_factor),
-                   "original_max_position_embeddings": int(rope.original_max_position_embeddings)}
+        params["factor"] = float(known(rope.factor, "rope factor"))
+    elif kind == "llama3":  # RopeConfig requires these for llama3
+        params |= {"factor": float(known(rope.factor, "rope factor")),
+                   "low_freq_factor": float(known(rope.low_freq_factor, "rope low_freq_factor")),
+                   "high_freq_factor": float(known(rope.high_freq_factor, "rope high_freq_factor")),
+                   "original_max_position_embeddings": int(known(rope.original_max_position_embeddings,
+                                                                 "rope original_max_position_embeddings"))}
     elif kind == "yarn":
         original = rope.original_max_position_embeddings or max_pos
         params["original_max_position_embeddings"] = int(original)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgraft.hf.deepseek.checks import has_nonzero
+from kvgraft.hf.deepseek.checks import has_nonzero, mla_layers
 from kvgraft.hf.deepseek.folds import EngineFold
 from kvgraft.hf.deepseek.latent import Latent, low_rank_query
 from kvgraft.model.config import ModelConfig
@@ -33,7 +33,7 @@ def stock_tensors(
     ``folds``: the engine-safe bias folds, in which case no bias tensor is written)."""
     cfg = model.config
     H, h = cfg.num_heads, cfg.hidden_size
-    dc, dr, dn, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    dc, dr, dn, dv = cfg.latent_dims()
     perm = interleave_perm(dr)
 
     def t(x: torch.Tensor) -> torch.Tensor:
@@ -46,9 +46,9 @@ def stock_tensors(
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": t(model.embed_tokens.weight),
                                     "model.norm.weight": t(model.norm.weight),
                                     "lm_head.weight": t(model.lm_head.weight).clone()}  # untied even if tied
-    for i, block in enumerate(model.layers):
+    for i, (block, attn, mlp) in enumerate(mla_layers(model)):
         p = f"model.layers.{i}."
-        attn, lat = block.self_attn, latents[i]
+        lat = latents[i]
         fold = folds[i] if folds is not None else None
         wq = t(attn.q_proj.weight)
         if fold is not None and fold.q_delta is not None:
@@ -88,7 +88,7 @@ def stock_tensors(
             out[p + "self_attn.kv_a_proj_with_mqa.bias"] = torch.cat([b_lat, b[dc:][perm]])
             out[p + "self_attn.o_proj.bias"] = o_bias
         for name in ("gate_proj", "up_proj", "down_proj"):
-            out[f"{p}mlp.{name}.weight"] = t(getattr(block.mlp, name).weight)
+            out[f"{p}mlp.{name}.weight"] = t(getattr(mlp, name).weight)
         out[p + "input_layernorm.weight"] = t(block.input_layernorm.weight)
         out[p + "post_attention_layernorm.weight"] = t(block.post_attention_layernorm.weight)
     return out
@@ -98,15 +98,14 @@ def attention_bias_needed(model: Transformer, latents: list[Latent], low_rank_q:
     cfg = model.config
     if cfg.o_bias or low_rank_q or any(lat.offset is not None for lat in latents):
         return True
-    for block in model.layers:
-        attn = block.self_attn
+    for _, attn, _ in mla_layers(model):
         if has_nonzero(attn.kv_a_proj.bias) or has_nonzero(attn.kv_b_proj.bias):
             return True
     return False
 
 
 def query_bias_layers(model: Transformer) -> list[int]:
-    return [i for i, b in enumerate(model.layers) if has_nonzero(b.self_attn.q_proj.bias)]
+    return [i for i, layer in enumerate(mla_layers(model)) if has_nonzero(layer.attn.q_proj.bias)]
 
 
 def deepseek_v3_config(

@@ -71,7 +71,8 @@ from kvgraft.model.config import ModelConfig
 def replay_layer(config: ModelConfig) -> int | None:
     """The layer a decoder replay starts from (the pivot: the last kv_source layer), or None (no replay:
     not a causal encoder-decoder)."""
-    return max(config.kv_source_layers) if config.is_ced else None
+    sources = config.kv_source_layers  # set exactly on a causal encoder-decoder (``is_ced``)
+    return max(sources) if sources is not None else None
 
 
 def replay_span(config: ModelConfig) -> int | None:
@@ -81,6 +82,8 @@ def replay_span(config: ModelConfig) -> int | None:
     if p is None:
         return None
     W = config.sliding_window
+    if W is None:
+        raise ValueError("a causal encoder-decoder needs a sliding_window (its layers' windows)")
     return W + (config.num_layers - 1 - p) * (W - 1)
 
 
@@ -136,7 +139,9 @@ class PrefixCache:
         """The longest usable entry for a request (``prompt``, adapter ``owner``, its certificate's
         ``shares`` and, on a full-attention base, ``same_below``: the layers below it store the base's
         KV) and the layer a replay rebuilds from (None: used as it is); None when none is usable."""
-        best, best_score, best_key = None, None, None
+        best: tuple[PrefixEntry, int | None] | None = None
+        best_score: tuple[int, bool, int] = (-1, False, 0)
+        best_key: int | None = None
         for key, e in self._entries.items():
             if e.length > len(prompt) - 1 or (best is not None and e.length < best[0].length):
                 continue

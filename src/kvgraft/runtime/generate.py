@@ -1,4 +1,4 @@
-"""Generation for a batch of prompts, through the continuous-batching engine (``kvgraft.serve.engine``)."""
+"""Generation for a batch of equal-length prompts, through the continuous-batching engine (:mod:`kvgraft.runtime.engine`)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import math
 
 import torch
 
+from kvgraft.model.cache import default_block_size
 from kvgraft.model.transformer import Transformer
-from kvgraft.serve.sampling import SamplingParams, sample_next
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
 
-__all__ = ["generate", "sample_next"]
+__all__ = ["generate"]
 
 
 @torch.inference_mode()
@@ -37,9 +39,6 @@ def generate(
               for r in range(input_ids.shape[0])]
     if max_new_tokens == 0:
         return input_ids.clone()
-    from kvgraft.model.cache import default_block_size
-    from kvgraft.serve.engine import Engine
-
     B, T = input_ids.shape
     total = T + max_new_tokens
     block_size = default_block_size(model.config) if block_size is None else block_size

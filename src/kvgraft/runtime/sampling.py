@@ -1,4 +1,5 @@
-"""Per-request sampling parameters and the sampler: greedy, temperature, top-p, seeded, stop conditions."""
+"""Per-request sampling parameters and the sampler: greedy, temperature, top-p, seeded, stop conditions
+(stop strings are matched by :mod:`kvgraft.runtime.stops`)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,19 @@ def sample_next(
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class Sampler:
+    """The next token of each row of one step's logits (rows, vocab), each with its own parameters and
+    generator: greedy rows take the argmax (computed once for all rows), the others :func:`sample_next`."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+        self._greedy: list[int] | None = None
+
+    def token(self, row: int, params: SamplingParams, generator: torch.Generator | None) -> int:
+        if params.temperature == 0:
+            if self._greedy is None:
+                self._greedy = [int(t) for t in self.logits.argmax(dim=-1).tolist()]
+            return self._greedy[row]
+        return int(sample_next(self.logits[row:row + 1], params.temperature, params.top_p, generator)[0])

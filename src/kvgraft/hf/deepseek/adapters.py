@@ -1,6 +1,6 @@
 """Carry a kvgraft adapter to a stock DeepSeek-V3 export of its MLA base (PEFT format in, PEFT format out).
 
-``kvgraft.hf.export_deepseek_v3`` rewrites some weights on the way to DeepSeek's layout; a LoRA delta
+``kvgraft.hf.export_deepseek_v3`` (:mod:`kvgraft.hf.deepseek.export`) rewrites some weights on the way to DeepSeek's layout; a LoRA delta
 ``B A`` on those weights is rewritten the same way, exactly, so that
 ``peft.PeftModel.from_pretrained(DeepseekV3ForCausalLM, exported_adapter)`` gives kvgraft's logits:
 
@@ -33,7 +33,14 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from kvgraft.adapters.fingerprint import relocate_reference
+from kvgraft.adapters.lora import META_FILE, base_fingerprint, check_base, read_meta
+from kvgraft.atomic import atomic_dir
+from kvgraft.hf.deepseek.latent import LATENT_NORM_STRATEGIES, STOCK_LATENT_NORM_EPS
+from kvgraft.hf.deepseek.rope import stock_rope_parameters
+from kvgraft.hf.deepseek.tensors import interleave_perm, query_bias_layers
 from kvgraft.model.transformer import Transformer
 
 
@@ -43,18 +50,7 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
 
     ``latent_norm``: the strategy the model's export used when it has no latent norm of its own (as
     ``export_deepseek_v3``'s argument; only the exact "pad" of ``target="transformers"`` can carry an adapter)."""
-    from safetensors.torch import load_file, save_file
 
-    from kvgraft.adapters.fingerprint import relocate_reference
-    from kvgraft.adapters.lora import META_FILE, base_fingerprint, check_base, read_meta
-    from kvgraft.atomic import atomic_dir
-    from kvgraft.hf.deepseek import (
-        LATENT_NORM_STRATEGIES,
-        STOCK_LATENT_NORM_EPS,
-        interleave_perm,
-        query_bias_layers,
-        stock_rope_parameters,
-    )
 
     cfg = model.config
     meta = read_meta(adapter_dir)
@@ -75,7 +71,7 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
         raise ValueError(f"adapter {adapter_dir} adapts q_proj of a base whose queries have a bias: stock DeepSeek-V3 "
                          "takes them through its low-rank q_a_proj/q_b_proj path, which a q_proj delta cannot follow; "
                          "train the adapter without q_proj (e.g. --modules kv_b_proj o_proj)")
-    H, dc, dr, dn = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    H, (dc, dr, dn, _) = cfg.num_heads, cfg.latent_dims()
     perm = interleave_perm(dr)
     q_fold = stock_rope_parameters(cfg)[1]
     # exact latent norm: rows rescaled so stock's eps acts as kvgraft's; "pad": rows kept, one zero row added

@@ -25,7 +25,7 @@ step use different adapters on this module, it raises: no single weight is right
 
 Unloading: :meth:`AdapterRegistry.unload` removes an adapter's deltas (a linear left with none is put
 back as the plain ``nn.Linear``). The engine decides when that is allowed (see
-``kvgraft.serve.engine.Engine.unload_adapter``: refused while requests use it, or deferred with
+``kvgraft.runtime.engine.Engine.unload_adapter``: refused while requests use it, or deferred with
 ``wait=True`` until they finish).
 """
 
@@ -36,14 +36,18 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvgraft.errors import KvgraftError
-from kvgraft.model.batch import MIXED, current_context
-from kvgraft.model.latent import LatentAttention, linear_weight
+from kvgraft.model.batch import MIXED, BatchContext, current_context
+from kvgraft.model.config import ModelConfig
+from kvgraft.model.latent import linear_weight
+from kvgraft.model.mla import MLAttention
+from kvgraft.model.transformer import Transformer
 
 _GATHER_MAX_TOKENS = 64  # steps of at most this many tokens gather per-token A/B (decode); longer: per adapter
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -79,7 +83,8 @@ class LoraWeights:
     A: torch.Tensor
     B: torch.Tensor
     scale: float
-    _merged: tuple | None = field(default=None, repr=False)  # ((id, version), base weight, merged weight)
+    # ((id, version), base weight, merged weight)
+    _merged: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.linear(x, self.A), self.B) * self.scale
@@ -103,7 +108,8 @@ class MultiLoraLinear(nn.Module):
         super().__init__()
         self.base_layer = base
         self.loras: dict[str, LoraWeights] = {}
-        self._stack: tuple | None = None  # (per-row LoraWeights, A (n, r, in), B (n, out, r) with the scales)
+        # (per-row LoraWeights, A (n, r, in), B (n, out, r) with the scales)
+        self._stack: tuple[tuple[LoraWeights | None, ...], torch.Tensor, torch.Tensor] | None = None
 
     @property
     def in_features(self) -> int:
@@ -116,17 +122,22 @@ class MultiLoraLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"adapters={sorted(self.loras)}"
 
+    def lora(self, adapter: object) -> LoraWeights | None:
+        """The delta of ``adapter`` (a loaded adapter's name) on this linear; None for the base, MIXED or an
+        adapter without one here."""
+        return self.loras.get(adapter) if isinstance(adapter, str) else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
+        y: torch.Tensor = self.base_layer(x)
         ctx = current_context()
-        if not self.loras or ctx is None or not ctx.has_adapters:
+        if not self.loras or not isinstance(ctx, BatchContext) or not ctx.has_adapters:  # only steps name adapters
             return y
         gi = ctx.active_group
         if gi is not None:  # a group's tensor (G, ...), or one adapter's rows of it (each_adapter)
             g = ctx.groups[gi]
             adapter = ctx.active_adapter if ctx.active_adapter is not MIXED else g.adapter
             if adapter is not MIXED:
-                lw = self.loras.get(adapter)
+                lw = self.lora(adapter)
                 if lw is None:
                     return y
                 if ctx.active_adapter is MIXED and x.shape[0] != g.G:
@@ -144,7 +155,7 @@ class MultiLoraLinear(nn.Module):
         if len(tokens) > 1 and ctx.num_tokens <= _GATHER_MAX_TOKENS:  # a few tokens of several adapters
             return self._per_row(x[0, :, None], y[0, :, None], ctx.token_adapters())[None, :, 0]
         for adapter, idx in tokens.items():
-            lw = self.loras.get(adapter)
+            lw = self.lora(adapter)
             if lw is None:
                 continue
             if idx.numel() == ctx.num_tokens:
@@ -153,11 +164,11 @@ class MultiLoraLinear(nn.Module):
                 y = y.index_add(1, idx, lw.delta(x.index_select(1, idx)).to(y.dtype))
         return y
 
-    def row_factors(self, adapters: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def row_factors(self, adapters: list[object]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Per-row LoRA factors for rows using ``adapters``: A (n, r, in) and B (n, out, r) with each
         adapter's scale folded into B (zero rows for the base or an adapter without a delta here; ranks
         zero-padded to the largest); None when no row has a delta. Cached while the rows keep their adapters."""
-        lws = tuple(self.loras.get(a) if a is not None else None for a in adapters)
+        lws = tuple(self.lora(a) for a in adapters)
         if self._stack is None or len(self._stack[0]) != len(lws) or any(
                 p is not q for p, q in zip(self._stack[0], lws)):
             live = [lw for lw in lws if lw is not None]
@@ -173,7 +184,7 @@ class MultiLoraLinear(nn.Module):
             self._stack = (lws, A, B)
         return self._stack[1], self._stack[2]
 
-    def _per_row(self, x: torch.Tensor, y: torch.Tensor, adapters: list) -> torch.Tensor:
+    def _per_row(self, x: torch.Tensor, y: torch.Tensor, adapters: list[object]) -> torch.Tensor:
         """``y + delta`` for (n, T, in) ``x`` whose row i uses ``adapters[i]`` (None or one without a delta
         here: none): the per-row A and B gathered once (zero-padded to the largest rank, which is exact;
         cached while the rows' adapters stay the same), then two batched matmuls for all rows (Punica's
@@ -203,7 +214,7 @@ class MultiLoraLinear(nn.Module):
                 raise RuntimeError("a weight read for a group whose rows use different adapters on this module; "
                                    "read it per adapter (BatchContext.each_adapter)")
             return weight, bias
-        lw = self.loras.get(adapter)
+        lw = self.lora(adapter)
         return (weight, bias) if lw is None else (lw.merged(weight), bias)
 
 
@@ -212,9 +223,9 @@ class AdapterFiles:
     """An adapter read from disk and checked against a base: plain tensors, nothing installed yet."""
 
     path: Path
-    meta: dict
-    peft_config: dict
-    certificate: dict
+    meta: dict[str, Any]
+    peft_config: dict[str, Any]
+    certificate: dict[str, Any]
     weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # module -> (A, B, scale)
 
     @property
@@ -226,15 +237,15 @@ class AdapterFiles:
         return sum(a.numel() + b.numel() for a, b, _ in self.weights.values())
 
 
-def _pattern_value(patterns: dict, module: str, default):
+def _pattern_value(patterns: dict[str, Any] | None, module: str, default: float) -> float:
     """PEFT's rank/alpha patterns: a key matches a module name it ends (after a dot) or equals."""
     for key, value in (patterns or {}).items():
         if re.match(rf"(.*\.)?({key})$", module):
-            return value
+            return float(value)
     return default
 
 
-def read_adapter(path: str | Path, config) -> AdapterFiles:
+def read_adapter(path: str | Path, config: ModelConfig) -> AdapterFiles:
     """Read and check an adapter directory against a base model ``config`` (a ``ModelConfig``)."""
     from safetensors.torch import load_file
 
@@ -288,7 +299,7 @@ def read_adapter(path: str | Path, config) -> AdapterFiles:
         raise AdapterError(f"{file} holds no LoRA weights")
     known = set(every_linear(config))
     alpha = float(peft_config.get("lora_alpha", 8))
-    weights = {}
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     for module, ab in sorted(pairs.items()):
         if module not in known:
             raise AdapterError(f"{path}: module {module!r} is not a projection of the base model")
@@ -317,14 +328,14 @@ class Adapter:
 
     name: str
     path: Path
-    meta: dict
-    certificate: dict
+    meta: dict[str, Any]
+    certificate: dict[str, Any]
     modules: list[str]
     rank: int
     num_parameters: int
     draining: bool = False  # unloading once its requests finish; new requests are refused
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, Any]:
         return {"name": self.name, "path": str(self.path), "modules": len(self.modules), "rank": self.rank,
                 "parameters": self.num_parameters, "placement": self.meta.get("placement"),
                 "certificate": self.certificate, "draining": self.draining}
@@ -333,7 +344,7 @@ class Adapter:
 class AdapterRegistry:
     """The adapters loaded on one served model, by name. Not thread-safe: call it from the engine's thread."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Transformer) -> None:
         self.model = model
         self.adapters: dict[str, Adapter] = {}
 
@@ -378,6 +389,7 @@ class AdapterRegistry:
             plan.append((module, layer, LoraWeights(A.to(ref.device, ref.dtype), B.to(ref.device, ref.dtype), scale)))
         for module, layer, lw in plan:
             if not isinstance(layer, MultiLoraLinear):
+                assert isinstance(layer, nn.Linear)  # checked above
                 layer = MultiLoraLinear(layer).train(layer.training)
                 parent, _, child = module.rpartition(".")
                 setattr(self.model.get_submodule(parent), child, layer)
@@ -406,6 +418,6 @@ class AdapterRegistry:
     def _fold_cache_size(self) -> None:
         """MLA keeps one fold of its decode weights per adapter a batch may hold, plus the base's."""
         for module in self.model.modules():
-            if isinstance(module, LatentAttention) and hasattr(module, "fold_cache_size"):
+            if isinstance(module, MLAttention):  # the attention that folds its decode weights
                 module.fold_cache_size = len(self.adapters) + 1
                 module._folded.clear()
