@@ -10,14 +10,18 @@ still be empty afterwards.
 from __future__ import annotations
 
 import errno
+import importlib
 import json
+import pkgutil
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import kvgraft.cli.cmd
 from kvgraft.cli import main
 
 NO_LOAD = ("kvgraft.hf.load_pretrained",)
@@ -196,14 +200,24 @@ def fixtures(tmp_path_factory) -> dict[str, str]:
 
 
 def _tripwire(target: str, monkeypatch) -> None:
+    """Replace the function ``target`` by one that fails, under every name any kvgraft module holds it by (so
+    the trip does not depend on how the caller imported it). Every command module is imported first."""
     module, _, attr = target.rpartition(".")
+    real = getattr(importlib.import_module(module), attr)
 
     def heavy(*args, **kwargs):
         raise AssertionError(f"heavy work ran before the bad input was answered: {target}")
 
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module(module), attr, heavy)
+    for info in pkgutil.iter_modules(kvgraft.cli.cmd.__path__):
+        importlib.import_module(f"kvgraft.cli.cmd.{info.name}")
+    patched = 0
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("kvgraft") and mod is not None:
+            for key, value in list(vars(mod).items()):
+                if value is real:
+                    monkeypatch.setattr(mod, key, heavy)
+                    patched += 1
+    assert patched, target
 
 
 def _ids(case) -> str:
@@ -273,3 +287,12 @@ def test_prepare_data_failure_after_the_corpus_leaves_nothing(fixtures, tmp_path
 
 def test_every_case_names_its_value_once():
     assert len({json.dumps(c[:2]) for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi", "--max-new-tokens", "1"],
+                                  ["eval", "--new-tokens", "2", "--contexts", "8", "--batch-sizes", "1"]])
+def test_the_tripwires_trip_on_good_input(argv, monkeypatch):
+    """The check above means something only if a tripwire fires when the command does reach the heavy step."""
+    _tripwire("kvgraft.hf.load_pretrained", monkeypatch)
+    with pytest.raises(AssertionError, match="heavy work ran"):
+        main(argv)

@@ -73,11 +73,13 @@ def test_convert_writes_a_loadable_model_and_refuses_to_overwrite(tiny_dir, tmp_
 
 def test_interrupted_convert_leaves_no_directory(tiny_dir, tmp_path, monkeypatch):
     import kvgraft.hf.save as save
+    import kvgraft.hf.shards as shards
 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(save, "save_file", boom)
+    monkeypatch.setattr(shards, "save_file", boom)  # the layer-by-layer executor writes through ShardWriter
     out = tmp_path / "mla"
     with pytest.raises(KeyboardInterrupt):
         main(["convert", str(tiny_dir), "--out", str(out), "--kv-lora-rank", "16", "--rope-dim", "16",

@@ -436,7 +436,7 @@ def test_kvgraft_serve_checks_its_arguments_before_loading(capsys):
 
 
 def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
-    import kvgraft.serve.server as server_module
+    import kvgraft.cli.cmd.serve as command  # the names `kvgraft serve` calls
     from kvgraft.cli import main
 
     seen = []
@@ -449,8 +449,8 @@ def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
         seen.append((model, adapters, kwargs))
         return Fake()
 
-    monkeypatch.setattr(server_module, "build_server", fake_build)
-    monkeypatch.setattr(server_module, "serve", lambda *a, **k: None)
+    monkeypatch.setattr(command, "build_server", fake_build)
+    monkeypatch.setattr(command, "run_server", lambda *a, **k: None)
     assert main(["serve", NAME, "--adapter", "a=x", "--max-seqs", "3"]) == 0
     assert main(["serve", NAME, "--no-prefix-cache", "--no-shipped-adapters"]) == 0
     (m1, a1, k1), (_, a2, k2) = seen

@@ -55,7 +55,7 @@ def check_text(name: str, text: str) -> str:
 
 def check_device(device: str) -> str:
     """Raise ValueError unless ``device`` names a device torch can use here (``cuda`` needs a GPU)."""
-    import torch
+    import torch  # lazy: kvgraft.checks runs on the CLI's start-up path, which stays free of torch
 
     try:
         dev = torch.device(device)

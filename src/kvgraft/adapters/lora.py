@@ -34,8 +34,9 @@ from kvgraft.adapters.fingerprint import (  # base_fingerprint: re-exported here
     check_base_weights,
 )
 from kvgraft.adapters.placement import Placement, compile_placement
+from kvgraft.atomic import atomic_dir
 from kvgraft.model.config import ModelConfig
-from kvgraft.model.shapes import num_parameters
+from kvgraft.model.shapes import num_parameters, parameter_shapes
 from kvgraft.model.transformer import Transformer
 
 META_FILE = "kvgraft_adapter.json"
@@ -80,7 +81,7 @@ class AdapterHost(nn.Module):
 def add_adapter(model: Transformer, placement: Placement, cfg: AdapterConfig | None = None):
     """Wrap ``model`` (kept in place: its modules get LoRA layers) with a fresh PEFT LoRA adapter at
     ``placement``; returns the ``peft.PeftModel``. Base weights are frozen, only the adapter trains."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # lazy: PEFT is heavy and only adapter training/loading needs it
 
     cfg = cfg or AdapterConfig()
     modules = compile_placement(model.config, placement)
@@ -94,7 +95,6 @@ def add_adapter(model: Transformer, placement: Placement, cfg: AdapterConfig | N
 
 
 def _meta(model: Transformer, placement: Placement, modules: list[str], cfg: AdapterConfig) -> dict:
-
     config = model.config
     return {"format_version": FORMAT_VERSION, "base_fingerprint": base_fingerprint(config),
             "base": base_record(model), "base_config": config.to_dict(), "placement": placement.to_dict(),
@@ -118,7 +118,6 @@ def save_adapter(peft_model, out_dir: str | Path, extra: dict | None = None, bas
     """Write PEFT's files plus ``kvgraft_adapter.json`` into ``out_dir`` atomically (complete or absent).
     ``base``: the base model's directory, recorded portably (a shipped model by name, any other by its path
     relative to ``out_dir``), never as an absolute path."""
-    from kvgraft.atomic import atomic_dir
 
     out = Path(out_dir)
     meta = dict(peft_model.kvgraft_meta, **(extra or {}))
@@ -161,7 +160,7 @@ def check_base(meta: dict, model: Transformer, adapter_dir: str | Path) -> None:
 
 def load_adapter(model: Transformer, adapter_dir: str | Path, trainable: bool = False):
     """Attach a saved adapter to ``model``; refuses an adapter trained on another base (``check_base``)."""
-    from peft import PeftModel
+    from peft import PeftModel  # lazy: PEFT is heavy and only adapter training/loading needs it
 
     meta = read_meta(adapter_dir)
     check_base(meta, model, adapter_dir)
@@ -177,7 +176,6 @@ def trainable_parameters(peft_model) -> int:
 def dry_run(config: ModelConfig, placement: Placement, cfg: AdapterConfig | None = None) -> dict:
     """What ``add_adapter`` would do, without building anything: every matched module with its shape and
     LoRA parameter count, the total, and the certificate."""
-    from kvgraft.model.shapes import parameter_shapes
 
     cfg = cfg or AdapterConfig()
     modules = compile_placement(config, placement)

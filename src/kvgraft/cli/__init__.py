@@ -1,5 +1,9 @@
 """The ``kvgraft`` command: one subcommand per entry-point function, no logic of its own.
 
+``build_parser`` (``kvgraft.cli.parser``) declares every subcommand with light imports only; each subcommand
+names its function in ``kvgraft.cli.cmd`` as ``"module:function"``, and ``main`` imports that one module when
+the command runs, so ``kvgraft --help`` and argument errors never load torch or transformers.
+
 User errors (bad paths, bad values, corrupt checkpoints) print one line ``kvgraft: error: ...``
 and exit with status 2. ``kvgraft doctor`` exits with status 3 (``EXIT_BLOCKED``) when its report has a
 blocker (the report, and ``--json``, are written first), so a script can tell a blocked conversion.
@@ -7,58 +11,24 @@ blocker (the report, and ``--json``, are written first), so a script can tell a 
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Sequence
 
-from kvgraft.cli.adapter_commands import _adapt_config, cmd_adapt, cmd_experiment, cmd_probe, cmd_serve
-from kvgraft.cli.commands import (
-    _train_config,
-    cmd_convert,
-    cmd_demo,
-    cmd_doctor,
-    cmd_eval,
-    cmd_generate,
-    cmd_heal,
-    cmd_prepare_data,
-    cmd_pretrain,
-    cmd_ship,
-    cmd_tasks,
-)
 from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_ERROR
-from kvgraft.cli.parser import _add_train_args, _preset_name, build_parser
+from kvgraft.cli.parser import build_parser
 from kvgraft.errors import KvgraftError
 
-__all__ = [
-    "EXIT_BLOCKED",
-    "EXIT_ERROR",
-    "_adapt_config",
-    "_add_train_args",
-    "_preset_name",
-    "_train_config",
-    "build_parser",
-    "cmd_adapt",
-    "cmd_convert",
-    "cmd_demo",
-    "cmd_doctor",
-    "cmd_eval",
-    "cmd_experiment",
-    "cmd_generate",
-    "cmd_heal",
-    "cmd_prepare_data",
-    "cmd_pretrain",
-    "cmd_probe",
-    "cmd_serve",
-    "cmd_ship",
-    "cmd_tasks",
-    "main",
-]
+__all__ = ["EXIT_BLOCKED", "EXIT_ERROR", "build_parser", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    module, _, name = args.func.partition(":")
     try:
-        return args.func(args)
+        command = getattr(importlib.import_module(f"kvgraft.cli.cmd.{module}"), name)  # the heavy imports, now
+        return int(command(args))
     except (KvgraftError, ValueError, OSError) as exc:  # OSError: unwritable outputs, full disks, ...
         print(f"kvgraft: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -8,27 +8,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from kvgraft.cli.adapter_commands import cmd_adapt, cmd_experiment, cmd_probe, cmd_serve
-from kvgraft.cli.commands import (
-    cmd_convert,
-    cmd_demo,
-    cmd_doctor,
-    cmd_eval,
-    cmd_generate,
-    cmd_heal,
-    cmd_prepare_data,
-    cmd_pretrain,
-    cmd_ship,
-    cmd_tasks,
-)
 from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_ERROR
+from kvgraft.data.corpus import DEFAULT_SOURCES, SOURCES
 from kvgraft.graft.options import add_cli_options
+from kvgraft.train.config import TrainConfig
 
 
-def _add_train_args(p: argparse.ArgumentParser, defaults) -> None:
+def _add_train_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     """Expose every TrainConfig field as --field-name (defaults from the recipe)."""
-    from kvgraft.train.config import TrainConfig
-
     for f in dataclasses.fields(TrainConfig):
         default = getattr(defaults, f.name)
         flag = "--" + f.name.replace("_", "-")
@@ -44,7 +31,7 @@ def _add_train_args(p: argparse.ArgumentParser, defaults) -> None:
 def _preset_name(name: str) -> str:
     """argparse type of ``pretrain --model``: checked when parsed, so that building the parser (and
     ``kvgraft --help``) does not import the model package, which imports torch."""
-    from kvgraft.model.presets import PRESETS
+    from kvgraft.model.presets import PRESETS  # lazy: the model package imports torch
 
     if name not in PRESETS:
         raise argparse.ArgumentTypeError(f"unknown model preset {name!r} (choose from {', '.join(sorted(PRESETS))})")
@@ -52,10 +39,6 @@ def _preset_name(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # Only light imports here (no torch, no transformers): `kvgraft --help` runs in a fraction of a second.
-    from kvgraft.data.corpus import DEFAULT_SOURCES, SOURCES
-    from kvgraft.train.config import TrainConfig
-
     parser = argparse.ArgumentParser(
         prog="kvgraft",
         description="kvgraft: graft MLA and shared KV caches onto pretrained transformer LMs, and measure them.",
@@ -72,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse this directory's tokenizer.json (e.g. a shipped model's) instead of training one: "
                         "rebuilds that model's data with exactly its token ids")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_prepare_data)
+    p.set_defaults(func="data:prepare_data")
 
     p = sub.add_parser("pretrain", help="pretrain a model from scratch on prepared data (resumable)")
     p.add_argument("--data", required=True, help="directory made by `kvgraft prepare-data`")
@@ -81,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model preset, a name in kvgraft.model.presets.PRESETS (default: llama-8m)")
     p.add_argument("--seq-len", type=int, default=None, help="training sequence length (default: model context)")
     _add_train_args(p, TrainConfig(max_steps=1000))
-    p.set_defaults(func=cmd_pretrain)
+    p.set_defaults(func="train:pretrain")
 
     model_help = "model directory (Hugging Face format) or shipped reference model name (default: kvgraft-llama-8m)"
     p = sub.add_parser("eval", help="perplexity, KV bytes per token (formula and measured), decode speed")
@@ -96,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true",
                    help="side-by-side report of the models given (the first is the baseline); use with --out")
     p.add_argument("--out", default=None, help="directory for compare.md, compare.json and PNG plots")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func="evaluate:eval_models")
 
     p = sub.add_parser("generate", help="sample text from a model through the engine (greedy, temperature, "
                                         "top-p, stop strings), streamed")
@@ -107,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", help="stop when the output contains this text (repeatable)")
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func="generate:generate")
 
     p = sub.add_parser("doctor", help="check-up before an MLA graft: architecture, KV bytes now and after, blockers",
                        epilog=f"exit status: 0 when nothing blocks the conversion, {EXIT_BLOCKED} when the report "
@@ -126,14 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--after", default=None,
                    help="a converted or healed model: run the seed's troubleshooting checklist on it instead")
     p.add_argument("--original", default=None, help="with --after: the model before conversion")
-    p.set_defaults(func=cmd_doctor)
+    p.set_defaults(func="doctor:doctor")
 
     p = sub.add_parser("convert", help="graft multi-head latent attention (MLA) onto a Llama-family model, "
                                        "or make it a causal encoder-decoder (--to ced)")
     p.add_argument("model", nargs="?", default=None, help=model_help)
     p.add_argument("--out", required=True, help="output directory (refused if it exists, unless --overwrite)")
     add_cli_options(p)  # every other option, declared once with convert()'s (kvgraft.graft.options)
-    p.set_defaults(func=cmd_convert)
+    p.set_defaults(func="convert:convert")
 
     p = sub.add_parser("heal", help="heal a converted model by continued pretraining (optionally distilled)")
     p.add_argument("model", help="the converted model (kvgraft convert output)")
@@ -153,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output: kvgraft's own format and/or a stock DeepSeek-V3 checkpoint")
     heal_defaults = TrainConfig(max_steps=100, lr=1e-4, warmup_steps=10, precision="bf16")
     _add_train_args(p, heal_defaults)
-    p.set_defaults(func=cmd_heal, lr=None)  # default LR: 1/10 of the original's
+    p.set_defaults(func="train:heal", lr=None)  # default LR: 1/10 of the original's
 
     p = sub.add_parser("demo", help="the `make demo` job: the reference model, its 4x MLA graft, and the two side by side")
     p.add_argument("--model", default=None, help=model_help)
@@ -162,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the long version (minutes): perplexity on the whole held-out slice, the conversion's "
                         "default 32K calibration tokens, more decode steps; default: a quick setting (16K held-out "
                         "and 16K calibration tokens spread over the slices, fewer decode steps)")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func="demo:demo")
 
     p = sub.add_parser("tasks", help="write a synthetic fine-tuning task (geometry, ui-reply, recall) as JSONL splits")
     p.add_argument("name", nargs="?", default=None, help="task name (see --list)")
@@ -173,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory or reference model name whose tokenizer counts tokens per example "
                         "(default: the default reference model's, when available)")
     p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=cmd_tasks)
+    p.set_defaults(func="data:tasks")
 
     p = sub.add_parser("ship", help="package a finished pretraining run as a reference model with its card")
     p.add_argument("run", help="pretraining run directory")
@@ -183,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-with", default=None,
                    help="another shipped reference model to compare with in the card (e.g. models/kvgraft-llama-8m)")
     p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=cmd_ship)
+    p.set_defaults(func="train:ship")
 
     p = sub.add_parser("adapt", help="train a placement-aware LoRA adapter (PEFT format, sharing certificate)")
     p.add_argument("base", nargs="?", default=None, help="base model directory or shipped name (default: "
@@ -222,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--test-examples", type=int, default=None,
                    help="test problems scored for the test loss (default: all)")
     p.add_argument("--dry-run", action="store_true", help="list every matched module and the trainable count, then stop")
-    p.set_defaults(func=cmd_adapt)
+    p.set_defaults(func="adapters:adapt")
 
     p = sub.add_parser("experiment", help="placement studies over seeds (the seed's protocol) and the placement curve")
     p.add_argument("kind", choices=["placement"])
@@ -239,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-first-layer", action="store_true",
                    help="the placement curve: adapters on layers k..L-1 for every k (needs --lr)")
     p.add_argument("--rank", type=int, default=16, help="rank for --sweep-first-layer")
-    p.set_defaults(func=cmd_experiment)
+    p.set_defaults(func="adapters:experiment")
 
     p = sub.add_parser("probe", help="which adapter modules matter: gradient energy (rho_c) and zeroing ablation")
     p.add_argument("adapter", help="an adapter directory written by kvgraft adapt (OUT/adapter)")
@@ -249,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--val-examples", type=int, default=224)
     p.add_argument("--out", default=None, help="directory for probe.md and probe.json")
-    p.set_defaults(func=cmd_probe)
+    p.set_defaults(func="adapters:probe")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the engine, many adapters on one base "
                                      "(/v1/completions, /v1/chat/completions, /v1/models, /metrics)")
@@ -272,5 +255,5 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not load the example adapters shipped for this base (models/adapters/, e.g. "
                         "kvgraft-ced-8m-geometry for kvgraft-ced-8m), only the --adapter ones")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func="serve:serve")
     return parser

@@ -73,7 +73,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
+        import importlib  # lazy: names are imported on first use, so `import kvgraft.data` stays light
 
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value

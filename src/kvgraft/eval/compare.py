@@ -28,10 +28,10 @@ def write_compare_report(results: list[dict[str, Any]], out_dir: str | Path) -> 
 
 
 def _plots(results: list[dict[str, Any]], out: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is heavy and only plotting needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is heavy and only plotting needs it
 
     labels = [r.get("name") or _label(r) for r in results]
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(12, 3.8))

@@ -51,6 +51,8 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from transformers import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache, default_block_size
@@ -77,7 +79,6 @@ MIN_SHARD = 8  # sequences of the first kvgraft cache; each further shard holds 
 def kvgraft_cb_config(cb_config: Any) -> Any:
     """A copy of a ``ContinuousBatchingConfig`` with :data:`FORCED`'s values (warns for each field that asked for
     something else than transformers' default)."""
-    from transformers import ContinuousBatchingConfig
 
     default = ContinuousBatchingConfig()
     out = copy.deepcopy(cb_config)
@@ -116,7 +117,6 @@ def is_continuous_batching_call(kwargs: dict) -> bool:
     cache = kwargs.get("cache")
     if cache is None or "cu_seq_lens_q" not in kwargs:
         return False
-    from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     return isinstance(cache, PagedAttentionCache)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from transformers import PreTrainedTokenizerFast
 
 from kvgraft.errors import CheckpointError
 from kvgraft.hf.config_map import model_config_from_hf
@@ -156,7 +157,6 @@ def load_tokenizer_dir(path: str | Path):
     directory = _checkpoint_dir(path)
     if not (directory / "tokenizer.json").is_file():
         return None
-    from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(directory))
 

@@ -36,16 +36,14 @@ class CheckpointReader:
 
     def __init__(self, path: str | Path) -> None:
         self.directory = _checkpoint_dir(path)
-        self._handles: list[Any] = []
+        self._shards: list[Path] = []
+        self._handles: list[Any] = []  # None: unmapped (release), mapped again when read
         self._where: dict[str, int] = {}
         try:
             for shard in _shard_files(self.directory):
-                try:
-                    handle = safe_open(str(shard), framework="pt", device="cpu")
-                except SafetensorError as exc:
-                    raise CheckpointError(f"{shard} is not a valid safetensors file (truncated or corrupt?): "
-                                          f"{exc}") from exc
+                handle = self._open(shard)
                 index = len(self._handles)
+                self._shards.append(shard)
                 self._handles.append(handle)
                 for key in handle.keys():
                     if key in self._where:
@@ -82,10 +80,26 @@ class CheckpointReader:
         """The names that start with ``prefix`` (e.g. ``model.layers.3.``), in file order."""
         return (k for k in self._where if k.startswith(prefix))
 
+    @staticmethod
+    def _open(shard: Path) -> Any:
+        try:
+            return safe_open(str(shard), framework="pt", device="cpu")
+        except SafetensorError as exc:
+            raise CheckpointError(f"{shard} is not a valid safetensors file (truncated or corrupt?): {exc}") from exc
+
     def _handle(self, name: str) -> Any:
         if name not in self._where:
             raise CheckpointError(f"{self.directory} has no tensor {name}")
-        return self._handles[self._where[name]]
+        index = self._where[name]
+        if self._handles[index] is None:
+            self._handles[index] = self._open(self._shards[index])
+        return self._handles[index]
+
+    def release(self) -> None:
+        """Unmap the shards; the next ``get`` maps its shard again. The pages of a memory-mapped file that
+        were read count in this process's resident memory while it stays mapped: a reader walking a large
+        checkpoint calls this after each layer so that they do not add up (the tensors it returned stay)."""
+        self._handles = [None] * len(self._handles)
 
     def close(self) -> None:
         self._handles.clear()  # safe_open handles unmap when collected

@@ -15,7 +15,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transformers.cli.transformers import app
+    from transformers.cli.transformers import app  # lazy: transformers' CLI, imported only when this wrapper runs
 
     import kvgraft.hf  # noqa: F401  (registers kvgraft's format with transformers)
 

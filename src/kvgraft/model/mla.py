@@ -32,7 +32,7 @@ from kvgraft.model.rope import apply_rope
 from kvgraft.model.views import KVView, MaskOf
 
 if TYPE_CHECKING:
-    from kvgraft.model.batch import StepContext
+    from kvgraft.model.batch import StepContext  # typing only: batch imports the attention modules
 
 ABSORB_MODES = ("auto", "always", "never")
 # "auto" absorbs when a cached step adds at most DECODE_MAX_NEW_TOKENS tokens per row (decode); longer

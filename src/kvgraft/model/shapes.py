@@ -10,17 +10,16 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import torch
+
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.transformer import Transformer
 
 LM_HEAD = "lm_head.weight"
 
 
 @lru_cache(maxsize=64)
 def _meta_summary(config: ModelConfig) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], int]:
-    import torch
-
-    from kvgraft.model.transformer import Transformer  # lazily: the runtime imports torch and more
-
     with torch.device("meta"):
         model = Transformer(config)
     shapes = tuple((key, tuple(t.shape)) for key, t in model.state_dict().items()

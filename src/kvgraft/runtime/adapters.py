@@ -40,8 +40,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
+from kvgraft.adapters.certificate import certify
+from kvgraft.adapters.lora import HOST_PREFIX, base_fingerprint, read_meta
+from kvgraft.adapters.placement import every_linear
 from kvgraft.errors import KvgraftError
 from kvgraft.model.batch import MIXED, BatchContext, current_context
 from kvgraft.model.config import ModelConfig
@@ -247,11 +251,7 @@ def _pattern_value(patterns: dict[str, Any] | None, module: str, default: float)
 
 def read_adapter(path: str | Path, config: ModelConfig) -> AdapterFiles:
     """Read and check an adapter directory against a base model ``config`` (a ``ModelConfig``)."""
-    from safetensors.torch import load_file
 
-    from kvgraft.adapters.certificate import certify
-    from kvgraft.adapters.lora import HOST_PREFIX, base_fingerprint, read_meta
-    from kvgraft.adapters.placement import every_linear
 
     path = Path(path)
     if not path.is_dir():

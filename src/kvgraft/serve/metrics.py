@@ -8,6 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from kvgraft.serve.bridge import EngineWorker
 
 if TYPE_CHECKING:  # prometheus_client ships no type information: these read as Any
@@ -17,7 +20,6 @@ if TYPE_CHECKING:  # prometheus_client ships no type information: these read as 
 def metrics_registry(worker: EngineWorker) -> CollectorRegistry:
     """A registry holding only this worker's metrics (prometheus_client is imported here, when a server is
     built, not when the module is)."""
-    from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
     registry.register(_Metrics(worker))
@@ -31,8 +33,6 @@ class _Metrics:
         self.worker = worker
 
     def collect(self) -> Iterator[Metric]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         w, s = self.worker, self.worker.snapshot
         queued = max(w.in_flight - s.get("running", 0), 0)
         yield GaugeMetricFamily("kvgraft_queue_depth", "requests waiting for the engine (submitted, not running)",

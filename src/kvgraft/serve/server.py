@@ -78,11 +78,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
+import uvicorn
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from kvgraft.adapters.lora import base_fingerprint
+from kvgraft.hf import load_pretrained, load_tokenizer_dir
 from kvgraft.model.config import ModelConfig
+from kvgraft.reference import models_dir, resolve_model
 from kvgraft.runtime.adapters import NAME_RE, AdapterBusyError, AdapterError, UnknownAdapterError, read_adapter
 from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
@@ -477,8 +482,6 @@ class KvgraftServer:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def metrics(self) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
         return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- the schema --
@@ -493,8 +496,6 @@ def shipped_adapters(base_dir: str | Path, config: ModelConfig) -> dict[str, Pat
     """The example adapters shipped for a base: ``models/adapters/NAME`` (under ``KVGRAFT_MODELS_DIR`` if set)
     whose ``kvgraft_adapter.json`` names this base (its directory name, as a reference) and its architecture
     (``base_fingerprint``), by directory name. Unreadable ones are skipped."""
-    from kvgraft.adapters.lora import base_fingerprint
-    from kvgraft.reference import models_dir
 
     root = models_dir() / "adapters"
     name, mine = Path(base_dir).resolve().name, base_fingerprint(config)
@@ -519,8 +520,6 @@ def build_server(base: str | Path, adapters: dict[str, str | Path] | None = None
     cache (on by default; ``kvgraft serve --no-prefix-cache`` turns it off). ``with_shipped_adapters``: also
     load the example adapters shipped for this base (:func:`shipped_adapters`; ``adapters`` win on a name).
     ``config``: :class:`ServerConfig` fields."""
-    from kvgraft.hf import load_pretrained, load_tokenizer_dir
-    from kvgraft.reference import resolve_model
 
     path = resolve_model(base)
     tokenizer: Tokenizer | None = load_tokenizer_dir(path)
@@ -548,6 +547,4 @@ def build_server(base: str | Path, adapters: dict[str, str | Path] | None = None
 
 
 def serve(server: KvgraftServer, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    import uvicorn
-
     uvicorn.run(server.app, host=host, port=port, log_level=log_level)

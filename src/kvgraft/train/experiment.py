@@ -177,10 +177,10 @@ def study_markdown(study: dict[str, Any]) -> str:
 
 def plot_curves(runs: dict[str, list[dict]], path: Path) -> None:
     """Training and validation curves per configuration (mean over seeds)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is heavy and only plotting needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is heavy and only plotting needs it
 
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, rs in runs.items():
@@ -198,7 +198,7 @@ def plot_curves(runs: dict[str, list[dict]], path: Path) -> None:
 
 def _save(fig, path: Path) -> None:
     """Write a figure atomically (a reader never sees half a PNG)."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is heavy and only plotting needs it
 
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
@@ -257,10 +257,10 @@ def placement_curve(
 
 
 def _plot_curve(curve: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is heavy and only plotting needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is heavy and only plotting needs it
 
     rows = curve["rows"]
     k = [r["first_layer"] for r in rows]

@@ -49,10 +49,10 @@ class RunLog:
 
 def plot_losses(rows: list[dict[str, Any]], png: str | Path, title: str = "loss") -> None:
     """Train and validation loss against tokens seen."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is heavy and only plotting needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is heavy and only plotting needs it
 
     train = [(r["tokens"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]

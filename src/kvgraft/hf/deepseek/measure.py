@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from kvgraft.errors import CheckpointError
 from kvgraft.model.transformer import Transformer
@@ -19,7 +20,6 @@ from kvgraft.model.transformer import Transformer
 @torch.no_grad()
 def load_stock(export_dir: str | Path, dtype: torch.dtype = torch.float32):
     """The exported checkpoint in stock transformers (AutoModelForCausalLM), checked to load cleanly."""
-    from transformers import AutoModelForCausalLM
 
     # with output_loading_info transformers returns (model, info); its stubs only know the model
     stock, info = cast(Any, AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=dtype, output_loading_info=True))

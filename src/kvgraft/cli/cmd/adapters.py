@@ -1,5 +1,4 @@
-"""The ``kvgraft`` subcommands for adapters and serving (adapt, experiment, probe, serve): each calls one
-entry-point function and prints its result; no logic of its own."""
+"""``kvgraft adapt``, ``kvgraft experiment`` and ``kvgraft probe``: LoRA adapters placed by meaning."""
 
 from __future__ import annotations
 
@@ -7,11 +6,17 @@ import argparse
 import json
 from pathlib import Path
 
+from kvgraft.adapters.placement import Placement
+from kvgraft.atomic import atomic_write_text
+from kvgraft.train.adapt import DEFAULT_PRESET, AdaptConfig
+from kvgraft.train.adapt import adapt as run_adapt
+from kvgraft.train.experiment import DEFAULT_CONFIGS, placement_curve, placement_study
+from kvgraft.train.probe import probe as run_probe
+from kvgraft.train.probe import probe_markdown
 
-def _adapt_config(args: argparse.Namespace):
-    from kvgraft.adapters.placement import Placement
-    from kvgraft.train.adapt import DEFAULT_PRESET, AdaptConfig
 
+def adapt_config(args: argparse.Namespace) -> AdaptConfig:
+    """The AdaptConfig of ``kvgraft adapt``'s options (``--lr-mult`` and ``--layers`` parsed and checked)."""
     mults = []
     for item in args.lr_mult or ():
         glob, sep, factor = item.rpartition("=")
@@ -44,11 +49,9 @@ def _adapt_config(args: argparse.Namespace):
                        require_sharing=args.share_cache)
 
 
-def cmd_adapt(args: argparse.Namespace) -> int:
-    from kvgraft.train.adapt import adapt
-
-    cfg = _adapt_config(args)
-    result = adapt(args.base, args.task, args.out, cfg, dry_run=args.dry_run,
+def adapt(args: argparse.Namespace) -> int:
+    cfg = adapt_config(args)
+    result = run_adapt(args.base, args.task, args.out, cfg, dry_run=args.dry_run,
                    log=lambda line: print(line, flush=True))  # the note before training, when it will not share
     share = result.get("sharing")  # absent when the run stopped early (no adapter yet)
     if args.dry_run:
@@ -70,9 +73,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_experiment(args: argparse.Namespace) -> int:
-    from kvgraft.train.experiment import DEFAULT_CONFIGS, placement_curve, placement_study
-
+def experiment(args: argparse.Namespace) -> int:
     if args.sweep_first_layer:
         curve = placement_curve(args.base, args.task, args.out, seeds=args.seeds, steps=args.steps, rank=args.rank,
                                 lr=args.lr, micro_batch_size=args.micro_batch_size)
@@ -87,43 +88,14 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_probe(args: argparse.Namespace) -> int:
-    from kvgraft.train.probe import probe, probe_markdown
-
-    result = probe(args.adapter, args.task, base=args.base, steps=args.steps, micro_batch_size=args.micro_batch_size,
+def probe(args: argparse.Namespace) -> int:
+    result = run_probe(args.adapter, args.task, base=args.base, steps=args.steps, micro_batch_size=args.micro_batch_size,
                    val_examples=args.val_examples)
     text = probe_markdown(result)
     print(text)
     if args.out:
-        from kvgraft.atomic import atomic_write_text
-
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "probe.md", text)
         atomic_write_text(out / "probe.json", json.dumps(result, indent=2) + "\n")
-    return 0
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    adapters = {}
-    for spec in args.adapter or ():
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--adapter {spec!r} must be NAME=PATH")
-        if name in adapters:
-            raise ValueError(f"--adapter names {name!r} twice")
-        adapters[name] = path
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port ({args.port}) must be in 1..65535")
-    from kvgraft.serve.server import build_server, serve
-
-    server = build_server(args.model, adapters, model_name=args.model_name, max_seqs=args.max_seqs,
-                          max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue,
-                          max_tokens_limit=args.max_tokens_limit, max_request_bytes=args.max_request_bytes,
-                          adapter_dir=args.adapter_dir, prefix_cache=not args.no_prefix_cache,
-                          with_shipped_adapters=not args.no_shipped_adapters)
-    served = sorted(server.engine.adapters.adapters)
-    print(f"serving {server.config.model_name} with adapters {', '.join(served) or 'none'} on "
-          f"http://{args.host}:{args.port}/v1", flush=True)
-    serve(server, args.host, args.port, log_level=args.log_level)
     return 0
