@@ -119,3 +119,69 @@ def test_engine_stops_where_a_full_search_of_the_text_first_finds_the_stop_strin
     got = Engine(model, max_seqs=1, detokenize=detok).generate(
         [prompt], SamplingParams(max_new_tokens=40, seed=3, temperature=1.0, stop=(stop,)))[0]
     assert got == free[:want]
+
+
+def _tokenizer():
+    from kvgraft.hf import load_tokenizer_dir
+    from kvgraft.reference import resolve_model
+
+    return load_tokenizer_dir(resolve_model("kvgraft-llama-8m"))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_incremental_text_is_the_whole_decode_at_every_step_in_linear_time(seed):
+    from kvgraft.runtime.detok import IncrementalText
+
+    tok = _tokenizer()
+    text = "Grüße, 世界! naïve café — 🙂 " * 3 + "plain words at the end"
+    base = tok.encode(text)
+    rng = random.Random(seed)
+    ids = base + [rng.randrange(tok.vocab_size) for _ in range(300)]  # and random ids: bytes in any order
+
+    def decode(x):
+        return tok.decode(x, skip_special_tokens=True)
+
+    inc = IncrementalText(decode)
+    for n in range(1, len(ids) + 1):
+        assert inc.text(ids[:n]) == decode(ids[:n]), n
+    assert inc.decoded_tokens < 8 * len(ids)  # a window of a few tokens per step, not the whole output
+
+
+def test_incremental_text_starts_over_on_a_different_list():
+    from kvgraft.runtime.detok import IncrementalText
+
+    tok = _tokenizer()
+
+    def decode(x):
+        return tok.decode(x, skip_special_tokens=True)
+
+    inc = IncrementalText(decode)
+    a, b = tok.encode("first answer"), tok.encode("another one")
+    assert inc.text(a) == decode(a)
+    assert inc.text(b) == decode(b)
+
+
+def test_the_engine_decodes_a_window_per_step_not_the_whole_output():
+    """Stop strings cost time linear in the output: the ids handed to ``detokenize`` over a 120-token request
+    stay a few per step (decoding the whole output every step would hand over about 7,000)."""
+    import torch
+
+    from kvgraft.model import ModelConfig, Transformer
+    from kvgraft.runtime import Engine, SamplingParams
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=160)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights(0)
+    model.eval()
+    handed = []
+
+    def detok(ids: list[int]) -> str:
+        handed.append(len(ids))
+        return "".join(chr(65 + i % 26) for i in ids)
+
+    out = Engine(model, max_seqs=1, detokenize=detok).generate(
+        [[1, 2, 3]], SamplingParams(max_new_tokens=120, stop=("never appears",)))[0]
+    assert len(out) == 120
+    assert sum(handed) < 4 * len(out)

@@ -34,6 +34,7 @@ from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache, default_block_size, ring_geometry
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.adapters import Adapter, AdapterFiles, AdapterRegistry
+from kvgraft.runtime.detok import IncrementalText
 from kvgraft.runtime.prefix import PrefixCache, replay_layer, replay_span
 from kvgraft.runtime.prefix_policy import PrefixPolicy
 from kvgraft.runtime.request import FINISHED, RUNNING, WAITING, Request, StepOutput
@@ -182,8 +183,9 @@ class Engine:
         if sampling.temperature > 0:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-        req = Request(rid, prompt, sampling, adapter, generator=gen,
-                      stops=StopStrings(sampling.stop) if sampling.stop else None)
+        req = Request(rid, prompt, sampling, adapter, generator=gen)
+        if sampling.stop and self.detokenize is not None:  # matched on the text as it grows, in linear time
+            req.stops, req.decoded = StopStrings(sampling.stop), IncrementalText(self.detokenize)
         self.residency.bind(req, self.replay_layer)
         self.requests[rid] = req
         if sampling.max_new_tokens == 0:
@@ -262,8 +264,8 @@ class Engine:
         s = req.sampling
         if tok in s.stop_token_ids:
             return "stop"
-        if req.stops is not None and self.detokenize is not None \
-                and req.stops.find(self.detokenize(req.output)) is not None:
+        if req.stops is not None and req.decoded is not None \
+                and req.stops.find(req.decoded.text(req.output)) is not None:
             return "stop"
         if len(req.output) >= s.max_new_tokens:
             return "length"

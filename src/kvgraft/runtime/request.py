@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvgraft.runtime.detok import IncrementalText
 from kvgraft.runtime.sampling import SamplingParams
 from kvgraft.runtime.stops import StopStrings
 
@@ -40,6 +41,7 @@ class Request:
     keep_at: list[int] = field(default_factory=list)  # ascending: keep the cache in the prefix cache there
     hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, replay-layer inputs)
     stops: StopStrings | None = None  # the sampling's stop strings, matched as the output grows
+    decoded: IncrementalText | None = None  # the output's text, decoded as it grows (with stop strings)
 
     @property
     def tokens(self) -> list[int]:

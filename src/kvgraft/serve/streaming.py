@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
+from kvgraft.runtime.detok import IncrementalText
 from kvgraft.runtime.stops import StopStrings
 from kvgraft.serve.bridge import EngineWorker, Failure, RequestStream
 from kvgraft.serve.schemas import HTTPError, error_body
@@ -26,13 +27,13 @@ class TextStream:
     output finishes without the tail that could still begin one)."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
-        self.decode = decode
+        self.decoded = IncrementalText(decode)  # linear in the output's length, not quadratic
         self.stops = StopStrings(stops)
         self.sent = ""
 
     def text(self, ids: list[int], finished: bool) -> str:
-        """What may be shown of the text of ``ids`` (all of the output so far)."""
-        return self.stops.visible(self.decode(ids), finished)
+        """What may be shown of the text of ``ids`` (all of the output so far, growing from call to call)."""
+        return self.stops.visible(self.decoded.text(ids), finished)
 
     def delta(self, ids: list[int], finished: bool) -> str:
         """The text to send now: what :meth:`text` adds to what was sent (nothing if it would retract any)."""

@@ -7,6 +7,7 @@ import argparse
 from kvgraft.checks import check_text
 from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir
 from kvgraft.reference import resolve_model
+from kvgraft.runtime.detok import IncrementalText
 from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
 from kvgraft.runtime.stops import StopStrings
@@ -43,13 +44,13 @@ def generate(args: argparse.Namespace) -> int:
     engine = Engine(model, max_seqs=1, max_seq_len=len(ids) + sampling.max_new_tokens, detokenize=detok)
     rid = engine.add_request(ids, sampling)
     print(detok(ids), end="", flush=True)
-    stops = StopStrings(sampling.stop)
+    stops, decoded = StopStrings(sampling.stop), IncrementalText(detok)
     shown = ""
     while engine.has_unfinished():  # stream: print what each step adds to the decoded text
         engine.step()
         req = engine.requests[rid]
         # cut before a stop string; until the end, hold back a tail that could begin one
-        text = stops.visible(detok(req.output), finished=req.status == "finished")
+        text = stops.visible(decoded.text(req.output), finished=req.status == "finished")
         if text.startswith(shown):
             print(text[len(shown):], end="", flush=True)
             shown = text
