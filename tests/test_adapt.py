@@ -54,6 +54,7 @@ def test_the_default_placement_depends_on_the_base_and_explicit_ones_stay_as_giv
     assert d["preset"] == "decoder-half-r16" and d["freeze_kv_writers"] is False and "require_sharing" not in d
 
 
+@pytest.mark.slow  # a subprocess killed and restarted (or torchrun): make test-slow, run by CI
 def test_adapt_resumes_an_interrupted_run_to_the_same_adapter(tmp_path):
     whole = adapt("kvgraft-ced-8m", "geometry", tmp_path / "whole", AdaptConfig(**FAST))
     cfg = AdaptConfig(**FAST)

@@ -90,6 +90,7 @@ def _assert_same_run(one: Path, two: Path) -> None:
     assert json.loads((two / "train_config.json").read_text())["micro_batch_size"] == 4
 
 
+@pytest.mark.slow  # torchrun with two processes: make test-slow, run by CI
 def test_torchrun_two_processes_equal_one_at_the_same_global_batch(data_dir, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     _single(data_dir, one)

@@ -142,6 +142,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess killed and restarted (or torchrun): make test-slow, run by CI
 def test_heal_resumes_exactly_after_sigkill(setup, tmp_path):
     _, mla_dir, data = setup
     straight = tmp_path / "straight"

@@ -248,6 +248,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # starts `transformers serve` in a subprocess: make test-slow, run by CI
 def test_transformers_serve_continuous_batching_runs_the_ced(tmp_path):
     """``python -m kvgraft.hf.transformers_cli serve MODEL --continuous-batching``: transformers' own server (its
     continuous-batching manager) answers a completion with the engine's greedy tokens."""

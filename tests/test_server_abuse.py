@@ -83,6 +83,7 @@ def _completion(url: str, model: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
+@pytest.mark.slow  # a subprocess killed and restarted (or torchrun): make test-slow, run by CI
 def test_kill_9_while_streaming_then_restart(tmp_path):
     adapter_dir = tmp_path / "adapters"
     shutil.copytree(SHIPPED, adapter_dir / "geometry")

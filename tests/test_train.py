@@ -92,6 +92,7 @@ def _run_child(out_dir: Path, sleep: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", script], env=env)
 
 
+@pytest.mark.slow  # a subprocess killed and restarted (or torchrun): make test-slow, run by CI
 def test_exact_resume_after_sigkill(tmp_path):
     straight = tmp_path / "straight"
     train(_model(), Patterned(), _cfg(), straight, val_data=Patterned(8))
