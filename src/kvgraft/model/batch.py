@@ -17,7 +17,7 @@ names its source layer and gets what the source stored in this step.
 **Adapters.** ``BatchContext(..., adapter_ids=...)`` names each row's adapter (None: the base). Rows of
 different adapters share a group (``Group.adapter`` is then ``MIXED`` and ``Group.adapter_rows`` says
 which rows use which), so a mixed batch runs every per-group operation once, like a single-adapter
-batch. A module that adds per-row adapter deltas (``kvgraft.serve.adapters.MultiLoraLinear``) reads the
+batch. A module that adds per-row adapter deltas (``kvgraft.runtime.adapters.MultiLoraLinear``) reads the
 step it runs in through :func:`current_context` (the model sets it for the duration of a forward, per
 thread): inside a layer's loop over groups (:meth:`BatchContext.each_group` marks the active group) the
 group's rows and their adapters; outside that loop its input is the packed token axis and

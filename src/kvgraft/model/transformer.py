@@ -177,7 +177,7 @@ class Transformer(nn.Module):
         context), starting from the hidden states entering ``from_layer`` at those positions ((1, N, h) or
         (N, h), packed like the rows): rebuilds those layers' window rings, writes nothing else.
 
-        Which positions a replay needs (``kvgraft.serve.prefix.replay_span``): to rebuild the rings of
+        Which positions a replay needs (``kvgraft.runtime.prefix.replay_span``): to rebuild the rings of
         layers ``from_layer``..L-1 at a prefix of T tokens, the last ``W + (L - 1 - from_layer) (W - 1)``."""
         if not getattr(ctx, "replay", False):
             raise ValueError("replay needs a BatchContext(..., replay=True)")
