@@ -15,3 +15,6 @@ if python -c "import vllm" 2>/dev/null; then
 else
   echo "vllm is not installed on this machine: skipping bench/gpu_check_vllm_parity.py"
 fi
+# Conversion at scale (issue 26): an 8B-shape random bf16 checkpoint (16 GB, written tensor by tensor)
+# converted to MLA on the GPU, time per layer and peak memory (host and GPU)
+PYTHONPATH=src python bench/gpu_convert.py --shape llama-8b --device cuda --work "${OUT:-runs/bench}/gpu_convert"

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from kvgraft.graft.fields import known
 from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.ced import CEDAttention
+from kvgraft.model.fields import known
 from kvgraft.model.mla import MLAttention
 from kvgraft.model.transformer import Block
 

@@ -14,8 +14,8 @@ from typing import Any, cast
 
 import torch
 
-from kvgraft.graft.fields import known
 from kvgraft.model import Transformer
+from kvgraft.model.fields import known
 from kvgraft.model.mla import MLAttention
 from kvgraft.model.transformer import Block
 

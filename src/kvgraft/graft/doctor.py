@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgraft.graft.fields import known
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.fields import known
 from kvgraft.model.shapes import num_parameters
 
 VERDICTS = ("convertible", "convertible with notes", "blocked")

@@ -2,7 +2,9 @@
 
 ``graft_mla(model, GraftConfig(...), calibration_tokens)`` returns a new ``Transformer`` whose chosen
 layers use latent attention (``attention_kinds[l] == "mla"``); everything else (embeddings, MLP, norms,
-unconverted layers) is copied unchanged. Per-layer math lives in ``mla_math``.
+unconverted layers) is copied unchanged. Per-layer math lives in ``mla_math``; the per-layer work (statistics,
+factorisation, propagation) is :class:`LayerGraft`'s, which ``graft_mla`` runs over a model in memory and
+``kvgraft.graft.layerwise`` over blocks read from a checkpoint one at a time.
 
 Layer-wise calibration (default): layer l is calibrated on the attention inputs that the already
 converted layers 0..l-1 produce, so each layer corrects for the error of those below it.
@@ -10,17 +12,20 @@ converted layers 0..l-1 produce, so each layer corrects for the error of those b
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from kvgraft.graft.mla_math import (
     ROPE_ROTATIONS,
     GQAWeights,
+    MLAWeights,
     convert_layer,
     head_rotations,
     pair_scores,
@@ -28,6 +33,11 @@ from kvgraft.graft.mla_math import (
 )
 from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.batch import DenseContext
+from kvgraft.model.fields import known
+from kvgraft.model.mla import MLAttention
+from kvgraft.model.norm import RMSNorm
+from kvgraft.model.rope import RotaryEmbedding
+from kvgraft.model.transformer import Block, GQAttention
 
 OBJECTIVES = ("weights", "activations", "attention")
 ROPE_SELECTIONS = ("stride", "norm", "shared", "prefix")
@@ -91,15 +101,16 @@ class GraftConfig:
         bad = [layer for layer in layers if not 0 <= layer < config.num_layers]
         if bad:
             raise ValueError(f"layers {bad} out of range for a {config.num_layers}-layer model")
-        if any(config.attention_kinds[layer] != "gqa" for layer in layers):
+        kinds, head_dim = known(config.attention_kinds, "attention_kinds"), known(config.head_dim, "head_dim")
+        if any(kinds[layer] != "gqa" for layer in layers):
             raise ValueError("only GQA/MHA layers can be grafted; some chosen layers are already MLA")
-        full_rope = config.num_kv_heads * config.head_dim
+        full_rope = config.num_kv_heads * head_dim
         if self.qk_rope_head_dim > full_rope:
             raise ValueError(
                 f"qk_rope_head_dim ({self.qk_rope_head_dim}) exceeds the model's RoPE key width "
                 f"num_kv_heads x head_dim = {full_rope}"
             )
-        if self.kv_lora_rank > 2 * config.num_kv_heads * config.head_dim:
+        if self.kv_lora_rank > 2 * config.num_kv_heads * head_dim:
             raise ValueError(
                 f"kv_lora_rank ({self.kv_lora_rank}) exceeds the model's KV width "
                 f"2 x num_kv_heads x head_dim = {config.kv_width}"
@@ -112,8 +123,10 @@ class GraftConfig:
 
 
 def mla_model_config(config: ModelConfig, g: GraftConfig, rope_index: dict[int, tuple[int, ...]]) -> ModelConfig:
+    """The config of ``config``'s model grafted by ``g``, the layers' RoPE frequencies ``rope_index``
+    (layer -> frequency index per kept pair; other layers: none)."""
     layers = g.layers if g.layers is not None else tuple(range(config.num_layers))
-    kinds = tuple("mla" if i in layers else k for i, k in enumerate(config.attention_kinds))
+    kinds = tuple("mla" if i in layers else k for i, k in enumerate(known(config.attention_kinds, "attention_kinds")))
     return config.replace(
         qk_norm=config.qk_norm and g.qk_norm != "linearise",
         attention_kinds=kinds, kv_lora_rank=g.kv_lora_rank, qk_rope_head_dim=g.qk_rope_head_dim,
@@ -122,15 +135,174 @@ def mla_model_config(config: ModelConfig, g: GraftConfig, rope_index: dict[int, 
     )
 
 
-def _gqa_weights(attn) -> GQAWeights:
+def _block(model: Transformer, layer: int) -> Block:
+    return cast(Block, model.layers[layer])
+
+
+def _gqa(block: Block) -> GQAttention:
+    """The block's attention, a GQA one (what the graft reads)."""
+    return cast(GQAttention, block.self_attn)
+
+
+def _gqa_weights(attn: GQAttention) -> GQAWeights:
     """The layer's weights on the CPU: the per-layer conversion math runs there, in fp64."""
-    def b(lin):
+    def b(lin: nn.Linear) -> torch.Tensor | None:
         return None if lin.bias is None else lin.bias.detach().cpu()
 
     return GQAWeights(
         attn.q_proj.weight.detach().cpu(), attn.k_proj.weight.detach().cpu(), attn.v_proj.weight.detach().cpu(),
         attn.o_proj.weight.detach().cpu(), b(attn.q_proj), b(attn.k_proj), b(attn.v_proj), b(attn.o_proj),
     )
+
+
+class LayerGraft:
+    """The MLA graft as a walk up the layers, one original block at a time: the one implementation of the
+    graft's per-layer work, run by ``graft_mla`` (a model in memory) and by the layer-by-layer executor of
+    ``kvgraft convert`` (``kvgraft.graft.layerwise``, blocks read from the checkpoint one at a time).
+
+    ``hidden``: the calibration tokens' embeddings (N, T, h), fp32, on the device the blocks are on (None for
+    objective "weights"); ``rotary`` the model's RoPE. For each layer up to ``last`` in order, ``step(layer,
+    block)`` takes the statistics of a chosen layer, factorises it (``convert_layer``, fp64) into
+    ``converted[layer]`` and advances the calibration stream(s) past the layer. Memory: the streams (one or
+    two N x T x h fp32 tensors, two while a layer is run) and what the caller holds of the model.
+    ``clock``: seconds per phase ("statistics", "factorisation", "propagation"), added to.
+    """
+
+    def __init__(self, config: ModelConfig, g: GraftConfig, rotary: RotaryEmbedding, hidden: torch.Tensor | None,
+                 batch_size: int = 8, clock: dict[str, float] | None = None) -> None:
+        g.check_against(config)
+        if g.objective != "weights" and hidden is None:
+            raise ValueError(f"objective {g.objective!r} needs calibration tokens (or use objective='weights')")
+        self.config, self.g, self.rotary, self.batch_size = config, g, rotary, batch_size
+        self.clock = clock if clock is not None else {}
+        for key in ("statistics", "factorisation", "propagation"):
+            self.clock.setdefault(key, 0.0)
+        self.layers = set(g.layers if g.layers is not None else range(config.num_layers))
+        self.last = max(self.layers)  # nothing above the last converted layer is read: the walk stops there
+        self.converted: dict[int, MLAWeights] = {}
+        self.rope_index: dict[int, tuple[int, ...]] = {}
+        self.shared_pairs: dict[int, list[tuple[int, int]]] = {}  # rope selection "shared": set by the caller
+        self.device = rotary.inv_freq.device
+        # the per-layer fp64 math runs where the model is when that is an accelerator, else on the CPU
+        self.math_device: torch.device | None = self.device if self.device.type == "cuda" else None
+        # Activations flow layer by layer through the original (x_orig) and converted (x_new) stacks.
+        self.x_new: torch.Tensor | None = None
+        self.x_orig: torch.Tensor | None = None
+        if hidden is not None:
+            self.x_orig = hidden.float()
+            self.x_new = self.x_orig.clone()
+            self.cos, self.sin = rope_tables(rotary, hidden.shape[0], hidden.shape[1])
+
+    def step(self, layer: int, block: Block) -> Block | None:
+        """Graft ``layer`` (``block``: the original) when it is chosen, then advance the stream(s) past it.
+        Returns the converted block when one was built to advance the stream (else None)."""
+        self.convert(layer, block)
+        return self.advance(layer, block)
+
+    def convert(self, layer: int, block: Block) -> None:
+        """Statistics and factorisation of ``layer`` into ``converted[layer]`` (nothing for a layer not chosen)."""
+        g, config, clock, bs = self.g, self.config, self.clock, self.batch_size
+        C = None
+        source = None  # the stream layer statistics are taken on
+        t0 = time.perf_counter()
+        if layer not in self.layers:
+            return
+        if self.x_new is not None:  # statistics only where a layer is converted
+            source = self.x_new if g.layerwise else self.x_orig
+            assert source is not None  # both streams start with calibration; the one read is kept going
+            C = _second_moment(block.input_layernorm, source, bs)
+        weights = _gqa_weights(_gqa(block))
+        q_norm = None
+        if config.qk_norm:  # Qwen3: linearise the key norm; keep the query norm or linearise it too
+            weights.k = _linearised_keys(block, source, C, bs)
+            if weights.k_bias is not None:  # the fitted map already accounts for it (no intercept kept)
+                weights.k_bias = torch.zeros_like(weights.k_bias)
+            if g.qk_norm == "linearise":
+                weights.q = _linearised(block, "q", source, C, bs)
+                if weights.q_bias is not None:
+                    weights.q_bias = torch.zeros_like(weights.q_bias)
+            else:
+                q_norm = _gqa(block).q_norm.weight.detach().cpu()
+        expectation = None
+        if g.rope_expectation and source is not None:
+            profile = _distance_profile(block, source, self.cos, self.sin, bs)
+            expectation = rope_expectation(profile, self.rotary.inv_freq.double().cpu())
+        t1 = time.perf_counter()
+        clock["statistics"] += t1 - t0
+        layer_args: dict[str, Any] = {
+            "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
+            "head_dim": known(config.head_dim, "head_dim"), "kv_lora_rank": g.kv_lora_rank, "d_rope": g.qk_rope_head_dim,
+            "C": shrink_second_moment(C, g.calibration_shrinkage),
+            "objective": g.objective, "rope_selection": g.rope_selection, "balance_kv": g.balance_kv,
+            "rope_attention_scaling": self.rotary.attention_scaling, "q_norm_weight": q_norm,
+            "rope_expectation": expectation, "pairs": self.shared_pairs.get(layer), "rope_rotation": g.rope_rotation,
+        }
+        mla = None
+        if self.math_device is not None:  # fp64 on the GPU: the O(rows x h^2) products and the eigh take seconds there
+            try:
+                mla = convert_layer(weights, device=self.math_device, **layer_args)
+            except RuntimeError as exc:  # e.g. no fp64 solver on this device: the CPU path always works
+                warnings.warn(f"layer {layer}: the factorisation failed on {self.math_device} ({exc}); "
+                              "running it on the CPU", stacklevel=3)
+                self.math_device = None
+        if mla is None:
+            mla = convert_layer(weights, **layer_args)
+        self.converted[layer] = mla
+        self.rope_index[layer] = mla.rope_freq_index
+        clock["factorisation"] += time.perf_counter() - t1
+
+    def converted_block(self, layer: int, block: Block) -> Block:
+        """The converted ``layer``: an MLA attention (``converted[layer]``, in the block's dtype) between
+        ``block``'s own norms and MLP (shared, not copied)."""
+        g = self.g
+        cfg = mla_model_config(self.config, GraftConfig(g.kv_lora_rank, g.qk_rope_head_dim, layers=(layer,),
+                                                        qk_norm=g.qk_norm), {layer: self.rope_index[layer]})
+        return _build_block(cfg, layer, block, self.converted[layer], self.device)
+
+    def advance(self, layer: int, block: Block) -> Block | None:
+        """Run the stream(s) past ``layer``; the converted stream through a one-layer MLA stand-in (returned).
+        Layer-wise calibration reads only the converted stream, so the original one is not run then; nothing
+        runs past the last converted layer (its output is never read)."""
+        g, bs = self.g, self.batch_size
+        t2 = time.perf_counter()
+        built = None
+        if self.x_new is not None and layer < self.last:
+            assert g.layerwise or self.x_orig is not None
+            x_orig = self.x_orig
+            x_orig_next = None if x_orig is None or g.layerwise else _run_block(block, x_orig, self.cos, self.sin, bs)
+            if g.layerwise and layer in self.layers:
+                built = self.converted_block(layer, block)
+                self.x_new = _run_block(built, self.x_new, self.cos, self.sin, bs)
+            elif g.layerwise:
+                self.x_new = _run_block(block, self.x_new, self.cos, self.sin, bs)
+            else:
+                self.x_new = x_orig_next
+            self.x_orig = x_orig_next
+        self.clock["propagation"] += time.perf_counter() - t2
+        return built
+
+    def model_config(self) -> ModelConfig:
+        """The grafted model's config (every converted layer's RoPE layout known once the walk is done)."""
+        return mla_model_config(self.config, self.g, self.rope_index)
+
+
+def rope_tables(rotary: RotaryEmbedding, sequences: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) fp32 for ``sequences`` rows at positions 0..seq_len-1 (what a cache-free forward uses)."""
+    device = rotary.inv_freq.device
+    positions = torch.arange(seq_len, device=device).expand(sequences, seq_len)
+    cos, sin = rotary(positions, torch.float32)
+    return cos, sin
+
+
+def layer_progress(total: int, progress: bool, desc: str = "graft MLA") -> Any:
+    """The one progress bar over layers (tqdm: the elapsed and estimated remaining time)."""
+    return tqdm(range(total), desc=desc, unit="layer", disable=not progress)
+
+
+def layer_postfix(bar: Any, seconds: float, clock: dict[str, float]) -> None:
+    """The bar's postfix: the layer just done's seconds, then the seconds per phase so far."""
+    bar.set_postfix_str(f"layer {seconds:.1f} s, " + ", ".join(f"{k} {v:.0f} s" for k, v in clock.items()),
+                        refresh=False)
 
 
 @torch.no_grad()
@@ -140,7 +312,7 @@ def graft_mla(
     calibration: torch.Tensor | None = None,  # (N, T) token ids; needed unless objective == "weights"
     batch_size: int = 8,
     progress: bool = True,
-    timings: dict | None = None,
+    timings: dict[str, float] | None = None,
 ) -> Transformer:
     """Return a new model with the chosen layers converted to MLA (``model`` is left untouched).
 
@@ -149,125 +321,41 @@ def graft_mla(
     "factorisation" (the per-layer fp64 math of ``convert_layer``, independent of the number of calibration
     tokens) and "propagation" (running the converted layers, and the original ones unless layer-wise, over
     the calibration tokens). On a CUDA model the per-layer math runs on its GPU (fp64), else on the CPU.
+    The per-layer work is :class:`LayerGraft`'s.
     """
-    clock = timings if timings is not None else {}
-    for key in ("statistics", "factorisation", "propagation"):
-        clock.setdefault(key, 0.0)
-    config = model.config
-    g.check_against(config)
-    if g.objective != "weights" and calibration is None:
-        raise ValueError(f"objective {g.objective!r} needs calibration tokens (or use objective='weights')")
-    layers = set(g.layers if g.layers is not None else range(config.num_layers))
-    last = max(layers)  # nothing above the last converted layer is read: the loop stops there
     device = model.embed_tokens.weight.device
-    # the per-layer fp64 math runs where the model is when that is an accelerator, else on the CPU
-    math_device = device if device.type == "cuda" else None
-    converted: dict[int, object] = {}
-    rope_index: dict[int, tuple[int, ...]] = {}
-
-    # Activations flow layer by layer through the original (x_orig) and converted (x_new) stacks.
-    x_new = x_orig = None
-    if calibration is not None:
-        calibration = calibration.to(device)
-        x_orig = model.embed_tokens(calibration).float()
-        x_new = x_orig.clone()
-        positions = torch.arange(calibration.shape[1], device=device).expand_as(calibration)
-        cos, sin = model.rotary(positions, torch.float32)
-
-    shared_pairs: dict[int, list[tuple[int, int]]] = {}
+    hidden = None if calibration is None else model.embed_tokens(calibration.to(device))
+    run = LayerGraft(model.config, g, model.rotary, hidden, batch_size, timings)
+    del hidden
     if g.rope_selection == "shared":
         t0 = time.perf_counter()
-        shared_pairs = _shared_pairs(model, g, sorted(layers), calibration, batch_size, progress)
-        clock["statistics"] += time.perf_counter() - t0
-
-    bar = tqdm(range(last + 1), desc="graft MLA", unit="layer", disable=not progress)
+        run.shared_pairs = _shared_pairs(model.config, lambda layer: _block(model, layer), model.embed_tokens.weight,
+                                         model.rotary, g, sorted(run.layers), calibration, batch_size, progress)
+        run.clock["statistics"] += time.perf_counter() - t0
+    bar = layer_progress(run.last + 1, progress)
     for layer in bar:
-        block = model.layers[layer]
-        C = None
-        t0 = time.perf_counter()
-        if calibration is not None and layer in layers:  # statistics only where a layer is converted
-            source = x_new if g.layerwise else x_orig
-            C = _second_moment(block.input_layernorm, source, batch_size)
-        if layer in layers:
-            weights = _gqa_weights(block.self_attn)
-            q_norm = None
-            if config.qk_norm:  # Qwen3: linearise the key norm; keep the query norm or linearise it too
-                x_fit = source if calibration is not None else None
-                weights.k = _linearised_keys(block, x_fit, C, batch_size)
-                if weights.k_bias is not None:  # the fitted map already accounts for it (no intercept kept)
-                    weights.k_bias = torch.zeros_like(weights.k_bias)
-                if g.qk_norm == "linearise":
-                    weights.q = _linearised(block, "q", x_fit, C, batch_size)
-                    if weights.q_bias is not None:
-                        weights.q_bias = torch.zeros_like(weights.q_bias)
-                else:
-                    q_norm = block.self_attn.q_norm.weight.detach().cpu()
-            expectation = None
-            if g.rope_expectation and calibration is not None:
-                profile = _distance_profile(block, source, cos, sin, batch_size)
-                expectation = rope_expectation(profile, model.rotary.inv_freq.double().cpu())
-            t1 = time.perf_counter()
-            clock["statistics"] += t1 - t0
-            layer_args = {
-                "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
-                "head_dim": config.head_dim, "kv_lora_rank": g.kv_lora_rank, "d_rope": g.qk_rope_head_dim,
-                "C": shrink_second_moment(C, g.calibration_shrinkage),
-                "objective": g.objective, "rope_selection": g.rope_selection, "balance_kv": g.balance_kv,
-                "rope_attention_scaling": model.rotary.attention_scaling, "q_norm_weight": q_norm,
-                "rope_expectation": expectation, "pairs": shared_pairs.get(layer), "rope_rotation": g.rope_rotation,
-            }
-            mla = None
-            if math_device is not None:  # fp64 on the GPU: the O(rows x h^2) products and the eigh take seconds there
-                try:
-                    mla = convert_layer(weights, device=math_device, **layer_args)
-                except RuntimeError as exc:  # e.g. no fp64 solver on this device: the CPU path always works
-                    warnings.warn(f"layer {layer}: the factorisation failed on {math_device} ({exc}); "
-                                  "running it on the CPU", stacklevel=2)
-                    math_device = None
-            if mla is None:
-                mla = convert_layer(weights, **layer_args)
-            converted[layer] = mla
-            rope_index[layer] = mla.rope_freq_index
-            clock["factorisation"] += time.perf_counter() - t1
-        else:
-            clock["statistics"] += time.perf_counter() - t0
-        t2 = time.perf_counter()
-        if calibration is not None and layer < last:
-            # advance the stream(s) one layer; the converted stream uses a one-layer MLA stand-in. Layer-wise
-            # calibration reads only the converted stream, so the original one is not run then; nothing
-            # runs past the last converted layer (its output is never read).
-            x_orig_next = None if g.layerwise else _run_block(block, x_orig, cos, sin, config, layer, batch_size)
-            if g.layerwise and layer in layers:
-                tmp_cfg = mla_model_config(config, GraftConfig(
-                    g.kv_lora_rank, g.qk_rope_head_dim, layers=(layer,), qk_norm=g.qk_norm),
-                    {layer: converted[layer].rope_freq_index})
-                tmp = _build_block(tmp_cfg, layer, block, converted[layer], device)
-                x_new = _run_block(tmp, x_new, cos, sin, tmp_cfg, layer, batch_size)
-            elif g.layerwise:
-                x_new = _run_block(block, x_new, cos, sin, config, layer, batch_size)
-            else:
-                x_new = x_orig_next
-            x_orig = x_orig_next
-        clock["propagation"] += time.perf_counter() - t2
+        t = time.perf_counter()
+        run.step(layer, _block(model, layer))
         if progress:
-            bar.set_postfix_str(", ".join(f"{k} {v:.0f} s" for k, v in clock.items()), refresh=False)
-    new_config = mla_model_config(config, g, rope_index)
+            layer_postfix(bar, time.perf_counter() - t, run.clock)
+    new_config = run.model_config()
     new = _uninitialised_like(model, new_config, device)
     state = {k: v for k, v in model.state_dict().items()}
     new_state = new.state_dict()
     for key in new_state:
         layer = int(key.split(".")[1]) if key.startswith("layers.") else None
-        if layer in converted and ".self_attn." in key:
+        if layer in run.converted and ".self_attn." in key:
             continue
         new_state[key] = state[key]
     new.load_state_dict(new_state)
-    for layer, mla in converted.items():
-        _reset_attention(new.layers[layer].self_attn)
-        _load_mla(new.layers[layer].self_attn, mla)
+    for layer, mla in run.converted.items():
+        attn = cast(MLAttention, _block(new, layer).self_attn)
+        _reset_attention(attn)
+        _load_mla(attn, mla)
     return new
 
 
-def _uninitialised_like(model: Transformer, config: ModelConfig, device) -> Transformer:
+def _uninitialised_like(model: Transformer, config: ModelConfig, device: torch.device) -> Transformer:
     """``Transformer(config)`` on ``device`` without its random initialisation (built on the meta device,
     then allocated there): every persistent tensor is about to be overwritten, and the non-persistent
     buffers (RoPE's inv_freq) are taken from ``model``, whose RoPE the new model shares. Random init of a
@@ -289,47 +377,51 @@ def _uninitialised_like(model: Transformer, config: ModelConfig, device) -> Tran
     return new
 
 
-def _reset_attention(attn) -> None:
+def _reset_attention(attn: nn.Module) -> None:
     """Zero every parameter of a freshly allocated (uninitialised) attention module, norms to one: what
     ``_load_mla`` does not write then holds what a constructed module would (zero bias, unit norm)."""
     for name, p in attn.named_parameters():
         p.detach().fill_(1.0 if name.endswith("norm.weight") else 0.0)
 
 
-def _shared_pairs(model: Transformer, g: GraftConfig, layers: list[int], calibration: torch.Tensor | None,
+def _shared_pairs(config: ModelConfig, block_at: Callable[[int], Block], embed_weight: torch.Tensor,
+                  rotary: RotaryEmbedding, g: GraftConfig, layers: list[int], calibration: torch.Tensor | None,
                   batch_size: int, progress: bool) -> dict[int, list[tuple[int, int]]]:
     """The "shared" RoPE selection: every converted layer's pair scores on the original model's own
-    activations, then one frequency layout for all (``shared_rope_pairs``)."""
-    config = model.config
+    activations, then one frequency layout for all (``shared_rope_pairs``). ``block_at(layer)``: the original
+    block (a model's, or one read from a checkpoint), asked for once per layer in order."""
     if calibration is None:
         raise ValueError("rope selection 'shared' needs calibration text")
-    device = model.embed_tokens.weight.device
+    device = embed_weight.device
     calibration = calibration.to(device)
-    x = model.embed_tokens(calibration).float()
-    positions = torch.arange(calibration.shape[1], device=device).expand_as(calibration)
-    cos, sin = model.rotary(positions, torch.float32)
-    H, K, d = config.num_heads, config.num_kv_heads, config.head_dim
+    x = torch.nn.functional.embedding(calibration, embed_weight).float()
+    cos, sin = rope_tables(rotary, calibration.shape[0], calibration.shape[1])
+    H, K, d = config.num_heads, config.num_kv_heads, known(config.head_dim, "head_dim")
     scores = {}
     for layer in tqdm(range(max(layers) + 1), desc="RoPE pair scores", unit="layer", disable=not progress):
-        block = model.layers[layer]
+        block = block_at(layer)
         if layer in layers:
             C = _second_moment(block.input_layernorm, x, batch_size).double().cpu()
-            w32 = _gqa_weights(block.self_attn)
+            w32 = _gqa_weights(_gqa(block))
             if config.qk_norm:  # score the pairs on the norms' linear fits (what the graft builds on)
                 w32.q, w32.k = (_linearised(block, which, x, C, batch_size).float() for which in "qk")
-            w = GQAWeights(*(None if (t := getattr(w32, f.name)) is None else t.double()
-                             for f in dataclasses.fields(w32)))
+            w = GQAWeights(w32.q.double(), w32.k.double(), w32.v.double(), w32.o.double(), _double(w32.q_bias),
+                           _double(w32.k_bias), _double(w32.v_bias), _double(w32.o_bias))
             expectation = None
             if g.rope_expectation:
                 profile = _distance_profile(block, x, cos, sin, batch_size)
-                expectation = rope_expectation(profile, model.rotary.inv_freq.double().cpu())
-            Cs = shrink_second_moment(C, g.calibration_shrinkage)
+                expectation = rope_expectation(profile, rotary.inv_freq.double().cpu())
+            Cs = cast(torch.Tensor, shrink_second_moment(C, g.calibration_shrinkage))  # C is not None
             scores[layer] = pair_scores(w, Cs, head_rotations(w.k, Cs, K, d, rotation=g.rope_rotation), H, K, d,
                                         expectation)
         if layer < max(layers):  # the last scored layer's output is never read
-            x = _run_block(block, x, cos, sin, config, layer, batch_size)
+            x = _run_block(block, x, cos, sin, batch_size)
     chosen = shared_rope_pairs([scores[layer] for layer in layers], g.qk_rope_head_dim)
     return dict(zip(layers, chosen))
+
+
+def _double(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.double()
 
 
 def shrink_second_moment(C: torch.Tensor | None, shrinkage: float) -> torch.Tensor | None:
@@ -342,7 +434,7 @@ def shrink_second_moment(C: torch.Tensor | None, shrinkage: float) -> torch.Tens
     return (1.0 - shrinkage) * C + shrinkage * iso
 
 
-def _second_moment(norm, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+def _second_moment(norm: RMSNorm, x: torch.Tensor, batch_size: int) -> torch.Tensor:
     """E[x x^T] (fp64) of the attention input ``norm(x)`` over every calibration token."""
     h = x.shape[-1]
     C = torch.zeros(h, h, dtype=torch.float64, device=x.device)
@@ -354,19 +446,21 @@ def _second_moment(norm, x: torch.Tensor, batch_size: int) -> torch.Tensor:
     return (C / n).cpu()
 
 
-def _linearised_keys(block, x: torch.Tensor | None, C: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+def _linearised_keys(block: Block, x: torch.Tensor | None, C: torch.Tensor | None, batch_size: int) -> torch.Tensor:
     """The linear stand-in for Qwen3's keys (see ``_linearised``)."""
     return _linearised(block, "k", x, C, batch_size)
 
 
-def _linearised(block, which: str, x: torch.Tensor | None, C: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+def _linearised(block: Block, which: str, x: torch.Tensor | None, C: torch.Tensor | None,
+                batch_size: int) -> torch.Tensor:
     """A linear stand-in (heads*d, h) for Qwen3's keys k = k_norm(W_k x) (``which="k"``) or queries
     q = q_norm(W_q x) (``"q"``), which MLA's latent (or the share graft's window) must produce linearly.
 
-    With calibration: the least-squares map E[k x^T] E[x x^T]^-1 over the calibration tokens. Weights
-    only: each head's rows scaled by the norm's weight over the head's typical RMS for isotropic x.
+    With calibration (``x`` and its second moment ``C``): the least-squares map E[k x^T] E[x x^T]^-1 over the
+    calibration tokens. Weights only: each head's rows scaled by the norm's weight over the head's typical RMS
+    for isotropic x.
     """
-    attn = block.self_attn
+    attn = _gqa(block)
     proj, norm = (attn.k_proj, attn.k_norm) if which == "k" else (attn.q_proj, attn.q_norm)
     w_k = proj.weight.detach().double()
     gamma = norm.weight.detach().double()
@@ -385,11 +479,15 @@ def _linearised(block, which: str, x: torch.Tensor | None, C: torch.Tensor | Non
         R += k.double().T @ a.double()
         n += a.shape[0]
     R = (R / n).cpu()
+    if C is None:
+        raise ValueError("the least-squares fit of the q/k norm needs the inputs' second moment C with x")
     ridge = 1e-6 * torch.diagonal(C).mean()
-    return torch.linalg.solve(C + ridge * torch.eye(h, dtype=C.dtype), R.T).T
+    fit: torch.Tensor = torch.linalg.solve(C + ridge * torch.eye(h, dtype=C.dtype), R.T).T
+    return fit
 
 
-def _distance_profile(block, x: torch.Tensor, cos, sin, batch_size: int) -> torch.Tensor:
+def _distance_profile(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      batch_size: int) -> torch.Tensor:
     """(T,) how much attention the original layer pays at each distance delta = query pos - key pos.
 
     Averaged over heads, queries and calibration sequences; each query's weights sum to one. Computed one
@@ -399,8 +497,8 @@ def _distance_profile(block, x: torch.Tensor, cos, sin, batch_size: int) -> torc
     """
     from kvgraft.model.rope import apply_rope
 
-    attn = block.self_attn
-    H, K, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    attn = _gqa(block)
+    H, K, d = attn.num_heads, attn.num_kv_heads, known(attn.head_dim, "head_dim")
     group = H // K
     T = x.shape[1]
     delta = torch.arange(T, device=x.device)[:, None] - torch.arange(T, device=x.device)[None, :]  # (T, T)
@@ -437,7 +535,9 @@ def rope_expectation(profile: torch.Tensor, inv_freq: torch.Tensor) -> torch.Ten
     return torch.stack([(profile[:, None] * angles.cos()).sum(0), (profile[:, None] * angles.sin()).sum(0)], dim=-1)
 
 
-def _run_block(block, x, cos, sin, config, layer, batch_size) -> torch.Tensor:
+def _run_block(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """``block``'s output for hidden states ``x`` (positions 0..T-1; RoPE ``cos``/``sin``), ``batch_size``
+    sequences at a time."""
     out = []
     for start in range(0, x.shape[0], batch_size):
         sl = slice(start, start + batch_size)
@@ -447,27 +547,29 @@ def _run_block(block, x, cos, sin, config, layer, batch_size) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _build_block(config: ModelConfig, layer: int, original_block, mla, device):
+def _build_block(config: ModelConfig, layer: int, original_block: Block, mla: MLAWeights,
+                 device: torch.device) -> Block:
     """The converted layer for propagation: a new MLA attention between the original block's own norms
     and MLP (shared, not copied). Built on the meta device and allocated without random initialisation
     (which took ~0.6 s per 1B-shape layer, mostly the MLP's that is then overwritten)."""
-    from kvgraft.model.transformer import Block
-
     with torch.device("meta"):
         blk = Block(config, layer)
     blk.input_layernorm = original_block.input_layernorm
     blk.post_attention_layernorm = original_block.post_attention_layernorm
     blk.mlp = original_block.mlp
-    blk.self_attn = blk.self_attn.to_empty(device=device)
-    _reset_attention(blk.self_attn)
-    _load_mla(blk.self_attn, mla)
+    attn = cast(MLAttention, blk.self_attn.to_empty(device=device))
+    blk.self_attn = attn
+    _reset_attention(attn)
+    _load_mla(attn, mla)
     return blk
 
 
-def _load_mla(attn, mla) -> None:
+def _load_mla(attn: MLAttention, mla: MLAWeights) -> None:
+    """Copy the converted layer ``mla`` into the MLA module ``attn`` (in its dtype); RuntimeError for a
+    non-zero bias ``attn`` has no place for."""
     dtype = attn.q_proj.weight.dtype
 
-    def put(lin, weight, bias):
+    def put(lin: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         lin.weight.copy_(weight.to(dtype))
         if lin.bias is not None:
             lin.bias.copy_(bias.to(dtype) if bias is not None else torch.zeros_like(lin.bias))
@@ -476,6 +578,8 @@ def _load_mla(attn, mla) -> None:
 
     put(attn.q_proj, mla.q_proj, mla.q_bias)
     if mla.q_mix is not None:
+        if mla.q_norm is None:
+            raise RuntimeError("converted layer has a query mix without its query norm")
         attn.q_mix.copy_(mla.q_mix.to(dtype))
         attn.q_norm.weight.copy_(mla.q_norm.to(dtype))
     put(attn.kv_a_proj, mla.kv_a_proj, mla.kv_a_bias)

@@ -17,7 +17,6 @@ from typing import Any
 
 from kvgraft.graft.calibration import CalibrationPlan, plan_calibration
 from kvgraft.graft.ced import CEDGraftConfig, default_kv_sources
-from kvgraft.graft.fields import known
 from kvgraft.graft.mla import GraftConfig, mla_model_config
 from kvgraft.graft.options import ConvertOptions
 from kvgraft.graft.ranks import (
@@ -28,6 +27,7 @@ from kvgraft.graft.ranks import (
     default_ranks,
 )
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.fields import known
 
 _STOCK_HEAD_NOTE = ("(stock DeepSeek-V3 rotates each frequency once in its one shared RoPE key, so the RoPE parts "
                     "of {heads} KV heads cannot all keep their rotation: --rope-dim {head_dim} is the closest stock "

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvgraft.graft.fields import known
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.fields import known
 
 DEFAULT_COMPRESSION = 4.0  # --to mla
 DEFAULT_CED_COMPRESSION = 2.0  # --to ced: several layers read each shared latent

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -133,6 +134,7 @@ class ShardWriter:
         self._names: set[str] = set()
         self.total_bytes = 0
         self.peak_pending_bytes = 0
+        self.seconds = 0.0  # spent writing shards
         self._closed = False
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -157,8 +159,10 @@ class ShardWriter:
             self.add(name, tensor)
 
     def _flush(self) -> None:
+        t0 = time.perf_counter()
         path = self.directory / f".shard-{len(self._written):05d}.safetensors"
         save_file(self._pending, str(path), metadata=self.metadata)
+        self.seconds += time.perf_counter() - t0
         self._written.append((path, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 

@@ -1,0 +1,203 @@
+"""The layer-by-layer executor of ``kvgraft convert --to mla`` (kvgraft format): one decoder layer in memory.
+
+The source is read lazily (``kvgraft.hf.shards.CheckpointReader``, memory-mapped safetensors); for each
+layer in order the original block is read (fp32, on the plan's device), grafted by the same per-layer code
+as ``graft_mla`` (``kvgraft.graft.mla.LayerGraft``), its converted block's tensors handed to a
+``kvgraft.hf.shards.ShardWriter`` in the atomic output directory, and both are dropped. The calibration
+hidden states stream through the layers in memory, and so do the calibration tail's (its last
+``TAIL_SEQUENCES`` sequences) through both the original and the converted stack; after the last layer the
+final norm and the head give the tail figures. The tensors written, the config and ``conversion.json``
+(apart from timings) are those of the whole-model executor, bit for bit (``tests/test_convert_layerwise.py``).
+
+Peak memory, roughly: the embedding (fp32; the head too at the end) + one layer's original and converted
+weights (fp32) + the calibration states (2-3 x N x T x hidden fp32 while a layer runs: the stream, the
+layer's output and the statistics' batches) + the tail's (2 x 8 x T x hidden fp32 and, at the end, the fp64
+logits 2 x 8 x T x vocab) + one pending output shard (``shard_bytes``: about one layer, at least 256 MiB).
+None of it grows with depth.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvgraft.atomic import atomic_dir
+from kvgraft.graft.mla import LayerGraft, _run_block, _shared_pairs, layer_postfix, layer_progress, rope_tables
+from kvgraft.graft.plan import ConvertPlan
+from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output
+from kvgraft.hf.config_map import hf_config_from_model
+from kvgraft.hf.keys import hf_to_kvgraft
+from kvgraft.hf.load import WEIGHTS, WEIGHTS_INDEX, check_finite
+from kvgraft.hf.save import tokenizer_files_of, write_side_files
+from kvgraft.hf.shards import DEFAULT_SHARD_BYTES, CheckpointReader, ShardWriter
+from kvgraft.model import ModelConfig
+from kvgraft.model.norm import RMSNorm
+from kvgraft.model.rope import RotaryEmbedding
+from kvgraft.model.shapes import num_parameters, parameter_shapes
+from kvgraft.model.transformer import Block
+
+HF_PREFIX = "model."
+EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers old transformers versions saved (as kvgraft.hf.keys)
+SHARD_FLOOR = 256 * 2**20  # output shards of at least this many bytes (tiny models: one model.safetensors)
+DTYPE = torch.float32  # the output's dtype, the whole-model executor's (it grafts an fp32 model)
+
+
+def shard_bytes(config: ModelConfig) -> int:
+    """The output's shard size: one converted layer's fp32 bytes, at least ``SHARD_FLOOR``, at most
+    transformers-like ``DEFAULT_SHARD_BYTES``. The writer holds at most one shard, so this bounds its memory."""
+    layer = sum(int(torch.Size(s).numel()) for k, s in parameter_shapes(config).items() if k.startswith("layers.0."))
+    return min(DEFAULT_SHARD_BYTES, max(SHARD_FLOOR, layer * DTYPE.itemsize))
+
+
+class SourceLayers:
+    """The source checkpoint read a tensor at a time (fp32, on ``device``); ``seconds`` spent reading."""
+
+    def __init__(self, reader: CheckpointReader, config: ModelConfig, device: str | torch.device) -> None:
+        self.reader, self.config, self.device = reader, config, device
+        self.seconds = 0.0
+
+    def check(self, source: str) -> None:
+        """What ``load_pretrained`` refuses, refused the same way and in its order, before any work: every
+        tensor finite (read one at a time, in file order), then names and shapes against the config (from
+        the headers)."""
+        r = self.reader
+        for name in r.keys():
+            check_finite({name: r.get(name)}, source)
+            r.release()  # unmapped as read: the file's pages would count in the resident memory
+        state = {k: torch.empty(r.shape(k), device="meta") for k in r.keys()}
+        if self.config.tie_word_embeddings and LM_HEAD in state and EMBED in state:  # compared by value
+            state[LM_HEAD], state[EMBED] = r.get(LM_HEAD), r.get(EMBED)
+        hf_to_kvgraft(state, self.config, source=source)
+
+    def tensor(self, name: str, release: bool = True) -> torch.Tensor:
+        """``name`` in fp32 on the device; ``release``: unmap the file after (see ``CheckpointReader.release``)."""
+        t0 = time.perf_counter()
+        t = self.reader.get(name, dtype=DTYPE, device=self.device)
+        if release:
+            self.reader.release()
+        self.seconds += time.perf_counter() - t0
+        return t
+
+    def block(self, layer: int) -> Block:
+        """The original decoder block ``layer`` (eval mode), its weights read now."""
+        prefix = f"{HF_PREFIX}layers.{layer}."
+        state = {k[len(prefix):]: self.tensor(k, release=False) for k in self.reader.prefixed(prefix)
+                 if not k.endswith(IGNORED_SUFFIXES)}
+        self.reader.release()
+        with torch.device("meta"):
+            block = Block(self.config, layer)
+        block.load_state_dict(state, assign=True)
+        return block.eval()
+
+
+@torch.no_grad()
+def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str, Any]:
+    """Convert ``plan`` (``to == "mla"``, ``output_format == "kvgraft"``) one layer at a time and write
+    ``plan.out`` atomically; returns the ``conversion.json`` record (what ``execute_whole`` returns). Its
+    "seconds", counted as ``execute_whole`` counts them: "load" is the time spent reading (and checking) the
+    source, "convert" the graft, without the calibration-tail figures and the writing."""
+    g, config = plan.mla, plan.source_config
+    if g is None or plan.to != "mla" or plan.output_format != "kvgraft":
+        raise ValueError("the layer-by-layer executor converts --to mla with --format kvgraft only")
+
+    weights_file = plan.source / (WEIGHTS if (plan.source / WEIGHTS).is_file() else WEIGHTS_INDEX)
+    t_start = time.perf_counter()
+    with CheckpointReader(plan.source) as reader:
+        src = SourceLayers(reader, config, plan.device)
+        t0 = time.perf_counter()
+        src.check(str(weights_file))
+        src.seconds += time.perf_counter() - t0
+        with atomic_dir(plan.out, overwrite=plan.overwrite) as tmp:
+            writer = ShardWriter(tmp, max_shard_bytes=shard_bytes(plan.predicted_config()))
+            tail_seconds = [0.0]
+            run, tail = _graft_layers(plan, src, calib, writer, tail_seconds)
+            new_config = run.model_config()
+            _check_written(writer.close(), new_config)
+            # as the whole-model executor counts: "convert" is the graft, without the tail figures and the writing
+            seconds = {"load": src.seconds,
+                       "convert": time.perf_counter() - t_start - src.seconds - tail_seconds[0] - writer.seconds}
+            parameters = {"original": num_parameters(config), "converted": num_parameters(new_config)}
+            record = conversion_record(plan, new_config, share_report=None, tail=tail, seconds=seconds,
+                                       parameters=parameters)
+            hf_config = hf_config_from_model(new_config, "kvgraft", dtype=str(DTYPE).removeprefix("torch."))
+            write_side_files(tmp, hf_config, new_config,
+                             tokenizer_files_of(plan.source if plan.has_tokenizer else None))
+            record["formats"].append("kvgraft")
+            finish_output(plan, tmp, record)
+    return record
+
+
+def _graft_layers(plan: ConvertPlan, src: SourceLayers, calib: torch.Tensor | None, writer: ShardWriter,
+                  tail_seconds: list[float]) -> tuple[LayerGraft, dict[str, Any] | None]:
+    """The walk up the layers: graft, write, and run the tail through both stacks; then the head.
+    ``tail_seconds[0]`` receives the seconds spent on the tail."""
+    g, config, device = plan.mla, plan.source_config, torch.device(plan.device)
+    assert g is not None
+    rotary = RotaryEmbedding(config).to(device)
+    embed = src.tensor(EMBED)
+    writer.add(EMBED, embed)
+    hidden = None if calib is None else F.embedding(calib.to(device), embed)
+    tail_ids = None if calib is None else calib[-TAIL_SEQUENCES:].to(device)
+    run = LayerGraft(config, g, rotary, hidden, clock={})
+    del hidden
+    if g.rope_selection == "shared":  # scores every chosen layer on the original stack first: a first pass
+        t0 = time.perf_counter()
+        run.shared_pairs = _shared_pairs(config, src.block, embed, rotary, g, sorted(run.layers), calib, 8,
+                                         plan.progress)
+        run.clock["statistics"] += time.perf_counter() - t0
+    tails: list[torch.Tensor] = []  # the tail's hidden states: [original stack, converted stack]
+    if tail_ids is not None:
+        x = F.embedding(tail_ids, embed)
+        tails = [x, x]
+        tail_cos, tail_sin = rope_tables(rotary, tail_ids.shape[0], tail_ids.shape[1])
+    if not config.tie_word_embeddings:
+        del embed  # read again for the head only when it is the head
+    bar = layer_progress(config.num_layers, plan.progress)
+    for layer in bar:
+        t = time.perf_counter()
+        block = src.block(layer)
+        built = run.step(layer, block) if layer <= run.last else None
+        if built is None and layer in run.converted:
+            built = run.converted_block(layer, block)
+        new = built if built is not None else block
+        if tails:  # one sequence at a time, as tail_figures runs the whole model on each
+            t_tail = time.perf_counter()
+            tails = [_run_block(block, tails[0], tail_cos, tail_sin, 1), _run_block(new, tails[1], tail_cos, tail_sin, 1)]
+            tail_seconds[0] += time.perf_counter() - t_tail
+        prefix = f"{HF_PREFIX}layers.{layer}."
+        for key, tensor in new.state_dict().items():
+            writer.add(prefix + key, tensor)
+        run.converted.pop(layer, None)  # written: its factors (fp64) would add up over the layers
+        del block, built, new
+        if plan.progress:
+            layer_postfix(bar, time.perf_counter() - t, run.clock)
+    norm = RMSNorm(config.hidden_size, config.rms_norm_eps).to(device)
+    norm.weight.copy_(src.tensor(NORM))
+    writer.add(NORM, norm.weight)
+    head = embed if config.tie_word_embeddings else src.tensor(LM_HEAD)
+    if not config.tie_word_embeddings:
+        writer.add(LM_HEAD, head)
+    if tail_ids is None:
+        return run, None
+    t_tail = time.perf_counter()
+    tail = TailFigures(tail_ids)
+    for i in range(tail_ids.shape[0]):  # the head as Transformer.forward applies it, one sequence at a time
+        tail.add(i, *(F.linear(norm(x[i:i + 1]), head) for x in tails))
+    tail_seconds[0] += time.perf_counter() - t_tail
+    return run, tail.record()
+
+
+def _check_written(weight_map: dict[str, str], config: ModelConfig) -> None:
+    """The names written are exactly the converted model's (transformers' names; tied head not written)."""
+    expected = {k if k == "lm_head.weight" else HF_PREFIX + k for k in parameter_shapes(config)}
+    written = set(weight_map)
+    if written != expected:
+        raise RuntimeError(f"layer-by-layer writer bug: missing {sorted(expected - written)}, "
+                           f"unexpected {sorted(written - expected)}")
+
+
+__all__ = ["SHARD_FLOOR", "SourceLayers", "execute_layerwise", "shard_bytes"]
