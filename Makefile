@@ -24,7 +24,10 @@ demo-full: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
-	# one worker per core (pytest-xdist): 903 tests in 123 s instead of 179 s serial on an idle 2-core machine
+	$(VENV)/bin/ruff format --check src tests bench
+	# mypy's configuration is in pyproject.toml (strict flags on model/, runtime/, serve/, graft/)
+	$(PY) -m mypy
+	# one worker per core (pytest-xdist); the tests marked slow run in `make test-slow` (CI runs both)
 	$(PY) -m pytest -q -n auto
 
 test-slow: $(STAMP)

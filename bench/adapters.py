@@ -30,8 +30,11 @@ from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
 
 MODELS = {"ced": "kvgraft-ced-8m", "llama": "kvgraft-llama-8m"}
-PLACEMENTS = {"all-linear": Placement("all", ("all-linear",)), "encoder-half": Placement("encoder-half", ("all-linear",)),
-              "decoder-half": Placement("decoder-half", ("all-linear",), freeze_kv_writers=True)}
+PLACEMENTS = {
+    "all-linear": Placement("all", ("all-linear",)),
+    "encoder-half": Placement("encoder-half", ("all-linear",)),
+    "decoder-half": Placement("decoder-half", ("all-linear",), freeze_kv_writers=True),
+}
 
 
 def build(name: str, placement: Placement, rank: int, checkpointing: bool):
@@ -85,14 +88,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     results = {"config": vars(args), "rows": []}
     for model_name in args.models:
-        configs = {(pl, ck): build(model_name, placement, args.rank, ck)
-                   for pl, placement in PLACEMENTS.items() for ck in (False, True)}
+        configs = {
+            (pl, ck): build(model_name, placement, args.rank, ck) for pl, placement in PLACEMENTS.items() for ck in (False, True)
+        }
         vocab = next(iter(configs.values()))[0].get_base_model().model.config.vocab_size
         x = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
         times: dict = {k: [] for k in configs}
         keys = list(configs)
         for i in range(args.steps):
-            order = keys[i % len(keys):] + keys[:i % len(keys)]
+            order = keys[i % len(keys) :] + keys[: i % len(keys)]
             for k in order:
                 pm, opt, _ = configs[k]
                 t0 = time.perf_counter()
@@ -101,25 +105,40 @@ def main() -> None:
                     times[k].append(time.perf_counter() - t0)
         for (pl, ck), (pm, opt, params) in configs.items():
             trainable = sum(q.numel() for q in params)
-            results["rows"].append({
-                "model": model_name, "placement": pl, "checkpointing": ck, "trainable": trainable,
-                "step_s": statistics.median(times[(pl, ck)]), "saved_activation_bytes": saved_bytes(pm, x),
-                "adapter_state_bytes": trainable * 4 * 4,  # fp32 parameter, gradient, AdamW m and v
-            })
+            results["rows"].append(
+                {
+                    "model": model_name,
+                    "placement": pl,
+                    "checkpointing": ck,
+                    "trainable": trainable,
+                    "step_s": statistics.median(times[(pl, ck)]),
+                    "saved_activation_bytes": saved_bytes(pm, x),
+                    "adapter_state_bytes": trainable * 4 * 4,  # fp32 parameter, gradient, AdamW m and v
+                }
+            )
         print(f"{model_name}: done", flush=True)
-    print(f"\nbatch {args.batch} x {args.seq_len} tokens, rank {args.rank}, fp32, {args.threads} threads, median of "
-          f"{args.steps - args.warmup} interleaved steps; decoder-half with the pivot's KV writers frozen\n")
-    print("| model | placement | checkpointing | trainable | step (s) | vs all-linear | activations kept (MB) "
-          "| vs all-linear | adapter + grad + AdamW (MB) |")
+    print(
+        f"\nbatch {args.batch} x {args.seq_len} tokens, rank {args.rank}, fp32, {args.threads} threads, median of "
+        f"{args.steps - args.warmup} interleaved steps; decoder-half with the pivot's KV writers frozen\n"
+    )
+    print(
+        "| model | placement | checkpointing | trainable | step (s) | vs all-linear | activations kept (MB) "
+        "| vs all-linear | adapter + grad + AdamW (MB) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
-        base = next(b for b in results["rows"] if b["model"] == r["model"] and b["placement"] == "all-linear"
-                    and b["checkpointing"] == r["checkpointing"])
+        base = next(
+            b
+            for b in results["rows"]
+            if b["model"] == r["model"] and b["placement"] == "all-linear" and b["checkpointing"] == r["checkpointing"]
+        )
         r["step_vs_all_linear"] = r["step_s"] / base["step_s"]
         r["activations_vs_all_linear"] = r["saved_activation_bytes"] / base["saved_activation_bytes"]
-        print(f"| {r['model']} | {r['placement']} | {'on' if r['checkpointing'] else 'off'} | {r['trainable']:,} | "
-              f"{r['step_s']:.3f} | {r['step_vs_all_linear']:.2f}x | {r['saved_activation_bytes'] / 2**20:.1f} | "
-              f"{r['activations_vs_all_linear']:.2f}x | {r['adapter_state_bytes'] / 2**20:.1f} |")
+        print(
+            f"| {r['model']} | {r['placement']} | {'on' if r['checkpointing'] else 'off'} | {r['trainable']:,} | "
+            f"{r['step_s']:.3f} | {r['step_vs_all_linear']:.2f}x | {r['saved_activation_bytes'] / 2**20:.1f} | "
+            f"{r['activations_vs_all_linear']:.2f}x | {r['adapter_state_bytes'] / 2**20:.1f} |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, results, indent=2)

@@ -57,8 +57,9 @@ def build_models(args, dtype: torch.dtype) -> tuple[dict[str, Transformer], dict
     d_rope = args.rope_dim or cfg.head_dim
     d_c = ranks_for_compression(cfg, args.compression, d_rope)
     t0 = time.perf_counter()
-    mla = graft_mla(llama, GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective="weights",
-                                       rope_expectation=False), progress=False)
+    mla = graft_mla(
+        llama, GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective="weights", rope_expectation=False), progress=False
+    )
     graft_s = time.perf_counter() - t0
     ced_path = Path(args.ced)
     if (ced_path / "config.json").is_file():
@@ -73,7 +74,7 @@ def build_models(args, dtype: torch.dtype) -> tuple[dict[str, Transformer], dict
         "llama": f"{args.llama or llama_path.name}: GQA {cfg.num_heads}q/{cfg.num_kv_heads}kv x {cfg.head_dim}, {cfg.num_layers} layers",
         "mla": f"weights-only MLA graft of it ({graft_s:.1f} s): d_c {d_c}, d_rope {d_rope} ({args.compression:g}x)",
         "ced": f"{ced_desc}: {c.num_layers} layers, kv_source {c.kv_source_layers}, window {c.sliding_window}, "
-               f"m {c.compress_rate}, d_c {c.kv_lora_rank}, d_rope {c.qk_rope_head_dim}",
+        f"m {c.compress_rate}, d_c {c.kv_lora_rank}, d_rope {c.qk_rope_head_dim}",
     }
     models = {"llama": llama, "mla": mla, "ced": ced}
     for name, model in models.items():
@@ -98,9 +99,17 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def interleaved_decode(models: dict[str, Transformer], context: int, batch: int, warmup: int, steps: int,
-                       repeats: int, dtype: torch.dtype, device: str, seed: int = 0
-                       ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def interleaved_decode(
+    models: dict[str, Transformer],
+    context: int,
+    batch: int,
+    warmup: int,
+    steps: int,
+    repeats: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per model, the median decode-step latency (ms) of each repeat, and the prefill times (s).
 
     Every repeat prefills the same random ``context``-token prompt into a fresh cache per model (of
@@ -110,14 +119,15 @@ def interleaved_decode(models: dict[str, Transformer], context: int, batch: int,
     """
     dev = torch.device(device)
     itemsize = torch.finfo(dtype).bits // 8
-    prompt = torch.randint(0, models["llama"].config.vocab_size, (batch, context),
-                           generator=torch.Generator().manual_seed(seed)).to(dev)
+    prompt = torch.randint(
+        0, models["llama"].config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(seed)
+    ).to(dev)
     ms = {name: [] for name in models}
     prefill = {name: [] for name in models}
     names = list(models)
     for rep in range(repeats):
         caches, nxt, times = {}, {}, {name: [] for name in names}
-        for name in names[rep % 3:] + names[:rep % 3]:
+        for name in names[rep % 3 :] + names[: rep % 3]:
             model = models[name]
             cache = model.new_cache(batch, context + warmup + steps, dtype)
             assert cache.nbytes == batch * model.config.kv_cache_bytes(context + warmup + steps, itemsize)
@@ -159,13 +169,24 @@ def plot(rows: list[dict], path: Path, dtype_name: str, device: str) -> None:
         ax_mem.plot(ctx, [r[name]["kv_bytes_per_seq"] / 2**20 for r in first], marker=marker, color=color, label=name)
         for i, b in enumerate(batches):
             sel = [r for r in rows if r["batch"] == b]
-            ax_tps.plot([r["context"] for r in sel], [r[name]["tokens_per_s"] for r in sel], marker=marker,
-                        color=color, linestyle=("-", "--", ":", "-.")[i % 4],
-                        label=name if len(batches) == 1 else f"{name}, batch {b}")
-    ax_mem.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="KV cache MiB per sequence",
-               title=f"KV cache per sequence ({dtype_name})")
-    ax_tps.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens/s",
-               title=f"decode speed ({device}, {dtype_name}, median)")
+            ax_tps.plot(
+                [r["context"] for r in sel],
+                [r[name]["tokens_per_s"] for r in sel],
+                marker=marker,
+                color=color,
+                linestyle=("-", "--", ":", "-.")[i % 4],
+                label=name if len(batches) == 1 else f"{name}, batch {b}",
+            )
+    ax_mem.set(
+        xscale="log",
+        yscale="log",
+        xlabel="context (tokens)",
+        ylabel="KV cache MiB per sequence",
+        title=f"KV cache per sequence ({dtype_name})",
+    )
+    ax_tps.set(
+        xscale="log", xlabel="context (tokens)", ylabel="decode tokens/s", title=f"decode speed ({device}, {dtype_name}, median)"
+    )
     ax_tps.set_ylim(bottom=0)
     for ax in (ax_mem, ax_tps):
         ax.set_xticks(ctx, [str(c) for c in ctx])
@@ -180,8 +201,9 @@ def plot(rows: list[dict], path: Path, dtype_name: str, device: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama", default=None, help="Llama reference checkpoint (default: models/kvgraft-llama-8m)")
-    ap.add_argument("--ced", default="models/kvgraft-ced-8m",
-                    help="trained CED checkpoint; if absent, the ced-8m preset with random weights")
+    ap.add_argument(
+        "--ced", default="models/kvgraft-ced-8m", help="trained CED checkpoint; if absent, the ced-8m preset with random weights"
+    )
     ap.add_argument("--compression", type=float, default=4.0, help="MLA graft KV compression (sets d_c)")
     ap.add_argument("--rope-dim", type=int, default=None, help="MLA graft d_rope (default: head_dim)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
@@ -204,8 +226,11 @@ def main() -> None:
     models, descs = build_models(args, dtype)
     for name in MODELS:
         print(f"{name:>5}: {descs[name]}")
-    print(f"{args.dtype}, {args.device}, torch threads {torch.get_num_threads()}, {args.warmup} warmup + "
-          f"{args.steps} timed decode steps, {args.repeats} repeat(s), models interleaved step by step\n", flush=True)
+    print(
+        f"{args.dtype}, {args.device}, torch threads {torch.get_num_threads()}, {args.warmup} warmup + "
+        f"{args.steps} timed decode steps, {args.repeats} repeat(s), models interleaved step by step\n",
+        flush=True,
+    )
 
     rows: list[dict] = []
     t_start = time.perf_counter()
@@ -213,32 +238,44 @@ def main() -> None:
         for batch in args.batch:
             row: dict = {"context": context, "batch": batch}
             mem = {name: kv_bytes_per_seq(models[name], context, batch, dtype) for name in MODELS}
-            print(f"context {context}, batch {batch}: KV bytes/seq measured / formula: "
-                  + "; ".join(f"{n} {m:,} / {f:,}" for n, (m, f) in mem.items()), flush=True)
-            ms, prefill = interleaved_decode(models, context, batch, args.warmup, args.steps, args.repeats,
-                                             dtype, args.device, seed=context * 1000 + batch)
+            print(
+                f"context {context}, batch {batch}: KV bytes/seq measured / formula: "
+                + "; ".join(f"{n} {m:,} / {f:,}" for n, (m, f) in mem.items()),
+                flush=True,
+            )
+            ms, prefill = interleaved_decode(
+                models, context, batch, args.warmup, args.steps, args.repeats, dtype, args.device, seed=context * 1000 + batch
+            )
             for name in MODELS:
                 med = statistics.median(ms[name])
-                row[name] = {"kv_bytes_per_seq": mem[name][0], "kv_bytes_per_seq_formula": mem[name][1],
-                             "ms_per_step_median": med, "ms_per_step_repeats": ms[name],
-                             "tokens_per_s": batch / med * 1e3, "prefill_s_median": statistics.median(prefill[name])}
+                row[name] = {
+                    "kv_bytes_per_seq": mem[name][0],
+                    "kv_bytes_per_seq_formula": mem[name][1],
+                    "ms_per_step_median": med,
+                    "ms_per_step_repeats": ms[name],
+                    "tokens_per_s": batch / med * 1e3,
+                    "prefill_s_median": statistics.median(prefill[name]),
+                }
             for name in MODELS:
                 row[name]["kv_vs_llama"] = row[name]["kv_bytes_per_seq"] / row["llama"]["kv_bytes_per_seq"]
                 row[name]["speed_vs_llama"] = row[name]["tokens_per_s"] / row["llama"]["tokens_per_s"]
             rows.append(row)
-            print("  tokens/s: " + "; ".join(f"{n} {row[n]['tokens_per_s']:.1f} ({row[n]['speed_vs_llama']:.2f}x)"
-                                          for n in MODELS), flush=True)
+            print(
+                "  tokens/s: " + "; ".join(f"{n} {row[n]['tokens_per_s']:.1f} ({row[n]['speed_vs_llama']:.2f}x)" for n in MODELS),
+                flush=True,
+            )
     elapsed = time.perf_counter() - t_start
 
-    print(f"\nKV bytes per sequence ({args.dtype}) and decode tokens/s (median of {args.repeats}); "
-          f"(x) = this model / Llama\n")
+    print(f"\nKV bytes per sequence ({args.dtype}) and decode tokens/s (median of {args.repeats}); (x) = this model / Llama\n")
     print("| context | batch | Llama KV B/seq | MLA KV B/seq | CED KV B/seq | Llama tok/s | MLA tok/s | CED tok/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         kv = [f"{r['llama']['kv_bytes_per_seq']:,}"] + [
-            f"{r[n]['kv_bytes_per_seq']:,} ({r[n]['kv_vs_llama']:.3f}x)" for n in ("mla", "ced")]
+            f"{r[n]['kv_bytes_per_seq']:,} ({r[n]['kv_vs_llama']:.3f}x)" for n in ("mla", "ced")
+        ]
         tps = [f"{r['llama']['tokens_per_s']:.1f}"] + [
-            f"{r[n]['tokens_per_s']:.1f} ({r[n]['speed_vs_llama']:.2f}x)" for n in ("mla", "ced")]
+            f"{r[n]['tokens_per_s']:.1f} ({r[n]['speed_vs_llama']:.2f}x)" for n in ("mla", "ced")
+        ]
         print(f"| {r['context']} | {r['batch']} | " + " | ".join(kv + tps) + " |")
     print(f"\n(measurement loop {elapsed:.0f} s)")
 
@@ -246,10 +283,18 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "what": "KV cache bytes per sequence and decode tokens/s, Llama reference vs MLA graft vs CED",
-        "models": descs, "configs": {n: repr(m.config) for n, m in models.items()},
-        "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
-        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "batch": args.batch,
-        "contexts": args.contexts, "elapsed_s": elapsed, "rows": rows,
+        "models": descs,
+        "configs": {n: repr(m.config) for n, m in models.items()},
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "batch": args.batch,
+        "contexts": args.contexts,
+        "elapsed_s": elapsed,
+        "rows": rows,
     }
     atomic_write_json(out, record, indent=2)
     png = Path(args.plot) if args.plot else out.with_suffix(".png")

@@ -63,8 +63,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     converted = out / "ced-graft"
     if not converted.exists():
-        convert(src, converted, to="ced", sliding_window=args.sliding_window, compress_rate=args.compress_rate,
-                kv_source_layers=tuple(args.kv_source_layers) if args.kv_source_layers else None)
+        convert(
+            src,
+            converted,
+            to="ced",
+            sliding_window=args.sliding_window,
+            compress_rate=args.compress_rate,
+            kv_source_layers=tuple(args.kv_source_layers) if args.kv_source_layers else None,
+        )
     record = json.loads((converted / "conversion.json").read_text())
     original = load_pretrained(src, dtype=torch.float32)
     seq = original.config.max_position_embeddings
@@ -77,13 +83,25 @@ def main() -> None:
     one_shot = val_ppl(load_pretrained(converted, dtype=torch.float32))
     print(f"original validation ppl {base:.3f}; share graft one-shot {one_shot:.3f} ({one_shot / base:.3f}x)")
     run = out / f"heal-{args.loss}"
-    overrides = dict(micro_batch_size=args.micro_batch_size, eval_every=args.eval_every,
-                     eval_batches=args.eval_batches, save_every=20, progress=False)
+    overrides = dict(
+        micro_batch_size=args.micro_batch_size,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        save_every=20,
+        progress=False,
+    )
     if args.lr:
         overrides["lr"] = args.lr
     orig_record = original_training(src)
-    heal(converted, run, args.data, teacher=src, heal_config=HealConfig(loss=args.loss, tokens=args.tokens),
-         train_overrides=overrides, original_lr=orig_record["train_config"]["lr"])
+    heal(
+        converted,
+        run,
+        args.data,
+        teacher=src,
+        heal_config=HealConfig(loss=args.loss, tokens=args.tokens),
+        train_overrides=overrides,
+        original_lr=orig_record["train_config"]["lr"],
+    )
     rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     healed_curve = [(0, one_shot)] + [(r["tokens"], math.exp(r["val_loss"])) for r in rows if "val_loss" in r]
     healed_tokens, healed = healed_curve[-1]
@@ -93,10 +111,17 @@ def main() -> None:
     same = at_tokens(scratch, healed_tokens)
     kv = record["kv_cache_bytes_bf16"]
     summary = {
-        "original_val_ppl": base, "one_shot_val_ppl": one_shot, "healed_val_ppl": healed,
-        "healed_tokens": healed_tokens, "heal_loss": args.loss, "healed_curve": healed_curve,
-        "scratch_log": str(scratch_log), "scratch_curve": scratch,
-        "scratch_at_equal_tokens": same, "kv_cache_bytes_bf16": kv, "share_graft": record["share_graft"],
+        "original_val_ppl": base,
+        "one_shot_val_ppl": one_shot,
+        "healed_val_ppl": healed,
+        "healed_tokens": healed_tokens,
+        "heal_loss": args.loss,
+        "healed_curve": healed_curve,
+        "scratch_log": str(scratch_log),
+        "scratch_curve": scratch,
+        "scratch_at_equal_tokens": same,
+        "kv_cache_bytes_bf16": kv,
+        "share_graft": record["share_graft"],
     }
     print("\n| model | training tokens | val ppl | vs original |")
     print("|---|---:|---:|---:|")
@@ -110,8 +135,10 @@ def main() -> None:
     else:
         print(f"(no from-scratch log at {scratch_log})")
     for n, b in kv.items():
-        print(f"KV bytes/sequence at {n} tokens (bf16): original {b['original']:,}, share graft {b['converted']:,} "
-              f"({b['original'] / b['converted']:.2f}x smaller)")
+        print(
+            f"KV bytes/sequence at {n} tokens (bf16): original {b['original']:,}, share graft {b['converted']:,} "
+            f"({b['original'] / b['converted']:.2f}x smaller)"
+        )
     atomic_write_json((out / "results.json"), summary, indent=2)
     plot(healed_curve, scratch, base, out / "ced_graft.png")
     print(f"\nwrote {out / 'results.json'} and {out / 'ced_graft.png'}")

@@ -25,8 +25,13 @@ from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
 from kvgraft.train.loop import evaluate, lm_loss
 
-SETS = {"all 8 layers (= the MLA graft)": (0, 1, 2, 3, 4, 5, 6, 7), "0, 1, 3, 4": (0, 1, 3, 4),
-        "1, 3, 4 (default)": (1, 3, 4), "1, 4": (1, 4), "4 (pivot only)": (4,)}
+SETS = {
+    "all 8 layers (= the MLA graft)": (0, 1, 2, 3, 4, 5, 6, 7),
+    "0, 1, 3, 4": (0, 1, 3, 4),
+    "1, 3, 4 (default)": (1, 3, 4),
+    "1, 4": (1, 4),
+    "4 (pivot only)": (4,),
+}
 
 
 def main() -> None:
@@ -34,8 +39,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--data", required=True)
     ap.add_argument("--sliding-window", type=int, default=64)
-    ap.add_argument("--rope-selection", choices=["stride", "shared"], default="shared",
-                    help="the MLA step's RoPE layout (one for all layers)")
+    ap.add_argument(
+        "--rope-selection", choices=["stride", "shared"], default="shared", help="the MLA step's RoPE layout (one for all layers)"
+    )
     ap.add_argument("--out", default="runs/bench/ced_graft_sources")
     args = ap.parse_args()
     src = resolve_model(args.model)
@@ -51,8 +57,10 @@ def main() -> None:
         return math.exp(evaluate(model, val, lm_loss, 16, 12))
 
     calib = load_calibration(src, None, 32768, original.config.max_position_embeddings)
-    rows = {"original (Llama reference)": (ppl(original), None),
-            f"MLA graft ({args.rope_selection} RoPE layout, d_c 96)": (ppl(mla), None)}
+    rows = {
+        "original (Llama reference)": (ppl(original), None),
+        f"MLA graft ({args.rope_selection} RoPE layout, d_c 96)": (ppl(mla), None),
+    }
     for name, sources in SETS.items():
         if max(sources) >= mla.config.num_layers:
             continue

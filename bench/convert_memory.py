@@ -87,25 +87,37 @@ def main(argv: list[str] | None = None) -> int:
             calibration = args.work / f"calibration-{config.vocab_size}-{args.calibration_tokens}.npy"
             rng = np.random.default_rng(0)
             np.save(calibration, rng.integers(0, config.vocab_size, args.calibration_tokens).astype(np.int64))
-        row: dict[str, object] = {"checkpoint": ckpt.name, "layers": config.num_layers,
-                                  "parameters": num_parameters(config)}
+        row: dict[str, object] = {"checkpoint": ckpt.name, "layers": config.num_layers, "parameters": num_parameters(config)}
         for executor in EXECUTORS:
             out = args.work / f"{ckpt.name}-{executor}"
-            rss, seconds = peak_rss(executor, [str(ckpt), "--out", str(out), "--calibration", str(calibration),
-                                               "--calibration-tokens", str(args.calibration_tokens),
-                                               "--overwrite"])
+            rss, seconds = peak_rss(
+                executor,
+                [
+                    str(ckpt),
+                    "--out",
+                    str(out),
+                    "--calibration",
+                    str(calibration),
+                    "--calibration-tokens",
+                    str(args.calibration_tokens),
+                    "--overwrite",
+                ],
+            )
             row[executor] = {"peak_rss_bytes": rss, "seconds": seconds}
         row["ratio"] = row["whole"]["peak_rss_bytes"] / row["layerwise"]["peak_rss_bytes"]  # type: ignore[index]
         row["identical_tensors"] = _same_tensors(args.work / f"{ckpt.name}-whole", args.work / f"{ckpt.name}-layerwise")
         rows.append(row)
     gib = 2**30
     print(f"baseline (python + torch + kvgraft imported): {base / gib:.2f} GiB")
-    print(f"{'checkpoint':<12} {'layers':>6} {'params':>12} {'whole GiB':>10} {'layerwise GiB':>14} {'ratio':>6} "
-          f"{'identical':>9}")
+    print(
+        f"{'checkpoint':<12} {'layers':>6} {'params':>12} {'whole GiB':>10} {'layerwise GiB':>14} {'ratio':>6} {'identical':>9}"
+    )
     for r in rows:
         w, lw = r["whole"], r["layerwise"]  # type: ignore[index]
-        print(f"{r['checkpoint']:<12} {r['layers']:>6} {r['parameters']:>12,} {w['peak_rss_bytes'] / gib:>10.2f} "
-              f"{lw['peak_rss_bytes'] / gib:>14.2f} {r['ratio']:>6.2f} {str(r['identical_tensors']):>9}")
+        print(
+            f"{r['checkpoint']:<12} {r['layers']:>6} {r['parameters']:>12,} {w['peak_rss_bytes'] / gib:>10.2f} "
+            f"{lw['peak_rss_bytes'] / gib:>14.2f} {r['ratio']:>6.2f} {str(r['identical_tensors']):>9}"
+        )
     if args.json:
         atomic_write_json(args.json, {"baseline_rss_bytes": base, "rows": rows})
     return 0

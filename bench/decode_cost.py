@@ -64,8 +64,13 @@ def mla_of(cfg: ModelConfig, compression: float = 4.0) -> ModelConfig:
     """The MLA graft's config (kvgraft.graft.mla.mla_model_config): every layer MLA, d_nope = d_v = head_dim,
     (d_c, d_rope) by the default rank rule at ``compression``."""
     r = default_ranks(cfg, compression=compression)
-    return cfg.replace(attention_kinds=("mla",) * cfg.num_layers, kv_lora_rank=r.kv_lora_rank,
-                       qk_rope_head_dim=r.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim, v_head_dim=cfg.head_dim)
+    return cfg.replace(
+        attention_kinds=("mla",) * cfg.num_layers,
+        kv_lora_rank=r.kv_lora_rank,
+        qk_rope_head_dim=r.qk_rope_head_dim,
+        qk_nope_head_dim=cfg.head_dim,
+        v_head_dim=cfg.head_dim,
+    )
 
 
 def ced_sources(layers: int) -> tuple[int, ...]:
@@ -77,10 +82,16 @@ def ced_sources(layers: int) -> tuple[int, ...]:
 
 def ced_of(cfg: ModelConfig, mla: ModelConfig, window: int, compress_rate: int) -> ModelConfig:
     """A native CED with the MLA graft's latent widths and the original's KV heads for the windows."""
-    return cfg.replace(kv_source_layers=ced_sources(cfg.num_layers), sliding_window=window,
-                       compress_rate=compress_rate, kv_lora_rank=mla.kv_lora_rank,
-                       qk_rope_head_dim=mla.qk_rope_head_dim, qk_nope_head_dim=mla.qk_nope_head_dim,
-                       v_head_dim=mla.v_head_dim, mla_latent_norm=True)
+    return cfg.replace(
+        kv_source_layers=ced_sources(cfg.num_layers),
+        sliding_window=window,
+        compress_rate=compress_rate,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_rope_head_dim=mla.qk_rope_head_dim,
+        qk_nope_head_dim=mla.qk_nope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        mla_latent_norm=True,
+    )
 
 
 def configs(shape: str, layers: int | None = None, window: int = 128, compress_rate: int = 2) -> dict[str, ModelConfig]:
@@ -276,30 +287,48 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.0f}" if n >= 1e7 else f"{n / 1e6:,.1f}"
 
 
-def analytic_table(shape: str, contexts, batches, itemsize: int, window: int, compress_rate: int,
-                   layers: int | None = None) -> tuple[str, list[dict]]:
+def analytic_table(
+    shape: str, contexts, batches, itemsize: int, window: int, compress_rate: int, layers: int | None = None
+) -> tuple[str, list[dict]]:
     cfgs = configs(shape, layers, window, compress_rate)
     g = cfgs["gqa"]
     m, e = cfgs["mla"], cfgs["ced"]
-    head = (f"shape {shape}: {g.num_layers} layers, hidden {g.hidden_size}, {g.num_heads}q/{g.num_kv_heads}kv x "
-            f"{g.head_dim}; MLA d_c {m.kv_lora_rank} + d_rope {m.qk_rope_head_dim} (folds q/o: "
-            f"{'/'.join('yes' if f else 'no' for f in mla_folds(m))}); CED window {e.sliding_window} x "
-            f"{e.num_kv_heads} heads, m = {e.compress_rate}, kv_source {e.kv_source_layers}; {itemsize} bytes/value\n\n")
-    lines = ["| context | batch | GQA MB | GQA GFLOP | GQA F/B | MLA MB | MLA GFLOP | MLA F/B | CED MB | CED GFLOP "
-             "| CED F/B | MLA bytes / GQA | MLA FLOPs / GQA | CED bytes / GQA | CED FLOPs / GQA |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    head = (
+        f"shape {shape}: {g.num_layers} layers, hidden {g.hidden_size}, {g.num_heads}q/{g.num_kv_heads}kv x "
+        f"{g.head_dim}; MLA d_c {m.kv_lora_rank} + d_rope {m.qk_rope_head_dim} (folds q/o: "
+        f"{'/'.join('yes' if f else 'no' for f in mla_folds(m))}); CED window {e.sliding_window} x "
+        f"{e.num_kv_heads} heads, m = {e.compress_rate}, kv_source {e.kv_source_layers}; {itemsize} bytes/value\n\n"
+    )
+    lines = [
+        "| context | batch | GQA MB | GQA GFLOP | GQA F/B | MLA MB | MLA GFLOP | MLA F/B | CED MB | CED GFLOP "
+        "| CED F/B | MLA bytes / GQA | MLA FLOPs / GQA | CED bytes / GQA | CED FLOPs / GQA |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     rows = []
     for S in contexts:
         for B in batches:
             cost = {k: step_cost(cfgs[k], S, B, itemsize) for k in KINDS}
-            rows.append({"shape": shape, "context": S, "batch": B, **{k: {**asdict(v), "bytes": v.bytes,
-                         "runtime_bytes": v.runtime_bytes, "intensity": v.intensity} for k, v in cost.items()}})
+            rows.append(
+                {
+                    "shape": shape,
+                    "context": S,
+                    "batch": B,
+                    **{
+                        k: {**asdict(v), "bytes": v.bytes, "runtime_bytes": v.runtime_bytes, "intensity": v.intensity}
+                        for k, v in cost.items()
+                    },
+                }
+            )
             cells = []
             for k in KINDS:
                 cells += [_mb(cost[k].bytes), f"{cost[k].flops / 1e9:,.2f}", f"{cost[k].intensity:,.1f}"]
             gq = cost["gqa"]
-            cells += [f"{cost['mla'].bytes / gq.bytes:.2f}", f"{cost['mla'].flops / gq.flops:.2f}",
-                      f"{cost['ced'].bytes / gq.bytes:.2f}", f"{cost['ced'].flops / gq.flops:.2f}"]
+            cells += [
+                f"{cost['mla'].bytes / gq.bytes:.2f}",
+                f"{cost['mla'].flops / gq.flops:.2f}",
+                f"{cost['ced'].bytes / gq.bytes:.2f}",
+                f"{cost['ced'].flops / gq.flops:.2f}",
+            ]
             lines.append(f"| {S} | {B} | " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n", rows
 
@@ -374,23 +403,25 @@ def before_patches(rev: str) -> list[tuple[object, str, object]]:
     root = Path(__file__).resolve().parents[1]
     mods = {}
     for name in ("attention_ops", "latent"):
-        text = subprocess.run(["git", "show", f"{rev}:src/kvgraft/model/{name}.py"], cwd=root, check=True,
-                              capture_output=True, text=True).stdout
+        text = subprocess.run(
+            ["git", "show", f"{rev}:src/kvgraft/model/{name}.py"], cwd=root, check=True, capture_output=True, text=True
+        ).stdout
         path = Path(tempfile.mkdtemp()) / f"before_{name}.py"
         path.write_text(text)
         spec = importlib.util.spec_from_file_location(f"before_{name}", path)
         mods[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mods[name])
     ops = mods["attention_ops"]
-    return [(tr_mod, "grouped_attention", ops.grouped_attention),
-            (tr_mod, "grouped_attention_head_major", ops.grouped_attention_head_major),
-            (mla_mod, "grouped_attention", ops.grouped_attention),
-            (LatentAttention, "_attend_absorbed", mods["latent"].LatentAttention._attend_absorbed)]
+    return [
+        (tr_mod, "grouped_attention", ops.grouped_attention),
+        (tr_mod, "grouped_attention_head_major", ops.grouped_attention_head_major),
+        (mla_mod, "grouped_attention", ops.grouped_attention),
+        (LatentAttention, "_attend_absorbed", mods["latent"].LatentAttention._attend_absorbed),
+    ]
 
 
 @torch.inference_mode()
-def measure(runs: dict[str, tuple[Transformer, list]], context: int, batch: int, steps: int,
-            warmup: int) -> dict[str, float]:
+def measure(runs: dict[str, tuple[Transformer, list]], context: int, batch: int, steps: int, warmup: int) -> dict[str, float]:
     """Median ms per decode step of each run (a model and the patches it runs under), interleaved step by
     step in a rotating order; each run has its own cache."""
     names = list(runs)
@@ -427,8 +458,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--analytic-only", action="store_true")
-    ap.add_argument("--before", default=None, metavar="GITREV",
-                    help="also time the decode kernels of this git revision (attention_ops.py, latent.py), side by side")
+    ap.add_argument(
+        "--before",
+        default=None,
+        metavar="GITREV",
+        help="also time the decode kernels of this git revision (attention_ops.py, latent.py), side by side",
+    )
     ap.add_argument("--before-kinds", nargs="+", default=["gqa", "mla"], choices=KINDS)
     ap.add_argument("--no-roofline", action="store_true")
     ap.add_argument("--out", default="runs/bench/decode_cost.json")
@@ -437,10 +472,13 @@ def main() -> None:
     result: dict = {"args": vars(args)}
 
     for shape in ("1b", "8m"):
-        text, rows = analytic_table(shape, args.analytic_contexts, args.analytic_batches, args.analytic_bytes,
-                                    args.window, args.compress_rate)
-        print(f"## analytic, per decode step: MB = weights + cache read (ideal), GFLOP = matmul FLOPs, "
-              f"F/B = FLOPs per byte\n\n{text}")
+        text, rows = analytic_table(
+            shape, args.analytic_contexts, args.analytic_batches, args.analytic_bytes, args.window, args.compress_rate
+        )
+        print(
+            f"## analytic, per decode step: MB = weights + cache read (ideal), GFLOP = matmul FLOPs, "
+            f"F/B = FLOPs per byte\n\n{text}"
+        )
         result[f"analytic_{shape}"] = rows
     if args.analytic_only:
         return _write(args.out, result)
@@ -451,8 +489,10 @@ def main() -> None:
     load = [Path("/proc/loadavg").read_text().split()[:3]] if Path("/proc/loadavg").exists() else []
     if not args.no_roofline:
         peak, bw = roofline_rates(args.threads)
-        print(f"this machine, {args.threads} threads: fp32 matmul {peak / 1e9:.0f} GFLOP/s, read {bw / 1e9:.1f} GB/s "
-              f"(ridge {peak / bw:.1f} FLOP/B)\n")
+        print(
+            f"this machine, {args.threads} threads: fp32 matmul {peak / 1e9:.0f} GFLOP/s, read {bw / 1e9:.1f} GB/s "
+            f"(ridge {peak / bw:.1f} FLOP/B)\n"
+        )
     models = {k: build(c) for k, c in cfgs.items()}
     runs = {k: (m, []) for k, m in models.items()}
     if args.before:
@@ -460,10 +500,13 @@ def main() -> None:
         for k in args.before_kinds:
             if k in models:
                 runs[f"{k}@{args.before}"] = (models[k], patches)
-    print(f"## measured, CPU fp32, {args.threads} threads, {args.layers} layers of shape 1b, median of {args.steps} "
-          f"steps (ms per step; ratio = GQA time / this time, >1 is faster)\n")
-    hdr = "| context | batch | " + " | ".join(f"{k.upper()} ms | {k.upper()} GFLOP | {k.upper()} MB | "
-                                             f"{k.upper()} roofline ms" for k in cfgs)
+    print(
+        f"## measured, CPU fp32, {args.threads} threads, {args.layers} layers of shape 1b, median of {args.steps} "
+        f"steps (ms per step; ratio = GQA time / this time, >1 is faster)\n"
+    )
+    hdr = "| context | batch | " + " | ".join(
+        f"{k.upper()} ms | {k.upper()} GFLOP | {k.upper()} MB | {k.upper()} roofline ms" for k in cfgs
+    )
     extra = [n for n in runs if n not in cfgs]
     hdr += "".join(f" | {n} ms" for n in extra)
     hdr += " | " + " | ".join(f"{k.upper()} vs GQA" for k in cfgs if k != "gqa")
@@ -479,8 +522,13 @@ def main() -> None:
                 cost = step_cost(cfg, S, B, 4, S + args.warmup + args.steps + 1)
                 roof = max(cost.flops / peak, cost.bytes / bw) * 1e3 if peak else float("nan")
                 cells += [f"{ms[k]:.1f}", f"{cost.flops / 1e9:.2f}", _mb(cost.bytes), f"{roof:.1f}"]
-                row[k] = {"ms": ms[k], "flops": cost.flops, "bytes": cost.bytes, "runtime_bytes": cost.runtime_bytes,
-                          "roofline_ms": roof}
+                row[k] = {
+                    "ms": ms[k],
+                    "flops": cost.flops,
+                    "bytes": cost.bytes,
+                    "runtime_bytes": cost.runtime_bytes,
+                    "roofline_ms": roof,
+                }
             cells += [f"{ms[n]:.1f}" for n in extra]
             if "gqa" in ms:
                 cells += [f"{ms['gqa'] / ms[k]:.2f}x" for k in cfgs if k != "gqa"]

@@ -47,7 +47,7 @@ def static_batches(model, prompts, params, batch: int) -> tuple[list[list[int]],
     engine = Engine(model, max_seqs=batch, max_batch_tokens=100_000)
     outs = []
     for i in range(0, len(prompts), batch):
-        outs += engine.generate(prompts[i:i + batch], params)
+        outs += engine.generate(prompts[i : i + batch], params)
     return outs, time.perf_counter() - t0
 
 
@@ -63,8 +63,7 @@ def continuous(model, prompts, params, max_seqs: int, max_batch_tokens: int) -> 
             per_token = engine.cache.block_bytes // engine.cache.block_size
             slots = engine.cache.slot_bytes * len(engine.running)
             reserved = sum(len(r.prompt) + r.sampling.max_new_tokens for r in engine.running)
-            peak = {"used": used, "needed": engine.cache.needed_bytes(),
-                    "contiguous": reserved * per_token + slots}
+            peak = {"used": used, "needed": engine.cache.needed_bytes(), "contiguous": reserved * per_token + slots}
     wall = time.perf_counter() - t0
     outs = [engine.requests[i].output for i in ids]
     return outs, wall, {**peak, "steps": engine.stats["steps"], "pool_bytes": engine.cache.nbytes}
@@ -85,8 +84,17 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench/engine.json")
     args = p.parse_args()
-    for name in ("requests", "min_prompt", "max_prompt", "new_tokens", "static_batch", "max_seqs",
-                 "max_batch_tokens", "threads", "repeats"):
+    for name in (
+        "requests",
+        "min_prompt",
+        "max_prompt",
+        "new_tokens",
+        "static_batch",
+        "max_seqs",
+        "max_batch_tokens",
+        "threads",
+        "repeats",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.min_prompt > args.max_prompt:
@@ -112,26 +120,38 @@ def main() -> None:
             t_cont = min(t_cont, t)
         assert static == single and cont == single, "batched generation must give the same tokens"
         generated = sum(len(o) for o in single)
-        r = {"one_at_a_time_s": t_single, "static_s": t_static, "engine_s": t_cont, "generated_tokens": generated,
-             "tokens_per_s": {"one_at_a_time": generated / t_single, "static": generated / t_static,
-                              "engine": generated / t_cont},
-             "engine_vs_one_at_a_time": t_single / t_cont, "engine_vs_static": t_static / t_cont, "memory": mem,
-             "used_over_needed": mem["used"] / mem["needed"]}
+        r = {
+            "one_at_a_time_s": t_single,
+            "static_s": t_static,
+            "engine_s": t_cont,
+            "generated_tokens": generated,
+            "tokens_per_s": {"one_at_a_time": generated / t_single, "static": generated / t_static, "engine": generated / t_cont},
+            "engine_vs_one_at_a_time": t_single / t_cont,
+            "engine_vs_static": t_static / t_cont,
+            "memory": mem,
+            "used_over_needed": mem["used"] / mem["needed"],
+        }
         results["models"][name] = r
         rows.append((name, r))
         print(f"{name}: done", flush=True)
-    print(f"\n{args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.new_tokens} new "
-          f"tokens each (greedy, fp32, {args.threads} threads); engine: {args.max_seqs} sequences, "
-          f"{args.max_batch_tokens} tokens per step; static batches of {args.static_batch}\n")
-    print("| model | one at a time tok/s | static tok/s | engine tok/s | engine / one at a time | engine / static "
-          "| peak cache held (paged) | needed | contiguous reservation |")
+    print(
+        f"\n{args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.new_tokens} new "
+        f"tokens each (greedy, fp32, {args.threads} threads); engine: {args.max_seqs} sequences, "
+        f"{args.max_batch_tokens} tokens per step; static batches of {args.static_batch}\n"
+    )
+    print(
+        "| model | one at a time tok/s | static tok/s | engine tok/s | engine / one at a time | engine / static "
+        "| peak cache held (paged) | needed | contiguous reservation |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows:
         t, m = r["tokens_per_s"], r["memory"]
-        print(f"| {name} | {t['one_at_a_time']:.1f} | {t['static']:.1f} | {t['engine']:.1f} | "
-              f"{r['engine_vs_one_at_a_time']:.2f}x | {r['engine_vs_static']:.2f}x | {m['used'] / 2**20:.2f} MB "
-              f"({r['used_over_needed']:.3f}x needed) | {m['needed'] / 2**20:.2f} MB | "
-              f"{m['contiguous'] / 2**20:.2f} MB ({m['contiguous'] / m['needed']:.2f}x) |")
+        print(
+            f"| {name} | {t['one_at_a_time']:.1f} | {t['static']:.1f} | {t['engine']:.1f} | "
+            f"{r['engine_vs_one_at_a_time']:.2f}x | {r['engine_vs_static']:.2f}x | {m['used'] / 2**20:.2f} MB "
+            f"({r['used_over_needed']:.3f}x needed) | {m['needed'] / 2**20:.2f} MB | "
+            f"{m['contiguous'] / 2**20:.2f} MB ({m['contiguous'] / m['needed']:.2f}x) |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, results, indent=2)

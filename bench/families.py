@@ -28,8 +28,17 @@ import torch
 
 from kvgraft.atomic import atomic_write_json
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, head_dim=16)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    head_dim=16,
+)
 CASES = {
     # name: (model_type, extra config, what it exercises)
     "llama": ("llama", {}, "plain"),
@@ -37,8 +46,11 @@ CASES = {
     "qwen2": ("qwen2", {}, "q/k/v biases"),
     "qwen3": ("qwen3", {}, "per-head q/k norms"),
     "mistral": ("mistral", {"sliding_window": 12}, "sliding window 12"),
-    "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                              "original_max_position_embeddings": 16}}, "yarn x4"),
+    "llama-yarn": (
+        "llama",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+        "yarn x4",
+    ),
     "llama-mqa": ("llama", {"num_key_value_heads": 1}, "1 KV head"),
     "llama-mha": ("llama", {"num_key_value_heads": 4}, "4 KV heads (MHA)"),
     "llama-dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic NTK x2"),
@@ -85,8 +97,13 @@ def run_case(root: Path, name: str) -> list[dict]:
     rows = []
     budgets = [("full", {"kv_lora_rank": width}), ("4x", {})]
     if name in EXACT_LAYOUT_CASES:
-        budgets.insert(1, ("full, --rope-dim KV heads x head_dim",
-                           {"kv_lora_rank": width, "qk_rope_head_dim": cfg.num_key_value_heads * cfg.head_dim}))
+        budgets.insert(
+            1,
+            (
+                "full, --rope-dim KV heads x head_dim",
+                {"kv_lora_rank": width, "qk_rope_head_dim": cfg.num_key_value_heads * cfg.head_dim},
+            ),
+        )
     for budget, kwargs in budgets:
         row = {"case": name, "what": CASES[name][2], "budget": budget, "kv_width": width}
         t0 = time.perf_counter()
@@ -118,16 +135,21 @@ def run_case(root: Path, name: str) -> list[dict]:
                 if window:
                     w = EVAL[:, :window]
                     row["stock_within_window_vs_original"] = float((stock(w).logits - hf(w).logits).abs().max())
-            row["stock"] = "exact" if ds["exact"] else (
-                f"exact up to {ds['exact_up_to_tokens']} tokens" if ds["exact_up_to_tokens"] else "approximate")
+            row["stock"] = (
+                "exact"
+                if ds["exact"]
+                else (f"exact up to {ds['exact_up_to_tokens']} tokens" if ds["exact_up_to_tokens"] else "approximate")
+            )
             if record.get("qk_norm_linearised_for_stock_export"):
                 row["stock"] = "approximate: q/k norms linearised by the graft (the export itself exact)"
             row["stock_ranks"] = f"{ds['kv_lora_rank']} + {record['graft']['qk_rope_head_dim']}"
             row["export_vs_its_graft"] = ds["max_abs_logit_diff"]
             row["export_vs_its_graft_within_window"] = ds["max_abs_logit_diff_within_window"]
-            row["tail_perplexity"] = {"original": record["calibration_tail"]["original_perplexity"],
-                                      "graft": record["calibration_tail"]["converted_perplexity"],
-                                      "export": ds["perplexity"]["deepseek_v3"]}
+            row["tail_perplexity"] = {
+                "original": record["calibration_tail"]["original_perplexity"],
+                "graft": record["calibration_tail"]["converted_perplexity"],
+                "export": ds["perplexity"]["deepseek_v3"],
+            }
             row["q_lora_rank"] = ds["q_lora_rank"]
             row["exporter_report"] = printed.getvalue().strip().splitlines()
         row["seconds"] = time.perf_counter() - t0
@@ -137,10 +159,14 @@ def run_case(root: Path, name: str) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [("| family | budget | kvgraft format: d_c + d_rope | max \\|Δlogit\\| vs original | stock export | "
-              "stock d_c + d_rope | max \\|Δlogit\\| vs original | export vs its graft (exporter) | "
-              "calibration-tail ppl: original / graft / export |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| family | budget | kvgraft format: d_c + d_rope | max \\|Δlogit\\| vs original | stock export | "
+            "stock d_c + d_rope | max \\|Δlogit\\| vs original | export vs its graft (exporter) | "
+            "calibration-tail ppl: original / graft / export |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["stock"] == "refused":
             stock = f"refused: {r['stock_refusal']}", "-", "-", "-", "-"
@@ -153,13 +179,20 @@ def table(rows: list[dict]) -> str:
             own = f"{r['export_vs_its_graft']:.2g}"
             if r.get("export_vs_its_graft_within_window") is not None:
                 own += f" ({r['export_vs_its_graft_within_window']:.2g} within the window)"
-            stock = (r["stock"], ranks, vs, own,
-                     f"{p['original']:.2f} / {p['graft']:.2f} / {p['export']:.2f}")
+            stock = (r["stock"], ranks, vs, own, f"{p['original']:.2f} / {p['graft']:.2f} / {p['export']:.2f}")
         values = r["kv_width"] // 4 if r["budget"] == "4x" else r["kv_width"]
-        kv = (r["kvgraft_ranks"], f"{r['kvgraft_max_abs_logit_diff']:.3g}") if "kvgraft_ranks" in r else \
-            (f"refused: {r['kvgraft_refusal']}", "-")
-        lines.append(f"| {r['case']} ({r['what']}) | {r['budget']} ({values} values) | " + " | ".join(kv) + " | "
-                     + " | ".join(stock) + " |")
+        kv = (
+            (r["kvgraft_ranks"], f"{r['kvgraft_max_abs_logit_diff']:.3g}")
+            if "kvgraft_ranks" in r
+            else (f"refused: {r['kvgraft_refusal']}", "-")
+        )
+        lines.append(
+            f"| {r['case']} ({r['what']}) | {r['budget']} ({values} values) | "
+            + " | ".join(kv)
+            + " | "
+            + " | ".join(stock)
+            + " |"
+        )
     return "\n".join(lines)
 
 

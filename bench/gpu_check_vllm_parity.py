@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # engine in this process: one model at a time
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: one model at a time
 
 import torch  # noqa: E402
 
@@ -47,12 +47,30 @@ def write_random_deepseek_v3(out: Path, seed: int = 0) -> Path:
     4 heads, q_lora_rank None, kv_lora_rank 512 + qk_rope_head_dim 64, fp32."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    cfg = DeepseekV3Config(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-                           n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=None,
-                           kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
-                           max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
-                           first_k_dense_replace=2)
+    cfg = DeepseekV3Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        first_k_dense_replace=2,
+    )
     gen = torch.Generator().manual_seed(seed)
     model = DeepseekV3ForCausalLM(cfg).float().eval()
     with torch.no_grad():
@@ -80,8 +98,13 @@ def op_check() -> dict:
     T, H, nope = 7, 4, 64
     for dtype in (torch.float32, torch.bfloat16):
         with set_current_vllm_config(VllmConfig()):
-            rope = get_rope(64, max_position=256, is_neox_style=False, dtype=dtype,
-                            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}).cuda()
+            rope = get_rope(
+                64,
+                max_position=256,
+                is_neox_style=False,
+                dtype=dtype,
+                rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+            ).cuda()
         _ROPE_DICT.clear()
         g = torch.Generator().manual_seed(0)
         pos = torch.arange(3, 3 + T).cuda()
@@ -91,12 +114,13 @@ def op_check() -> dict:
         q_op, kv_op = q.clone(), kv.clone()
         rope.forward_cuda(pos, q_op[..., nope:], kv_op[:, 512:].unsqueeze(1))
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        res = {"max_abs_q": float((q_op[..., nope:] - q_ref).abs().max()),
-               "max_abs_k": float((kv_op[:, 512:] - k_ref[:, 0]).abs().max()),
-               "latent_untouched": bool(torch.equal(kv_op[:, :512], kv[:, :512])),
-               "q_nope_untouched": bool(torch.equal(q_op[..., :nope], q[..., :nope]))}
-        res["ok"] = res["max_abs_q"] < tol and res["max_abs_k"] < tol and res["latent_untouched"] and \
-            res["q_nope_untouched"]
+        res = {
+            "max_abs_q": float((q_op[..., nope:] - q_ref).abs().max()),
+            "max_abs_k": float((kv_op[:, 512:] - k_ref[:, 0]).abs().max()),
+            "latent_untouched": bool(torch.equal(kv_op[:, :512], kv[:, :512])),
+            "q_nope_untouched": bool(torch.equal(q_op[..., :nope], q[..., :nope])),
+        }
+        res["ok"] = res["max_abs_q"] < tol and res["max_abs_k"] < tol and res["latent_untouched"] and res["q_nope_untouched"]
         out[str(dtype).replace("torch.", "")] = res
     return out
 
@@ -114,9 +138,17 @@ def engine_check(model_dir: Path, hf, dtype: str, enforce_eager: bool) -> dict:
     _ROPE_DICT.clear()
     t0 = time.time()
     try:
-        llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=enforce_eager, max_model_len=160,
-                  skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=16, seed=0,
-                  gpu_memory_utilization=0.3)
+        llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            max_model_len=160,
+            skip_tokenizer_init=True,
+            enable_prefix_caching=False,
+            max_num_seqs=16,
+            seed=0,
+            gpu_memory_utilization=0.3,
+        )
     except Exception as e:  # e.g. fp32 refused by every GPU MLA backend
         return {"started": False, "error": f"{type(e).__name__}: {e}"[:400]}
     started = time.time() - t0
@@ -128,9 +160,8 @@ def engine_check(model_dir: Path, hf, dtype: str, enforce_eager: bool) -> dict:
         c = o.outputs[0]
         toks = list(c.token_ids)
         lp = hf_rows(hf, p + toks[:-1])
-        diffs = [max(abs(v.logprob - float(lp[len(p) - 1 + s, t])) for t, v in step.items())
-                 for s, step in enumerate(c.logprobs)]
-        hf_greedy = [int(lp[len(p) - 1 + s].argmax()) for s in range(len(toks))]   # given vLLM's prefix
+        diffs = [max(abs(v.logprob - float(lp[len(p) - 1 + s, t])) for t, v in step.items()) for s, step in enumerate(c.logprobs)]
+        hf_greedy = [int(lp[len(p) - 1 + s].argmax()) for s in range(len(toks))]  # given vLLM's prefix
         div = next((s for s, (a, b) in enumerate(zip(toks, hf_greedy)) if a != b), None)
         rows.append({"prompt_len": len(p), "first_divergence": div, "step0": diffs[0], "max": max(diffs)})
     backend = None
@@ -142,14 +173,15 @@ def engine_check(model_dir: Path, hf, dtype: str, enforce_eager: bool) -> dict:
     gc.collect()
     try:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
         cleanup_dist_env_and_memory()
     except Exception:
         pass
     tol = TOL[dtype]
-    ok = all(r["step0"] < tol for r in rows) and (dtype != "float32" or all(
-        r["first_divergence"] is None and r["max"] < tol for r in rows))
-    return {"started": True, "start_s": round(started, 1), "backend": str(backend), "rows": rows, "ok": ok,
-            "tolerance": tol}
+    ok = all(r["step0"] < tol for r in rows) and (
+        dtype != "float32" or all(r["first_divergence"] is None and r["max"] < tol for r in rows)
+    )
+    return {"started": True, "start_s": round(started, 1), "backend": str(backend), "rows": rows, "ok": ok, "tolerance": tol}
 
 
 def main() -> int:
@@ -162,15 +194,20 @@ def main() -> int:
         return 2
     import transformers
     import vllm
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  transformers {transformers.__version__}  "
-          f"vllm {vllm.__version__}")
-    report = {"device": torch.cuda.get_device_name(), "vllm": vllm.__version__,
-              "transformers": transformers.__version__}
+
+    print(
+        f"{torch.cuda.get_device_name()}  torch {torch.__version__}  transformers {transformers.__version__}  "
+        f"vllm {vllm.__version__}"
+    )
+    report = {"device": torch.cuda.get_device_name(), "vllm": vllm.__version__, "transformers": transformers.__version__}
     report["op"] = op_check()
     for dt, r in report["op"].items():
-        print(f"rotary op on MLA views, {dt}: max|q - native| {r['max_abs_q']:.3g}, max|k - native| "
-              f"{r['max_abs_k']:.3g}, latent untouched {r['latent_untouched']} -> {'ok' if r['ok'] else 'WRONG'}")
+        print(
+            f"rotary op on MLA views, {dt}: max|q - native| {r['max_abs_q']:.3g}, max|k - native| "
+            f"{r['max_abs_k']:.3g}, latent untouched {r['latent_untouched']} -> {'ok' if r['ok'] else 'WRONG'}"
+        )
     from transformers import AutoModelForCausalLM
+
     report["engine"] = {}
     with tempfile.TemporaryDirectory() as tmp:
         d = write_random_deepseek_v3(Path(tmp) / "random-deepseek-v3")
@@ -183,12 +220,15 @@ def main() -> int:
                 if not r["started"]:
                     print(f"{key}: engine did not start: {r['error']}")
                     continue
-                print(f"{key} (backend {r['backend']}, start {r['start_s']} s, tolerance {r['tolerance']}):"
-                      f" {'ok' if r['ok'] else 'DIFFERS'}")
+                print(
+                    f"{key} (backend {r['backend']}, start {r['start_s']} s, tolerance {r['tolerance']}):"
+                    f" {'ok' if r['ok'] else 'DIFFERS'}"
+                )
                 print(f"  {'prompt len':>10} {'diverges at':>11} {'step0 |dlogprob|':>17} {'all steps':>10}")
                 for row in r["rows"]:
-                    print(f"  {row['prompt_len']:>10} {str(row['first_divergence']):>11} {row['step0']:>17.3g} "
-                          f"{row['max']:>10.3g}")
+                    print(
+                        f"  {row['prompt_len']:>10} {str(row['first_divergence']):>11} {row['step0']:>17.3g} {row['max']:>10.3g}"
+                    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "vllm_parity.json", report, indent=1)

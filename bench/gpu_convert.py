@@ -55,20 +55,31 @@ def main(argv: list[str] | None = None) -> int:
         np.save(calibration, ids.astype(np.int64))
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    record = convert(source, args.work / f"{args.shape}-mla", compression=args.compression,
-                     calibration=calibration, calibration_tokens=args.calibration_tokens, device=args.device,
-                     overwrite=True)
+    record = convert(
+        source,
+        args.work / f"{args.shape}-mla",
+        compression=args.compression,
+        calibration=calibration,
+        calibration_tokens=args.calibration_tokens,
+        device=args.device,
+        overwrite=True,
+    )
     seconds = record["seconds"]
     result = {
-        "shape": args.shape, "device": args.device,
+        "shape": args.shape,
+        "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
-        "parameters": record["parameters"]["original"], "layers": config.num_layers,
-        "calibration_tokens": args.calibration_tokens, "checkpoint_build_s": round(build_s, 1),
-        "load_s": round(seconds["load"], 1), "convert_s": round(seconds["convert"], 1),
+        "parameters": record["parameters"]["original"],
+        "layers": config.num_layers,
+        "calibration_tokens": args.calibration_tokens,
+        "checkpoint_build_s": round(build_s, 1),
+        "load_s": round(seconds["load"], 1),
+        "convert_s": round(seconds["convert"], 1),
         "convert_s_per_layer": round(seconds["convert"] / config.num_layers, 2),
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device.startswith("cuda") else None,
-        "kv_bytes_per_token_bf16": record["kv_bytes_per_token_bf16"], "compression": record["compression"],
+        "kv_bytes_per_token_bf16": record["kv_bytes_per_token_bf16"],
+        "compression": record["compression"],
         "calibration_tail": record["calibration_tail"],
     }
     atomic_write_json(args.work / f"{args.shape}-{args.device}.json", result)

@@ -44,9 +44,19 @@ from kvgraft.model import ModelConfig, Transformer  # noqa: E402
 
 def shape_configs(shape: str, layers: int, window: int, compress_rate: int) -> dict[str, ModelConfig]:
     if shape == "7b":
-        base = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=layers, num_heads=32, num_kv_heads=8,
-                           head_dim=128, intermediate_size=14336, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                           rope={"theta": 500000.0}, tie_word_embeddings=False)
+        base = ModelConfig(
+            vocab_size=128256,
+            hidden_size=4096,
+            num_layers=layers,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=14336,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope={"theta": 500000.0},
+            tie_word_embeddings=False,
+        )
         mla = mla_of(base)
         return {"gqa": base, "mla": mla, "ced": ced_of(base, mla, window, compress_rate)}
     if shape == "tiny":  # the smoke run: the 8M reference widths
@@ -90,8 +100,9 @@ def sync(device: str) -> None:
 
 
 @torch.inference_mode()
-def measure(models: dict[str, Transformer], context: int, batch: int, steps: int, warmup: int, device: str,
-            dtype: torch.dtype) -> dict[str, float]:
+def measure(
+    models: dict[str, Transformer], context: int, batch: int, steps: int, warmup: int, device: str, dtype: torch.dtype
+) -> dict[str, float]:
     names = list(models)
     max_len = context + warmup + steps + 1
     caches = {n: prefilled_cache(models[n], batch, context, max_len, dtype) for n in names}
@@ -134,8 +145,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
     ap.add_argument("--peak-bw", type=float, default=4.8e12, help="bytes/s for the percent column (H200: 4.8e12)")
-    ap.add_argument("--max-cache-gb", type=float, default=90.0,
-                    help="skip a point whose caches (all kinds, with the runtime's gather copy) exceed this")
+    ap.add_argument(
+        "--max-cache-gb",
+        type=float,
+        default=90.0,
+        help="skip a point whose caches (all kinds, with the runtime's gather copy) exceed this",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 2 contexts x 2 batches, 2 steps")
     ap.add_argument("--out", default="runs/bench/gpu_decode.json")
     args = ap.parse_args()
@@ -152,12 +167,14 @@ def main() -> None:
     t_start = time.perf_counter()
     rows = []
     for shape in args.shapes:
-        cfgs = {k: v for k, v in shape_configs(shape, args.layers, args.window, args.compress_rate).items()
-                if k in args.kinds}
+        cfgs = {k: v for k, v in shape_configs(shape, args.layers, args.window, args.compress_rate).items() if k in args.kinds}
         g = next(iter(cfgs.values()))
         m = cfgs.get("mla")
-        print(f"## shape {shape}: hidden {g.hidden_size}, {g.num_heads}q/{g.num_kv_heads}kv x {g.head_dim}"
-              + (f"; MLA d_c {m.kv_lora_rank} + d_rope {m.qk_rope_head_dim}" if m else "") + "\n")
+        print(
+            f"## shape {shape}: hidden {g.hidden_size}, {g.num_heads}q/{g.num_kv_heads}kv x {g.head_dim}"
+            + (f"; MLA d_c {m.kv_lora_rank} + d_rope {m.qk_rope_head_dim}" if m else "")
+            + "\n"
+        )
         models = {k: build(c, device, dtype) for k, c in cfgs.items()}
         hdr = "| context | batch | " + " | ".join(f"{k.upper()} ms | {k.upper()} GB/s (% peak)" for k in cfgs)
         others = [k for k in cfgs if k != "gqa"] if "gqa" in cfgs else []
@@ -177,8 +194,13 @@ def main() -> None:
                 for k in cfgs:
                     gbs = costs[k].bytes / (ms[k] / 1e3) / 1e9
                     cells.append(f"{ms[k]:.2f} | {gbs:,.1f} ({100 * gbs * 1e9 / args.peak_bw:.1f}%)")
-                    row[k] = {"ms": ms[k], "bytes": costs[k].bytes, "runtime_bytes": costs[k].runtime_bytes,
-                              "flops": costs[k].flops, "achieved_bytes_per_s": gbs * 1e9}
+                    row[k] = {
+                        "ms": ms[k],
+                        "bytes": costs[k].bytes,
+                        "runtime_bytes": costs[k].runtime_bytes,
+                        "flops": costs[k].flops,
+                        "achieved_bytes_per_s": gbs * 1e9,
+                    }
                 for k in others:
                     cells.append(f"{ms['gqa'] / ms[k]:.2f}x ({costs['gqa'].bytes / costs[k].bytes:.2f}x)")
                 print(f"| {S} | {B} | " + " | ".join(cells) + " |", flush=True)
@@ -192,8 +214,10 @@ def main() -> None:
             sel = [r for r in rows if r["shape"] == shape and r["context"] >= 8192]
             if sel:
                 ratios = [r["gqa"]["ms"] / r["mla"]["ms"] for r in sel]
-                print(f"{shape}: absorbed MLA vs GQA at 8K+ context: {min(ratios):.2f}x - {max(ratios):.2f}x "
-                      f"(goal >= 2x; met at {sum(x >= 2 for x in ratios)} of {len(ratios)} points)")
+                print(
+                    f"{shape}: absorbed MLA vs GQA at 8K+ context: {min(ratios):.2f}x - {max(ratios):.2f}x "
+                    f"(goal >= 2x; met at {sum(x >= 2 for x in ratios)} of {len(ratios)} points)"
+                )
     print(f"\nwall time {time.perf_counter() - t_start:.0f} s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

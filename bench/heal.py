@@ -27,11 +27,14 @@ from kvgraft.reference import resolve_model
 from kvgraft.train.heal import HealConfig, heal, original_training
 from kvgraft.train.loop import evaluate, lm_loss
 
-VARIANTS = {"lm": HealConfig(loss="lm"), "kl": HealConfig(loss="kl"),
-            "lm-attention-only": HealConfig(loss="lm", attention_only=True),
-            # control: the unconverted original trained the same way on the same tokens, so that
-            # "below the original" can be told apart from "the original was still improving"
-            "control-original-lm": HealConfig(loss="lm")}
+VARIANTS = {
+    "lm": HealConfig(loss="lm"),
+    "kl": HealConfig(loss="kl"),
+    "lm-attention-only": HealConfig(loss="lm", attention_only=True),
+    # control: the unconverted original trained the same way on the same tokens, so that
+    # "below the original" can be told apart from "the original was still improving"
+    "control-original-lm": HealConfig(loss="lm"),
+}
 
 
 def main() -> None:
@@ -58,41 +61,64 @@ def main() -> None:
     if not converted.exists():
         t0 = time.perf_counter()
         convert_record = convert(src, converted, compression=4.0, progress=False)  # the convert defaults
-        print(f"converted at the defaults in {time.perf_counter() - t0:.1f} s wall "
-              f"(graft {convert_record['seconds']['convert']:.1f} s; ranks d_c "
-              f"{convert_record['graft']['kv_lora_rank']}, d_rope {convert_record['graft']['qk_rope_head_dim']}, "
-              f"rope selection {convert_record['graft']['rope_selection']})", flush=True)
+        print(
+            f"converted at the defaults in {time.perf_counter() - t0:.1f} s wall "
+            f"(graft {convert_record['seconds']['convert']:.1f} s; ranks d_c "
+            f"{convert_record['graft']['kv_lora_rank']}, d_rope {convert_record['graft']['qk_rope_head_dim']}, "
+            f"rope selection {convert_record['graft']['rope_selection']})",
+            flush=True,
+        )
     original = load_pretrained(src, dtype=torch.float32)
     seq = original.config.max_position_embeddings
     val = PackedDataset(Path(args.data) / "tokens" / "validation.npy", seq)
     base_loss = evaluate(original, val, lm_loss, args.micro_batch_size, args.eval_batches)
-    one_shot = evaluate(load_pretrained(converted, dtype=torch.float32), val, lm_loss, args.micro_batch_size,
-                        args.eval_batches)
+    one_shot = evaluate(load_pretrained(converted, dtype=torch.float32), val, lm_loss, args.micro_batch_size, args.eval_batches)
     print(f"original validation ppl {math.exp(base_loss):.3f}; 4x graft one-shot {math.exp(one_shot):.3f}")
-    overrides = dict(micro_batch_size=args.micro_batch_size, eval_every=args.eval_every,
-                     eval_batches=args.eval_batches, save_every=10_000, progress=False)
+    overrides = dict(
+        micro_batch_size=args.micro_batch_size,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        save_every=10_000,
+        progress=False,
+    )
     curves = {}
     for name in args.variants:
         run = out / name
         start = src if name.startswith("control") else converted
-        heal(start, run, args.data, teacher=src, heal_config=HealConfig(
-            **{**VARIANTS[name].__dict__, "fraction_of_pretraining": args.fraction}), train_overrides=overrides,
-            original_lr=record["train_config"]["lr"], pretraining_tokens=pre_tokens)
+        heal(
+            start,
+            run,
+            args.data,
+            teacher=src,
+            heal_config=HealConfig(**{**VARIANTS[name].__dict__, "fraction_of_pretraining": args.fraction}),
+            train_overrides=overrides,
+            original_lr=record["train_config"]["lr"],
+            pretraining_tokens=pre_tokens,
+        )
         rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
         first = math.exp(base_loss) if name.startswith("control") else math.exp(one_shot)
         curves[name] = [(0, first)] + [(r["tokens"], math.exp(r["val_loss"])) for r in rows if "val_loss" in r]
     target = 1.02 * math.exp(base_loss)
-    summary = {"original_val_ppl": math.exp(base_loss), "one_shot_val_ppl": math.exp(one_shot),
-               "pretraining_tokens": pre_tokens, "fraction_budget": args.fraction,
-               "graft": json.loads((converted / "conversion.json").read_text()).get("graft"), "variants": {}}
+    summary = {
+        "original_val_ppl": math.exp(base_loss),
+        "one_shot_val_ppl": math.exp(one_shot),
+        "pretraining_tokens": pre_tokens,
+        "fraction_budget": args.fraction,
+        "graft": json.loads((converted / "conversion.json").read_text()).get("graft"),
+        "variants": {},
+    }
     print(f"\n{'variant':<20} {'final ppl':>10} {'vs original':>12} {'tokens to within 2%':>24}")
     print("(ppl of the original before healing; the control shows what the same tokens do to it)")
     for name, pts in curves.items():
         reach = next((t for t, p in pts if p <= target), None)
         final = pts[-1][1]
-        summary["variants"][name] = {"curve": pts, "final_ppl": final, "tokens_to_2pct": reach,
-                                     "fraction_to_2pct": reach / pre_tokens if reach is not None else None,
-                                     "ends_below_original": final < math.exp(base_loss)}
+        summary["variants"][name] = {
+            "curve": pts,
+            "final_ppl": final,
+            "tokens_to_2pct": reach,
+            "fraction_to_2pct": reach / pre_tokens if reach is not None else None,
+            "ends_below_original": final < math.exp(base_loss),
+        }
         reach_s = "not reached" if reach is None else f"{reach:,} ({reach / pre_tokens:.2%})"
         print(f"{name:<20} {final:10.3f} {final / math.exp(base_loss):11.3f}x {reach_s:>24}")
     atomic_write_json((out / "results.json"), summary, indent=2)

@@ -78,12 +78,24 @@ def train_adapters(work: Path, steps: int) -> dict[str, str]:
 
     out = {}
     for name, preset, frozen in (("dec", "decoder-half-r16", True), ("all", "all-linear-r16", False)):
-        cfg = AdaptConfig(preset=preset, freeze_kv_writers=frozen, steps=steps, warmup_steps=min(10, steps // 2),
-                          micro_batch_size=8, val_examples=16, test_examples=16, accuracy_examples=0, progress=False)
+        cfg = AdaptConfig(
+            preset=preset,
+            freeze_kv_writers=frozen,
+            steps=steps,
+            warmup_steps=min(10, steps // 2),
+            micro_batch_size=8,
+            val_examples=16,
+            test_examples=16,
+            accuracy_examples=0,
+            progress=False,
+        )
         t = time.perf_counter()
         result = adapt(BASE, "geometry", work / name, cfg)
-        print(f"trained {name} ({preset}{' + frozen KV writers' if frozen else ''}, {steps} steps) in "
-              f"{time.perf_counter() - t:.0f} s: test loss {result['test_loss']:.3f}", flush=True)
+        print(
+            f"trained {name} ({preset}{' + frozen KV writers' if frozen else ''}, {steps} steps) in "
+            f"{time.perf_counter() - t:.0f} s: test loss {result['test_loss']:.3f}",
+            flush=True,
+        )
         out[name] = str(work / name / "adapter")
     return out
 
@@ -101,8 +113,7 @@ def make_requests(n: int, models: list[str], max_tokens: tuple[int, int], seed: 
         stream = (i // len(models)) % 2 == 0
         chat = (i // (2 * len(models))) % 2 == 1
         prompt = prompts[rng.randrange(len(prompts))]
-        body = {"model": model, "max_tokens": rng.randint(*max_tokens), "temperature": 0.8, "seed": i,
-                "stream": stream}
+        body = {"model": model, "max_tokens": rng.randint(*max_tokens), "temperature": 0.8, "seed": i, "stream": stream}
         if stream:
             body["stream_options"] = {"include_usage": True}
         if chat:
@@ -118,8 +129,13 @@ async def one(client, req: dict) -> dict:
     import httpx
 
     body, t0 = req["body"], time.perf_counter()
-    rec = {"kind": ("chat" if "messages" in body else "cmpl") + ("-stream" if body["stream"] else ""),
-           "model": body["model"], "status": None, "ttft": None, "tokens": 0}
+    rec = {
+        "kind": ("chat" if "messages" in body else "cmpl") + ("-stream" if body["stream"] else ""),
+        "model": body["model"],
+        "status": None,
+        "ttft": None,
+        "tokens": 0,
+    }
     try:
         if body["stream"]:
             async with client.stream("POST", req["path"], json=body) as r:
@@ -156,6 +172,7 @@ async def run_round(url: str, requests: list[dict], concurrency: int) -> tuple[l
     todo = iter(requests)
     records: list[dict] = []
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600.0)) as client:
+
         async def worker():
             for req in todo:  # one shared iterator: each worker takes the next request when it is free
                 records.append(await one(client, req))
@@ -182,13 +199,22 @@ def summarize(records: list[dict], wall: float) -> dict:
     by_kind = {}
     for kind in sorted({r["kind"] for r in records}):
         ks = [r for r in ok if r["kind"] == kind]
-        by_kind[kind] = {"n": len(ks), "p50_s": pct([r["latency"] for r in ks], 50),
-                         "p99_s": pct([r["latency"] for r in ks], 99)}
-    return {"requests": len(records), "ok": len(ok), "wall_s": wall, "requests_per_s": len(records) / wall,
-            "tokens": tokens, "tokens_per_s": tokens / wall, "latency_p50_s": pct(lat, 50),
-            "latency_p99_s": pct(lat, 99), "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "streams": len(ttft), "errors": dict(Counter(str(r["status"]) for r in records if r["status"] != 200)),
-            "by_kind": by_kind}
+        by_kind[kind] = {"n": len(ks), "p50_s": pct([r["latency"] for r in ks], 50), "p99_s": pct([r["latency"] for r in ks], 99)}
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "wall_s": wall,
+        "requests_per_s": len(records) / wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "latency_p50_s": pct(lat, 50),
+        "latency_p99_s": pct(lat, 99),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "streams": len(ttft),
+        "errors": dict(Counter(str(r["status"]) for r in records if r["status"] != 200)),
+        "by_kind": by_kind,
+    }
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -229,8 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     if not adapters:
         adapters = train_adapters(Path(args.work), args.train_steps)
 
-    options = {"max_seqs": args.max_seqs, "max_batch_tokens": args.max_batch_tokens, "max_queue": args.max_queue,
-               "prefix_cache": not args.no_prefix_cache}
+    options = {
+        "max_seqs": args.max_seqs,
+        "max_batch_tokens": args.max_batch_tokens,
+        "max_queue": args.max_queue,
+        "prefix_cache": not args.no_prefix_cache,
+    }
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_serve, args=(child, args.base, adapters, options), daemon=True)
@@ -243,9 +273,17 @@ def main(argv: list[str] | None = None) -> int:
         proc.join(10)
         raise SystemExit(f"the server failed to start: {port}")
     url = f"http://127.0.0.1:{port}"
-    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "base": args.base, "adapters": adapters,
-              "options": options, "requests": args.requests, "concurrency": args.concurrency,
-              "max_tokens": list(args.max_tokens), "cpus": os.cpu_count(), "rounds": []}
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "base": args.base,
+        "adapters": adapters,
+        "options": options,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "max_tokens": list(args.max_tokens),
+        "cpus": os.cpu_count(),
+        "rounds": [],
+    }
     try:
         import httpx
 
@@ -269,11 +307,13 @@ def main(argv: list[str] | None = None) -> int:
             s = summarize(records, wall)
             s["rss_mib"], s["hwm_mib"] = rss_mib(proc.pid)
             result["rounds"].append(s)
-            print(f"round {i + 1}: {s['requests']} requests in {wall:.1f} s ({s['requests_per_s']:.2f} req/s, "
-                  f"{s['tokens_per_s']:.1f} tok/s), latency p50 {s['latency_p50_s']:.3f} s p99 "
-                  f"{s['latency_p99_s']:.3f} s, TTFT p50 {s['ttft_p50_s']:.3f} s p99 {s['ttft_p99_s']:.3f} s, "
-                  f"errors {s['errors'] or 'none'}, server RSS {s['rss_mib']:.1f} MiB (peak {s['hwm_mib']:.1f})",
-                  flush=True)
+            print(
+                f"round {i + 1}: {s['requests']} requests in {wall:.1f} s ({s['requests_per_s']:.2f} req/s, "
+                f"{s['tokens_per_s']:.1f} tok/s), latency p50 {s['latency_p50_s']:.3f} s p99 "
+                f"{s['latency_p99_s']:.3f} s, TTFT p50 {s['ttft_p50_s']:.3f} s p99 {s['ttft_p99_s']:.3f} s, "
+                f"errors {s['errors'] or 'none'}, server RSS {s['rss_mib']:.1f} MiB (peak {s['hwm_mib']:.1f})",
+                flush=True,
+            )
         m = scrape(url)
         result["metrics"] = {k: v for k, v in m.items() if k.startswith("kvgraft_")}
     finally:
@@ -282,21 +322,34 @@ def main(argv: list[str] | None = None) -> int:
         if proc.is_alive():
             proc.kill()
 
-    print("\n| round | requests | wall s | req/s | gen tok/s | latency p50 s | latency p99 s | TTFT p50 s | "
-          "TTFT p99 s | errors | server RSS MiB |")
+    print(
+        "\n| round | requests | wall s | req/s | gen tok/s | latency p50 s | latency p99 s | TTFT p50 s | "
+        "TTFT p99 s | errors | server RSS MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print(f"| start | | | | | | | | | | {result['rss_start_mib']:.1f} |")
     for i, s in enumerate(result["rounds"], 1):
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items())) or "none"
-        print(f"| {i} | {s['requests']} | {s['wall_s']:.1f} | {s['requests_per_s']:.2f} | {s['tokens_per_s']:.1f} | "
-              f"{s['latency_p50_s']:.3f} | {s['latency_p99_s']:.3f} | {s['ttft_p50_s']:.3f} | {s['ttft_p99_s']:.3f} | "
-              f"{errors} | {s['rss_mib']:.1f} |")
-    print("\nlatency by kind (last round): " + "; ".join(
-        f"{k} n={v['n']} p50 {v['p50_s']:.3f} s p99 {v['p99_s']:.3f} s" for k, v in result["rounds"][-1]["by_kind"].items()))
-    keys = ("kvgraft_requests_total", "kvgraft_prefix_cache", "kvgraft_decoder_replays_total", "kvgraft_cache_bytes",
-            "kvgraft_preemptions_total", "kvgraft_engine_errors_total")
-    print("server /metrics at the end: " + ", ".join(f"{k} {v:g}" for k, v in result["metrics"].items()
-                                                     if k.startswith(keys)))
+        print(
+            f"| {i} | {s['requests']} | {s['wall_s']:.1f} | {s['requests_per_s']:.2f} | {s['tokens_per_s']:.1f} | "
+            f"{s['latency_p50_s']:.3f} | {s['latency_p99_s']:.3f} | {s['ttft_p50_s']:.3f} | {s['ttft_p99_s']:.3f} | "
+            f"{errors} | {s['rss_mib']:.1f} |"
+        )
+    print(
+        "\nlatency by kind (last round): "
+        + "; ".join(
+            f"{k} n={v['n']} p50 {v['p50_s']:.3f} s p99 {v['p99_s']:.3f} s" for k, v in result["rounds"][-1]["by_kind"].items()
+        )
+    )
+    keys = (
+        "kvgraft_requests_total",
+        "kvgraft_prefix_cache",
+        "kvgraft_decoder_replays_total",
+        "kvgraft_cache_bytes",
+        "kvgraft_preemptions_total",
+        "kvgraft_engine_errors_total",
+    )
+    print("server /metrics at the end: " + ", ".join(f"{k} {v:g}" for k, v in result["metrics"].items() if k.startswith(keys)))
     if args.json:
         atomic_write_json(Path(args.json), result, indent=2)
     bad = {k: v for s in result["rounds"] for k, v in s["errors"].items() if k != "429"}

@@ -65,8 +65,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--random-1b", action="store_true",
-                    help="measure a randomly initialised 1B-shape Llama (16 layers, 32q/8kv x 64) instead")
+    ap.add_argument(
+        "--random-1b", action="store_true", help="measure a randomly initialised 1B-shape Llama (16 layers, 32q/8kv x 64) instead"
+    )
     ap.add_argument("--out", default="runs/bench/mla_decode")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -84,13 +85,18 @@ def main() -> None:
     cfg = original.config
     d_rope = args.rope_dim or cfg.head_dim
     d_c = ranks_for_compression(cfg, args.compression, d_rope)
-    mla = graft_mla(original, GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective="weights",
-                                          rope_expectation=False), progress=False)
+    mla = graft_mla(
+        original,
+        GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective="weights", rope_expectation=False),
+        progress=False,
+    )
     original, mla = original.to(dtype), mla.to(dtype)
     nbytes = torch.finfo(dtype).bits // 8
-    print(f"model {path}: GQA {cfg.num_heads}q/{cfg.num_kv_heads}kv x {cfg.head_dim}; MLA d_c={d_c} d_rope={d_rope}; "
-          f"KV bytes/token {cfg.kv_bytes_per_token(nbytes):,} -> {mla.config.kv_bytes_per_token(nbytes):,} ({args.dtype}); "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"model {path}: GQA {cfg.num_heads}q/{cfg.num_kv_heads}kv x {cfg.head_dim}; MLA d_c={d_c} d_rope={d_rope}; "
+        f"KV bytes/token {cfg.kv_bytes_per_token(nbytes):,} -> {mla.config.kv_bytes_per_token(nbytes):,} ({args.dtype}); "
+        f"torch threads {torch.get_num_threads()}"
+    )
     rows = []
     print("\nkvgraft runtime: ms per decode step (tokens/s), ratio = original time / this time (>1 is faster)")
     print(f"{'context':>7} {'batch':>5} | {'GQA original':>20} | {'MLA absorbed':>26} | {'MLA expanded':>26}")
@@ -103,25 +109,35 @@ def main() -> None:
             set_absorb(mla, "never")
             expanded = decode_speed(mla, **kw)[0]
             set_absorb(mla, "auto")
-            row = {"context": context, "batch": batch, "gqa_ms": base.ms_per_token_median,
-                   "mla_absorbed_ms": absorbed.ms_per_token_median, "mla_expanded_ms": expanded.ms_per_token_median,
-                   "kv_bytes_per_seq_gqa": cfg.kv_bytes_per_token(nbytes) * context,
-                   "kv_bytes_per_seq_mla": mla.config.kv_bytes_per_token(nbytes) * context}
+            row = {
+                "context": context,
+                "batch": batch,
+                "gqa_ms": base.ms_per_token_median,
+                "mla_absorbed_ms": absorbed.ms_per_token_median,
+                "mla_expanded_ms": expanded.ms_per_token_median,
+                "kv_bytes_per_seq_gqa": cfg.kv_bytes_per_token(nbytes) * context,
+                "kv_bytes_per_seq_mla": mla.config.kv_bytes_per_token(nbytes) * context,
+            }
             rows.append(row)
 
             def cell(ms: float, batch: int = batch, base_ms: float = base.ms_per_token_median) -> str:
                 return f"{ms:7.2f} ms ({batch / ms * 1e3:7.0f}/s) {base_ms / ms:4.2f}x"
 
-            print(f"{context:>7} {batch:>5} | {base.ms_per_token_median:7.2f} ms ({batch / base.ms_per_token_median * 1e3:7.0f}/s) "
-                  f"| {cell(absorbed.ms_per_token_median)} | {cell(expanded.ms_per_token_median)}", flush=True)
+            print(
+                f"{context:>7} {batch:>5} | {base.ms_per_token_median:7.2f} ms ({batch / base.ms_per_token_median * 1e3:7.0f}/s) "
+                f"| {cell(absorbed.ms_per_token_median)} | {cell(expanded.ms_per_token_median)}",
+                flush=True,
+            )
 
     hf_rows = []
     if not args.skip_hf:
         hf_rows = hf_part(original, mla, path, args, dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "results.json", {"model": str(path), "dtype": args.dtype, "kv_lora_rank": d_c,
-                                             "rope_dim": d_rope, "kvgraft": rows, "hf": hf_rows})
+    atomic_write_json(
+        out / "results.json",
+        {"model": str(path), "dtype": args.dtype, "kv_lora_rank": d_c, "rope_dim": d_rope, "kvgraft": rows, "hf": hf_rows},
+    )
     print(f"\nwrote {out / 'results.json'}")
 
 

@@ -43,24 +43,56 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}")
     for name in args.shapes:
         h, H, K, d, layers = SHAPES[name]
-        cfg = ModelConfig(vocab_size=32000, hidden_size=h, intermediate_size=4 * h, num_layers=layers, num_heads=H,
-                          num_kv_heads=K, head_dim=d, max_position_embeddings=4096)
+        cfg = ModelConfig(
+            vocab_size=32000,
+            hidden_size=h,
+            intermediate_size=4 * h,
+            num_layers=layers,
+            num_heads=H,
+            num_kv_heads=K,
+            head_dim=d,
+            max_position_embeddings=4096,
+        )
         ranks = default_ranks(cfg, compression=4.0)
-        w = GQAWeights(*(torch.randn(shape, generator=gen) * h**-0.5
-                         for shape in ((H * d, h), (K * d, h), (K * d, h), (h, H * d))))
+        w = GQAWeights(
+            *(torch.randn(shape, generator=gen) * h**-0.5 for shape in ((H * d, h), (K * d, h), (K * d, h), (h, H * d)))
+        )
         a = torch.randn(h, h, dtype=torch.float64, generator=gen)
         C = a @ a.T / h + torch.diag(torch.rand(h, dtype=torch.float64, generator=gen) * 10)  # anisotropic
         expectation = torch.stack([torch.rand(d // 2, generator=gen) * 0.9, torch.zeros(d // 2)], -1).double()
         t0 = time.perf_counter()
-        convert_layer(w, num_heads=H, num_kv_heads=K, head_dim=d, kv_lora_rank=ranks.kv_lora_rank,
-                      d_rope=ranks.qk_rope_head_dim, C=C, objective="attention", rope_selection="norm",
-                      rope_expectation=expectation)
+        convert_layer(
+            w,
+            num_heads=H,
+            num_kv_heads=K,
+            head_dim=d,
+            kv_lora_rank=ranks.kv_lora_rank,
+            d_rope=ranks.qk_rope_head_dim,
+            C=C,
+            objective="attention",
+            rope_selection="norm",
+            rope_expectation=expectation,
+        )
         seconds = time.perf_counter() - t0
-        rows.append({"shape": name, "hidden": h, "heads": H, "kv_heads": K, "head_dim": d, "layers": layers,
-                     "kv_lora_rank": ranks.kv_lora_rank, "rope_dim": ranks.qk_rope_head_dim,
-                     "seconds_per_layer": seconds, "seconds_all_layers": seconds * layers})
-        print(f"{name:<14} h {h} {H}q/{K}kv x {d}  d_c {ranks.kv_lora_rank} d_rope {ranks.qk_rope_head_dim}: "
-              f"{seconds:.1f} s per layer, {seconds * layers:.0f} s for {layers} layers", flush=True)
+        rows.append(
+            {
+                "shape": name,
+                "hidden": h,
+                "heads": H,
+                "kv_heads": K,
+                "head_dim": d,
+                "layers": layers,
+                "kv_lora_rank": ranks.kv_lora_rank,
+                "rope_dim": ranks.qk_rope_head_dim,
+                "seconds_per_layer": seconds,
+                "seconds_all_layers": seconds * layers,
+            }
+        )
+        print(
+            f"{name:<14} h {h} {H}q/{K}kv x {d}  d_c {ranks.kv_lora_rank} d_rope {ranks.qk_rope_head_dim}: "
+            f"{seconds:.1f} s per layer, {seconds * layers:.0f} s for {layers} layers",
+            flush=True,
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json((out / "results.json"), rows, indent=2)

@@ -41,19 +41,29 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default="runs/bench/mla_oneshot")
     ap.add_argument("--compressions", type=float, nargs="+", default=[2.0, 4.0, 8.0])
-    ap.add_argument("--rope-dims", type=int, nargs="+", default=None,
-                    help="shared RoPE key widths to try (default: head_dim/2)")
-    ap.add_argument("--methods", nargs="+", default=["weights-svd", "activations", "attention+layerwise",
-                                                     "activations+rope-expectation",
-                                                     "attention+layerwise+rope-expectation",
-                                                     "attention+layerwise+norm-rope+rope-expectation"],
-                    choices=list(METHODS))
+    ap.add_argument("--rope-dims", type=int, nargs="+", default=None, help="shared RoPE key widths to try (default: head_dim/2)")
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=[
+            "weights-svd",
+            "activations",
+            "attention+layerwise",
+            "activations+rope-expectation",
+            "attention+layerwise+rope-expectation",
+            "attention+layerwise+norm-rope+rope-expectation",
+        ],
+        choices=list(METHODS),
+    )
     ap.add_argument("--eval-tokens", type=int, default=32768)
     ap.add_argument("--calibration-tokens", type=int, default=32768)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--shrinkage", type=float, default=None,
-                    help="GraftConfig.calibration_shrinkage (default: GraftConfig's, 0.5; the table in RESULTS.md "
-                         "before 2026-12-01 used 0)")
+    ap.add_argument(
+        "--shrinkage",
+        type=float,
+        default=None,
+        help="GraftConfig.calibration_shrinkage (default: GraftConfig's, 0.5; the table in RESULTS.md before 2026-12-01 used 0)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -65,8 +75,17 @@ def main() -> None:
     seq = cfg.max_position_embeddings
     calib = load_calibration(path, None, args.calibration_tokens, seq)
     base = perplexity(model, heldout, max_tokens=args.eval_tokens, progress=False)
-    rows = [{"method": "original", "compression": 1.0, "kv_lora_rank": None, "rope_dim": None,
-             "ppl": base.ppl, "ratio": 1.0, "seconds": 0.0}]
+    rows = [
+        {
+            "method": "original",
+            "compression": 1.0,
+            "kv_lora_rank": None,
+            "rope_dim": None,
+            "ppl": base.ppl,
+            "ratio": 1.0,
+            "seconds": 0.0,
+        }
+    ]
     print(f"original: ppl {base.ppl:.3f} on {base.tokens_scored:,} held-out tokens")
     rope_dims = args.rope_dims or [cfg.head_dim // 2]
     for compression in args.compressions:
@@ -79,16 +98,35 @@ def main() -> None:
             for name in args.methods:
                 objective, selection, layerwise, expectation = METHODS[name]
                 extra = {} if args.shrinkage is None else {"calibration_shrinkage": args.shrinkage}
-                g = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=objective,
-                                rope_selection=selection, layerwise=layerwise, rope_expectation=expectation, **extra)
+                g = GraftConfig(
+                    kv_lora_rank=d_c,
+                    qk_rope_head_dim=d_rope,
+                    objective=objective,
+                    rope_selection=selection,
+                    layerwise=layerwise,
+                    rope_expectation=expectation,
+                    **extra,
+                )
                 t0 = time.perf_counter()
                 new = graft_mla(model, g, calib, progress=False)
                 seconds = time.perf_counter() - t0
                 res = perplexity(new, heldout, max_tokens=args.eval_tokens, progress=False)
-                rows.append({"method": name, "compression": compression, "kv_lora_rank": d_c, "rope_dim": d_rope,
-                             "ppl": res.ppl, "ratio": res.ppl / base.ppl, "seconds": seconds})
-                print(f"{compression:>4.1f}x d_c={d_c:<4} d_rope={d_rope:<3} {name:<32} ppl {res.ppl:10.3f} "
-                      f"({res.ppl / base.ppl:6.3f}x original)  convert {seconds:5.1f} s", flush=True)
+                rows.append(
+                    {
+                        "method": name,
+                        "compression": compression,
+                        "kv_lora_rank": d_c,
+                        "rope_dim": d_rope,
+                        "ppl": res.ppl,
+                        "ratio": res.ppl / base.ppl,
+                        "seconds": seconds,
+                    }
+                )
+                print(
+                    f"{compression:>4.1f}x d_c={d_c:<4} d_rope={d_rope:<3} {name:<32} ppl {res.ppl:10.3f} "
+                    f"({res.ppl / base.ppl:6.3f}x original)  convert {seconds:5.1f} s",
+                    flush=True,
+                )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "results.json", {"model": str(path), "eval_tokens": base.tokens_scored, "rows": rows})

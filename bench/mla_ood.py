@@ -45,16 +45,32 @@ class _Stock(torch.nn.Module):
         return self.hf(ids).logits
 
 
-def graft(model, compression: float, stock: bool, shrinkage: float, calib, rotation: str = "complex",
-          stock_selection: str = STOCK_ROPE_SELECTION, construction: str = "engines", **overrides) -> tuple:
+def graft(
+    model,
+    compression: float,
+    stock: bool,
+    shrinkage: float,
+    calib,
+    rotation: str = "complex",
+    stock_selection: str = STOCK_ROPE_SELECTION,
+    construction: str = "engines",
+    **overrides,
+) -> tuple:
     cfg = model.config
     ranks = default_ranks(cfg, compression=compression, stock=stock, stock_layout=stock_selection)
     d_c, d_rope = ranks.kv_lora_rank, ranks.qk_rope_head_dim
     if stock and construction == "transformers" and d_c > 1:
         d_c -= 1  # as convert does: the exact export's constant latent coordinate takes one value of the budget
-    kw = {"kv_lora_rank": d_c, "qk_rope_head_dim": d_rope, "objective": "attention",
-              "rope_selection": stock_selection if stock else "norm", "layerwise": True, "rope_expectation": True,
-              "calibration_shrinkage": shrinkage, "rope_rotation": rotation}
+    kw = {
+        "kv_lora_rank": d_c,
+        "qk_rope_head_dim": d_rope,
+        "objective": "attention",
+        "rope_selection": stock_selection if stock else "norm",
+        "layerwise": True,
+        "rope_expectation": True,
+        "calibration_shrinkage": shrinkage,
+        "rope_rotation": rotation,
+    }
     kw.update(overrides)
     g = GraftConfig(**kw)
     t0 = time.perf_counter()
@@ -69,17 +85,27 @@ def main() -> None:
     ap.add_argument("--compressions", type=float, nargs="+", default=[4.0])
     ap.add_argument("--shrinkages", type=float, nargs="+", default=[0.0])
     ap.add_argument("--formats", nargs="+", default=["kvgraft", "deepseek_v3"], choices=["kvgraft", "deepseek_v3"])
-    ap.add_argument("--extra", nargs="*", default=[], metavar="SELECTION:D_ROPE:SHRINKAGE[:ROTATION]",
-                    help="more grafts scored in kvgraft format at the stock export's budget (d_c = budget - d_rope - 1, "
-                         "the constant latent coordinate's value left free), e.g. prefix:16:0 (candidate stock layouts); "
-                         "with --extra-stock, stride/prefix ones are exported and scored through stock transformers")
+    ap.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        metavar="SELECTION:D_ROPE:SHRINKAGE[:ROTATION]",
+        help="more grafts scored in kvgraft format at the stock export's budget (d_c = budget - d_rope - 1, "
+        "the constant latent coordinate's value left free), e.g. prefix:16:0 (candidate stock layouts); "
+        "with --extra-stock, stride/prefix ones are exported and scored through stock transformers",
+    )
     ap.add_argument("--extra-stock", action="store_true")
     ap.add_argument("--rope-rotation", choices=["real", "complex"], default="complex")
     ap.add_argument("--stock-selection", choices=["prefix", "stride"], default=STOCK_ROPE_SELECTION)
-    ap.add_argument("--stock-constructions", nargs="+", choices=["engines", "transformers"], default=["engines"],
-                    help="stock export constructions to score (convert's --stock-construction): engines = no "
-                         "attention biases, latent norm fitted (the default); transformers = the exact "
-                         "constructions held in attention biases")
+    ap.add_argument(
+        "--stock-constructions",
+        nargs="+",
+        choices=["engines", "transformers"],
+        default=["engines"],
+        help="stock export constructions to score (convert's --stock-construction): engines = no "
+        "attention biases, latent norm fitted (the default); transformers = the exact "
+        "constructions held in attention biases",
+    )
     ap.add_argument("--eval-tokens", type=int, default=65536)
     ap.add_argument("--calibration-tokens", type=int, default=32768)
     ap.add_argument("--threads", type=int, default=None)
@@ -103,14 +129,22 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the transformers construction warns that it is transformers-only
-            report = export_deepseek_v3(new, Path(tmp) / "ds", calibration=calib, tail_sequences=4, verbose=False,
-                                        target=construction)
+            report = export_deepseek_v3(
+                new, Path(tmp) / "ds", calibration=calib, tail_sequences=4, verbose=False, target=construction
+            )
             params = json.loads((Path(tmp) / "ds" / "config.json").read_text())["rope_parameters"]
-            extra = {"exported_kv_lora_rank": report.kv_lora_rank, "latent_norm": report.latent_norm,
-                     "stock_construction": construction,
-                     "export_max_abs_logit_diff": report.max_abs_logit_diff, "rope_parameters": params}
-            print(f"  export: max |logit diff| vs kvgraft {report.max_abs_logit_diff:.3g}, kv_lora_rank "
-                  f"{report.kv_lora_rank}, rope {params}", flush=True)
+            extra = {
+                "exported_kv_lora_rank": report.kv_lora_rank,
+                "latent_norm": report.latent_norm,
+                "stock_construction": construction,
+                "export_max_abs_logit_diff": report.max_abs_logit_diff,
+                "rope_parameters": params,
+            }
+            print(
+                f"  export: max |logit diff| vs kvgraft {report.max_abs_logit_diff:.3g}, kv_lora_rank "
+                f"{report.kv_lora_rank}, rope {params}",
+                flush=True,
+            )
             return score(_Stock(load_stock(Path(tmp) / "ds"), cfg)), extra
 
     base = score(model)
@@ -120,13 +154,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for compression in args.compressions:
         for shrinkage in args.shrinkages:
-            variants = [(fmt, c) for fmt in args.formats
-                        for c in (args.stock_constructions if fmt == "deepseek_v3" else [None])]
+            variants = [(fmt, c) for fmt in args.formats for c in (args.stock_constructions if fmt == "deepseek_v3" else [None])]
             for fmt, construction in variants:
                 stock = fmt == "deepseek_v3"
                 try:
-                    new, g, seconds = graft(model, compression, stock, shrinkage, calib, args.rope_rotation,
-                                            args.stock_selection, construction=construction or "engines")
+                    new, g, seconds = graft(
+                        model,
+                        compression,
+                        stock,
+                        shrinkage,
+                        calib,
+                        args.rope_rotation,
+                        args.stock_selection,
+                        construction=construction or "engines",
+                    )
                 except ValueError as exc:
                     print(f"skip {compression}x {fmt}: {exc}")
                     continue
@@ -136,26 +177,47 @@ def main() -> None:
                     fmt = f"deepseek_v3 ({construction})"
                 else:
                     scored = score(new)
-                row = {"compression": compression, "format": fmt, "shrinkage": shrinkage,
-                       "rope_selection": g.rope_selection, "rope_rotation": g.rope_rotation,
-                       "kv_lora_rank": g.kv_lora_rank, "rope_dim": g.qk_rope_head_dim, "graft_seconds": seconds,
-                       "ppl": scored, "ratio": {k: scored[k] / base[k] for k in base}, **extra}
+                row = {
+                    "compression": compression,
+                    "format": fmt,
+                    "shrinkage": shrinkage,
+                    "rope_selection": g.rope_selection,
+                    "rope_rotation": g.rope_rotation,
+                    "kv_lora_rank": g.kv_lora_rank,
+                    "rope_dim": g.qk_rope_head_dim,
+                    "graft_seconds": seconds,
+                    "ppl": scored,
+                    "ratio": {k: scored[k] / base[k] for k in base},
+                    **extra,
+                }
                 rows.append(row)
-                print(f"{compression:g}x {fmt + ' ' + g.rope_selection + ' ' + g.rope_rotation:<24} shrink {shrinkage:<5g} d_c {g.kv_lora_rank:<3} d_rope "
-                      f"{g.qk_rope_head_dim:<3} " + "  ".join(
-                          f"{k} {scored[k]:.3f} ({scored[k] / base[k]:.3f}x)" for k in base)
-                      + f"  graft {seconds:.0f} s", flush=True)
-                atomic_write_json(out / "results.json", {"model": str(path), "texts": {k: str(v) for k, v in
-                                                                       texts.items()}, "rows": rows})
+                print(
+                    f"{compression:g}x {fmt + ' ' + g.rope_selection + ' ' + g.rope_rotation:<24} shrink {shrinkage:<5g} d_c {g.kv_lora_rank:<3} d_rope "
+                    f"{g.qk_rope_head_dim:<3} "
+                    + "  ".join(f"{k} {scored[k]:.3f} ({scored[k] / base[k]:.3f}x)" for k in base)
+                    + f"  graft {seconds:.0f} s",
+                    flush=True,
+                )
+                atomic_write_json(
+                    out / "results.json", {"model": str(path), "texts": {k: str(v) for k, v in texts.items()}, "rows": rows}
+                )
         for spec in args.extra:
             selection, d_rope, shrinkage, *rest = spec.split(":")
             d_rope, shrinkage = int(d_rope), float(shrinkage)
             rotation = rest[0] if rest else args.rope_rotation
             budget = int(cfg.kv_width / compression)
             try:
-                new, g, seconds = graft(model, compression, False, shrinkage, calib, rotation,
-                                        rope_selection=selection, qk_rope_head_dim=d_rope,
-                                        kv_lora_rank=budget - d_rope - 1)
+                new, g, seconds = graft(
+                    model,
+                    compression,
+                    False,
+                    shrinkage,
+                    calib,
+                    rotation,
+                    rope_selection=selection,
+                    qk_rope_head_dim=d_rope,
+                    kv_lora_rank=budget - d_rope - 1,
+                )
             except ValueError as exc:
                 print(f"skip {spec}: {exc}")
                 continue
@@ -165,16 +227,31 @@ def main() -> None:
                 how = "deepseek_v3"
             else:
                 scored = score(new)
-            rows.append({"compression": compression, "format": f"{how} ({selection}, stock budget)",
-                         "rope_selection": selection, "rope_rotation": rotation,
-                         "shrinkage": shrinkage, "kv_lora_rank": g.kv_lora_rank, "rope_dim": d_rope,
-                         "graft_seconds": seconds, "ppl": scored, "ratio": {k: scored[k] / base[k] for k in base},
-                         **extra})
-            print(f"{compression:g}x {how + ' ' + selection + ' ' + rotation:<24} shrink {shrinkage:<5g} d_c {g.kv_lora_rank:<3} "
-                  f"d_rope {d_rope:<3} " + "  ".join(f"{k} {scored[k]:.3f} ({scored[k] / base[k]:.3f}x)" for k in base)
-                  + f"  graft {seconds:.0f} s", flush=True)
-            atomic_write_json(out / "results.json", {"model": str(path), "texts": {k: str(v) for k, v in
-                                                                   texts.items()}, "rows": rows})
+            rows.append(
+                {
+                    "compression": compression,
+                    "format": f"{how} ({selection}, stock budget)",
+                    "rope_selection": selection,
+                    "rope_rotation": rotation,
+                    "shrinkage": shrinkage,
+                    "kv_lora_rank": g.kv_lora_rank,
+                    "rope_dim": d_rope,
+                    "graft_seconds": seconds,
+                    "ppl": scored,
+                    "ratio": {k: scored[k] / base[k] for k in base},
+                    **extra,
+                }
+            )
+            print(
+                f"{compression:g}x {how + ' ' + selection + ' ' + rotation:<24} shrink {shrinkage:<5g} d_c {g.kv_lora_rank:<3} "
+                f"d_rope {d_rope:<3} "
+                + "  ".join(f"{k} {scored[k]:.3f} ({scored[k] / base[k]:.3f}x)" for k in base)
+                + f"  graft {seconds:.0f} s",
+                flush=True,
+            )
+            atomic_write_json(
+                out / "results.json", {"model": str(path), "texts": {k: str(v) for k, v in texts.items()}, "rows": rows}
+            )
     print(f"wrote {out / 'results.json'}")
 
 

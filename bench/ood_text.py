@@ -1,6 +1,6 @@
 """Build the out-of-domain evaluation text (Debian Reference manual) for a model: see kvgraft.data.ood.
 
-    .venv/bin/python bench/ood_text.py [--model models/kvgraft-llama-8m] [--out runs/ood/debian-reference.npy]
+.venv/bin/python bench/ood_text.py [--model models/kvgraft-llama-8m] [--out runs/ood/debian-reference.npy]
 """
 
 from __future__ import annotations

@@ -24,14 +24,19 @@ import torch
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="*", default=["kvgraft-llama-8m", "kvgraft-ced-8m"],
-                    help="reference models for the context x batch table (none: skip it)")
+    ap.add_argument(
+        "--models",
+        nargs="*",
+        default=["kvgraft-llama-8m", "kvgraft-ced-8m"],
+        help="reference models for the context x batch table (none: skip it)",
+    )
     ap.add_argument("--contexts", nargs="+", type=int, default=[256, 1024])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--prefix-rows", type=int, default=8,
-                    help="also time this many rows restored from the prefix cache (0: skip)")
+    ap.add_argument(
+        "--prefix-rows", type=int, default=8, help="also time this many rows restored from the prefix cache (0: skip)"
+    )
     args = ap.parse_args()
     for name, values in (("contexts", args.contexts), ("batch sizes", args.batch_sizes)):
         if not values or min(values) < 1:
@@ -55,10 +60,11 @@ def main() -> None:
         model = load_pretrained(resolve_model(name)).eval()
         times: dict[bool, dict[tuple[int, int], list[float]]] = {True: {}, False: {}}
         for i in range(args.rounds):
-            for views in ((True, False) if i % 2 == 0 else (False, True)):  # alternate which goes first
+            for views in (True, False) if i % 2 == 0 else (False, True):  # alternate which goes first
                 BatchContext.views = views
-                for p in decode_speed(model, contexts=tuple(args.contexts), batch_sizes=tuple(args.batch_sizes),
-                                      new_tokens=16, warmup=4, repeats=2):
+                for p in decode_speed(
+                    model, contexts=tuple(args.contexts), batch_sizes=tuple(args.batch_sizes), new_tokens=16, warmup=4, repeats=2
+                ):
                     times[views].setdefault((p.context, p.batch_size), []).append(p.ms_per_token_median)
         BatchContext.views = True
         for key in times[True]:
@@ -100,8 +106,11 @@ def prefix_rows(n_rows: int, rounds: int) -> None:
             times[views].append(time.perf_counter() - t)
     BatchContext.views = True
     on, off = (statistics.median(times[v]) * 1e3 for v in (True, False))
-    print(f"\n{n_rows} rows restored from the prefix cache (1,000-token kept prompt, {pieces} pieces per row): "
-          f"{on:.2f} ms per decode step over views, {off:.2f} ms gathering ({off / on:.2f}x)", flush=True)
+    print(
+        f"\n{n_rows} rows restored from the prefix cache (1,000-token kept prompt, {pieces} pieces per row): "
+        f"{on:.2f} ms per decode step over views, {off:.2f} ms gathering ({off / on:.2f}x)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -33,17 +33,47 @@ from kvgraft.model.shapes import parameter_shapes
 # The shapes of public checkpoints (their config.json values), with the default RoPE and no tokenizer.
 SHAPES = {
     # hidden 1024, 16 heads, 4 KV heads, vocabulary 8,192: the shapes whose conversion memory the issue measured
-    "llama-mid-4l": dict(vocab_size=8192, hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=4,
-                         intermediate_size=2816, max_position_embeddings=4096),
-    "llama-mid-16l": dict(vocab_size=8192, hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4,
-                          intermediate_size=2816, max_position_embeddings=4096),
+    "llama-mid-4l": dict(
+        vocab_size=8192,
+        hidden_size=1024,
+        num_layers=4,
+        num_heads=16,
+        num_kv_heads=4,
+        intermediate_size=2816,
+        max_position_embeddings=4096,
+    ),
+    "llama-mid-16l": dict(
+        vocab_size=8192,
+        hidden_size=1024,
+        num_layers=16,
+        num_heads=16,
+        num_kv_heads=4,
+        intermediate_size=2816,
+        max_position_embeddings=4096,
+    ),
     # Llama-3.2-1B
-    "llama-1b": dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                     intermediate_size=8192, max_position_embeddings=8192, tie_word_embeddings=True,
-                     rms_norm_eps=1e-5),
+    "llama-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=8192,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    ),
     # Llama-3.1-8B
-    "llama-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                     intermediate_size=14336, max_position_embeddings=8192, rms_norm_eps=1e-5),
+    "llama-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
 }
 
 
@@ -59,16 +89,18 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torc
     return (torch.randn(shape, generator=g, dtype=torch.float32) * 0.02).to(dtype)
 
 
-def write_random_checkpoint(config: ModelConfig, out: Path, dtype: torch.dtype = torch.bfloat16,
-                            max_shard_bytes: int = 2 * 2**30, overwrite: bool = False) -> dict[str, object]:
+def write_random_checkpoint(
+    config: ModelConfig, out: Path, dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 * 2**30, overwrite: bool = False
+) -> dict[str, object]:
     """Write ``config``'s checkpoint to ``out`` one tensor at a time; returns bytes, shards and seconds."""
     shapes = parameter_shapes(config)
     hf_config = hf_config_from_model(config, "llama", dtype=str(dtype).removeprefix("torch."))
     t0 = time.perf_counter()
     with atomic_dir(out, overwrite=overwrite) as tmp:
         atomic_write_json(tmp / "config.json", hf_config)
-        atomic_write_json(tmp / "generation_config.json", {"bos_token_id": config.bos_token_id,
-                                                           "eos_token_id": config.eos_token_id})
+        atomic_write_json(
+            tmp / "generation_config.json", {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+        )
         writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
         for key, shape in shapes.items():
             if key == "lm_head.weight" and config.tie_word_embeddings:
@@ -76,8 +108,12 @@ def write_random_checkpoint(config: ModelConfig, out: Path, dtype: torch.dtype =
             hf_name = key if key == "lm_head.weight" else "model." + key
             writer.add(hf_name, random_tensor(hf_name, tuple(shape), dtype))
         weight_map = writer.close()
-    return {"bytes": writer.total_bytes, "shards": len(set(weight_map.values())),
-            "peak_pending_bytes": writer.peak_pending_bytes, "seconds": time.perf_counter() - t0}
+    return {
+        "bytes": writer.total_bytes,
+        "shards": len(set(weight_map.values())),
+        "peak_pending_bytes": writer.peak_pending_bytes,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.max_shard_gb > 0:
         p.error(f"--max-shard-gb ({args.max_shard_gb}) must be > 0")
     config = ModelConfig(**SHAPES[args.shape])
-    result = write_random_checkpoint(config, args.out, getattr(torch, args.dtype),
-                                     int(args.max_shard_gb * 2**30), args.overwrite)
+    result = write_random_checkpoint(config, args.out, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30), args.overwrite)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(f"{args.shape}: {sum(int(torch.Size(s).numel()) for s in parameter_shapes(config).values()):,} parameters, "
-          f"{result['bytes'] / 2**30:.2f} GiB in {result['shards']} shard(s) at {args.out}, "
-          f"{result['seconds']:.0f} s, peak RSS {peak_rss / 2**30:.2f} GiB")
+    print(
+        f"{args.shape}: {sum(int(torch.Size(s).numel()) for s in parameter_shapes(config).values()):,} parameters, "
+        f"{result['bytes'] / 2**30:.2f} GiB in {result['shards']} shard(s) at {args.out}, "
+        f"{result['seconds']:.0f} s, peak RSS {peak_rss / 2**30:.2f} GiB"
+    )
     return 0
 
 

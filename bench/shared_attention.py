@@ -48,8 +48,11 @@ def main() -> None:
         share = shared_attention_share(model, task_sequences(tok, examples, model.config.max_position_embeddings))
         rows[task] = share.to_dict()
         cells = " ".join("   -  " if v is None else f"{v:6.3f}" for v in share.per_layer)
-        print(f"{task:<10} mean {share.mean:.3f} | per layer {cells} ({share.examples} examples, "
-              f"{share.positions} answer positions)", flush=True)
+        print(
+            f"{task:<10} mean {share.mean:.3f} | per layer {cells} ({share.examples} examples, "
+            f"{share.positions} answer positions)",
+            flush=True,
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, {"model": str(path), "adapter": args.adapter, "tasks": rows}, indent=2)

@@ -48,8 +48,9 @@ def make_adapters(base, n: int, root: Path) -> dict[str, Path]:
 
     out = {}
     for i in range(n):
-        pm = add_adapter(copy.deepcopy(base), Placement("decoder-half", ("all-linear",), freeze_kv_writers=True),
-                         AdapterConfig(rank=16))
+        pm = add_adapter(
+            copy.deepcopy(base), Placement("decoder-half", ("all-linear",), freeze_kv_writers=True), AdapterConfig(rank=16)
+        )
         randomize_adapter(pm, 0.02, seed=i)
         out[f"a{i}"] = save_adapter(pm, root / f"a{i}")
     return out
@@ -58,8 +59,13 @@ def make_adapters(base, n: int, root: Path) -> dict[str, Path]:
 def new_engine(base, adapters, args, prefix: bool):
     from kvgraft.runtime.engine import Engine
 
-    e = Engine(base, max_seqs=max(8, args.max_n) + 1, max_batch_tokens=args.chunk,
-               max_seq_len=args.prompt + args.new_tokens, prefix_cache=prefix)
+    e = Engine(
+        base,
+        max_seqs=max(8, args.max_n) + 1,
+        max_batch_tokens=args.chunk,
+        max_seq_len=args.prompt + args.new_tokens,
+        prefix_cache=prefix,
+    )
     for name, path in adapters.items():
         e.load_adapter(name, path)
     return e
@@ -114,8 +120,11 @@ def main() -> None:
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     sp = SamplingParams(max_new_tokens=args.new_tokens)
     rounds = (args.new_tokens - 3) // 4
-    shape = (f"window {cfg.sliding_window}, replay span {replay_span(cfg)}" if cfg.is_ced else
-             f"{cfg.num_layers} full-attention layers")
+    shape = (
+        f"window {cfg.sliding_window}, replay span {replay_span(cfg)}"
+        if cfg.is_ced
+        else f"{cfg.num_layers} full-attention layers"
+    )
     print(f"{args.base}: prompt {args.prompt} tokens, {args.new_tokens} new, {shape}, {args.threads} threads, fp32")
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(base, args.max_n, Path(tmp))
@@ -153,14 +162,18 @@ def main() -> None:
             rows.append((n, shared, kept, private, hits, replays, mixed, single))
         one = rows[0][3] / rows[0][0]  # one request alone with its own cache (private bytes / N)
         print()
-        print("| N adapters | shared cache: the requests hold | vs one request alone | + prefix entry kept | one cache per "
-              "adapter: the requests hold | vs one request alone | shared / private | prefix hits, replays | mixed batch "
-              "tok/s | single-adapter batch tok/s | mixed / single |")
+        print(
+            "| N adapters | shared cache: the requests hold | vs one request alone | + prefix entry kept | one cache per "
+            "adapter: the requests hold | vs one request alone | shared / private | prefix hits, replays | mixed batch "
+            "tok/s | single-adapter batch tok/s | mixed / single |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for n, shared, kept, private, hits, replays, mixed, single in rows:
-            print(f"| {n} | {shared / 1e6:.2f} MB | {shared / one:.2f}x | {kept / 1e6:.2f} MB | {private / 1e6:.2f} MB | "
-                  f"{private / one:.2f}x | {shared / private:.2f} | {hits}, {replays} | {mixed:.1f} | {single:.1f} | "
-                  f"{mixed / single:.2f}x |")
+            print(
+                f"| {n} | {shared / 1e6:.2f} MB | {shared / one:.2f}x | {kept / 1e6:.2f} MB | {private / 1e6:.2f} MB | "
+                f"{private / one:.2f}x | {shared / private:.2f} | {hits}, {replays} | {mixed:.1f} | {single:.1f} | "
+                f"{mixed / single:.2f}x |"
+            )
 
         # where the bytes go (from the cache layout): what N requests over one prompt share and do not
         from kvgraft.model.cache import cache_layout
@@ -173,20 +186,25 @@ def main() -> None:
             W = min(lay.window, args.prompt + args.new_tokens)
             seg = sum(lay.segments.values()) * item / lay.compress_rate  # bytes per prompt token, shared
             enc = sum(w for x, w in lay.rings.items() if x < p) * W * item  # shared per prompt
-            slot = (sum(w for x, w in lay.rings.items() if x >= p) * W
-                    + sum(lay.pending.values()) * (lay.compress_rate - 1)) * item  # per request
+            slot = (
+                sum(w for x, w in lay.rings.items() if x >= p) * W + sum(lay.pending.values()) * (lay.compress_rate - 1)
+            ) * item  # per request
             # 8 requests <= 1.25x of one: seg T + enc + 8 slot <= 1.25 (seg T + enc + slot)
             need = (6.75 * slot - 0.25 * enc) / (0.25 * seg)
-            print(f"shared per prompt: {seg:.0f} B of compressed segments per token and {enc / 1e3:.0f} kB of encoder "
-                  f"windows (layers 0-{p - 1}); per request, private: {slot / 1e3:.0f} kB of decoder windows (layers "
-                  f"{p}-{cfg.num_layers - 1} x {lay.window} tokens) and pending tokens (a decode step also copies the "
-                  f"one encoder ring block it writes). 8 requests hold <= 1.25x of one from a prompt of "
-                  f">= {max(0.0, need):,.0f} tokens.")
+            print(
+                f"shared per prompt: {seg:.0f} B of compressed segments per token and {enc / 1e3:.0f} kB of encoder "
+                f"windows (layers 0-{p - 1}); per request, private: {slot / 1e3:.0f} kB of decoder windows (layers "
+                f"{p}-{cfg.num_layers - 1} x {lay.window} tokens) and pending tokens (a decode step also copies the "
+                f"one encoder ring block it writes). 8 requests hold <= 1.25x of one from a prompt of "
+                f">= {max(0.0, need):,.0f} tokens."
+            )
         else:
             per_layer = {x: w * item for x, w in lay.paged.items()}  # bytes per token and layer
-            print(f"per token: {sum(per_layer.values()):,} B over {len(per_layer)} layers; adapters that leave layers "
-                  f"below b untouched share those layers' blocks, so 8 requests hold (b + 8 (L - b)) / L of one "
-                  f"layer-for-layer (L = {cfg.num_layers})")
+            print(
+                f"per token: {sum(per_layer.values()):,} B over {len(per_layer)} layers; adapters that leave layers "
+                f"below b untouched share those layers' blocks, so 8 requests hold (b + 8 (L - b)) / L of one "
+                f"layer-for-layer (L = {cfg.num_layers})"
+            )
 
         # adapter switch on the cached prompt: replay vs full prefill (time to the first token)
         replay_t, full_t = [], []
@@ -203,8 +221,10 @@ def main() -> None:
             full_t.append(time.perf_counter() - t)
         rt, ft = statistics.median(replay_t), statistics.median(full_t)
         print()
-        print(f"adapter switch on a cached {args.prompt}-token prompt (time to first token, median of {args.repeats}): "
-              f"decoder replay {rt * 1e3:.1f} ms vs full prefill {ft * 1e3:.1f} ms: {ft / rt:.1f}x faster")
+        print(
+            f"adapter switch on a cached {args.prompt}-token prompt (time to first token, median of {args.repeats}): "
+            f"decoder replay {rt * 1e3:.1f} ms vs full prefill {ft * 1e3:.1f} ms: {ft / rt:.1f}x faster"
+        )
 
 
 if __name__ == "__main__":

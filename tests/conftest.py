@@ -19,11 +19,30 @@ def graft_model():
     uniform, RoPE pairs that matter)."""
     from kvgraft.model import ModelConfig, Transformer
 
-    def make(num_kv_heads: int = 2, bias: bool = True, window: int | None = None, qk_norm: bool = False,
-             layers: int = 2, tie: bool = False, seed: int = 0) -> Transformer:
-        cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=layers, num_heads=4,
-                          num_kv_heads=num_kv_heads, head_dim=16, max_position_embeddings=64, qkv_bias=bias,
-                          o_bias=bias, sliding_window=window, qk_norm=qk_norm, tie_word_embeddings=tie)
+    def make(
+        num_kv_heads: int = 2,
+        bias: bool = True,
+        window: int | None = None,
+        qk_norm: bool = False,
+        layers: int = 2,
+        tie: bool = False,
+        seed: int = 0,
+    ) -> Transformer:
+        cfg = ModelConfig(
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=96,
+            num_layers=layers,
+            num_heads=4,
+            num_kv_heads=num_kv_heads,
+            head_dim=16,
+            max_position_embeddings=64,
+            qkv_bias=bias,
+            o_bias=bias,
+            sliding_window=window,
+            qk_norm=qk_norm,
+            tie_word_embeddings=tie,
+        )
         model = Transformer(cfg).eval()
         model.init_weights(seed)
         gen = torch.Generator().manual_seed(seed)

@@ -24,8 +24,10 @@ def _bytes(text: str) -> int:
 
 def _text(content) -> str:
     parts = content if isinstance(content, list) else [content]
-    return "".join(p if isinstance(p, str) else p.get("text", "") if isinstance(p, dict) and
-                   isinstance(p.get("text"), str) else "" for p in parts)
+    return "".join(
+        p if isinstance(p, str) else p.get("text", "") if isinstance(p, dict) and isinstance(p.get("text"), str) else ""
+        for p in parts
+    )
 
 
 def rendered_bytes(body: dict) -> int | None:

@@ -30,8 +30,9 @@ from kvgraft.model.presets import get_preset
 # a causal encoder-decoder with the reference's layout: 8 layers, kv_source 1, 3 and pivot 4
 CED = get_preset("ced-tiny").replace(num_layers=8, kv_source_layers=(1, 3, 4), qkv_bias=True)
 LLAMA = get_preset("llama-tiny").replace(num_layers=4)
-MLA = LLAMA.replace(attention_kinds=("mla",) * 4, kv_lora_rank=6, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                    v_head_dim=16, mla_latent_norm=True)
+MLA = LLAMA.replace(
+    attention_kinds=("mla",) * 4, kv_lora_rank=6, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, mla_latent_norm=True
+)
 
 
 build = sharp_model  # tests/factories.py
@@ -75,7 +76,7 @@ def test_absorbed_decode_with_a_peft_adapter_on_q_kv_b_o_equals_the_expanded_pat
     with torch.no_grad():
         full = pm(x)  # cache-free: the expanded path through PEFT's layers
         cache = model.new_cache(2, 32)
-        steps = [pm(x[:, :9], cache=cache)] + [pm(x[:, t:t + 1], cache=cache) for t in range(9, 24)]
+        steps = [pm(x[:, :9], cache=cache)] + [pm(x[:, t : t + 1], cache=cache) for t in range(9, 24)]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=5e-5, rtol=0)
     if cfg is MLA:
         assert model.layers[0].self_attn.fold_q  # the folded decode path read the adapted weights
@@ -83,30 +84,44 @@ def test_absorbed_decode_with_a_peft_adapter_on_q_kv_b_o_equals_the_expanded_pat
 
 def test_placements_compile_by_meaning():
     names = compile_placement(CED, Placement("decoder-half", ("kv-writers",)))
-    assert names == ["layers.4.self_attn.k_proj", "layers.4.self_attn.v_proj", "layers.4.self_attn.compressor.kv_a_proj",
-                     "layers.4.self_attn.compressor.gate_proj"] + [f"layers.{i}.self_attn.{m}" for i in (5, 6, 7)
-                                                                   for m in ("k_proj", "v_proj")]
+    assert names == [
+        "layers.4.self_attn.k_proj",
+        "layers.4.self_attn.v_proj",
+        "layers.4.self_attn.compressor.kv_a_proj",
+        "layers.4.self_attn.compressor.gate_proj",
+    ] + [f"layers.{i}.self_attn.{m}" for i in (5, 6, 7) for m in ("k_proj", "v_proj")]
     frozen = compile_placement(CED, Placement("decoder-half", ("all-linear",), freeze_kv_writers=True))
     assert not any(n.startswith("layers.4.") and (".compressor." in n or n.endswith(("k_proj", "v_proj"))) for n in frozen)
     assert "layers.4.self_attn.q_proj" in frozen and "layers.5.self_attn.k_proj" in frozen
-    assert compile_placement(CED, Placement("encoder-half", ("attention-out",))) == [f"layers.{i}.self_attn.o_proj"
-                                                                                     for i in range(4)]
+    assert compile_placement(CED, Placement("encoder-half", ("attention-out",))) == [
+        f"layers.{i}.self_attn.o_proj" for i in range(4)
+    ]
     assert compile_placement(CED, Placement((2, 6), ("query", "mlp-down"))) == [
-        "layers.2.self_attn.q_proj", "layers.2.mlp.down_proj", "layers.6.self_attn.q_proj", "layers.6.mlp.down_proj"]
+        "layers.2.self_attn.q_proj",
+        "layers.2.mlp.down_proj",
+        "layers.6.self_attn.q_proj",
+        "layers.6.mlp.down_proj",
+    ]
     assert compile_placement(CED, Placement("from:7", ("mlp-gate-up",))) == ["layers.7.mlp.gate_proj", "layers.7.mlp.up_proj"]
     slim = compile_placement(CED, PRESETS["slim-attention-r16"].placement)
     assert not any(n.endswith("q_proj") or ".compressor." in n for n in slim)
     assert not any("index" in n for n in compile_placement(CED.replace(index_topk=2), Placement()))
     assert compile_placement(CED, Placement("all", (), include=("layers.0.mlp.*",))) == [
-        "layers.0.mlp.gate_proj", "layers.0.mlp.up_proj", "layers.0.mlp.down_proj"]
+        "layers.0.mlp.gate_proj",
+        "layers.0.mlp.up_proj",
+        "layers.0.mlp.down_proj",
+    ]
     with pytest.raises(ValueError, match="matches no module; the model's projections are: layers.0.self_attn.q_proj"):
         compile_placement(CED, Placement("all", ("query",), exclude=("*q_proj",)))
     with pytest.raises(ValueError, match="include glob 'layers.9.*' matches no module"):
         compile_placement(CED, Placement("all", (), include=("layers.9.*",)))
     with pytest.raises(ValueError, match=r"layers \[9\] do not exist"):
         compile_placement(CED, Placement((9,), ("query",)))
-    for bad, msg in [(dict(layers="middle"), "layers 'middle'"), (dict(modules=("heads",)), "module groups"),
-                     (dict(layers=()), "non-empty")]:
+    for bad, msg in [
+        (dict(layers="middle"), "layers 'middle'"),
+        (dict(modules=("heads",)), "module groups"),
+        (dict(layers=()), "non-empty"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             Placement(**bad)
     report = dry_run(CED, Placement("decoder-half", ("all-linear",), freeze_kv_writers=True), AdapterConfig(rank=4))
@@ -129,14 +144,18 @@ def _group_tensor(cache, group):
     return {"segment": cache.segments, "window": cache.rings, "kv": cache.paged}[kind][layer]
 
 
-@pytest.mark.parametrize("cfg,placement", [
-    (CED, Placement("decoder-half", ("all-linear",), freeze_kv_writers=True)),
-    (CED, Placement("decoder-half", ("all-linear",))),
-    (CED, Placement("encoder-half", ("all-linear",))),
-    (CED, Placement((3,), ("query", "mlp"))),
-    (LLAMA, Placement("decoder-half", ("all-linear",), freeze_kv_writers=True)),
-    (MLA, Placement((1, 2), ("attention",))),
-], ids=["ced-decoder-frozen", "ced-decoder", "ced-encoder", "ced-layer3-q-mlp", "llama-decoder", "mla-middle"])
+@pytest.mark.parametrize(
+    "cfg,placement",
+    [
+        (CED, Placement("decoder-half", ("all-linear",), freeze_kv_writers=True)),
+        (CED, Placement("decoder-half", ("all-linear",))),
+        (CED, Placement("encoder-half", ("all-linear",))),
+        (CED, Placement((3,), ("query", "mlp"))),
+        (LLAMA, Placement("decoder-half", ("all-linear",), freeze_kv_writers=True)),
+        (MLA, Placement((1, 2), ("attention",))),
+    ],
+    ids=["ced-decoder-frozen", "ced-decoder", "ced-encoder", "ced-layer3-q-mlp", "llama-decoder", "mla-middle"],
+)
 def test_certificate_holds_against_the_model(cfg, placement):
     base = build(cfg)
     x = ids(cfg, t=40)
@@ -166,9 +185,11 @@ def test_backward_stops_at_the_first_trainable_layer(checkpointing):
     model.train()
     model.gradient_checkpointing = checkpointing
     grad_on = {}
+
     def record(i):
         def hook(module, args):
             grad_on.setdefault(i, torch.is_grad_enabled())
+
         return hook
 
     hooks = [layer.register_forward_pre_hook(record(i)) for i, layer in enumerate(model.layers)]
@@ -351,8 +372,11 @@ def test_a_moved_or_copied_adapter_loads_and_refuses_another_base_naming_both_fi
     with torch.no_grad():
         nudged.layers[5].mlp.down_proj.weight.mul_(1.05)  # one tensor, 5%
     for other in (build(CED, seed=1), nudged):
-        with pytest.raises(ValueError, match=f"trained on another base model: its base 'base' has fingerprint "
-                                             f"{meta['base']['fingerprint']}, this model has [0-9a-f]{{16}}"):
+        with pytest.raises(
+            ValueError,
+            match=f"trained on another base model: its base 'base' has fingerprint "
+            f"{meta['base']['fingerprint']}, this model has [0-9a-f]{{16}}",
+        ):
             load_adapter(other, copied)
     # an adapter written before fingerprints (absolute base path, no weights fingerprint) still loads, warned
     _old_format(copied, tmp_path / "elsewhere" / "base")

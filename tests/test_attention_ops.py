@@ -16,12 +16,14 @@ def test_grouped_attention_equals_sdpa(heads, kv_heads, t):
     v = torch.randn(2, kv_heads, 20, 12, generator=g)  # value width may differ
     mask = torch.ones(t, 20, dtype=torch.bool).tril(20 - t)
     mask[:, :3] = False  # e.g. a sliding window
-    want = F.scaled_dot_product_attention(q, k.repeat_interleave(heads // kv_heads, 1),
-                                          v.repeat_interleave(heads // kv_heads, 1), attn_mask=mask, scale=0.3)
+    want = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1), attn_mask=mask, scale=0.3
+    )
     torch.testing.assert_close(grouped_attention(q, k, v, mask, 0.3), want, atol=1e-6, rtol=1e-5)
     if t == 1:
-        full = F.scaled_dot_product_attention(q, k.repeat_interleave(heads // kv_heads, 1),
-                                              v.repeat_interleave(heads // kv_heads, 1), scale=0.3)
+        full = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1), scale=0.3
+        )
         torch.testing.assert_close(grouped_attention(q, k, v, None, 0.3), full, atol=1e-6, rtol=1e-5)
 
 

@@ -35,10 +35,8 @@ CASES = [
     (["convert", "{tiny}", "--out", "{outs}/m", "--kv-lora-rank", "0"], "kv_lora_rank (0)", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{outs}/m", "--compression", "0"], "compression (0.0)", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{outs}/m", "--rope-dim", "0"], "qk_rope_head_dim (0)", NO_GRAFT),
-    (["convert", "{tiny}", "--out", "{outs}/m", "--calibration-shrinkage", "1.5"], "calibration_shrinkage (1.5)",
-     NO_GRAFT),
-    (["convert", "{tiny}", "--out", "{outs}/m", "--calibration-shrinkage", "nan"], "calibration_shrinkage (nan)",
-     NO_GRAFT),
+    (["convert", "{tiny}", "--out", "{outs}/m", "--calibration-shrinkage", "1.5"], "calibration_shrinkage (1.5)", NO_GRAFT),
+    (["convert", "{tiny}", "--out", "{outs}/m", "--calibration-shrinkage", "nan"], "calibration_shrinkage (nan)", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{outs}/m", "--compression", "nan"], "compression (nan)", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{outs}/m", "--compression", "inf"], "compression (inf)", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{outs}/m", "--compression", "1"], "compression (1.0)", NO_GRAFT),
@@ -50,28 +48,35 @@ CASES = [
     (["convert", "{tiny}", "--out", "{outs}/m", "--kv-lora-rank", "1000"], "kv_lora_rank (1000)", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{outs}/m", "--kv-lora-rank", "-3"], "kv_lora_rank (-3)", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{outs}/m", "--layers", "9"], "layers [9] out of range", NO_GRAFT),
-    (["convert", "{tiny}", "--out", "{outs}/m", "--format", "deepseek_v3", "--rope-selection", "stride",
-      "--rope-dim", "6"], "rope selection 'stride' needs d_rope (6) to divide head_dim (16)", NO_GRAFT),
-    (["convert", "{tiny}", "--out", "{outs}/m", "--format", "deepseek_v3", "--rope-selection", "norm"],
-     "rope selection 'norm' cannot be exported to stock DeepSeek-V3", NO_GRAFT),
+    (
+        ["convert", "{tiny}", "--out", "{outs}/m", "--format", "deepseek_v3", "--rope-selection", "stride", "--rope-dim", "6"],
+        "rope selection 'stride' needs d_rope (6) to divide head_dim (16)",
+        NO_GRAFT,
+    ),
+    (
+        ["convert", "{tiny}", "--out", "{outs}/m", "--format", "deepseek_v3", "--rope-selection", "norm"],
+        "rope selection 'norm' cannot be exported to stock DeepSeek-V3",
+        NO_GRAFT,
+    ),
     # -- convert --to ced: checked on the config the MLA step will produce, before it runs
-    (["convert", "{tiny}", "--out", "{outs}/m", "--to", "ced", "--kv-source-layers", "9"],
-     "kv_source_layers (9,)", NO_GRAFT),
-    (["convert", "{tiny}", "--out", "{outs}/m", "--to", "ced", "--sliding-window", "0"], "sliding_window (0)",
-     NO_GRAFT),
-    (["convert", "{tiny}", "--out", "{outs}/m", "--to", "ced", "--compress-rate", "0"], "compress_rate (0)",
-     NO_GRAFT),
-    (["convert", "{tiny}", "--out", "{outs}/m", "--to", "ced", "--sliding-window", "2", "--compress-rate", "4"],
-     "sliding_window (2) must be >= compress_rate (4)", NO_GRAFT),
-    (["convert", "{tiny}", "--out", "{outs}/m", "--to", "ced", "--format", "both"], "kvgraft's format only",
-     NO_GRAFT),
+    (["convert", "{tiny}", "--out", "{outs}/m", "--to", "ced", "--kv-source-layers", "9"], "kv_source_layers (9,)", NO_GRAFT),
+    (["convert", "{tiny}", "--out", "{outs}/m", "--to", "ced", "--sliding-window", "0"], "sliding_window (0)", NO_GRAFT),
+    (["convert", "{tiny}", "--out", "{outs}/m", "--to", "ced", "--compress-rate", "0"], "compress_rate (0)", NO_GRAFT),
+    (
+        ["convert", "{tiny}", "--out", "{outs}/m", "--to", "ced", "--sliding-window", "2", "--compress-rate", "4"],
+        "sliding_window (2) must be >= compress_rate (4)",
+        NO_GRAFT,
+    ),
+    (["convert", "{tiny}", "--out", "{outs}/m", "--to", "ced", "--format", "both"], "kvgraft's format only", NO_GRAFT),
     # -- convert: calibration
     (["convert", "{tiny}", "--out", "{outs}/m", "--calibration-tokens", "0"], "calibration_tokens (0)", NO_GRAFT),
-    (["convert", "{tiny}", "--out", "{outs}/m", "--calibration-tokens", "10"],
-     "calibration_tokens (10) must be at least one calibration sequence (64 tokens)", NO_GRAFT),
+    (
+        ["convert", "{tiny}", "--out", "{outs}/m", "--calibration-tokens", "10"],
+        "calibration_tokens (10) must be at least one calibration sequence (64 tokens)",
+        NO_GRAFT,
+    ),
     (["convert", "{tiny}", "--out", "{outs}/m", "--calibration", "{missing}"], "does not exist", NO_GRAFT),
-    (["convert", "{tiny}", "--out", "{outs}/m", "--calibration", "{calib_bad}"], "outside the model's vocabulary",
-     NO_GRAFT),
+    (["convert", "{tiny}", "--out", "{outs}/m", "--calibration", "{calib_bad}"], "outside the model's vocabulary", NO_GRAFT),
     (["convert", "{bare}", "--out", "{outs}/m"], "has no eval/calibration.npy", NO_GRAFT),
     # -- convert: devices, outputs, weights, stock export
     (["convert", "{tiny}", "--out", "{outs}/m", "--device", "cuda"], "no CUDA GPU", NO_GRAFT),
@@ -79,10 +84,16 @@ CASES = [
     (["convert", "{tiny}", "--out", "{file}/m"], "is a file, not a directory", NO_GRAFT),
     (["convert", "{tiny}", "--out", "/proc/kvgraft-test/m"], "cannot write output directory", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{tiny}"], "already exists", NO_GRAFT),
-    (["convert", "{nan}", "--out", "{outs}/m"], "tensor model.layers.0.self_attn.k_proj.weight (32, 64) holds 1 NaN",
-     ("kvgraft.graft.convert.graft_mla",)),
-    (["convert", "{inf}", "--out", "{outs}/m"], "tensor model.norm.weight (64,) holds 0 NaN and 2 Inf",
-     ("kvgraft.graft.convert.graft_mla",)),
+    (
+        ["convert", "{nan}", "--out", "{outs}/m"],
+        "tensor model.layers.0.self_attn.k_proj.weight (32, 64) holds 1 NaN",
+        ("kvgraft.graft.convert.graft_mla",),
+    ),
+    (
+        ["convert", "{inf}", "--out", "{outs}/m"],
+        "tensor model.norm.weight (64,) holds 0 NaN and 2 Inf",
+        ("kvgraft.graft.convert.graft_mla",),
+    ),
     (["convert", "/nonexistent/model", "--out", "{outs}/m"], "/nonexistent/model", NO_GRAFT),
     # -- doctor
     (["doctor", "{tiny}", "--kv-lora-rank", "0"], "kv_lora_rank (0)", ()),
@@ -94,8 +105,7 @@ CASES = [
     (["generate", "--prompt", BAD_UTF8], "--prompt is not valid UTF-8 text (bytes b'\\xe9'", NO_LOAD),
     (["generate", "--prompt", "hi", "--stop", BAD_UTF8], "--stop is not valid UTF-8", NO_LOAD),
     (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens (0)", NO_LOAD),
-    (["generate", "--prompt", "hi", "--max-new-tokens", "1000000000"], "exceeds the model's max_position_embeddings",
-     NO_LOAD),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "1000000000"], "exceeds the model's max_position_embeddings", NO_LOAD),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature", NO_LOAD),
     # -- eval: every value first, even on a model without a held-out slice
     (["eval", "{bare}", "--max-tokens", "0"], "max_tokens (0)", NO_LOAD),
@@ -109,42 +119,73 @@ CASES = [
     (["eval", "{bare}"], "no evaluation tokens", NO_LOAD),
     (["eval", "--text", "{latin1}"], "is not UTF-8 text (byte b'\\xe9' at offset 3", NO_LOAD),
     # -- pretrain: the data's vocabulary against the model's, before training
-    (["pretrain", "--model", "llama-tiny", "--data", "{bigvocab}", "--out", "{outs}/r", "--max-steps", "2"],
-     "uses a 1024-token vocabulary", NO_TRAIN),
-    (["pretrain", "--model", "llama-tiny", "--data", "{bigids}", "--out", "{outs}/r", "--max-steps", "2"],
-     "holds token id 1023, outside the vocabulary of model preset 'llama-tiny' (vocab_size 512)", NO_TRAIN),
-    (["pretrain", "--model", "llama-tiny", "--data", "{data}", "--out", "{outs}/r", "--seq-len", "0"],
-     "seq_len (0)", NO_TRAIN),
-    (["pretrain", "--model", "llama-tiny", "--data", "{data}", "--out", "{outs}/r", "--seq-len", "100000"],
-     "seq_len (100000) exceeds max_position_embeddings (128)", NO_TRAIN),
-    (["pretrain", "--model", "llama-tiny", "--data", "{data}", "--out", "{outs}/r", "--max-steps", "0"],
-     "max_steps (0)", NO_TRAIN),
-    (["pretrain", "--model", "llama-tiny", "--data", "{data}", "--out", "/proc/kvgraft-test/r"],
-     "cannot write run directory", NO_TRAIN),
+    (
+        ["pretrain", "--model", "llama-tiny", "--data", "{bigvocab}", "--out", "{outs}/r", "--max-steps", "2"],
+        "uses a 1024-token vocabulary",
+        NO_TRAIN,
+    ),
+    (
+        ["pretrain", "--model", "llama-tiny", "--data", "{bigids}", "--out", "{outs}/r", "--max-steps", "2"],
+        "holds token id 1023, outside the vocabulary of model preset 'llama-tiny' (vocab_size 512)",
+        NO_TRAIN,
+    ),
+    (["pretrain", "--model", "llama-tiny", "--data", "{data}", "--out", "{outs}/r", "--seq-len", "0"], "seq_len (0)", NO_TRAIN),
+    (
+        ["pretrain", "--model", "llama-tiny", "--data", "{data}", "--out", "{outs}/r", "--seq-len", "100000"],
+        "seq_len (100000) exceeds max_position_embeddings (128)",
+        NO_TRAIN,
+    ),
+    (
+        ["pretrain", "--model", "llama-tiny", "--data", "{data}", "--out", "{outs}/r", "--max-steps", "0"],
+        "max_steps (0)",
+        NO_TRAIN,
+    ),
+    (
+        ["pretrain", "--model", "llama-tiny", "--data", "{data}", "--out", "/proc/kvgraft-test/r"],
+        "cannot write run directory",
+        NO_TRAIN,
+    ),
     (["pretrain", "--model", "llama-tiny", "--data", "{outs}/none", "--out", "{outs}/r"], "is missing", NO_TRAIN),
     # -- prepare-data: nothing left behind
-    (["prepare-data", "--out", "{outs}/d", "--sources", "--files", "{doc}", "--vocab-size", "100"],
-     "vocab_size=100 is too small", NO_CORPUS),
-    (["prepare-data", "--out", "/proc/kvgraft-test/d", "--sources", "--files", "{doc}"],
-     "cannot write output directory", NO_CORPUS),
+    (
+        ["prepare-data", "--out", "{outs}/d", "--sources", "--files", "{doc}", "--vocab-size", "100"],
+        "vocab_size=100 is too small",
+        NO_CORPUS,
+    ),
+    (
+        ["prepare-data", "--out", "/proc/kvgraft-test/d", "--sources", "--files", "{doc}"],
+        "cannot write output directory",
+        NO_CORPUS,
+    ),
     (["prepare-data", "--out", "{outs}/d", "--sources", "--files", "{missing}"], "{missing}", ()),
     # -- heal
     (["heal", "{tiny}", "--out", "{outs}/h", "--data", "{data}", "--tokens", "0"], "tokens (0)", NO_LOAD),
-    (["heal", "{tiny}", "--out", "{outs}/h", "--data", "{data}", "--fraction", "0"], "fraction_of_pretraining (0.0)",
-     NO_LOAD),
+    (["heal", "{tiny}", "--out", "{outs}/h", "--data", "{data}", "--fraction", "0"], "fraction_of_pretraining (0.0)", NO_LOAD),
     # -- demo
     (["demo", "--out", "/proc/kvgraft-test/demo"], "cannot write demo output", NO_LOAD),
 ]
 
 
-def _tiny(path: Path, *, eval_slices: bool = True, poison: dict | None = None, model_type: str | None = None,
-          **config) -> Path:
+def _tiny(path: Path, *, eval_slices: bool = True, poison: dict | None = None, model_type: str | None = None, **config) -> Path:
     from kvgraft.hf import save_pretrained
     from kvgraft.model import ModelConfig, Transformer
 
-    cfg = ModelConfig(**{**dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                                num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True),
-                         **config})
+    cfg = ModelConfig(
+        **{
+            **dict(
+                vocab_size=96,
+                hidden_size=64,
+                intermediate_size=96,
+                num_layers=2,
+                num_heads=4,
+                num_kv_heads=2,
+                head_dim=16,
+                max_position_embeddings=64,
+                tie_word_embeddings=True,
+            ),
+            **config,
+        }
+    )
     model = Transformer(cfg)
     model.init_weights(0)
     with torch.no_grad():
@@ -193,8 +234,11 @@ def fixtures(tmp_path_factory) -> dict[str, str]:
         "data": _data(root / "data", 300, 299),
         "bigvocab": _data(root / "bigvocab", 1024, 1023),
         "bigids": _data(root / "bigids", 300, 1023),
-        "file": root / "file", "doc": root / "doc.txt", "latin1": root / "latin1.txt",
-        "calib_bad": root / "calib_bad.npy", "missing": root / "missing.txt",
+        "file": root / "file",
+        "doc": root / "doc.txt",
+        "latin1": root / "latin1.txt",
+        "calib_bad": root / "calib_bad.npy",
+        "missing": root / "missing.txt",
     }
     return {k: str(v) for k, v in f.items()}
 
@@ -226,8 +270,7 @@ def _ids(case) -> str:
 
 
 @pytest.mark.parametrize("argv, expected, heavy", CASES, ids=[_ids(c) for c in CASES])
-def test_bad_input_is_one_line_exit_2_before_any_work(argv, expected, heavy, fixtures, tmp_path, monkeypatch,
-                                                      capsys):
+def test_bad_input_is_one_line_exit_2_before_any_work(argv, expected, heavy, fixtures, tmp_path, monkeypatch, capsys):
     outs = tmp_path / "outs"
     outs.mkdir()
     values = {**fixtures, "outs": str(outs)}
@@ -252,8 +295,10 @@ def test_read_only_file_system_is_one_line(fixtures, tmp_path, monkeypatch, caps
 
     monkeypatch.setattr(kvgraft.checks.tempfile, "mkdtemp", read_only)
     _tripwire("kvgraft.hf.load_pretrained", monkeypatch)
-    for argv, what in ((["convert", fixtures["tiny"], "--out", str(tmp_path / "m")], "output directory"),
-                       (["doctor", fixtures["tiny"], "--json", str(tmp_path / "r.json")], "--json file")):
+    for argv, what in (
+        (["convert", fixtures["tiny"], "--out", str(tmp_path / "m")], "output directory"),
+        (["doctor", fixtures["tiny"], "--json", str(tmp_path / "r.json")], "--json file"),
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"kvgraft: error: cannot write {what} {argv[-1]}: Read-only file system ({tmp_path})"]
@@ -289,8 +334,13 @@ def test_every_case_names_its_value_once():
     assert len({json.dumps(c[:2]) for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi", "--max-new-tokens", "1"],
-                                  ["eval", "--new-tokens", "2", "--contexts", "8", "--batch-sizes", "1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "hi", "--max-new-tokens", "1"],
+        ["eval", "--new-tokens", "2", "--contexts", "8", "--batch-sizes", "1"],
+    ],
+)
 def test_the_tripwires_trip_on_good_input(argv, monkeypatch):
     """The check above means something only if a tripwire fires when the command does reach the heavy step."""
     _tripwire("kvgraft.hf.load_pretrained", monkeypatch)

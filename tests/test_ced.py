@@ -86,7 +86,7 @@ def test_visibility_rule():
     assert (2 * b + 1 < i).expand(12, 6)[shared_mask].all()  # visible blocks end before the query
     covered = window_mask.clone()
     for blk in range(6):
-        covered[:, 2 * blk:2 * blk + 2] |= shared_mask[:, blk:blk + 1]
+        covered[:, 2 * blk : 2 * blk + 2] |= shared_mask[:, blk : blk + 1]
     assert torch.equal(covered, (j <= i).expand(12, 12)), "every earlier token is seen, no later one"
 
 
@@ -98,7 +98,7 @@ def test_incremental_decode_equals_full_forward(changes):
         full = model(ids)
         cache = model.new_cache(2, 48)
         parts = [model(ids[:, :11], cache=cache)]  # prefill
-        parts += [model(ids[:, i:i + 1], cache=cache) for i in range(11, 30)]  # one-token steps
+        parts += [model(ids[:, i : i + 1], cache=cache) for i in range(11, 30)]  # one-token steps
         parts.append(model(ids[:, 30:33], cache=cache))  # a short chunk (absorbed path)
         parts.append(model(ids[:, 33:45], cache=cache))
         inc = torch.cat(parts, dim=1)
@@ -114,7 +114,7 @@ def test_absorbed_equals_expanded_decode():
         cache = model.new_cache(1, 30)
         with torch.set_grad_enabled(grad):
             model(ids[:, :20], cache=cache)
-            outs.append(torch.cat([model(ids[:, i:i + 1], cache=cache) for i in range(20, 30)], 1).detach())
+            outs.append(torch.cat([model(ids[:, i : i + 1], cache=cache) for i in range(20, 30)], 1).detach())
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
 
 
@@ -167,8 +167,7 @@ def test_checkpointing_gradients_equal(m):
 def test_reader_layers_have_no_compressor_and_read_the_nearest_source():
     cfg = tiny(num_layers=6, kv_source_layers=(1, 3))
     model = build(cfg)
-    kinds = [(hasattr(b.self_attn, "compressor"), getattr(b.self_attn, "kv_b_proj", None) is not None)
-             for b in model.layers]
+    kinds = [(hasattr(b.self_attn, "compressor"), getattr(b.self_attn, "kv_b_proj", None) is not None) for b in model.layers]
     assert kinds == [(False, False), (True, True), (False, True), (True, True), (False, True), (False, True)]
     assert [cfg.kv_source_of(i) for i in range(6)] == [None, 1, 1, 3, 3, 3]
     assert cfg.pivot_layer == 3
@@ -179,6 +178,7 @@ def test_reader_layers_have_no_compressor_and_read_the_nearest_source():
     def hook(i):
         def fn(module, args, out):
             feats[i] = out[0].detach().clone()
+
         return fn
 
     for i, b in enumerate(model.layers):
@@ -201,16 +201,19 @@ def test_parameter_count_matches_formula():
     assert num_parameters(cfg) == sum(p.numel() for p in Transformer(cfg).parameters())
 
 
-@pytest.mark.parametrize("changes,message", [
-    (dict(kv_source_layers=(2, 1)), "strictly increasing"),
-    (dict(kv_source_layers=(0, 4)), r"in \[0, 4\)"),
-    (dict(kv_source_layers=()), "'ced' in every layer|at least one"),
-    (dict(sliding_window=None), "needs sliding_window"),
-    (dict(compress_rate=0), "compress_rate"),
-    (dict(compress_rate=4, sliding_window=3), "sliding_window \\(3\\) must be >= compress_rate \\(4\\)"),
-    (dict(kv_lora_rank=None), "kv_lora_rank"),
-    (dict(qk_norm=True), "qk_norm"),
-])
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(kv_source_layers=(2, 1)), "strictly increasing"),
+        (dict(kv_source_layers=(0, 4)), r"in \[0, 4\)"),
+        (dict(kv_source_layers=()), "'ced' in every layer|at least one"),
+        (dict(sliding_window=None), "needs sliding_window"),
+        (dict(compress_rate=0), "compress_rate"),
+        (dict(compress_rate=4, sliding_window=3), "sliding_window \\(3\\) must be >= compress_rate \\(4\\)"),
+        (dict(kv_lora_rank=None), "kv_lora_rank"),
+        (dict(qk_norm=True), "qk_norm"),
+    ],
+)
 def test_bad_configs_are_named(changes, message):
     with pytest.raises(ValueError, match=message):
         tiny(**changes)
@@ -231,6 +234,7 @@ def test_generate_runs_on_the_cache():
 
 
 # ---- the optional indexer ---------------------------------------------------------------------------
+
 
 def indexed(topk: int, **changes) -> Transformer:
     return build(tiny(index_topk=topk, index_heads=2, index_head_dim=8, **changes))
@@ -263,7 +267,7 @@ def test_indexer_top_k_is_causal_and_matches_the_cache_path(m):
         other[:, 30] = (other[:, 30] + 3) % 512
         assert torch.equal(model(other)[:, :30], full[:, :30])
         cache = model.new_cache(2, 44)
-        parts = [model(ids[:, :13], cache=cache)] + [model(ids[:, i:i + 1], cache=cache) for i in range(13, 44)]
+        parts = [model(ids[:, :13], cache=cache)] + [model(ids[:, i : i + 1], cache=cache) for i in range(13, 44)]
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=2e-5, rtol=0)
 
 
@@ -313,8 +317,17 @@ def test_indexer_loss_is_added_by_the_training_loop(tmp_path):
             return {"input_ids": self.x[i, :-1], "labels": self.x[i, 1:]}
 
     model = indexed(2)
-    cfg = TrainConfig(max_steps=4, micro_batch_size=4, lr=3e-3, warmup_steps=1, eval_every=0, save_every=10,
-                      log_every=1, precision="fp32", progress=False)
+    cfg = TrainConfig(
+        max_steps=4,
+        micro_batch_size=4,
+        lr=3e-3,
+        warmup_steps=1,
+        eval_every=0,
+        save_every=10,
+        log_every=1,
+        precision="fp32",
+        progress=False,
+    )
     before = model.layers[2].self_attn.index_q_proj.weight.clone()
     train(model, Seqs(), cfg, tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]

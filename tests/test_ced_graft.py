@@ -30,16 +30,14 @@ def mla_model(**changes) -> Transformer:
         for name, p in base.named_parameters():
             if "q_proj" in name or "k_proj" in name:
                 p.mul_(6)
-    g = GraftConfig(kv_lora_rank=32, qk_rope_head_dim=cfg.head_dim, objective="activations",
-                    rope_selection="stride")
+    g = GraftConfig(kv_lora_rank=32, qk_rope_head_dim=cfg.head_dim, objective="activations", rope_selection="stride")
     return graft_mla(base.eval(), g, CALIB, progress=False).eval()
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_layer_a_source_reproduces_the_mla_model_exactly(bias):
     mla = mla_model(qkv_bias=bias)
-    ced, report = graft_ced(mla, CEDGraftConfig(kv_source_layers=(0, 1, 2, 3), sliding_window=4), CALIB,
-                            progress=False)
+    ced, report = graft_ced(mla, CEDGraftConfig(kv_source_layers=(0, 1, 2, 3), sliding_window=4), CALIB, progress=False)
     assert ced.config.is_ced and ced.config.num_kv_heads == mla.config.num_heads
     assert report["readers"] == {}  # nothing to fit: every layer reads its own latent
     with torch.no_grad():
@@ -65,8 +63,9 @@ def test_least_squares_readers_beat_reading_with_their_own_up_projection():
 
 def test_pooled_sources_fit_their_own_latent_with_zero_gates():
     mla = mla_model()
-    ced, report = graft_ced(mla, CEDGraftConfig(kv_source_layers=(0, 2), sliding_window=8, compress_rate=2),
-                            CALIB, progress=False)
+    ced, report = graft_ced(
+        mla, CEDGraftConfig(kv_source_layers=(0, 2), sliding_window=8, compress_rate=2), CALIB, progress=False
+    )
     # a source reading its own mean-pooled latent: the fitted map is the identity (tiny ridge)
     assert report["readers"][0]["relative_residual"] < 1e-4
     assert report["readers"][2]["relative_residual"] < 1e-4
@@ -98,8 +97,16 @@ def test_default_sources():
 
 def test_convert_cli_from_a_transformers_checkpoint(tmp_path):
     cfg = transformers.AutoConfig.for_model(
-        "qwen2", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+        "qwen2",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    )
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     path = tmp_path / "qwen2"
@@ -107,8 +114,10 @@ def test_convert_cli_from_a_transformers_checkpoint(tmp_path):
     (path / "eval").mkdir()
     np.save(path / "eval" / "calibration.npy", np.random.default_rng(0).integers(0, 96, 4096).astype(np.uint16))
     out = tmp_path / "ced"
-    assert main(["convert", str(path), "--to", "ced", "--out", str(out), "--sliding-window", "8",
-                 "--calibration-tokens", "2048"]) == 0
+    assert (
+        main(["convert", str(path), "--to", "ced", "--out", str(out), "--sliding-window", "8", "--calibration-tokens", "2048"])
+        == 0
+    )
     ced = load_pretrained(out)
     assert ced.config.kv_source_layers == (1, 2) and ced.config.sliding_window == 8
     record = json.loads((out / "conversion.json").read_text())
@@ -118,12 +127,11 @@ def test_convert_cli_from_a_transformers_checkpoint(tmp_path):
         assert torch.isfinite(ced(ids)).all()
         # the cache path agrees with the full forward on the converted model
         cache = ced.new_cache(2, 30)
-        inc = torch.cat([ced(ids[:, :10], cache=cache)] + [ced(ids[:, i:i + 1], cache=cache) for i in range(10, 30)], 1)
+        inc = torch.cat([ced(ids[:, :10], cache=cache)] + [ced(ids[:, i : i + 1], cache=cache) for i in range(10, 30)], 1)
         torch.testing.assert_close(inc, ced(ids), atol=1e-4, rtol=0)
     # formats and RoPE layouts a causal encoder-decoder cannot have are refused
     assert main(["convert", str(path), "--to", "ced", "--out", str(tmp_path / "x"), "--format", "both"]) == 2
-    assert main(["convert", str(path), "--to", "ced", "--out", str(tmp_path / "y"),
-                 "--rope-selection", "norm"]) == 2
+    assert main(["convert", str(path), "--to", "ced", "--out", str(tmp_path / "y"), "--rope-selection", "norm"]) == 2
 
 
 def test_convert_an_mla_graft_with_one_rope_layout(tmp_path):
@@ -135,10 +143,44 @@ def test_convert_an_mla_graft_with_one_rope_layout(tmp_path):
     save_pretrained(model, tmp_path / "llama")
     (tmp_path / "llama" / "eval").mkdir()
     np.save(tmp_path / "llama" / "eval" / "calibration.npy", CALIB.flatten().numpy().astype(np.uint16))
-    assert main(["convert", str(tmp_path / "llama"), "--out", str(tmp_path / "mla"), "--rope-selection", "stride",
-                 "--kv-lora-rank", "24", "--calibration-tokens", "512"]) == 0
-    assert main(["convert", str(tmp_path / "mla"), "--to", "ced", "--out", str(tmp_path / "ced"),
-                 "--kv-source-layers", "0", "1", "2", "--sliding-window", "4", "--calibration-tokens", "512"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "llama"),
+                "--out",
+                str(tmp_path / "mla"),
+                "--rope-selection",
+                "stride",
+                "--kv-lora-rank",
+                "24",
+                "--calibration-tokens",
+                "512",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "mla"),
+                "--to",
+                "ced",
+                "--out",
+                str(tmp_path / "ced"),
+                "--kv-source-layers",
+                "0",
+                "1",
+                "2",
+                "--sliding-window",
+                "4",
+                "--calibration-tokens",
+                "512",
+            ]
+        )
+        == 0
+    )
     mla, ced = load_pretrained(tmp_path / "mla"), load_pretrained(tmp_path / "ced")
     assert json.loads((tmp_path / "ced" / "conversion.json").read_text())["graft"] is None
     with torch.no_grad():

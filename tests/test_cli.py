@@ -16,8 +16,17 @@ from kvgraft.model import ModelConfig, Transformer
 
 @pytest.fixture()
 def tiny_dir(tmp_path):
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     model = Transformer(cfg)
     model.init_weights(0)
     path = save_pretrained(model, tmp_path / "tiny")
@@ -37,12 +46,15 @@ def test_help_lists_every_subcommand(capsys):
         assert name in out
 
 
-@pytest.mark.parametrize("argv", [
-    ["eval", "/nonexistent/model"],
-    ["doctor", "/nonexistent/model"],
-    ["convert", "/nonexistent/model", "--out", "/tmp/kvgraft-never-written"],
-    ["generate", "/nonexistent/model", "--prompt", "hi"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "/nonexistent/model"],
+        ["doctor", "/nonexistent/model"],
+        ["convert", "/nonexistent/model", "--out", "/tmp/kvgraft-never-written"],
+        ["generate", "/nonexistent/model", "--prompt", "hi"],
+    ],
+)
 def test_missing_model_is_one_line_exit_2(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -58,8 +70,18 @@ def test_corrupt_safetensors_is_exit_2(tiny_dir, capsys):
 
 def test_convert_writes_a_loadable_model_and_refuses_to_overwrite(tiny_dir, tmp_path, capsys):
     out = tmp_path / "mla"
-    argv = ["convert", str(tiny_dir), "--out", str(out), "--kv-lora-rank", "16", "--rope-dim", "16",
-            "--calibration-tokens", "1024"]
+    argv = [
+        "convert",
+        str(tiny_dir),
+        "--out",
+        str(out),
+        "--kv-lora-rank",
+        "16",
+        "--rope-dim",
+        "16",
+        "--calibration-tokens",
+        "1024",
+    ]
     assert main(argv) == 0
     record = json.loads((out / "conversion.json").read_text())
     assert record["kv_bytes_per_token_bf16"] == {"original": 2 * 2 * 2 * 16 * 2, "converted": 2 * (16 + 16) * 2}
@@ -82,8 +104,20 @@ def test_interrupted_convert_leaves_no_directory(tiny_dir, tmp_path, monkeypatch
     monkeypatch.setattr(shards, "save_file", boom)  # the layer-by-layer executor writes through ShardWriter
     out = tmp_path / "mla"
     with pytest.raises(KeyboardInterrupt):
-        main(["convert", str(tiny_dir), "--out", str(out), "--kv-lora-rank", "16", "--rope-dim", "16",
-              "--calibration-tokens", "1024"])
+        main(
+            [
+                "convert",
+                str(tiny_dir),
+                "--out",
+                str(out),
+                "--kv-lora-rank",
+                "16",
+                "--rope-dim",
+                "16",
+                "--calibration-tokens",
+                "1024",
+            ]
+        )
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".mla")]
 
@@ -113,18 +147,63 @@ def test_generate_is_reproducible_with_a_seed(tiny_dir, capsys):
 def test_convert_heal_checklist_and_compare_end_to_end(tiny_dir, tmp_path, capsys):
     """convert -> heal -> doctor --after -> eval --compare, all through the CLI, on a tiny model."""
     mla = tmp_path / "mla"
-    assert main(["convert", str(tiny_dir), "--out", str(mla), "--kv-lora-rank", "16", "--rope-dim", "16",
-                 "--calibration-tokens", "1024", "--rope-selection", "stride"]) == 0  # stock-exportable
+    assert (
+        main(
+            [
+                "convert",
+                str(tiny_dir),
+                "--out",
+                str(mla),
+                "--kv-lora-rank",
+                "16",
+                "--rope-dim",
+                "16",
+                "--calibration-tokens",
+                "1024",
+                "--rope-selection",
+                "stride",
+            ]
+        )
+        == 0
+    )  # stock-exportable
     data = tmp_path / "data" / "tokens"
     data.mkdir(parents=True)
     stream = (np.arange(8000) * 5 % 91).astype(np.uint16)
     np.save(data / "train.npy", stream)
     np.save(data / "validation.npy", stream[:1000])
     healed = tmp_path / "healed"
-    assert main(["heal", str(mla), "--out", str(healed), "--data", str(tmp_path / "data"), "--teacher",
-                 str(tiny_dir), "--loss", "mix", "--original-lr", "1e-2", "--pretraining-tokens", "10000",
-                 "--tokens", "2048", "--micro-batch-size", "2", "--precision", "fp32", "--no-progress",
-                 "--eval-every", "0", "--format", "both"]) == 0
+    assert (
+        main(
+            [
+                "heal",
+                str(mla),
+                "--out",
+                str(healed),
+                "--data",
+                str(tmp_path / "data"),
+                "--teacher",
+                str(tiny_dir),
+                "--loss",
+                "mix",
+                "--original-lr",
+                "1e-2",
+                "--pretraining-tokens",
+                "10000",
+                "--tokens",
+                "2048",
+                "--micro-batch-size",
+                "2",
+                "--precision",
+                "fp32",
+                "--no-progress",
+                "--eval-every",
+                "0",
+                "--format",
+                "both",
+            ]
+        )
+        == 0
+    )
     assert "Healed MLA graft" in (healed / "final" / "README.md").read_text()
     stock = transformers.AutoModelForCausalLM.from_pretrained(healed / "final" / "deepseek_v3")
     assert type(stock).__name__ == "DeepseekV3ForCausalLM"
@@ -135,14 +214,31 @@ def test_convert_heal_checklist_and_compare_end_to_end(tiny_dir, tmp_path, capsy
     capsys.readouterr()
     assert main(["doctor", "--after", str(healed / "final"), "--original", str(tiny_dir)]) == 0
     out = capsys.readouterr().out
-    for name in ("RoPE injection", "initialisation", "mixed precision", "healing budget", "up-projection",
-                 "KV cache allocation"):
+    for name in ("RoPE injection", "initialisation", "mixed precision", "healing budget", "up-projection", "KV cache allocation"):
         assert name in out
     assert "[PASS] RoPE injection" in out and "[PASS] KV cache allocation" in out
     assert "[PASS] healing budget" in out and "[PASS] mixed precision" in out
     report = tmp_path / "report"
-    assert main(["eval", "--compare", str(tiny_dir), str(mla), str(healed / "final"), "--contexts", "16",
-                 "--batch-sizes", "1", "--new-tokens", "6", "--out", str(report)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--compare",
+                str(tiny_dir),
+                str(mla),
+                str(healed / "final"),
+                "--contexts",
+                "16",
+                "--batch-sizes",
+                "1",
+                "--new-tokens",
+                "6",
+                "--out",
+                str(report),
+            ]
+        )
+        == 0
+    )
     for name in ("compare.md", "compare.json", "compare.png", "decode.png"):
         assert (report / name).stat().st_size > 0
     assert len(json.loads((report / "compare.json").read_text())) == 3
@@ -152,14 +248,16 @@ def test_generate_streams_through_the_engine_and_stops_at_a_string(capsys):
     assert main(["generate", "--prompt", "In the beginning", "--max-new-tokens", "12", "--temperature", "0"]) == 0
     full = capsys.readouterr().out.rstrip("\n")
     assert full.startswith("In the beginning") and len(full) > len("In the beginning")
-    word = full[len("In the beginning"):].split()[2]
-    assert main(["generate", "--prompt", "In the beginning", "--max-new-tokens", "12", "--temperature", "0",
-                 "--stop", word]) == 0
+    word = full[len("In the beginning") :].split()[2]
+    assert main(["generate", "--prompt", "In the beginning", "--max-new-tokens", "12", "--temperature", "0", "--stop", word]) == 0
     stopped = capsys.readouterr().out.rstrip("\n")
-    assert full.startswith(stopped) and word not in stopped[len("In the beginning"):]
+    assert full.startswith(stopped) and word not in stopped[len("In the beginning") :]
     # checked before the model loads; a huge --max-new-tokens is refused, not allocated
-    for flags, message in ((["--top-p", "0"], "top_p (0.0)"), (["--max-new-tokens", "0"], "--max-new-tokens (0)"),
-                           (["--max-new-tokens", "1000000000"], "max_position_embeddings (512)")):
+    for flags, message in (
+        (["--top-p", "0"], "top_p (0.0)"),
+        (["--max-new-tokens", "0"], "--max-new-tokens (0)"),
+        (["--max-new-tokens", "1000000000"], "max_position_embeddings (512)"),
+    ):
         assert main(["generate", "--prompt", "x", *flags]) == 2
         assert message in capsys.readouterr().err
 

@@ -15,8 +15,17 @@ import transformers
 from kvgraft.cli import main
 from kvgraft.hf import load_pretrained
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, head_dim=16)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    head_dim=16,
+)
 FAMILIES = {
     "llama": dict(),
     "mistral": dict(sliding_window=12),
@@ -27,8 +36,7 @@ IDS = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(0))
 
 
 def _hf_checkpoint(tmp_path, family: str, kv_heads: int = 2, **extra):
-    cfg = transformers.AutoConfig.for_model(family, **(TINY | {"num_key_value_heads": kv_heads} | FAMILIES[family]
-                                                       | extra))
+    cfg = transformers.AutoConfig.for_model(family, **(TINY | {"num_key_value_heads": kv_heads} | FAMILIES[family] | extra))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # non-trivial biases and norm weights (transformers initialises them to 0 / 1)
@@ -42,8 +50,7 @@ def _hf_checkpoint(tmp_path, family: str, kv_heads: int = 2, **extra):
     path = tmp_path / f"{family}-kv{kv_heads}"
     model.save_pretrained(path)
     (path / "eval").mkdir()
-    np.save(path / "eval" / "calibration.npy",
-            np.random.default_rng(0).integers(0, 96, 4096).astype(np.uint16))
+    np.save(path / "eval" / "calibration.npy", np.random.default_rng(0).integers(0, 96, 4096).astype(np.uint16))
     return model, path
 
 
@@ -52,8 +59,25 @@ def test_convert_each_family_at_full_budget(tmp_path, family):
     hf, path = _hf_checkpoint(tmp_path, family)
     out = tmp_path / "mla"
     # full budget: the latent holds all of K and V, and every (head, frequency) pair keeps RoPE
-    assert main(["convert", str(path), "--out", str(out), "--kv-lora-rank", "64", "--rope-dim", "32",
-                 "--rope-selection", "norm", "--calibration-tokens", "2048"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(path),
+                "--out",
+                str(out),
+                "--kv-lora-rank",
+                "64",
+                "--rope-dim",
+                "32",
+                "--rope-selection",
+                "norm",
+                "--calibration-tokens",
+                "2048",
+            ]
+        )
+        == 0
+    )
     converted = load_pretrained(out)
     with torch.no_grad():
         want = hf(IDS).logits
@@ -70,8 +94,10 @@ def test_convert_each_family_at_full_budget(tmp_path, family):
 def test_convert_each_family_at_4x(tmp_path, family):
     _, path = _hf_checkpoint(tmp_path, family)
     out = tmp_path / "mla"
-    assert main(["convert", str(path), "--out", str(out), "--compression", "4", "--rope-dim", "8",
-                 "--calibration-tokens", "2048"]) == 0
+    assert (
+        main(["convert", str(path), "--out", str(out), "--compression", "4", "--rope-dim", "8", "--calibration-tokens", "2048"])
+        == 0
+    )
     converted = load_pretrained(out)
     assert converted.config.kv_bytes_per_token(2) * 4 == load_pretrained(path).config.kv_bytes_per_token(2)
     with torch.no_grad():
@@ -82,8 +108,27 @@ def test_convert_llama_to_stock_deepseek_v3(tmp_path):
     _, path = _hf_checkpoint(tmp_path, "llama")
     out = tmp_path / "mla"
     with pytest.warns(UserWarning, match="only transformers computes"):
-        assert main(["convert", str(path), "--out", str(out), "--compression", "2", "--rope-dim", "16",
-                     "--calibration-tokens", "2048", "--format", "both", "--stock-construction", "transformers"]) == 0
+        assert (
+            main(
+                [
+                    "convert",
+                    str(path),
+                    "--out",
+                    str(out),
+                    "--compression",
+                    "2",
+                    "--rope-dim",
+                    "16",
+                    "--calibration-tokens",
+                    "2048",
+                    "--format",
+                    "both",
+                    "--stock-construction",
+                    "transformers",
+                ]
+            )
+            == 0
+        )
     ours = load_pretrained(out)
     stock, info = transformers.AutoModelForCausalLM.from_pretrained(out / "deepseek_v3", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -111,8 +156,7 @@ def test_default_convert_succeeds_on_every_family_and_gqa_ratio(tmp_path, family
     converted = load_pretrained(out)
     original = load_pretrained(path).config
     ranks = default_ranks(original)
-    assert (converted.config.kv_lora_rank, converted.config.qk_rope_head_dim) == (ranks.kv_lora_rank,
-                                                                                   ranks.qk_rope_head_dim)
+    assert (converted.config.kv_lora_rank, converted.config.qk_rope_head_dim) == (ranks.kv_lora_rank, ranks.qk_rope_head_dim)
     report = doctor(path)
     assert (report.kv_lora_rank, report.qk_rope_head_dim) == (ranks.kv_lora_rank, ranks.qk_rope_head_dim)
     assert report.blockers == []
@@ -145,6 +189,7 @@ def test_default_stock_export_of_an_mqa_llama(tmp_path):
 
 # ---- the share graft on Qwen3 (q/k norms) ---------------------------------------------------------------
 
+
 def test_share_graft_on_qwen3_by_default(tmp_path):
     """`convert --to ced` on Qwen3: both per-head norms become their least-squares linear fits, no flags."""
     import json
@@ -165,9 +210,30 @@ def test_share_graft_on_qwen3_at_full_budget_tracks_the_original(tmp_path):
     fitted norms separate the result from transformers' Qwen3."""
     hf, path = _hf_checkpoint(tmp_path, "qwen3")
     out = tmp_path / "ced"
-    assert main(["convert", str(path), "--out", str(out), "--to", "ced", "--kv-source-layers", "0", "1",
-                 "--kv-lora-rank", "64", "--rope-dim", "32", "--sliding-window", "64",
-                 "--calibration-tokens", "2048"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(path),
+                "--out",
+                str(out),
+                "--to",
+                "ced",
+                "--kv-source-layers",
+                "0",
+                "1",
+                "--kv-lora-rank",
+                "64",
+                "--rope-dim",
+                "32",
+                "--sliding-window",
+                "64",
+                "--calibration-tokens",
+                "2048",
+            ]
+        )
+        == 0
+    )
     with torch.no_grad():
         want = hf(IDS).logits
         got = load_pretrained(out)(IDS)
@@ -184,8 +250,7 @@ STOCK_CASES = {
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "mistral": ("mistral", {}),  # sliding window 12
     "qwen3": ("qwen3", {}),  # q/k norms: linearised by the graft
-    "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                              "original_max_position_embeddings": 16}}),
+    "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
 }
 
 
@@ -200,8 +265,23 @@ def test_stock_export_of_each_family(tmp_path, case, capsys):
     _, path = _hf_checkpoint(tmp_path, family, **extra)
     out = tmp_path / "mla"
     with pytest.warns(UserWarning, match="only transformers computes"):
-        assert main(["convert", str(path), "--out", str(out), "--format", "both", "--calibration-tokens", "512",
-                     "--stock-construction", "transformers"]) == 0
+        assert (
+            main(
+                [
+                    "convert",
+                    str(path),
+                    "--out",
+                    str(out),
+                    "--format",
+                    "both",
+                    "--calibration-tokens",
+                    "512",
+                    "--stock-construction",
+                    "transformers",
+                ]
+            )
+            == 0
+        )
     printed = capsys.readouterr().out
     assert "stock DeepSeek-V3 export" in printed and "calibration tail" in printed
     record = json.loads((out / "conversion.json").read_text())
@@ -236,15 +316,46 @@ def test_full_budget_stock_export_with_several_kv_heads(tmp_path, capsys):
     import json
 
     hf, path = _hf_checkpoint(tmp_path, "llama")
-    rc = main(["convert", str(path), "--out", str(tmp_path / "refused"), "--format", "deepseek_v3",
-               "--kv-lora-rank", "64", "--rope-dim", "32", "--calibration-tokens", "512"])
+    rc = main(
+        [
+            "convert",
+            str(path),
+            "--out",
+            str(tmp_path / "refused"),
+            "--format",
+            "deepseek_v3",
+            "--kv-lora-rank",
+            "64",
+            "--rope-dim",
+            "32",
+            "--calibration-tokens",
+            "512",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc != 0 and "--rope-dim with an even value <= 16" in err and "2 KV heads" in err
     assert not (tmp_path / "refused").exists()
     out = tmp_path / "mla"
     with pytest.warns(UserWarning, match="only transformers computes"):
-        assert main(["convert", str(path), "--out", str(out), "--format", "both", "--kv-lora-rank", "64",
-                     "--calibration-tokens", "512", "--stock-construction", "transformers"]) == 0
+        assert (
+            main(
+                [
+                    "convert",
+                    str(path),
+                    "--out",
+                    str(out),
+                    "--format",
+                    "both",
+                    "--kv-lora-rank",
+                    "64",
+                    "--calibration-tokens",
+                    "512",
+                    "--stock-construction",
+                    "transformers",
+                ]
+            )
+            == 0
+        )
     record = json.loads((out / "conversion.json").read_text())
     assert record["deepseek_v3"]["kv_lora_rank"] == 65 and record["deepseek_v3"]["exact"]
     stock = transformers.AutoModelForCausalLM.from_pretrained(out / "deepseek_v3").eval()
@@ -264,8 +375,23 @@ def test_refused_stock_export_names_the_flag_that_makes_it_possible(tmp_path, ca
     err = capsys.readouterr().err
     assert "needs d_rope in [16]" in err and "--compression 3.764 or lower" in err and "--format kvgraft" in err
     assert not out.exists()
-    assert main(["convert", str(path), "--out", str(out), "--format", "deepseek_v3", "--compression", "3.764",
-                 "--calibration-tokens", "512"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(path),
+                "--out",
+                str(out),
+                "--format",
+                "deepseek_v3",
+                "--compression",
+                "3.764",
+                "--calibration-tokens",
+                "512",
+            ]
+        )
+        == 0
+    )
     assert (out / "deepseek_v3" / "config.json").is_file()
 
 
@@ -320,11 +446,29 @@ def test_target_vllm_takes_512_plus_64(tmp_path):
     import json
 
     # 8 KV heads x 64 = 1,024 values per layer: takes 512 + 64
-    _, wide = _hf_checkpoint(tmp_path, "llama", kv_heads=8, hidden_size=512, num_attention_heads=8, head_dim=64,
-                             intermediate_size=128)
+    _, wide = _hf_checkpoint(
+        tmp_path, "llama", kv_heads=8, hidden_size=512, num_attention_heads=8, head_dim=64, intermediate_size=128
+    )
     out = tmp_path / "vllm"
-    assert main(["convert", str(wide), "--out", str(out), "--target", "vllm", "--calibration-tokens", "64",
-                 "--objective", "activations", "--no-layerwise", "--no-rope-expectation"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(wide),
+                "--out",
+                str(out),
+                "--target",
+                "vllm",
+                "--calibration-tokens",
+                "64",
+                "--objective",
+                "activations",
+                "--no-layerwise",
+                "--no-rope-expectation",
+            ]
+        )
+        == 0
+    )
     record = json.loads((out / "conversion.json").read_text())
     assert record["serve_target"] == "vllm" and record["formats"] == ["deepseek_v3"]
     config = json.loads((out / "deepseek_v3" / "config.json").read_text())

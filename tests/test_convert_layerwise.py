@@ -17,8 +17,17 @@ from kvgraft.graft.plan import plan_conversion
 from kvgraft.hf import load_pretrained
 from kvgraft.hf.load import read_state
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, head_dim=16)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    head_dim=16,
+)
 FAMILIES = {"llama": dict(), "mistral": dict(sliding_window=12), "qwen2": dict(), "qwen3": dict()}
 TIMINGS = {"seconds", "convert_seconds_per_million_params"}
 
@@ -76,13 +85,17 @@ def test_layerwise_equals_whole_model_on_each_family(tmp_path, family):
         assert torch.isfinite(load_pretrained(b)(torch.arange(20).view(2, 10))).all()
 
 
-@pytest.mark.parametrize("options", [
-    dict(layers=(0, 1)),  # progressive: the top layer copied, the walk stops below it but the tail runs on
-    dict(layerwise=False),  # statistics on the original stack: both streams run
-    dict(objective="weights"),  # no calibration, no tail
-    dict(rope_selection="shared"),  # a first pass over the original stack for the shared layout
-    dict(kv_lora_rank=64, qk_rope_head_dim=32, rope_selection="norm"),  # full budget
-], ids=["layers", "not-layerwise", "weights", "shared", "full-budget"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(layers=(0, 1)),  # progressive: the top layer copied, the walk stops below it but the tail runs on
+        dict(layerwise=False),  # statistics on the original stack: both streams run
+        dict(objective="weights"),  # no calibration, no tail
+        dict(rope_selection="shared"),  # a first pass over the original stack for the shared layout
+        dict(kv_lora_rank=64, qk_rope_head_dim=32, rope_selection="norm"),  # full budget
+    ],
+    ids=["layers", "not-layerwise", "weights", "shared", "full-budget"],
+)
 def test_layerwise_equals_whole_model_for_each_walk(tmp_path, options):
     whole, layer, a, b = _both(tmp_path, _checkpoint(tmp_path, "qwen2"), **options)
     _assert_same(whole, layer, a, b)
@@ -119,12 +132,13 @@ def test_default_executor_is_layerwise_for_mla_in_kvgraft_format_only(tmp_path, 
     monkeypatch.setattr(conv, "load_source", tripwire)
     execute(plan_conversion(path, tmp_path / "default", progress=False, calibration_tokens=1024))
     with pytest.raises(AssertionError, match="whole model"):  # the stock export still loads the whole model
-        execute(plan_conversion(path, tmp_path / "stock", progress=False, calibration_tokens=1024,
-                                output_format="both"))
+        execute(plan_conversion(path, tmp_path / "stock", progress=False, calibration_tokens=1024, output_format="both"))
     assert not (tmp_path / "stock").exists()
     with pytest.raises(ValueError, match="--format kvgraft only"):
-        execute(plan_conversion(path, tmp_path / "stock", progress=False, calibration_tokens=1024,
-                                output_format="both"), executor="layerwise")
+        execute(
+            plan_conversion(path, tmp_path / "stock", progress=False, calibration_tokens=1024, output_format="both"),
+            executor="layerwise",
+        )
     with pytest.raises(ValueError, match="executor 'banana'"):
         execute(plan_conversion(path, tmp_path / "x", progress=False, calibration_tokens=1024), executor="banana")
 

@@ -21,8 +21,17 @@ def tiny_dir(tmp_path):
     from kvgraft.hf import save_pretrained
     from kvgraft.model import ModelConfig, Transformer
 
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     model = Transformer(cfg)
     model.init_weights(0)
     path = save_pretrained(model, tmp_path / "tiny")
@@ -32,8 +41,9 @@ def tiny_dir(tmp_path):
 
 
 def test_convert_signature_is_the_options_declaration():
-    params = {name: p.default for name, p in inspect.signature(convert).parameters.items()
-              if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    params = {
+        name: p.default for name, p in inspect.signature(convert).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
     fields = {f.name: f.default for f in dataclasses.fields(ConvertOptions)}
     assert params == fields
 
@@ -46,11 +56,31 @@ def test_cli_options_and_defaults_come_from_the_declaration(capsys):
         parser.parse_args(["convert", "--help"])
     shown = capsys.readouterr().out
     assert all(cli.flag in shown for _, cli in cli_options())
-    args = parser.parse_args(["convert", "m", "--out", "o", "--rope-dim", "8", "--format", "both", "--layers",
-                              "0", "1", "--no-layerwise", "--overwrite"])
+    args = parser.parse_args(
+        [
+            "convert",
+            "m",
+            "--out",
+            "o",
+            "--rope-dim",
+            "8",
+            "--format",
+            "both",
+            "--layers",
+            "0",
+            "1",
+            "--no-layerwise",
+            "--overwrite",
+        ]
+    )
     got = options_from_cli(args)
-    assert (got["qk_rope_head_dim"], got["output_format"], got["layers"], got["layerwise"], got["overwrite"]) == \
-        (8, "both", (0, 1), False, True)
+    assert (got["qk_rope_head_dim"], got["output_format"], got["layers"], got["layerwise"], got["overwrite"]) == (
+        8,
+        "both",
+        (0, 1),
+        False,
+        True,
+    )
 
 
 def test_options_refuse_what_no_model_can_take():
@@ -67,8 +97,13 @@ def test_plan_reads_no_weights_and_is_validated_and_serialisable(tiny_dir, tmp_p
         raise AssertionError("the plan loaded weights")
 
     monkeypatch.setattr(hf, "load_pretrained", tripwire)
-    plan = plan_conversion(tiny_dir, tmp_path / "out", calibration_tokens=1024, output_format="both",
-                           calibration=tiny_dir / "eval" / "calibration.npy")  # a Path, as JSON a string
+    plan = plan_conversion(
+        tiny_dir,
+        tmp_path / "out",
+        calibration_tokens=1024,
+        output_format="both",
+        calibration=tiny_dir / "eval" / "calibration.npy",
+    )  # a Path, as JSON a string
     assert isinstance(plan, ConvertPlan) and not (tmp_path / "out").exists()
     assert (plan.kv_lora_rank, plan.qk_rope_head_dim, plan.output_format) == (8, 8, "both")  # docs/ranks.md
     assert plan.mla is not None and plan.mla.rope_selection == "prefix" and plan.rank_notes
@@ -77,8 +112,11 @@ def test_plan_reads_no_weights_and_is_validated_and_serialisable(tiny_dir, tmp_p
     with pytest.raises(ValueError, match="ranks"):
         dataclasses.replace(plan, kv_lora_rank=plan.kv_lora_rank + 1)
     with pytest.raises(ValueError, match="share graft"):
-        dataclasses.replace(plan, options=dataclasses.replace(plan.options, to="ced", output_format=None,
-                                                              rope_selection="auto"), output_format="kvgraft")
+        dataclasses.replace(
+            plan,
+            options=dataclasses.replace(plan.options, to="ced", output_format=None, rope_selection="auto"),
+            output_format="kvgraft",
+        )
 
 
 def test_execute_writes_what_convert_writes(tiny_dir, tmp_path):

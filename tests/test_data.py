@@ -159,9 +159,7 @@ def test_corpus_errors(tmp_path: Path) -> None:
 def test_missing_package_error_names_package(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvgraft.data import corpus as corpus_mod
 
-    src = corpus_mod.Source(
-        "fake", "test", ("some-deb-package",), ("/nonexistent/kvgraft-test-tool",), lambda: iter(())
-    )
+    src = corpus_mod.Source("fake", "test", ("some-deb-package",), ("/nonexistent/kvgraft-test-tool",), lambda: iter(()))
     with pytest.raises(CorpusError, match="some-deb-package"):
         corpus_mod.ensure_source(src, install=False)
     monkeypatch.setattr(corpus_mod.shutil, "which", lambda name: None)
@@ -335,7 +333,7 @@ def test_spread_tokens_takes_even_chunks_across_the_stream(tmp_path):
     assert n == 250 and out.dtype == np.uint16
     starts = out[::50]
     assert starts[0] == 0 and starts[-1] == 950  # first and last chunk of the stream
-    assert all(np.array_equal(out[i:i + 50], np.arange(out[i], out[i] + 50)) for i in range(0, 250, 50))
+    assert all(np.array_equal(out[i : i + 50], np.arange(out[i], out[i] + 50)) for i in range(0, 250, 50))
     with pytest.raises(ValueError, match="n_tokens=10"):
         spread_tokens(tmp_path / "s.npy", 10, 50, tmp_path / "o.npy")
 
@@ -353,16 +351,16 @@ def test_prepare_data_can_reuse_a_tokenizer_for_the_same_token_ids(corpus, tmp_p
     other_manifest = build_corpus(tmp_path / "other-corpus", sources=(), files=other, seed=1, **FRACTIONS)
     shipped = train_tokenizer(other_manifest.path("train"), 300, out_dir=tmp_path / "shipped", min_frequency=1)
     fresh = prepare_data(tmp_path / "fresh", sources=(), files=files, vocab_size=300, progress=False, **FRACTIONS)
-    reused = prepare_data(tmp_path / "reused", sources=(), files=files, vocab_size=300, progress=False, **FRACTIONS,
-                          tokenizer=shipped)
+    reused = prepare_data(
+        tmp_path / "reused", sources=(), files=files, vocab_size=300, progress=False, **FRACTIONS, tokenizer=shipped
+    )
     assert reused["tokenizer_from"] == str(shipped)
     assert (tmp_path / "reused" / "tokenizer" / "tokenizer.json").read_bytes() == (shipped / "tokenizer.json").read_bytes()
     for split in ("train", "validation", "test"):
         want = tmp_path / "want" / f"{split}.npy"
         tokenize_split(Path(reused["splits"][split]["text_file"]), shipped, want, progress=False)
         assert np.array_equal(np.load(reused["splits"][split]["token_file"]), np.load(want))
-    assert not np.array_equal(np.load(fresh["splits"]["train"]["token_file"]),
-                              np.load(reused["splits"]["train"]["token_file"]))
+    assert not np.array_equal(np.load(fresh["splits"]["train"]["token_file"]), np.load(reused["splits"]["train"]["token_file"]))
     with pytest.raises(CorpusError, match="has 300 entries but --vocab-size is 512"):
         prepare_data(tmp_path / "bad", sources=(), files=files, vocab_size=512, progress=False, tokenizer=shipped)
     assert not (tmp_path / "bad").exists()

@@ -18,27 +18,54 @@ from kvgraft.model.cache import cache_layout  # noqa: E402
 from kvgraft.model.presets import get_preset  # noqa: E402
 
 # a tiny 1B-like shape: 4:1 GQA, MLA ranks that fold nothing (as at the real 1B shape)
-SMALL = ModelConfig(vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=16,
-                    intermediate_size=96, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMALL = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 
 
 def _small(kind: str) -> ModelConfig:
     if kind == "gqa":
         return SMALL
-    mla = SMALL.replace(attention_kinds=("mla",) * 4, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                        v_head_dim=16)
+    mla = SMALL.replace(attention_kinds=("mla",) * 4, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
     if kind == "mla":
         return mla
     if kind == "mla-bias":
         return mla.replace(qkv_bias=True, o_bias=True)
     if kind == "ced":
-        return SMALL.replace(kv_source_layers=(1, 2), sliding_window=8, compress_rate=2, kv_lora_rank=24,
-                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, mla_latent_norm=True)
+        return SMALL.replace(
+            kv_source_layers=(1, 2),
+            sliding_window=8,
+            compress_rate=2,
+            kv_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            mla_latent_norm=True,
+        )
     if kind == "ced-m1":
-        return SMALL.replace(kv_source_layers=(2,), sliding_window=4, compress_rate=1, kv_lora_rank=24,
-                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
-    return {"llama-tiny-mla": lambda: mla_of(get_preset("llama-tiny")), "ced-tiny": lambda: get_preset("ced-tiny"),
-            "8m-mla": lambda: configs("8m")["mla"]}[kind]()
+        return SMALL.replace(
+            kv_source_layers=(2,),
+            sliding_window=4,
+            compress_rate=1,
+            kv_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+        )
+    return {
+        "llama-tiny-mla": lambda: mla_of(get_preset("llama-tiny")),
+        "ced-tiny": lambda: get_preset("ced-tiny"),
+        "8m-mla": lambda: configs("8m")["mla"],
+    }[kind]()
 
 
 def _counted(cfg: ModelConfig, context: int, batch: int):

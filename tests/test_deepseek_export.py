@@ -39,13 +39,33 @@ HELD_OUT = torch.randint(0, 96, (16, 32), generator=torch.Generator().manual_see
 IDS = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
 
 
-def _base(num_kv_heads: int = 2, head_dim: int = 16, rope: RopeConfig | None = None, bias: bool = False,
-          q_bias: bool = False, window: int | None = None, eps: float = 1e-6, tie: bool = False,
-          seed: int = 0) -> Transformer:
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=64,
-                      rope=rope or RopeConfig(), qkv_bias=bias, o_bias=bias, sliding_window=window,
-                      rms_norm_eps=eps, tie_word_embeddings=tie)
+def _base(
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    rope: RopeConfig | None = None,
+    bias: bool = False,
+    q_bias: bool = False,
+    window: int | None = None,
+    eps: float = 1e-6,
+    tie: bool = False,
+    seed: int = 0,
+) -> Transformer:
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=64,
+        rope=rope or RopeConfig(),
+        qkv_bias=bias,
+        o_bias=bias,
+        sliding_window=window,
+        rms_norm_eps=eps,
+        tie_word_embeddings=tie,
+    )
     model = Transformer(cfg).eval()
     model.init_weights(seed)
     gen = torch.Generator().manual_seed(seed + 100)  # seeded: the figures must not change from run to run
@@ -60,8 +80,9 @@ def _base(num_kv_heads: int = 2, head_dim: int = 16, rope: RopeConfig | None = N
 
 
 def _graft(model: Transformer, kv_lora_rank: int, selection: str = "stride", layers=None) -> Transformer:
-    g = GraftConfig(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=16, objective="activations",
-                    rope_selection=selection, layers=layers)
+    g = GraftConfig(
+        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=16, objective="activations", rope_selection=selection, layers=layers
+    )
     return graft_mla(model, g, CAL, progress=False).eval()
 
 
@@ -92,7 +113,12 @@ def test_exact_export_of_a_latent_norm_model(norm_model, tmp_path):
     assert report.latent_norm == "exact" and report.path == out
     assert report.max_abs_logit_diff <= 1e-4 and report.mean_kl <= 1e-8
     assert {p.name for p in out.iterdir()} == {
-        "config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json", "README.md"}
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer_config.json",
+        "README.md",
+    }
     assert "**Exact**" in (out / "README.md").read_text() and report.exact and not report.approximations
 
     stock, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
@@ -114,8 +140,15 @@ def test_exact_export_of_a_latent_norm_model(norm_model, tmp_path):
         torch.testing.assert_close(stock(IDS).logits, ours, atol=1e-4, rtol=0)
         # incremental decode with stock transformers' latent cache vs kvgraft's
         prompt = IDS[:, :12]
-        gen = stock.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True)
+        gen = stock.generate(
+            prompt,
+            max_new_tokens=6,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         mine = generate(norm_model, prompt, max_new_tokens=6)
         assert torch.equal(gen.sequences, mine)
         full = norm_model(mine)
@@ -123,23 +156,23 @@ def test_exact_export_of_a_latent_norm_model(norm_model, tmp_path):
             torch.testing.assert_close(logits, full[:, 11 + step], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["llama3_stride2", "yarn_mscale", "yarn_stride2_truncate", "yarn_stride2_exact_range",
-                                  "eps_1e-3", "biases", "tied"])
+@pytest.mark.parametrize(
+    "case", ["llama3_stride2", "yarn_mscale", "yarn_stride2_truncate", "yarn_stride2_exact_range", "eps_1e-3", "biases", "tied"]
+)
 def test_exact_export_parity_variants(case, tmp_path):
     """RoPE scalings (with a stride > 1 frequency selection), yarn's softmax mscale, yarn at d_rope < head_dim
     (its correction range re-expressed for dim = d_rope), a non-default norm eps and k/v/o biases (kv_b's bias
     folded into o_proj's) all export exactly for a latent-norm model."""
     if case.startswith("yarn_stride2"):  # d_rope 16 of head_dim 32; truncate stays on when the range allows
         original = 16 if case == "yarn_stride2_truncate" else 32
-        base = _base(2, head_dim=32, rope=RopeConfig(rope_type="yarn", factor=4.0,
-                                                     original_max_position_embeddings=original))
+        base = _base(2, head_dim=32, rope=RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=original))
     elif case == "llama3_stride2":
-        rope = RopeConfig(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=16)
+        rope = RopeConfig(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+        )
         base = _base(2, head_dim=32, rope=rope)  # d_rope 16 of head_dim 32: every other frequency
     elif case == "yarn_mscale":
-        rope = RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.707,
-                          mscale_all_dim=1.0)
+        rope = RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.707, mscale_all_dim=1.0)
         base = _base(2, rope=rope)
     elif case == "eps_1e-3":  # stock's kv_a_layernorm has eps 1e-6: the latent is rescaled to match
         base = _base(2, eps=1e-3)
@@ -152,8 +185,9 @@ def test_exact_export_parity_variants(case, tmp_path):
         with pytest.warns(UserWarning, match="deepseek_yarn"):
             report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
     else:  # biases: exact through attention bias tensors, i.e. for transformers only
-        report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL,
-                                    target="transformers" if case == "biases" else "engines")
+        report = export_deepseek_v3(
+            model, tmp_path / "ds", calibration=CAL, target="transformers" if case == "biases" else "engines"
+        )
     assert report.latent_norm == "exact"
     assert report.max_abs_logit_diff <= 1e-4, report
     raw = json.loads((tmp_path / "ds" / "config.json").read_text())
@@ -190,9 +224,11 @@ def test_fit_beats_scale_and_the_reported_errors(tmp_path):
             held = measure_export_error(model, out, HELD_OUT)
             results[budget, strategy] = (report.max_abs_logit_diff, report.mean_kl, *held)
             assert all(math.isfinite(x) for x in results[budget, strategy])
-            print(f"\n[deepseek export] {budget} (d_c={rank}, d_rope=16; graft error vs original {graft_err:.3g}) "
-                  f"{strategy}: calibration max|dlogit|={report.max_abs_logit_diff:.3g} KL={report.mean_kl:.3g}; "
-                  f"held-out max|dlogit|={held[0]:.3g} KL={held[1]:.3g}; latent rms cv={report.latent_rms_cv}")
+            print(
+                f"\n[deepseek export] {budget} (d_c={rank}, d_rope=16; graft error vs original {graft_err:.3g}) "
+                f"{strategy}: calibration max|dlogit|={report.max_abs_logit_diff:.3g} KL={report.mean_kl:.3g}; "
+                f"held-out max|dlogit|={held[0]:.3g} KL={held[1]:.3g}; latent rms cv={report.latent_rms_cv}"
+            )
         fit, scale = results[budget, "fit"], results[budget, "scale"]
         assert fit[1] < scale[1] and fit[0] < scale[0]  # on calibration text
         assert fit[3] < scale[3]  # and on held-out text
@@ -211,24 +247,39 @@ def test_fit_without_calibration_falls_back_to_scale(tmp_path):
 
 def _mla_config(**changes) -> ModelConfig:
     """An all-MLA config built directly (stride RoPE layout derived from head_dim and d_rope)."""
-    fields = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, max_position_embeddings=64, attention_kinds=("mla", "mla"), kv_lora_rank=24,
-                  qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+    fields = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        attention_kinds=("mla", "mla"),
+        kv_lora_rank=24,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    )
     return ModelConfig(**(fields | changes))
 
 
-@pytest.mark.parametrize("case,match", [
-    ("progressive", r"layers \[1\] use GQA.*drop --layers"),
-    ("norm_rope_selection", "--rope-selection stride"),
-    ("qk_norm", "qk_norm='linearise'"),
-    ("kv_sharing", "kv_slots.*--to mla"),
-    ("yarn_stride8", "yarn.*--rope-dim 32"),
-    ("dynamic_stride2", "dynamic.*--rope-dim 32"),
-    ("yarn_prefix_ramp_past_the_key", r"prefix layout.*past pair 7.*--rope-selection stride"),
-    ("dynamic_prefix", "dynamic.*whatever the rope selection.*--rope-dim 32"),
-    ("mixed_layouts", "not the same in every layer.*--rope-selection stride or prefix"),
-    ("mlp_bias", "MLP of layers .* non-zero biases"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("progressive", r"layers \[1\] use GQA.*drop --layers"),
+        ("norm_rope_selection", "--rope-selection stride"),
+        ("qk_norm", "qk_norm='linearise'"),
+        ("kv_sharing", "kv_slots.*--to mla"),
+        ("yarn_stride8", "yarn.*--rope-dim 32"),
+        ("dynamic_stride2", "dynamic.*--rope-dim 32"),
+        ("yarn_prefix_ramp_past_the_key", r"prefix layout.*past pair 7.*--rope-selection stride"),
+        ("dynamic_prefix", "dynamic.*whatever the rope selection.*--rope-dim 32"),
+        ("mixed_layouts", "not the same in every layer.*--rope-selection stride or prefix"),
+        ("mlp_bias", "MLP of layers .* non-zero biases"),
+    ],
+)
 def test_refusals_name_the_problem(case, match, tmp_path):
     if case == "progressive":
         model = _graft(_base(2), 24, layers=(0,))
@@ -239,17 +290,38 @@ def test_refusals_name_the_problem(case, match, tmp_path):
     elif case == "kv_sharing":
         model = Transformer(_mla_config(kv_slots=(0, 0)))
     elif case == "yarn_stride8":  # the ramp ends past stock's last pair: no beta_fast/beta_slow can match it
-        model = Transformer(_mla_config(head_dim=32, qk_rope_head_dim=4, qk_nope_head_dim=32, v_head_dim=32,
-                                        max_position_embeddings=64, rope=RopeConfig(
-            rope_type="yarn", theta=10.0, factor=4.0, original_max_position_embeddings=400)))
+        model = Transformer(
+            _mla_config(
+                head_dim=32,
+                qk_rope_head_dim=4,
+                qk_nope_head_dim=32,
+                v_head_dim=32,
+                max_position_embeddings=64,
+                rope=RopeConfig(rope_type="yarn", theta=10.0, factor=4.0, original_max_position_embeddings=400),
+            )
+        )
     elif case == "yarn_prefix_ramp_past_the_key":  # ramp over frequencies 1..8: stock clamps its end at pair 7
-        model = Transformer(_mla_config(head_dim=32, qk_rope_head_dim=8, qk_nope_head_dim=32, v_head_dim=32,
-                                        rope_freq_index=((0, 1, 2, 3),) * 2, rope=RopeConfig(
-            rope_type="yarn", factor=4.0, original_max_position_embeddings=400)))
+        model = Transformer(
+            _mla_config(
+                head_dim=32,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=32,
+                v_head_dim=32,
+                rope_freq_index=((0, 1, 2, 3),) * 2,
+                rope=RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=400),
+            )
+        )
     elif case == "dynamic_prefix":
-        model = Transformer(_mla_config(head_dim=32, qk_rope_head_dim=8, qk_nope_head_dim=32, v_head_dim=32,
-                                        rope_freq_index=((0, 1, 2, 3),) * 2,
-                                        rope=RopeConfig(rope_type="dynamic", factor=2.0)))
+        model = Transformer(
+            _mla_config(
+                head_dim=32,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=32,
+                v_head_dim=32,
+                rope_freq_index=((0, 1, 2, 3),) * 2,
+                rope=RopeConfig(rope_type="dynamic", factor=2.0),
+            )
+        )
     elif case == "mixed_layouts":  # layer 0 prefix, layer 1 stride: stock has one layout for all layers
         model = Transformer(_mla_config(head_dim=32, rope_freq_index=(tuple(range(8)), tuple(range(0, 16, 2)))))
     elif case == "mlp_bias":
@@ -272,13 +344,21 @@ def test_prefix_layout_exports_exactly(rope, tmp_path):
     rope_theta^(d_rope/head_dim); llama3 keeps its parameters (its thresholds see the same wavelengths) and so
     does yarn (its correction dims, dim / ln theta, are unchanged). Checked past the original context, and in
     stock transformers' cached decode."""
-    ropes = {"default": RopeConfig(),
-             "llama3": RopeConfig(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                  original_max_position_embeddings=16),
-             "yarn": RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)}
+    ropes = {
+        "default": RopeConfig(),
+        "llama3": RopeConfig(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+        ),
+        "yarn": RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+    }
     base = _base(2, head_dim=32, rope=ropes[rope])
-    g = GraftConfig(kv_lora_rank=24, qk_rope_head_dim=12, objective="activations", rope_selection="prefix",
-                    rope_rotation="complex" if rope == "yarn" else "real")
+    g = GraftConfig(
+        kv_lora_rank=24,
+        qk_rope_head_dim=12,
+        objective="activations",
+        rope_selection="prefix",
+        rope_rotation="complex" if rope == "yarn" else "real",
+    )
     model = graft_mla(base, g, CAL, progress=False).eval()
     assert model.config.rope_freq_index == ((0, 1, 2, 3, 4, 5),) * 2
     if rope == "llama3":  # exact in transformers; vLLM/SGLang's DeepSeek code would read it as yarn
@@ -307,6 +387,7 @@ def test_prefix_layout_exports_exactly(rope, tmp_path):
 
 # ---- exact without a latent norm, query biases, sliding windows ------------------------------------------
 
+
 def test_pad_latent_is_exact_without_a_latent_norm(tmp_path):
     """The default "pad" latent: d_c + 1 exported values, the stock norm pinned by a constant coordinate; exact
     in prefill and in stock transformers' cached decode, also on inputs far larger than calibration's."""
@@ -327,8 +408,15 @@ def test_pad_latent_is_exact_without_a_latent_norm(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(stock(IDS).logits, model(IDS), atol=1e-4, rtol=0)
         prompt = IDS[:, :12]
-        gen = stock.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True)
+        gen = stock.generate(
+            prompt,
+            max_new_tokens=6,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         mine = generate(model, prompt, max_new_tokens=6)
         assert torch.equal(gen.sequences, mine)
         full = model(mine)
@@ -413,12 +501,15 @@ def test_fast_path_warnings():
     assert any("larger than the original" in w and "80" in w for w in wide)
     assert not any("larger" in w for w in small)
     assert any("larger" in w for w in deepseek_v3_fast_path(_mla_config(), original_kv_width=32))
-    flash = deepseek_v3_fast_path(_mla_config(hidden_size=128, head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64,
-                                              qk_nope_head_dim=128, v_head_dim=128), original_kv_width=1024)
+    flash = deepseek_v3_fast_path(
+        _mla_config(hidden_size=128, head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
+        original_kv_width=1024,
+    )
     assert flash == []
 
 
 # ---- the engine-safe default (what vLLM and SGLang load) --------------------------------------------------
+
 
 def test_engine_safe_default_writes_no_bias_and_stays_in_fp16(tmp_path):
     """The default target: no bias tensor (vLLM/SGLang build the projections bias=False and skip them),

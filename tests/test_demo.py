@@ -15,8 +15,17 @@ from kvgraft.model import ModelConfig, Transformer
 
 @pytest.fixture()
 def tiny_dir(tmp_path):
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     model = Transformer(cfg)
     model.init_weights(0)
     path = save_pretrained(model, tmp_path / "tiny")
@@ -51,11 +60,14 @@ def test_demo_runs_the_setting_asked_for(tiny_dir, tmp_path, capsys, full):
     assert any(line.startswith(f"{'full' if full else 'quick'} setting") for line in lines[-3:])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"compression": 1.0}, "compression"),
-    ({"compression": 64.0}, "leaves 1 cached values per layer"),
-    ({"max_new_tokens": 0}, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"compression": 1.0}, "compression"),
+        ({"compression": 64.0}, "leaves 1 cached values per layer"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
 def test_bad_arguments_fail_before_any_work(tiny_dir, tmp_path, kwargs, message):
     out = tmp_path / "demo"
     with pytest.raises(ValueError, match=message):

@@ -20,9 +20,30 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-COMMON = ["pretrain", "--model", "llama-tiny", "--seq-len", "32", "--max-steps", "4", "--warmup-steps", "1",
-          "--lr", "3e-3", "--precision", "fp32", "--log-every", "1", "--save-every", "2", "--eval-every", "4",
-          "--eval-batches", "2", "--no-progress"]
+COMMON = [
+    "pretrain",
+    "--model",
+    "llama-tiny",
+    "--seq-len",
+    "32",
+    "--max-steps",
+    "4",
+    "--warmup-steps",
+    "1",
+    "--lr",
+    "3e-3",
+    "--precision",
+    "fp32",
+    "--log-every",
+    "1",
+    "--save-every",
+    "2",
+    "--eval-every",
+    "4",
+    "--eval-batches",
+    "2",
+    "--no-progress",
+]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
 
 
@@ -71,8 +92,7 @@ def _assert_same_run(one: Path, two: Path) -> None:
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     mid, end = (load_file(one / "checkpoints" / f"step_0000000{s}" / "model.safetensors") for s in (2, 4))
     moved = max((end[k] - mid[k]).abs().max().item() for k in end)
-    print(f"max |weight difference| 1 vs 2 processes after 4 steps: {worst:.2e} (steps 3-4 moved weights "
-          f"by up to {moved:.2e})")
+    print(f"max |weight difference| 1 vs 2 processes after 4 steps: {worst:.2e} (steps 3-4 moved weights by up to {moved:.2e})")
     assert moved > 100 * max(worst, 1e-7)  # the runs trained, and agree far below what training changed
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4)
@@ -95,9 +115,32 @@ def test_torchrun_two_processes_equal_one_at_the_same_global_batch(data_dir, tmp
     one, two = tmp_path / "one", tmp_path / "two"
     _single(data_dir, one)
     # a free port chosen here and passed explicitly (static rendezvous), not the launcher's own pick
-    _run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2",
-          "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-          "-m", "kvgraft", *COMMON, "--data", str(data_dir), "--out", str(two), "--micro-batch-size", "4"])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--node_rank",
+            "0",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "kvgraft",
+            *COMMON,
+            "--data",
+            str(data_dir),
+            "--out",
+            str(two),
+            "--micro-batch-size",
+            "4",
+        ]
+    )
     _assert_same_run(one, two)
 
 
@@ -113,7 +156,24 @@ def test_accelerate_launch_with_the_multi_cpu_config(data_dir, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     _single(data_dir, one)
     accelerate = Path(sys.executable).with_name("accelerate")
-    _run([str(accelerate), "launch", "--config_file", str(config), "--multi_gpu", "--main_process_port",
-          str(_free_port()), "-m", "kvgraft", *COMMON, "--data", str(data_dir), "--out", str(two),
-          "--micro-batch-size", "4"])
+    _run(
+        [
+            str(accelerate),
+            "launch",
+            "--config_file",
+            str(config),
+            "--multi_gpu",
+            "--main_process_port",
+            str(_free_port()),
+            "-m",
+            "kvgraft",
+            *COMMON,
+            "--data",
+            str(data_dir),
+            "--out",
+            str(two),
+            "--micro-batch-size",
+            "4",
+        ]
+    )
     _assert_same_run(one, two)

@@ -43,8 +43,7 @@ SEED_AFTER = 28 * 1024 * 2  # latent d_c = 1024 only (the seed's "after" leaves 
 
 
 def test_seed_table_from_a_config():
-    seed = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=28, num_heads=32, num_kv_heads=32,
-                       intermediate_size=11008)
+    seed = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=28, num_heads=32, num_kv_heads=32, intermediate_size=11008)
     report = doctor(seed, kv_lora_rank=1024, qk_rope_head_dim=64)
     assert report.attention_kind == "MHA"
     assert report.kv_bytes_per_token_before == SEED_BEFORE
@@ -86,14 +85,25 @@ def test_table_units_and_growth():
 
 # ---- one config.json per family (no weights) ---------------------------------------------------------
 
+
 def test_llama_gqa_from_config_json(tmp_path):
-    path = _write(tmp_path, "llama", dict(HF_COMMON, model_type="llama", hidden_size=64, num_hidden_layers=2,
-                                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True))
+    path = _write(
+        tmp_path,
+        "llama",
+        dict(
+            HF_COMMON,
+            model_type="llama",
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+    )
     report = doctor(path)
     assert report.model_type == "llama" and report.source == str(path)
     assert report.attention_kind == "GQA 4:1"
-    assert (report.num_layers, report.hidden_size, report.num_heads, report.num_kv_heads, report.head_dim) == (
-        2, 64, 8, 2, 8)
+    assert (report.num_layers, report.hidden_size, report.num_heads, report.num_kv_heads, report.head_dim) == (2, 64, 8, 2, 8)
     assert report.kv_width == 2 * 2 * 8
     # the default rule (convert's): budget 32 / 4 = 8 values, d_rope = min(64, head_dim 8, 8 / 2) = 4, d_c = 4
     assert (report.kv_lora_rank, report.qk_rope_head_dim) == (4, 4)
@@ -104,9 +114,17 @@ def test_llama_gqa_from_config_json(tmp_path):
     assert report.rope == {"rope_type": "default", "theta": 10000.0}
     assert report.tie_word_embeddings and not report.qkv_bias and not report.qk_norm
     assert report.sliding_window is None and report.sliding_layers == []
-    assert report.num_parameters == num_parameters(ModelConfig(vocab_size=64, hidden_size=64, num_layers=2,
-                                                               num_heads=8, num_kv_heads=2, intermediate_size=96,
-                                                               tie_word_embeddings=True))
+    assert report.num_parameters == num_parameters(
+        ModelConfig(
+            vocab_size=64,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=8,
+            num_kv_heads=2,
+            intermediate_size=96,
+            tie_word_embeddings=True,
+        )
+    )
     assert report.num_parameters_after is not None
     assert report.blockers == [] and report.warnings == [] and report.notes == []
     assert report.verdict == "convertible"
@@ -118,9 +136,21 @@ def test_llama_gqa_from_config_json(tmp_path):
 
 
 def test_qwen2_biases_from_config_json(tmp_path):
-    path = _write(tmp_path, "qwen2", dict(HF_COMMON, model_type="qwen2", hidden_size=32, num_hidden_layers=3,
-                                          num_attention_heads=4, num_key_value_heads=4, sliding_window=4096,
-                                          use_sliding_window=False, rope_theta=1e6))
+    path = _write(
+        tmp_path,
+        "qwen2",
+        dict(
+            HF_COMMON,
+            model_type="qwen2",
+            hidden_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            sliding_window=4096,
+            use_sliding_window=False,
+            rope_theta=1e6,
+        ),
+    )
     report = doctor(path, kv_lora_rank=16, qk_rope_head_dim=4)
     assert report.model_type == "qwen2" and report.attention_kind == "MHA"
     assert report.qkv_bias and not report.o_bias
@@ -136,8 +166,19 @@ def test_qwen2_biases_from_config_json(tmp_path):
 def test_engine_table_follows_the_shape(tmp_path):
     """doctor says, per engine and MLA backend, whether a stock export of the chosen ranks runs: vLLM's CPU
     backends take 512 + 64 only, TRITON_MLA any shape, FlashInfer MLA also needs qk_nope_head_dim 64/128/192."""
-    path = _write(tmp_path, "llama", dict(HF_COMMON, model_type="llama", hidden_size=1024, num_hidden_layers=2,
-                                          num_attention_heads=8, num_key_value_heads=8, head_dim=128))
+    path = _write(
+        tmp_path,
+        "llama",
+        dict(
+            HF_COMMON,
+            model_type="llama",
+            hidden_size=1024,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=128,
+        ),
+    )
     runs = {(e["engine"], e["backend"]): e for e in doctor(path, kv_lora_rank=512, qk_rope_head_dim=64).engines}
     assert runs[("vLLM", "CPU_MLA")]["runs"] and runs[("vLLM", "FLASHINFER_MLA")]["runs"]
     assert "make test-vllm" in runs[("vLLM", "CPU_MLA")]["tested"]
@@ -149,8 +190,19 @@ def test_engine_table_follows_the_shape(tmp_path):
 
 
 def test_qwen3_qk_norm_is_convertible_with_a_note(tmp_path):
-    path = _write(tmp_path, "qwen3", dict(HF_COMMON, model_type="qwen3", hidden_size=32, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    path = _write(
+        tmp_path,
+        "qwen3",
+        dict(
+            HF_COMMON,
+            model_type="qwen3",
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        ),
+    )
     report = doctor(path)
     assert report.model_type == "qwen3" and report.attention_kind == "GQA 2:1"
     assert report.head_dim == 16 and report.qk_norm
@@ -163,8 +215,19 @@ def test_qwen3_qk_norm_is_convertible_with_a_note(tmp_path):
 
 
 def test_mistral_sliding_window_from_config_json(tmp_path):
-    path = _write(tmp_path, "mistral", dict(HF_COMMON, model_type="mistral", hidden_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=1, sliding_window=64))
+    path = _write(
+        tmp_path,
+        "mistral",
+        dict(
+            HF_COMMON,
+            model_type="mistral",
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            sliding_window=64,
+        ),
+    )
     report = doctor(path)
     assert report.model_type == "mistral" and report.attention_kind == "MQA"
     assert report.sliding_window == 64 and report.sliding_layers == [0, 1]
@@ -178,8 +241,7 @@ def test_mistral_sliding_window_from_config_json(tmp_path):
 
 
 def test_kvgraft_format_already_mla(tmp_path):
-    mla = _cfg(attention_kinds=("mla", "gqa"), kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8,
-               v_head_dim=8)
+    mla = _cfg(attention_kinds=("mla", "gqa"), kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
     path = _write(tmp_path, "kvgraft", kvgraft_config_dict(mla))
     report = doctor(path)
     assert report.model_type == "kvgraft"
@@ -189,6 +251,7 @@ def test_kvgraft_format_already_mla(tmp_path):
 
 
 # ---- warnings, fast path, blockers --------------------------------------------------------------------
+
 
 def test_mqa_bigger_cache_warning():
     mqa = _cfg(hidden_size=128, num_heads=4, num_kv_heads=1)  # head_dim 32, KV width 2 x 1 x 32 = 64
@@ -232,11 +295,25 @@ def test_rank_blockers_and_rope_notes():
 
 
 def test_rope_scaling_reported_and_carried_over():
-    llama3 = _cfg(rope=RopeConfig(rope_type="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                                  high_freq_factor=4.0, original_max_position_embeddings=8192))
+    llama3 = _cfg(
+        rope=RopeConfig(
+            rope_type="llama3",
+            theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        )
+    )
     report = doctor(llama3)
-    assert report.rope == {"rope_type": "llama3", "theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert report.rope == {
+        "rope_type": "llama3",
+        "theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert any("llama3" in n and "carried over" in n for n in report.notes)
     yarn = doctor(_cfg(rope=RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024)))
     assert yarn.rope["rope_type"] == "yarn" and yarn.rope["factor"] == 4.0
@@ -264,6 +341,7 @@ def test_to_dict_round_trips_json():
 
 
 # ---- bad input ----------------------------------------------------------------------------------------
+
 
 def test_missing_directory_raises_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError):

@@ -28,8 +28,13 @@ def reference(kind: str) -> Transformer:
             model = load_pretrained(MODELS / "kvgraft-ced-8m")
         else:  # MLA on every layer (d_c 24: the folded decode path), the Llama's trained non-attention weights
             llama = reference("llama")
-            cfg = llama.config.replace(attention_kinds=("mla",) * llama.config.num_layers, kv_lora_rank=24,
-                                       qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+            cfg = llama.config.replace(
+                attention_kinds=("mla",) * llama.config.num_layers,
+                kv_lora_rank=24,
+                qk_rope_head_dim=16,
+                qk_nope_head_dim=32,
+                v_head_dim=32,
+            )
             torch.manual_seed(0)
             model = Transformer(cfg)
             model.init_weights(0)
@@ -104,7 +109,7 @@ def test_forked_sequences_share_blocks_and_diverge(kind):
         assert all(cache.refcount(blk) == 2 for blk in ta[:5])
         for i, tail in enumerate(tails):
             full = model(torch.cat([prefix, tail])[None])[0, 90:]
-            torch.testing.assert_close(out[30 * i:30 * (i + 1)], full, atol=2e-4, rtol=0)
+            torch.testing.assert_close(out[30 * i : 30 * (i + 1)], full, atol=2e-4, rtol=0)
         cache.free(a)
         assert all(cache.refcount(blk) == 1 for blk in tb[:5])
         cache.free(b)
@@ -152,7 +157,7 @@ def test_sampling_is_per_request_and_stops():
     stop = greedy[4]
     first = greedy.index(stop)
     got = alone(model, p[1], SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))
-    assert got == greedy[:first + 1]
+    assert got == greedy[: first + 1]
     text = Engine(model, detokenize=lambda ids: " ".join(map(str, ids)))
     out = text.generate([p[1]], SamplingParams(max_new_tokens=12, stop=(f" {greedy[2]} ",)))[0]
     assert len(out) <= 4 and text.stats["steps"] >= 1
@@ -175,8 +180,13 @@ def test_cancel_frees_the_request_and_bad_requests_are_refused():
         engine.add_request([])
     with pytest.raises(ValueError, match="stop strings need a detokenize"):
         engine.add_request([1], SamplingParams(stop=("x",)))
-    for bad, msg in [(dict(max_new_tokens=-1), "max_new_tokens"), (dict(temperature=-0.5), "temperature"),
-                     (dict(top_p=0.0), "top_p"), (dict(seed=1.5), "seed"), (dict(stop=("",)), "stop")]:
+    for bad, msg in [
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(seed=1.5), "seed"),
+        (dict(stop=("",)), "stop"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**bad)
 

@@ -31,11 +31,15 @@ from kvgraft.model.shapes import num_parameters
 V = 64
 
 
-
 def tiny_config(**changes) -> ModelConfig:
     base = dict(
-        vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-        intermediate_size=64, max_position_embeddings=64,
+        vocab_size=V,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
     )
     base.update(changes)
     return ModelConfig(**base)
@@ -87,9 +91,7 @@ def test_perplexity_matches_independent_cross_entropy():
     assert res.ppl == pytest.approx(math.exp(expected), rel=1e-5)
     assert abs(res.loss - math.log(V)) > 0.05  # not trivially uniform
     # batching does not change the result; a .npy path works like the array
-    assert perplexity(model, tokens, seq_len=seq_len, batch_size=8, progress=False).loss == pytest.approx(
-        res.loss, rel=1e-6
-    )
+    assert perplexity(model, tokens, seq_len=seq_len, batch_size=8, progress=False).loss == pytest.approx(res.loss, rel=1e-6)
 
 
 def test_perplexity_npy_path_and_default_seq_len(tmp_path):
@@ -210,8 +212,7 @@ def test_decode_speed_warns_once_past_max_positions():
 
 def test_decode_speed_other_dtype_leaves_model_alone():
     model = tiny_model()
-    points = decode_speed(model, contexts=(8,), batch_sizes=(2,), new_tokens=3, warmup=0, repeats=1,
-                          dtype=torch.bfloat16)
+    points = decode_speed(model, contexts=(8,), batch_sizes=(2,), new_tokens=3, warmup=0, repeats=1, dtype=torch.bfloat16)
     assert len(points) == 1 and model.lm_head.weight.dtype == torch.float32
 
 
@@ -220,8 +221,15 @@ def test_decode_speed_other_dtype_leaves_model_alone():
 
 def _eval(model, tokens, tmp_path=None, name=None):
     return evaluate(
-        model=model, tokens=tokens, seq_len=16, contexts=(8, 16), batch_sizes=(1, 2), new_tokens=4,
-        json_out=None if tmp_path is None else tmp_path / "out" / "report.json", progress=False, name=name,
+        model=model,
+        tokens=tokens,
+        seq_len=16,
+        contexts=(8, 16),
+        batch_sizes=(1, 2),
+        new_tokens=4,
+        json_out=None if tmp_path is None else tmp_path / "out" / "report.json",
+        progress=False,
+        name=name,
     )
 
 
@@ -233,9 +241,7 @@ def test_evaluate_report_json_and_tables(tmp_path):
     assert res["params"] == sum(p.numel() for p in model.parameters()) == num_parameters(model.config)
     assert res["config"]["layers"] == 2 and res["config"]["kv_heads"] == 2 and res["config"]["head_dim"] == 8
     assert res["config"]["attention_kinds"] == {"gqa": 2}
-    assert res["perplexity"]["ppl"] == pytest.approx(
-        perplexity(model, tokens, seq_len=16, progress=False).ppl, rel=1e-6
-    )
+    assert res["perplexity"]["ppl"] == pytest.approx(perplexity(model, tokens, seq_len=16, progress=False).ppl, rel=1e-6)
     assert res["kv_memory"]["agree"] is True
     assert len(res["speed"]["points"]) == 4
     assert json.loads((tmp_path / "out" / "report.json").read_text()) == res
@@ -278,8 +284,7 @@ def test_evaluate_loads_model_and_tokenizer_from_path(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "load_tokenizer_dir", lambda path: CharTokenizer())
     text = tmp_path / "doc.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 3, encoding="utf-8")
-    res = evaluate(tmp_path, text_file=text, seq_len=16, contexts=(4,), batch_sizes=(1,), new_tokens=2,
-                   progress=False)
+    res = evaluate(tmp_path, text_file=text, seq_len=16, contexts=(4,), batch_sizes=(1,), new_tokens=2, progress=False)
     ids = text_to_tokens(text, CharTokenizer())
     assert loaded == [tmp_path] and res["model"] == str(tmp_path)
     assert res["perplexity"]["loss"] == pytest.approx(perplexity(model, ids, seq_len=16, progress=False).loss)

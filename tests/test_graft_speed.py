@@ -55,8 +55,7 @@ def _reference_distance_profile(block, x, cos, sin, batch_size):
 @pytest.mark.parametrize("kind", ["gqa", "mqa", "window", "qk_norm"])
 @torch.no_grad()
 def test_distance_profile_equals_the_per_head_fp64_version(kind, graft_model):
-    model = graft_model(num_kv_heads=1 if kind == "mqa" else 2, window=8 if kind == "window" else None,
-                   qk_norm=kind == "qk_norm")
+    model = graft_model(num_kv_heads=1 if kind == "mqa" else 2, window=8 if kind == "window" else None, qk_norm=kind == "qk_norm")
     ids = _calibration()
     x = model.embed_tokens(ids).float()
     cos, sin = model.rotary(torch.arange(ids.shape[1]).expand_as(ids), torch.float32)
@@ -72,8 +71,9 @@ def test_distance_profile_equals_the_per_head_fp64_version(kind, graft_model):
 @torch.no_grad()
 def test_padded_causal_mla_attention_equals_the_unpadded(d_rope, graft_model):
     model = graft_model()
-    new = graft_mla(model, GraftConfig(kv_lora_rank=16, qk_rope_head_dim=d_rope, objective="weights",
-                                       rope_expectation=False), progress=False).eval()
+    new = graft_mla(
+        model, GraftConfig(kv_lora_rank=16, qk_rope_head_dim=d_rope, objective="weights", rope_expectation=False), progress=False
+    ).eval()
     attn = new.layers[0].self_attn
     ids = _calibration(n=2, t=24)
     x = new.layers[0].input_layernorm(new.embed_tokens(ids))
@@ -96,8 +96,7 @@ def test_layerwise_stand_in_feeds_the_next_layer_what_the_new_model_computes(mon
         return original(norm, x, batch_size)
 
     monkeypatch.setattr(graft, "_second_moment", record)
-    g = GraftConfig(kv_lora_rank=16, qk_rope_head_dim=8, objective="attention", rope_selection="norm",
-                    layers=(0, 1))
+    g = GraftConfig(kv_lora_rank=16, qk_rope_head_dim=8, objective="attention", rope_selection="norm", layers=(0, 1))
     new = graft_mla(model, g, ids, progress=False, batch_size=4).eval()
     assert len(seen) == 2  # layers 0 and 1 only: layer 2 is not converted, so nothing is measured there
     with torch.no_grad():

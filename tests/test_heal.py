@@ -27,8 +27,17 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 @pytest.fixture()
 def setup(tmp_path):
     """An original tiny model, its 4x MLA graft (kvgraft format) and a prepared-data-like directory."""
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                      intermediate_size=64, max_position_embeddings=32, initializer_range=0.3)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        initializer_range=0.3,
+    )
     original = Transformer(cfg)
     original.init_weights(0)
     orig_dir = save_pretrained(original, tmp_path / "original")
@@ -45,8 +54,18 @@ def setup(tmp_path):
 
 
 def _tc(**kw) -> TrainConfig:
-    base = dict(max_steps=6, micro_batch_size=4, lr=3e-3, warmup_steps=1, eval_every=3, eval_batches=2,
-                save_every=2, log_every=1, precision="fp32", progress=False)
+    base = dict(
+        max_steps=6,
+        micro_batch_size=4,
+        lr=3e-3,
+        warmup_steps=1,
+        eval_every=3,
+        eval_batches=2,
+        save_every=2,
+        log_every=1,
+        precision="fp32",
+        progress=False,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -119,8 +138,7 @@ def test_down_projections_stay_fp32_with_bf16_weights(setup, tmp_path, monkeypat
 
 def test_token_budget_sets_the_steps(setup, tmp_path):
     _, mla_dir, data = setup
-    result = heal(mla_dir, tmp_path / "budget", data, heal_config=HealConfig(tokens=5 * 4 * 32),
-                  train_config=_tc(max_steps=1000))
+    result = heal(mla_dir, tmp_path / "budget", data, heal_config=HealConfig(tokens=5 * 4 * 32), train_config=_tc(max_steps=1000))
     assert result.step == 5
 
 

@@ -20,9 +20,19 @@ from kvgraft.runtime import generate
 
 CED = get_preset("ced-tiny")
 MLA = ModelConfig(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-    attention_kinds=("mla", "gqa"), kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-    mla_latent_norm=True, qkv_bias=True,
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    attention_kinds=("mla", "gqa"),
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    mla_latent_norm=True,
+    qkv_bias=True,
 )
 CONFIGS = {
     "ced": CED,
@@ -31,8 +41,9 @@ CONFIGS = {
     "ced-m1-tied": CED.replace(compress_rate=1, tie_word_embeddings=True),
     "mla": MLA,
     # Qwen3-style query norm (q_mix), both layers MLA sharing one latent slot, tied embeddings
-    "mla-qknorm-shared-tied": MLA.replace(attention_kinds=("mla", "mla"), kv_slots=(0, 0), qk_norm=True,
-                                          qkv_bias=False, tie_word_embeddings=True),
+    "mla-qknorm-shared-tied": MLA.replace(
+        attention_kinds=("mla", "mla"), kv_slots=(0, 0), qk_norm=True, qkv_bias=False, tie_word_embeddings=True
+    ),
 }
 
 
@@ -83,8 +94,9 @@ def test_import_kvgraft_hf_registers_the_auto_classes(tmp_path):
             "from transformers import AutoModelForCausalLM\n"
             "print(type(AutoModelForCausalLM.from_pretrained(sys.argv[1])).__name__)\n"
         )
-        return subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt")],
-                              capture_output=True, text=True, timeout=300, env=env)
+        return subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=300, env=env
+        )
 
     # a fresh interpreter: `import kvgraft.hf` alone is enough for the Auto classes
     result = fresh("kvgraft.hf")
@@ -99,7 +111,11 @@ def test_auto_config_reads_the_kvgraft_model_config(saved):
     assert type(config) is KvgraftConfig and config.model_type == "kvgraft"
     assert config.model_config == model.config
     assert (config.vocab_size, config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (
-        model.config.vocab_size, model.config.hidden_size, model.config.num_layers, model.config.num_heads)
+        model.config.vocab_size,
+        model.config.hidden_size,
+        model.config.num_layers,
+        model.config.num_heads,
+    )
     assert config.tie_word_embeddings == model.config.tie_word_embeddings
 
 
@@ -165,7 +181,8 @@ def test_labels_give_the_shifted_cross_entropy():
     labels[:, :3] = -100
     out = hf(ids, labels=labels)
     expected = torch.nn.functional.cross_entropy(
-        out.logits[:, :-1].reshape(-1, CED.vocab_size), labels[:, 1:].reshape(-1), ignore_index=-100)
+        out.logits[:, :-1].reshape(-1, CED.vocab_size), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
     assert torch.allclose(out.loss, expected)
 
 
@@ -207,8 +224,8 @@ def test_padded_rows_equal_each_row_alone(name, tmp_path):
     left_mask = torch.zeros(3, T, dtype=torch.long)
     right, right_mask = left.clone(), left_mask.clone()
     for r, row in enumerate(rows):
-        left[r, T - len(row):], left_mask[r, T - len(row):] = row, 1
-        right[r, :len(row)], right_mask[r, :len(row)] = row, 1
+        left[r, T - len(row) :], left_mask[r, T - len(row) :] = row, 1
+        right[r, : len(row)], right_mask[r, : len(row)] = row, 1
     with torch.no_grad():
         alone = [model(row[None])[0] for row in rows]
         for ids, mask in ((left, left_mask), (right, right_mask)):
@@ -219,4 +236,4 @@ def test_padded_rows_equal_each_row_alone(name, tmp_path):
         out = hf.generate(left, attention_mask=left_mask, max_new_tokens=7, do_sample=False)
     assert torch.equal(out[:, :T], left)
     for r, row in enumerate(rows):
-        assert torch.equal(out[r, T:], generate(model, row[None], max_new_tokens=7)[0, len(row):])
+        assert torch.equal(out[r, T:], generate(model, row[None], max_new_tokens=7)[0, len(row) :])

@@ -34,8 +34,17 @@ from kvgraft.runtime.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 CED = get_preset("ced-tiny")  # window 8, kv_source layers 1 and 2, compress rate 2
 MLA = ModelConfig(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-    attention_kinds=("mla", "gqa"), kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    attention_kinds=("mla", "gqa"),
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
     mla_latent_norm=True,
 )
 CONFIGS = {"ced": CED, "ced-m1": CED.replace(compress_rate=1, tie_word_embeddings=True), "mla": MLA}
@@ -56,8 +65,9 @@ def engine_tokens(model, ps, new=NEW, **kw) -> list[list[int]]:
 
 
 def cb_config(**kw) -> ContinuousBatchingConfig:
-    return ContinuousBatchingConfig(**({"num_blocks": 32, "page_size": 16, "max_batch_tokens": 24,
-                                        "auto_switch_to_flash": False} | kw))
+    return ContinuousBatchingConfig(
+        **({"num_blocks": 32, "page_size": 16, "max_batch_tokens": 24, "auto_switch_to_flash": False} | kw)
+    )
 
 
 def generate_batch(hf, ps, new=NEW, cb=None, **gen) -> list[list[int]]:
@@ -99,8 +109,10 @@ def test_sdpa_is_accepted_and_runs_kvgraft_attention(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(sdpa(ids).logits, eager(ids).logits, atol=0, rtol=0)
         torch.testing.assert_close(sdpa(ids).logits, model(ids), atol=1e-5, rtol=0)
-        assert sdpa.generate(ids, max_new_tokens=6, do_sample=False).tolist() == \
-            eager.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+        assert (
+            sdpa.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+            == eager.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+        )
 
 
 @pytest.mark.parametrize("name,attn", [("ced", "eager"), ("ced", "sdpa"), ("ced-m1", "sdpa"), ("mla", "eager")])
@@ -195,8 +207,10 @@ def test_the_shipped_ced_8m(steps):
 def test_the_settings_kvgraft_needs_and_refusals(tmp_path, caplog):
     _, hf = saved("ced", tmp_path)
     gc = GenerationConfig(max_new_tokens=4, do_sample=False)
-    manager = hf.init_continuous_batching(generation_config=gc, continuous_batching_config=cb_config(
-        allow_block_sharing=True, use_cuda_graph=True, cpu_offload_space=1.0))
+    manager = hf.init_continuous_batching(
+        generation_config=gc,
+        continuous_batching_config=cb_config(allow_block_sharing=True, use_cuda_graph=True, cpu_offload_space=1.0),
+    )
     cb = manager.continuous_batching_config
     assert not cb.allow_block_sharing and cb.use_cuda_graph == (False, False) and cb.cpu_offload_space == 0
     assert not cb.use_async_batching and cb.varlen_compile_config is None and cb.max_blocks_per_request == 0
@@ -237,8 +251,13 @@ def test_rows_are_matched_to_requests_and_followed():
     assert set(state.seqs) == {"a"} and state.shards[0].length(state.seqs["a"][1]) == 0
     # more live requests than a shard's slots: another shard
     many = {f"r{k}": [k] for k in range(cont.MIN_SHARD + 3)}
-    state.rows(_fake_cache(many), [torch.tensor([32 * k for k in range(len(many))])], list(range(1, len(many) + 1)),
-               [0] * len(many), [1] * len(many))
+    state.rows(
+        _fake_cache(many),
+        [torch.tensor([32 * k for k in range(len(many))])],
+        list(range(1, len(many) + 1)),
+        [0] * len(many),
+        [1] * len(many),
+    )
     assert len(state.shards) == 2 and len(state.seqs) == len(many)
 
 
@@ -264,9 +283,28 @@ def test_transformers_serve_continuous_batching_runs_the_ced(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgraft.hf.transformers_cli", "serve", str(path), "--continuous-batching",
-         "--device", "cpu", "--port", str(port), "--host", "127.0.0.1", "--cb-num-blocks", "16",
-         "--cb-max-batch-tokens", "64"], stdout=log, stderr=subprocess.STDOUT, env=env)
+        [
+            sys.executable,
+            "-m",
+            "kvgraft.hf.transformers_cli",
+            "serve",
+            str(path),
+            "--continuous-batching",
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--cb-num-blocks",
+            "16",
+            "--cb-max-batch-tokens",
+            "64",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         url = f"http://127.0.0.1:{port}/v1"
         deadline = time.time() + 240
@@ -290,5 +328,6 @@ def test_transformers_serve_continuous_batching_runs_the_ced(tmp_path):
     ids = tok(prompt)["input_ids"]
     assert reply["usage"]["prompt_tokens"] == len(ids)
     want = Engine(load_pretrained(path), max_seqs=2, prefix_cache=True).generate(
-        [ids], SamplingParams(max_new_tokens=12, stop_token_ids=(0,)))[0]
+        [ids], SamplingParams(max_new_tokens=12, stop_token_ids=(0,))
+    )[0]
     assert reply["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)

@@ -24,11 +24,18 @@ from kvgraft.hf import (
 )
 from kvgraft.model import ModelConfig, Transformer
 
-CFG = ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=32,
-                  bos_token_id=1, eos_token_id=2)
-HF_BASE = dict(model_type="llama", vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, intermediate_size=32)
-
+CFG = ModelConfig(
+    vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=32, bos_token_id=1, eos_token_id=2
+)
+HF_BASE = dict(
+    model_type="llama",
+    vocab_size=50,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=32,
+)
 
 
 def tiny_model(cfg: ModelConfig = CFG) -> Transformer:
@@ -150,7 +157,7 @@ def write_shards(path):
     (path / "model.safetensors").unlink()
     names = sorted(state)
     weight_map = {}
-    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
         shard = f"model-0000{i + 1}-of-00002.safetensors"
         save_file({k: state[k] for k in part}, path / shard, metadata={"format": "pt"})
         weight_map |= {k: shard for k in part}
@@ -249,16 +256,19 @@ def test_supported_model_types():
 
 
 def test_old_rope_scaling_form_and_type_alias():
-    cfg = model_config_from_hf({**HF_BASE, "rope_theta": 500000.0, "max_position_embeddings": 128,
-                                "rope_scaling": {"type": "yarn", "factor": 4.0}}, "c.json")
+    cfg = model_config_from_hf(
+        {**HF_BASE, "rope_theta": 500000.0, "max_position_embeddings": 128, "rope_scaling": {"type": "yarn", "factor": 4.0}},
+        "c.json",
+    )
     assert cfg.rope.rope_type == "yarn" and cfg.rope.theta == 500000.0 and cfg.rope.factor == 4.0
     assert cfg.rope.original_max_position_embeddings == 128  # transformers' default
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_config_round_trip(model_type):
-    cfg = model_config_from_hf({**HF_BASE, "model_type": model_type, "eos_token_id": [7, 8], "head_dim": 8,
-                                "sliding_window": None}, "c.json")
+    cfg = model_config_from_hf(
+        {**HF_BASE, "model_type": model_type, "eos_token_id": [7, 8], "head_dim": 8, "sliding_window": None}, "c.json"
+    )
     assert cfg.eos_token_id == 7
     assert model_config_from_hf(hf_config_from_model(cfg, model_type), "again") == cfg
 
@@ -274,11 +284,14 @@ def test_family_defaults():
     assert llama.qkv_bias and llama.o_bias and llama.num_kv_heads == 4
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported; expected 'silu'"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "short_factor": [1.0]}}, "short_factor"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported; expected 'silu'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "short_factor": [1.0]}}, "short_factor"),
+    ],
+)
 def test_unsupported_options(change, match):
     with pytest.raises(UnsupportedModelError, match=f"c.json: .*{match}"):
         model_config_from_hf({**HF_BASE, **change}, "c.json")
@@ -302,9 +315,11 @@ def test_config_replace_rederives_defaults():
     deeper = cfg.replace(num_layers=4)
     assert deeper.layer_types == ("full_attention",) * 4 and deeper.kv_slots == (0, 1, 2, 3)
     assert cfg.replace(hidden_size=32).head_dim == 8
-    explicit = ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                           intermediate_size=32, head_dim=8)
+    explicit = ModelConfig(
+        vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=32, head_dim=8
+    )
     assert explicit.replace(hidden_size=32).head_dim == 8  # given fields stay as given
     with pytest.raises(ValueError, match="kv_slots has 2 entries"):
-        ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                    intermediate_size=32, kv_slots=(0, 0)).replace(num_layers=3)
+        ModelConfig(
+            vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=32, kv_slots=(0, 0)
+        ).replace(num_layers=3)

@@ -21,8 +21,15 @@ from kvgraft.model.rope import base_inv_freq
 from kvgraft.runtime import generate
 
 TINY = dict(
-    vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=64, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    vocab_size=100,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
 )
 
 # case id -> (model_type, config overrides, sequence length)
@@ -38,26 +45,78 @@ CASES: dict[str, tuple[str, dict, int]] = {
     "qwen3": ("qwen3", dict(head_dim=16), 16),
     "qwen3_bias": ("qwen3", dict(head_dim=16, attention_bias=True), 16),
     "mistral_sw": ("mistral", dict(sliding_window=8), 24),
-    "qwen2_mixed": ("qwen2", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=8,
-                                  max_window_layers=1), 24),
-    "qwen3_layer_types": ("qwen3", dict(head_dim=16, use_sliding_window=True, sliding_window=6,
-                                        layer_types=["sliding_attention", "full_attention"]), 24),
+    "qwen2_mixed": ("qwen2", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1), 24),
+    "qwen3_layer_types": (
+        "qwen3",
+        dict(head_dim=16, use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+        24,
+    ),
     "rope_linear": ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), 24),
-    "rope_dynamic": ("llama", dict(max_position_embeddings=16,
-                                   rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), 24),
-    "rope_llama3": ("llama", dict(hidden_size=64, max_position_embeddings=256, rope_parameters={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32, "rope_theta": 10000.0}), 24),
-    "rope_yarn": ("llama", dict(hidden_size=64, max_position_embeddings=64, rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}), 24),
-    "rope_yarn_mscale": ("llama", dict(hidden_size=64, max_position_embeddings=64, rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
-        "mscale_all_dim": 1.0, "rope_theta": 10000.0}), 24),
-    "rope_yarn_options": ("llama", dict(hidden_size=64, max_position_embeddings=64, rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0,
-        "beta_slow": 2.0, "truncate": False, "attention_factor": 1.3, "rope_theta": 500.0}), 24),
+    "rope_dynamic": (
+        "llama",
+        dict(max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+        24,
+    ),
+    "rope_llama3": (
+        "llama",
+        dict(
+            hidden_size=64,
+            max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 10000.0,
+            },
+        ),
+        24,
+    ),
+    "rope_yarn": (
+        "llama",
+        dict(
+            hidden_size=64,
+            max_position_embeddings=64,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+        ),
+        24,
+    ),
+    "rope_yarn_mscale": (
+        "llama",
+        dict(
+            hidden_size=64,
+            max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 0.707,
+                "mscale_all_dim": 1.0,
+                "rope_theta": 10000.0,
+            },
+        ),
+        24,
+    ),
+    "rope_yarn_options": (
+        "llama",
+        dict(
+            hidden_size=64,
+            max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 16.0,
+                "beta_slow": 2.0,
+                "truncate": False,
+                "attention_factor": 1.3,
+                "rope_theta": 500.0,
+            },
+        ),
+        24,
+    ),
 }
-
 
 
 def build_hf(model_type: str, overrides: dict, seed: int = 0):
@@ -103,8 +162,7 @@ def test_logits_match_transformers(converted, case):
 
 def test_sliding_layer_types_mapped(converted):
     assert converted("mistral_sw")[2].config.layer_types == ("sliding_attention",) * 2
-    assert converted("qwen2_mixed")[2].config.layer_types == (
-        "full_attention", "sliding_attention", "sliding_attention")
+    assert converted("qwen2_mixed")[2].config.layer_types == ("full_attention", "sliding_attention", "sliding_attention")
     assert converted("qwen3_layer_types")[2].config.layer_types == ("sliding_attention", "full_attention")
     assert converted("qwen3_layer_types")[2].config.sliding_window == 6
 
@@ -125,7 +183,7 @@ def test_incremental_decode_matches_full_forward(converted, case):
         full = kv(ids)
         cache = kv.new_cache(2, 24)
         steps = [kv(ids[:, :10], cache=cache)]
-        steps += [kv(ids[:, t:t + 1], cache=cache) for t in range(10, 24)]
+        steps += [kv(ids[:, t : t + 1], cache=cache) for t in range(10, 24)]
     assert [cache.length(s) for s in cache.sequences] == [24, 24]
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
 
@@ -136,8 +194,9 @@ def test_greedy_generate_matches_transformers(converted, case):
     hf, _, kv = converted(case)
     ids = tokens(2, 6, seed=3)
     with torch.no_grad():
-        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=14,
-                               min_new_tokens=14, pad_token_id=0)
+        expected = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=14, min_new_tokens=14, pad_token_id=0
+        )
     got = generate(kv, ids, max_new_tokens=14, temperature=0)
     assert torch.equal(got, expected)
 

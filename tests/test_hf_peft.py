@@ -29,9 +29,11 @@ LLAMA = get_preset("llama-tiny").replace(num_layers=3)
 KINDS = {"ced": (CED, "kvgraft", KvgraftForCausalLM), "llama": (LLAMA, "llama", LlamaForCausalLM)}
 # everywhere (r4); the decoder half's attention (r8, alpha 4: on the CED its kv_b/o, read by absorbed decode);
 # the MLPs from layer 1 on (r2)
-ADAPTERS = {"all": (Placement("all", ("all-linear",)), AdapterConfig(rank=4)),
-            "dec": (Placement("decoder-half", ("attention",)), AdapterConfig(rank=8, alpha=4.0)),
-            "mlp": (Placement("from:1", ("mlp",)), AdapterConfig(rank=2))}
+ADAPTERS = {
+    "all": (Placement("all", ("all-linear",)), AdapterConfig(rank=4)),
+    "dec": (Placement("decoder-half", ("attention",)), AdapterConfig(rank=8, alpha=4.0)),
+    "mlp": (Placement("from:1", ("mlp",)), AdapterConfig(rank=2)),
+}
 LENGTHS = (1, 7, 20)  # 20: past ced-tiny's window of 8, so the compressed shared stream is read
 NEW = 10
 
@@ -84,7 +86,7 @@ def peft(base_dir, dirs, names):
 def greedy(model, prompt: list[int], new: int = NEW, **kw) -> list[int]:
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new, do_sample=False, **kw)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -122,7 +124,7 @@ def test_adapter_names_route_each_row_of_a_batch(kind, tmp_path_factory):
     names = ["dec", "__base__", "mlp", "all"]
     with torch.no_grad():
         out = pm.generate(input_ids=torch.tensor([p] * 4), max_new_tokens=NEW, do_sample=False, adapter_names=names)
-    assert out[:, len(p):].tolist() == [want[None if n == "__base__" else n][2] for n in names]
+    assert out[:, len(p) :].tolist() == [want[None if n == "__base__" else n][2] for n in names]
     assert [greedy(pm, q) for q in prompts(KINDS[kind][0].vocab_size)] == want["all"]  # hooks gone, "all" active
 
 
@@ -134,7 +136,7 @@ def test_adapter_names_with_padded_rows_on_the_encoder_decoder(tmp_path_factory)
     ids = torch.zeros(len(ps), T, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, p in enumerate(ps):
-        ids[r, T - len(p):], mask[r, T - len(p):] = torch.tensor(p), 1
+        ids[r, T - len(p) :], mask[r, T - len(p) :] = torch.tensor(p), 1
     names = ["mlp", "all", "dec"]
     pm = peft(base_dir, dirs, ["all", "dec", "mlp"])
     with torch.no_grad():
@@ -153,8 +155,9 @@ def test_merge_and_unload_gives_the_adapter_tokens(kind, tmp_path_factory, tmp_p
     assert [greedy(merged, p) for p in ps] == want["all"]
     # and saved, it serves those tokens as a plain base model
     merged.save_pretrained(tmp_path / "merged")
-    assert Engine(load_pretrained(tmp_path / "merged"), max_seqs=4).generate(ps, SamplingParams(max_new_tokens=NEW)) \
-        == want["all"]
+    assert (
+        Engine(load_pretrained(tmp_path / "merged"), max_seqs=4).generate(ps, SamplingParams(max_new_tokens=NEW)) == want["all"]
+    )
 
 
 def test_generate_leaves_a_training_model_in_training_mode(tmp_path_factory):

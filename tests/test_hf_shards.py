@@ -16,8 +16,9 @@ from kvgraft.hf.load import read_state
 from kvgraft.hf.shards import CheckpointReader, ShardWriter
 from kvgraft.model.config import ModelConfig
 
-TINY = ModelConfig(vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
-                   intermediate_size=48, max_position_embeddings=64)
+TINY = ModelConfig(
+    vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=48, max_position_embeddings=64
+)
 
 
 def _resharded(src, dst, max_bytes: int) -> ShardWriter:
@@ -55,7 +56,9 @@ def test_sharded_output_loads_identically_here_and_in_transformers(tmp_path):
     assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(files)
-    assert index["metadata"]["total_size"] == writer.total_bytes == sum(t.numel() * 4 for t in read_state(tmp_path / "one").values())
+    assert (
+        index["metadata"]["total_size"] == writer.total_bytes == sum(t.numel() * 4 for t in read_state(tmp_path / "one").values())
+    )
     assert writer.peak_pending_bytes <= largest  # never more than one shard in memory
     assert not list((tmp_path / "many").glob(".shard-*"))
     ids = torch.randint(0, TINY.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -72,8 +75,7 @@ def test_sharded_output_loads_identically_here_and_in_transformers(tmp_path):
 def test_one_shard_keeps_the_single_file_name(tmp_path):
     save_pretrained(sharp_model(TINY), tmp_path / "one")
     _resharded(tmp_path / "one", tmp_path / "same", max_bytes=2**30)
-    assert sorted(p.name for p in (tmp_path / "same").iterdir()) == ["config.json", "generation_config.json",
-                                                                     "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "same").iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_writer_refuses_bad_arguments_and_repeats(tmp_path):
@@ -94,7 +96,9 @@ def test_reader_names_a_missing_shard_and_a_corrupt_one(tmp_path):
     model = sharp_model(TINY)
     save_pretrained(model, tmp_path / "one")
     _resharded(tmp_path / "one", tmp_path / "many", max_bytes=max(p.numel() * 4 for p in model.parameters()))
-    (tmp_path / "many" / "model-00002-of-{:05d}.safetensors".format(len(list((tmp_path / "many").glob("model-*"))))).write_bytes(b"garbage")
+    (tmp_path / "many" / "model-00002-of-{:05d}.safetensors".format(len(list((tmp_path / "many").glob("model-*"))))).write_bytes(
+        b"garbage"
+    )
     with pytest.raises(CheckpointError, match="not a valid safetensors file"):
         CheckpointReader(tmp_path / "many")
     next((tmp_path / "many").glob("model-00001-*")).unlink()

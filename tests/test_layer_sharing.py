@@ -22,8 +22,9 @@ from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
 
 LLAMA = get_preset("llama-tiny").replace(num_layers=4, max_position_embeddings=256)
-MLA = LLAMA.replace(attention_kinds=("mla",) * 4, kv_lora_rank=6, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                    v_head_dim=16, mla_latent_norm=True)
+MLA = LLAMA.replace(
+    attention_kinds=("mla",) * 4, kv_lora_rank=6, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, mla_latent_norm=True
+)
 ADAPTERS = {
     "top": Placement((3,), ("all-linear",)),  # changes the KV of layer 3 only
     "mid": Placement("from:2", ("attention", "mlp")),  # changes the KV of layers 2 and 3
@@ -163,8 +164,12 @@ def test_a_chunked_full_replay_equals_one_replay(setup):
         rid = e.add_request(prompt, SamplingParams(max_new_tokens=2), "mid")
         e.step()
         seq, c = e.requests[rid].seq, e.cache
-        out[chunk] = {u: c.paged[c.units[u][1]][..., c.block_table(seq, u), :, :].clone() if c.units[u][1] in c.head_major
-                      else c.paged[c.units[u][1]][c.block_table(seq, u)].clone() for u in range(2, len(c.units))}
+        out[chunk] = {
+            u: c.paged[c.units[u][1]][..., c.block_table(seq, u), :, :].clone()
+            if c.units[u][1] in c.head_major
+            else c.paged[c.units[u][1]][c.block_table(seq, u)].clone()
+            for u in range(2, len(c.units))
+        }
         assert e.cache_stats()["replays"] == 1
     for u in out[16]:
         torch.testing.assert_close(out[16][u], out[4096][u], rtol=1e-4, atol=1e-5)

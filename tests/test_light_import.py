@@ -43,7 +43,8 @@ def test_help_imports_neither_torch_nor_transformers():
     )
     loaded = _modules_after(code)
     assert loaded.isdisjoint(HEAVY + ("torch", "numpy", "tokenizers")), sorted(
-        loaded & set(HEAVY + ("torch", "numpy", "tokenizers")))
+        loaded & set(HEAVY + ("torch", "numpy", "tokenizers"))
+    )
 
 
 def test_python_m_kvgraft_help_exits_0():

@@ -10,9 +10,19 @@ from kvgraft.model import ModelConfig, RopeConfig, Transformer
 
 
 def _model(num_kv_heads: int, bias: bool = False, window: int | None = None, seed: int = 0) -> Transformer:
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=num_kv_heads, head_dim=16, max_position_embeddings=64, qkv_bias=bias,
-                      o_bias=bias, sliding_window=window)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        max_position_embeddings=64,
+        qkv_bias=bias,
+        o_bias=bias,
+        sliding_window=window,
+    )
     model = Transformer(cfg).eval()
     model.init_weights(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -41,19 +51,21 @@ def test_full_budget_is_exact(num_kv_heads, objective, selection):
     d_rope = num_kv_heads * 16 if selection == "norm" else 16
     if selection == "stride" and num_kv_heads > 1:
         pytest.skip("stride keeps one rotated head: exact only for MQA")
-    g = GraftConfig(kv_lora_rank=2 * num_kv_heads * 16, qk_rope_head_dim=d_rope, objective=objective,
-                    rope_selection=selection)
+    g = GraftConfig(kv_lora_rank=2 * num_kv_heads * 16, qk_rope_head_dim=d_rope, objective=objective, rope_selection=selection)
     new = graft_mla(model, g, _calibration(), progress=False).eval()
     with torch.no_grad():
         torch.testing.assert_close(new(IDS), model(IDS), atol=1e-4, rtol=0)
     assert new.config.attention_kinds == ("mla", "mla")
 
 
-@pytest.mark.parametrize("rope", [
-    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
-    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16),
-    dict(rope_type="linear", factor=2.0),
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+        dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16),
+        dict(rope_type="linear", factor=2.0),
+    ],
+)
 def test_full_budget_exact_with_rope_scaling(rope):
     model = _model(2)
     cfg = model.config.replace(rope=RopeConfig(**rope), max_position_embeddings=64)
@@ -74,8 +86,9 @@ def test_yarn_attention_factor_is_folded_into_the_no_rope_query(monkeypatch):
     import kvgraft.graft.mla as graft_module
 
     model = _model(2)
-    cfg = model.config.replace(rope=RopeConfig(rope_type="yarn", factor=8.0, original_max_position_embeddings=8),
-                               max_position_embeddings=64)
+    cfg = model.config.replace(
+        rope=RopeConfig(rope_type="yarn", factor=8.0, original_max_position_embeddings=8), max_position_embeddings=64
+    )
     scaled = Transformer(cfg).eval()
     scaled.load_state_dict(model.state_dict())
     assert scaled.rotary.attention_scaling > 1.2
@@ -100,7 +113,7 @@ def test_full_budget_exact_with_sliding_window():
     with torch.no_grad():
         torch.testing.assert_close(new(IDS), model(IDS), atol=1e-4, rtol=0)
         cache = new.new_cache(2, 28)
-        steps = [new(IDS[:, :12], cache=cache)] + [new(IDS[:, t:t + 1], cache=cache) for t in range(12, 28)]
+        steps = [new(IDS[:, :12], cache=cache)] + [new(IDS[:, t : t + 1], cache=cache) for t in range(12, 28)]
         torch.testing.assert_close(torch.cat(steps, 1), model(IDS), atol=1e-4, rtol=0)
 
 
@@ -117,7 +130,7 @@ def test_absorbed_decode_equals_expanded(num_kv_heads, rank, grad):
             for layer in new.layers:
                 layer.self_attn.absorb = mode
             cache = new.new_cache(2, 28)
-            steps = [new(IDS[:, :9], cache=cache)] + [new(IDS[:, t:t + 1], cache=cache) for t in range(9, 28)]
+            steps = [new(IDS[:, :9], cache=cache)] + [new(IDS[:, t : t + 1], cache=cache) for t in range(9, 28)]
             torch.testing.assert_close(torch.cat(steps, 1).detach(), full, atol=1e-5, rtol=0)
 
 
@@ -132,7 +145,7 @@ def test_folded_decode_follows_weight_updates():
             layer.self_attn.kv_b_proj.weight.mul_(1.5)
             layer.self_attn.o_proj.weight.add_(0.01)
         cache = new.new_cache(2, 28)
-        steps = [new(IDS[:, :9], cache=cache)] + [new(IDS[:, t:t + 1], cache=cache) for t in range(9, 28)]
+        steps = [new(IDS[:, :9], cache=cache)] + [new(IDS[:, t : t + 1], cache=cache) for t in range(9, 28)]
         torch.testing.assert_close(torch.cat(steps, 1), new(IDS), atol=1e-5, rtol=0)
 
 
@@ -198,8 +211,17 @@ def test_bad_graft_configs_name_the_value():
 
 
 def _qwen3_like(seed: int = 0) -> Transformer:
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=64, qk_norm=True)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        qk_norm=True,
+    )
     model = Transformer(cfg).eval()
     model.init_weights(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -235,8 +257,9 @@ def test_qwen3_query_norm_is_kept_and_key_norm_linearised():
         graft_module._linearised_keys = original
     print(f"qwen3 graft error: fitted key norm {fitted:.3e}, ignored {ignored:.3e}")
     assert fitted < 0.5 * ignored, (fitted, ignored)
-    weights_only = graft_mla(model, GraftConfig(kv_lora_rank=64, qk_rope_head_dim=32, objective="weights",
-                                                rope_selection="norm"), None, progress=False).eval()
+    weights_only = graft_mla(
+        model, GraftConfig(kv_lora_rank=64, qk_rope_head_dim=32, objective="weights", rope_selection="norm"), None, progress=False
+    ).eval()
     assert _calibration_error(model, weights_only, IDS) < ignored
 
 
@@ -244,13 +267,12 @@ def test_qwen3_query_norm_is_kept_and_key_norm_linearised():
 def test_qwen3_graft_round_trips_in_kvgraft_format(tmp_path, rank):
     from kvgraft.hf import load_pretrained, save_pretrained
 
-    new = graft_mla(_qwen3_like(), GraftConfig(kv_lora_rank=rank, qk_rope_head_dim=16), _calibration(),
-                    progress=False).eval()
+    new = graft_mla(_qwen3_like(), GraftConfig(kv_lora_rank=rank, qk_rope_head_dim=16), _calibration(), progress=False).eval()
     back = load_pretrained(save_pretrained(new, tmp_path / "q3", model_type="kvgraft"))
     with torch.no_grad():
         torch.testing.assert_close(back(IDS), new(IDS), atol=0, rtol=0)
         cache = back.new_cache(2, 28)
-        steps = [back(IDS[:, :9], cache=cache)] + [back(IDS[:, t:t + 1], cache=cache) for t in range(9, 28)]
+        steps = [back(IDS[:, :9], cache=cache)] + [back(IDS[:, t : t + 1], cache=cache) for t in range(9, 28)]
         torch.testing.assert_close(torch.cat(steps, 1), new(IDS), atol=1e-5, rtol=0)
 
 

@@ -15,8 +15,16 @@ from kvgraft.model import ModelConfig, Transformer
 
 
 def _model(seed: int = 0) -> Transformer:
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
     model = Transformer(cfg).eval()
     model.init_weights(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -55,10 +63,12 @@ def test_full_shrinkage_is_the_weights_only_fit():
     model = _model()
     common = {"kv_lora_rank": 24, "qk_rope_head_dim": 8, "rope_selection": "norm", "rope_expectation": False}
     weights = graft_mla(model, GraftConfig(objective="weights", **common), None, progress=False).eval()
-    shrunk = graft_mla(model, GraftConfig(objective="activations", calibration_shrinkage=1.0, **common), CALIB,
-                       progress=False).eval()
-    calibrated = graft_mla(model, GraftConfig(objective="activations", calibration_shrinkage=0.0, **common), CALIB,
-                           progress=False).eval()
+    shrunk = graft_mla(
+        model, GraftConfig(objective="activations", calibration_shrinkage=1.0, **common), CALIB, progress=False
+    ).eval()
+    calibrated = graft_mla(
+        model, GraftConfig(objective="activations", calibration_shrinkage=0.0, **common), CALIB, progress=False
+    ).eval()
     with torch.no_grad():
         torch.testing.assert_close(shrunk(IDS), weights(IDS), atol=1e-4, rtol=0)
         assert (calibrated(IDS) - weights(IDS)).abs().max() > 1e-3  # the option really changes the fit
@@ -80,8 +90,7 @@ def test_default_shrinkage_is_half_and_used():
 def test_partial_shrinkage_lies_between():
     model = _model()
     common = {"kv_lora_rank": 24, "qk_rope_head_dim": 8, "objective": "attention", "rope_selection": "stride"}
-    outs = [graft_mla(model, GraftConfig(calibration_shrinkage=s, **common), CALIB, progress=False).eval()
-            for s in (0.0, 0.3)]
+    outs = [graft_mla(model, GraftConfig(calibration_shrinkage=s, **common), CALIB, progress=False).eval() for s in (0.0, 0.3)]
     with torch.no_grad():
         ref = model(IDS)
         errs = [float((m(IDS) - ref).abs().max()) for m in outs]
@@ -105,8 +114,7 @@ def test_build_ood_eval_from_a_local_copy(tmp_path, monkeypatch):
 
     src = tmp_path / "manual.txt.gz"
     with gzip.open(src, "wt", encoding="utf-8") as f:
-        f.write("\n".join(f"    Section {i}: the apt-get command installs packages; dpkg -l lists them."
-                          for i in range(400)))
+        f.write("\n".join(f"    Section {i}: the apt-get command installs packages; dpkg -l lists them." for i in range(400)))
     monkeypatch.setattr(ood, "OOD_TEXT", src)
     out = tmp_path / "ood.npy"
     rec = ood.build_ood_eval(resolve_model(None), out, tokens=1024, chunk=256)
@@ -124,9 +132,17 @@ def test_convert_layer_on_an_explicit_device_matches_the_default():
     h, H, K, d = 32, 4, 2, 8
     w = GQAWeights(*(torch.randn(s, generator=gen) for s in ((H * d, h), (K * d, h), (K * d, h), (h, H * d))))
     a = torch.randn(h, h, dtype=torch.float64, generator=gen)
-    kw = {"num_heads": H, "num_kv_heads": K, "head_dim": d, "kv_lora_rank": 12, "d_rope": 4, "C": a @ a.T / h,
-              "objective": "attention", "rope_selection": "norm",
-              "rope_expectation": torch.tensor([[0.9, 0.1], [0.5, 0.2], [0.2, 0.0], [0.1, 0.0]], dtype=torch.float64)}
+    kw = {
+        "num_heads": H,
+        "num_kv_heads": K,
+        "head_dim": d,
+        "kv_lora_rank": 12,
+        "d_rope": 4,
+        "C": a @ a.T / h,
+        "objective": "attention",
+        "rope_selection": "norm",
+        "rope_expectation": torch.tensor([[0.9, 0.1], [0.5, 0.2], [0.2, 0.0], [0.1, 0.0]], dtype=torch.float64),
+    }
     x, y = convert_layer(w, **kw), convert_layer(w, device="cpu", **kw)
     assert x.rope_freq_index == y.rope_freq_index
     for name in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"):
@@ -135,9 +151,7 @@ def test_convert_layer_on_an_explicit_device_matches_the_default():
 
 def test_prefix_rope_selection_keeps_the_fastest_frequencies():
     model = _model()
-    new = graft_mla(model, GraftConfig(kv_lora_rank=20, qk_rope_head_dim=12, rope_selection="prefix"), CALIB,
-                    progress=False)
+    new = graft_mla(model, GraftConfig(kv_lora_rank=20, qk_rope_head_dim=12, rope_selection="prefix"), CALIB, progress=False)
     assert new.config.rope_freq_index == ((0, 1, 2, 3, 4, 5),) * 2
     with pytest.raises(ValueError, match="prefix"):
-        graft_mla(model, GraftConfig(kv_lora_rank=8, qk_rope_head_dim=20, rope_selection="prefix"), CALIB,
-                  progress=False)
+        graft_mla(model, GraftConfig(kv_lora_rank=8, qk_rope_head_dim=20, rope_selection="prefix"), CALIB, progress=False)

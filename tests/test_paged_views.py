@@ -58,9 +58,18 @@ def test_claims_are_preferences_not_reservations():
 MLA = dict(attention_kinds=("mla", "mla"), kv_lora_rank=12, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
 
 
-@pytest.mark.parametrize("changes", [{}, dict(qk_norm=True, head_dim=16), dict(kv_slots=(0, 0)), MLA,
-                                     dict(MLA, kv_lora_rank=4), dict(MLA, attention_kinds=("gqa", "mla"))],
-                         ids=["llama", "qwen3", "shared-slot", "mla", "mla-folded", "gqa-then-mla"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        dict(qk_norm=True, head_dim=16),
+        dict(kv_slots=(0, 0)),
+        MLA,
+        dict(MLA, kv_lora_rank=4),
+        dict(MLA, attention_kinds=("gqa", "mla")),
+    ],
+    ids=["llama", "qwen3", "shared-slot", "mla", "mla-folded", "gqa-then-mla"],
+)
 def test_decode_over_views_equals_the_gathered_batch(changes, monkeypatch):
     import kvgraft.model.batch as batch
 

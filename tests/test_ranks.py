@@ -14,8 +14,16 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "ranks.md"
 
 
 def _cfg(kv_heads: int, head_dim: int, layers: int = 2, heads: int = 8, **kw) -> ModelConfig:
-    return ModelConfig(vocab_size=64, hidden_size=64, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-                       head_dim=head_dim, intermediate_size=64, **kw)
+    return ModelConfig(
+        vocab_size=64,
+        hidden_size=64,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=64,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4, 8])
@@ -59,17 +67,20 @@ def test_explicit_values_are_kept_or_complete_the_budget():
     assert r.qk_rope_head_dim == 2  # <= d_c, at least one pair
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(compression=0), "compression (0)"),
-    (dict(compression=1), "compression (1)"),
-    (dict(compression=float("nan")), "compression (nan)"),
-    (dict(compression=-4), "compression (-4)"),
-    (dict(kv_lora_rank=0), "kv_lora_rank (0)"),
-    (dict(qk_rope_head_dim=0), "qk_rope_head_dim (0)"),
-    (dict(compression=4, kv_lora_rank=8), "not both"),
-    (dict(qk_rope_head_dim=16), "not enough for qk_rope_head_dim (16)"),
-    (dict(compression=32), "leaves 2 cached values"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(compression=0), "compression (0)"),
+        (dict(compression=1), "compression (1)"),
+        (dict(compression=float("nan")), "compression (nan)"),
+        (dict(compression=-4), "compression (-4)"),
+        (dict(kv_lora_rank=0), "kv_lora_rank (0)"),
+        (dict(qk_rope_head_dim=0), "qk_rope_head_dim (0)"),
+        (dict(compression=4, kv_lora_rank=8), "not both"),
+        (dict(qk_rope_head_dim=16), "not enough for qk_rope_head_dim (16)"),
+        (dict(compression=32), "leaves 2 cached values"),
+    ],
+)
 def test_bad_values_are_named(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         default_ranks(_cfg(kv_heads=2, head_dim=16), **kwargs)
@@ -86,14 +97,18 @@ def test_stock_dynamic_rope_needs_the_whole_head():
 
 
 def test_docs_table_matches_the_rule():
-    rows = [line for line in DOC.read_text().splitlines() if line.startswith("| ") and " x " in line
-            and not line.startswith("| model")]
+    rows = [
+        line
+        for line in DOC.read_text().splitlines()
+        if line.startswith("| ") and " x " in line and not line.startswith("| model")
+    ]
     assert len(rows) >= 8
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         layers, (kv, hd) = int(cells[1]), map(int, cells[2].split(" x "))
-        cfg = ModelConfig(vocab_size=64, hidden_size=64, num_layers=layers, num_heads=kv, num_kv_heads=kv,
-                          head_dim=hd, intermediate_size=64)
+        cfg = ModelConfig(
+            vocab_size=64, hidden_size=64, num_layers=layers, num_heads=kv, num_kv_heads=kv, head_dim=hd, intermediate_size=64
+        )
         assert int(cells[3]) == cfg.kv_width, row
         for cell, compression in ((cells[4], 4), (cells[6], 8), (cells[7], 2)):
             r = default_ranks(cfg, compression=compression)

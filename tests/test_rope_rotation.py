@@ -24,8 +24,9 @@ def test_complex_rotation_is_exact_at_full_budget(case, graft_model):
     Qwen3 per-head query map all take the complex coefficients)."""
     k = 4 if case == "MHA" else 2
     model = graft_model(k, bias=case == "GQA2_bias", qk_norm=case == "qwen3")
-    g = GraftConfig(kv_lora_rank=2 * k * 16, qk_rope_head_dim=k * 16, objective="attention", rope_selection="norm",
-                    rope_rotation="complex")
+    g = GraftConfig(
+        kv_lora_rank=2 * k * 16, qk_rope_head_dim=k * 16, objective="attention", rope_selection="norm", rope_rotation="complex"
+    )
     new = graft_mla(model, g, CAL, progress=False).eval()
     if case == "qwen3":  # the key norm is linearised (not exact by construction): compare with the real graft
         real = graft_mla(model, GraftConfig(**{**g.__dict__, "rope_rotation": "real"}), CAL, progress=False).eval()
@@ -61,8 +62,12 @@ def test_complex_rotation_keeps_at_least_the_real_energy():
 
 def test_one_kv_head_complex_equals_real(graft_model):
     model = graft_model(1, bias=False)
-    outs = [graft_mla(model, GraftConfig(kv_lora_rank=12, qk_rope_head_dim=8, rope_selection="prefix",
-                                         rope_rotation=r), CAL, progress=False).eval() for r in ("real", "complex")]
+    outs = [
+        graft_mla(
+            model, GraftConfig(kv_lora_rank=12, qk_rope_head_dim=8, rope_selection="prefix", rope_rotation=r), CAL, progress=False
+        ).eval()
+        for r in ("real", "complex")
+    ]
     with torch.no_grad():
         torch.testing.assert_close(outs[1](IDS), outs[0](IDS), atol=1e-5, rtol=0)
 

@@ -20,8 +20,10 @@ MLA = dict(attention_kinds=("mla", "mla"), kv_lora_rank=12, qk_rope_head_dim=8, 
 LAYOUTS = {
     "llama": ("llama-tiny", {}),
     "mistral-window": ("llama-tiny", dict(sliding_window=5)),
-    "qwen2-mixed-window": ("llama-tiny", dict(sliding_window=6, layer_types=("sliding_attention", "full_attention"),
-                                               qkv_bias=True)),
+    "qwen2-mixed-window": (
+        "llama-tiny",
+        dict(sliding_window=6, layer_types=("sliding_attention", "full_attention"), qkv_bias=True),
+    ),
     "qwen3-qk-norm": ("llama-tiny", dict(qk_norm=True, head_dim=16)),
     "shared-slot": ("llama-tiny", dict(kv_slots=(0, 0))),
     "mla": ("llama-tiny", MLA),
@@ -65,11 +67,13 @@ def test_rows_at_different_lengths_and_phases_equal_each_sequence_alone(name):
             if not rows:
                 continue
             ts = [min(rng.choice([1, 1, 2, 3, 9]), len(seqs[r]) - done[r]) for r in rows]
-            logits = model(torch.cat([seqs[r][done[r]:done[r] + t] for r, t in zip(rows, ts)]),
-                           ctx=BatchContext(cache, [ids[r] for r in rows], ts))[0]
+            logits = model(
+                torch.cat([seqs[r][done[r] : done[r] + t] for r, t in zip(rows, ts)]),
+                ctx=BatchContext(cache, [ids[r] for r in rows], ts),
+            )[0]
             o = 0
             for r, t in zip(rows, ts):
-                outs[r].append(logits[o:o + t])
+                outs[r].append(logits[o : o + t])
                 o += t
                 done[r] += t
     for got, want in zip(outs, full):
@@ -109,7 +113,7 @@ def test_absorbed_decode_reads_adapter_deltas_on_q_kv_b_and_o(name):
         full = model(ids)  # cache-free: expanded path through the modules' forward
         assert (full - before).abs().max() > 1e-2  # the deltas matter
         cache = model.new_cache(2, 32)
-        steps = [model(ids[:, :9], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(9, 24)]
+        steps = [model(ids[:, :9], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(9, 24)]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=5e-5, rtol=0)
     if name == "mla":
         assert model.layers[0].self_attn.fold_q and model.layers[0].self_attn.fold_o

@@ -24,14 +24,17 @@ from kvgraft.runtime.sampling import SamplingParams
 
 CED = get_preset("ced-tiny").replace(num_layers=6, kv_source_layers=(1, 3), qkv_bias=True)
 LLAMA = get_preset("llama-tiny").replace(num_layers=3)
-MLA = LLAMA.replace(attention_kinds=("mla",) * 3, kv_lora_rank=6, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                    v_head_dim=16, mla_latent_norm=True)
+MLA = LLAMA.replace(
+    attention_kinds=("mla",) * 3, kv_lora_rank=6, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, mla_latent_norm=True
+)
 CONFIGS = {"ced": CED, "mla": MLA, "llama": LLAMA}
 # three adapters: everywhere (r4), the decoder half's attention incl. q/kv_b/o of latent layers (r8, alpha 4),
 # the MLPs from layer 1 on (r2)
-ADAPTERS = {"all": (Placement("all", ("all-linear",)), AdapterConfig(rank=4)),
-            "dec": (Placement("decoder-half", ("attention",)), AdapterConfig(rank=8, alpha=4.0)),
-            "mlp": (Placement("from:1", ("mlp",)), AdapterConfig(rank=2))}
+ADAPTERS = {
+    "all": (Placement("all", ("all-linear",)), AdapterConfig(rank=4)),
+    "dec": (Placement("decoder-half", ("attention",)), AdapterConfig(rank=8, alpha=4.0)),
+    "mlp": (Placement("from:1", ("mlp",)), AdapterConfig(rank=2)),
+}
 LENGTHS = [1, 7, 16, 33, 9, 50, 20, 3]
 MAX_NEW = [6, 9, 4, 8, 7, 5, 9, 6]
 ROUTE = ["all", "dec", None, "mlp", "all", "dec", "mlp", None]
@@ -82,8 +85,7 @@ def test_a_mixed_adapter_batch_gives_each_request_its_tokens_alone(kind, tmp_pat
     engine = Engine(base, max_seqs=8, max_batch_tokens=48)  # prompts arrive in chunks next to decodes
     for name, d in dirs.items():
         engine.load_adapter(name, d)
-    got = engine.generate(prompts(base.config.vocab_size), [SamplingParams(max_new_tokens=n) for n in MAX_NEW],
-                          adapters=ROUTE)
+    got = engine.generate(prompts(base.config.vocab_size), [SamplingParams(max_new_tokens=n) for n in MAX_NEW], adapters=ROUTE)
     assert got == want
     if kind == "mla":
         assert base.layers[0].self_attn.fold_q  # absorbed decode took the folded path, per adapter
@@ -109,7 +111,7 @@ def test_one_mixed_step_matches_each_row_through_peft(kind, tmp_path_factory):
         step = model(nxt, ctx=BatchContext(cache, seqs, [1] * 4, names))[0]  # decode, mixed
         for r, (x, name) in enumerate(zip(ids, names)):
             ref = base if name is None else refs[name]
-            full = ref(torch.cat([x, nxt[r:r + 1]])[None])[0, -1]
+            full = ref(torch.cat([x, nxt[r : r + 1]])[None])[0, -1]
             torch.testing.assert_close(step[r], full, atol=2e-4, rtol=0)
 
 
@@ -136,8 +138,7 @@ def test_hot_load_and_unload_between_steps(tmp_path_factory):
     engine.run()
     assert engine.adapters.names() == ["dec", "mlp"]  # 'all' went once its request finished
     got = [engine.pop_finished(r).output for r in (r0, r1, r2, r3)]
-    want = [alone(refs["all"], ps[3], 8), alone(base, ps[1], 8), alone(refs["dec"], ps[5], 6),
-            alone(refs["mlp"], ps[0], 5)]
+    want = [alone(refs["all"], ps[3], 8), alone(base, ps[1], 8), alone(refs["dec"], ps[5], 6), alone(refs["mlp"], ps[0], 5)]
     assert got == want
     # reload under the same name after an unload; a waiting request is cancelled, then unload is free
     engine.load_adapter("all", dirs["all"])
@@ -156,8 +157,7 @@ def test_preemption_with_adapters_gives_the_same_tokens(tmp_path_factory):
     engine = Engine(copy.deepcopy(base), max_seqs=8, num_blocks=6, block_size=16, max_batch_tokens=128)
     for name, d in dirs.items():
         engine.load_adapter(name, d)
-    got = engine.generate(prompts(base.config.vocab_size), [SamplingParams(max_new_tokens=n) for n in MAX_NEW],
-                          adapters=ROUTE)
+    got = engine.generate(prompts(base.config.vocab_size), [SamplingParams(max_new_tokens=n) for n in MAX_NEW], adapters=ROUTE)
     assert engine.stats["preemptions"] > 0
     assert got == want
 
@@ -250,8 +250,9 @@ def test_a_mixed_group_reads_the_door_per_adapter(tmp_path_factory):
                 linear_weight(kv_b)
             y = kv_b(x)
             seen = {a: (rows, linear_weight(kv_b)[0]) for a, rows in ctx.each_adapter(gi)}
-    want = torch.stack([kv_b.base_layer(x[i]) + (kv_b.loras[a].delta(x[i]) if a else 0)
-                        for i, a in enumerate(["all", None, "dec"])])
+    want = torch.stack(
+        [kv_b.base_layer(x[i]) + (kv_b.loras[a].delta(x[i]) if a else 0) for i, a in enumerate(["all", None, "dec"])]
+    )
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     assert seen[None][0].tolist() == [1] and seen[None][1] is kv_b.base_layer.weight
     lw = kv_b.loras["dec"]

@@ -51,9 +51,17 @@ def live(tmp_path_factory):
     pm = add_adapter(copy.deepcopy(base), Placement("from:6", ("mlp",)), AdapterConfig(rank=2))
     randomize_adapter(pm, 0.05, seed=7)
     save_adapter(pm, root / "extra" / "mlp")
-    server = build_server(BASE, {n: root / n for n in specs}, max_seqs=MAX_SEQS, max_batch_tokens=64,
-                          max_seq_len=MAX_LEN, max_queue=MAX_QUEUE, max_tokens_limit=64, max_request_bytes=4096,
-                          adapter_dir=root / "extra")
+    server = build_server(
+        BASE,
+        {n: root / n for n in specs},
+        max_seqs=MAX_SEQS,
+        max_batch_tokens=64,
+        max_seq_len=MAX_LEN,
+        max_queue=MAX_QUEUE,
+        max_tokens_limit=64,
+        max_request_bytes=4096,
+        adapter_dir=root / "extra",
+    )
     port = _free_port()
     userver = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=userver.run, daemon=True)
@@ -76,16 +84,21 @@ def engine_text(live, prompt_ids, adapter, max_tokens, stops=()) -> tuple[str, s
     """(text, finish reason) the engine itself gives for the request, greedy, on a fresh copy of the base."""
     if "engine" not in _reference:
         tok = load_tokenizer_dir(BASE)
-        engine = Engine(load_pretrained(BASE), max_seqs=1, max_seq_len=MAX_LEN,
-                        detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
+        engine = Engine(
+            load_pretrained(BASE),
+            max_seqs=1,
+            max_seq_len=MAX_LEN,
+            detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        )
         for name in ("dec", "enc"):
             engine.load_adapter(name, live["root"] / name)
         engine.load_adapter("mlp", live["root"] / "extra" / "mlp")
         _reference.update(engine=engine, tok=tok)
     engine, tok = _reference["engine"], _reference["tok"]
     eos = engine.model.config.eos_token_id
-    rid = engine.add_request(prompt_ids, SamplingParams(max_new_tokens=max_tokens, stop_token_ids=(eos,),
-                                                        stop=tuple(stops)), adapter=adapter)
+    rid = engine.add_request(
+        prompt_ids, SamplingParams(max_new_tokens=max_tokens, stop_token_ids=(eos,), stop=tuple(stops)), adapter=adapter
+    )
     engine.run()
     req = engine.pop_finished(rid)
     text = tok.decode(req.output, skip_special_tokens=True)
@@ -117,8 +130,11 @@ def test_completions_and_chat_equal_the_engine_streaming_or_not(live):
         r = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0)
         assert r.choices[0].message.role == "assistant"
         assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want, reason)
-        chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
-                                                     stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}
+            )
+        )
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
         assert chunks[-1].usage.prompt_tokens == len(chat_ids)
     # a stop string is cut from the text, and token-id prompts work
@@ -127,8 +143,10 @@ def test_completions_and_chat_equal_the_engine_streaming_or_not(live):
     want, reason = engine_text(live, ids, "dec", 12, stops=(stop,))
     r = client.completions.create(model="dec", prompt=ids, max_tokens=12, temperature=0, stop=[stop])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop") and stop not in want
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="dec", prompt=ids, max_tokens=12, temperature=0, stop=[stop], stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="dec", prompt=ids, max_tokens=12, temperature=0, stop=[stop], stream=True)
+    )
     assert streamed == want
 
 
@@ -166,10 +184,18 @@ def test_models_health_and_metrics(live):
     assert health["status"] == "ok" and health["adapters"] == ["dec", "enc"]
     metrics = httpx.get(url + "/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
-    for name in ("kvgraft_queue_depth", "kvgraft_running_requests", "kvgraft_tokens_per_second",
-                 "kvgraft_generated_tokens_total", "kvgraft_adapters_loaded 2.0", "kvgraft_prefix_cache_entries",
-                 "kvgraft_prefix_cache_hit_rate", "kvgraft_prefix_cache_hits_total",
-                 "kvgraft_prefix_cache_queries_total", "kvgraft_decoder_replays_total"):
+    for name in (
+        "kvgraft_queue_depth",
+        "kvgraft_running_requests",
+        "kvgraft_tokens_per_second",
+        "kvgraft_generated_tokens_total",
+        "kvgraft_adapters_loaded 2.0",
+        "kvgraft_prefix_cache_entries",
+        "kvgraft_prefix_cache_hit_rate",
+        "kvgraft_prefix_cache_hits_total",
+        "kvgraft_prefix_cache_queries_total",
+        "kvgraft_decoder_replays_total",
+    ):
         assert name in metrics.text
     # the cache gauges are the engine's own cache_stats(), read by the engine thread between steps
     server = live["server"]
@@ -205,15 +231,21 @@ def _metric_values(text: str) -> dict[str, float]:
 def test_errors_are_openai_shaped_and_documented(live):
     client, url = live["client"], live["url"]
     cmpl, chat = "/v1/completions", "/v1/chat/completions"
-    with pytest.raises(openai.NotFoundError, match=r"model 'nope' not found; served: base 'kvgraft-ced-8m', "
-                                                   r"adapters: dec, enc") as e:
+    with pytest.raises(
+        openai.NotFoundError,
+        match=r"model 'nope' not found; served: base 'kvgraft-ced-8m', "
+        r"adapters: dec, enc",
+    ) as e:
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
     documented(live, "POST", cmpl, e.value.response)
     with pytest.raises(openai.BadRequestError, match=r"max_tokens \(65\) exceeds this server's limit \(64\)") as e:
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=65)
     documented(live, "POST", cmpl, e.value.response)
-    with pytest.raises(openai.BadRequestError, match=r"prompt \(\d+ tokens\) \+ max_tokens \(64\) exceeds the model's "
-                                                     r"context \(128 tokens\)") as e:
+    with pytest.raises(
+        openai.BadRequestError,
+        match=r"prompt \(\d+ tokens\) \+ max_tokens \(64\) exceeds the model's "
+        r"context \(128 tokens\)",
+    ) as e:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 80}], max_tokens=64)
     documented(live, "POST", chat, e.value.response)
     with pytest.raises(openai.BadRequestError, match="the prompt has 200 tokens; this server takes at most 127"):
@@ -224,29 +256,40 @@ def test_errors_are_openai_shaped_and_documented(live):
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=1, temperature=-1)
     # max_tokens is checked even when max_completion_tokens is the one used
     with pytest.raises(openai.BadRequestError, match=r"max_tokens \(65\) exceeds this server's limit") as e:
-        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=65,
-                                       max_completion_tokens=1)
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=65, max_completion_tokens=1
+        )
     documented(live, "POST", chat, e.value.response)
     # types are strict, as the schema says ("1" is not 1), but 1.0 is JSON Schema's integer 1
     r = documented(live, "POST", cmpl, httpx.post(url + cmpl, json={"model": NAME, "prompt": PROMPT, "max_tokens": "2"}))
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    r = documented(live, "POST", cmpl, httpx.post(url + cmpl, json={"model": NAME, "prompt": PROMPT, "max_tokens": 2.0,
-                                                                    "temperature": 0}))
+    r = documented(
+        live, "POST", cmpl, httpx.post(url + cmpl, json={"model": NAME, "prompt": PROMPT, "max_tokens": 2.0, "temperature": 0})
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
     # a lone surrogate (valid JSON) in a prompt or message: 400, not a tokenizer crash
-    for path, body in ((cmpl, {"model": NAME, "prompt": "a\ud800b"}),
-                       (chat, {"model": NAME, "messages": [{"role": "user", "content": "a\ud800b"}]})):
-        r = documented(live, "POST", path, httpx.post(url + path, content=json.dumps(body).encode(),
-                                                      headers={"content-type": "application/json"}))
+    for path, body in (
+        (cmpl, {"model": NAME, "prompt": "a\ud800b"}),
+        (chat, {"model": NAME, "messages": [{"role": "user", "content": "a\ud800b"}]}),
+    ):
+        r = documented(
+            live,
+            "POST",
+            path,
+            httpx.post(url + path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}),
+        )
         assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"]
     # the body limit (413), a body without Content-Length (411), not JSON (400)
     r = documented(live, "POST", cmpl, httpx.post(url + cmpl, json={"model": NAME, "prompt": "x" * 5000}))
     assert r.status_code == 413 and "exceeds this server's limit (4096 bytes)" in r.json()["error"]["message"]
-    r = documented(live, "POST", cmpl, httpx.post(url + cmpl, content=iter([b'{"model": "x"}']),
-                                                  headers={"content-type": "application/json"}))
+    r = documented(
+        live,
+        "POST",
+        cmpl,
+        httpx.post(url + cmpl, content=iter([b'{"model": "x"}']), headers={"content-type": "application/json"}),
+    )
     assert r.status_code == 411 and "Content-Length" in r.json()["error"]["message"]
-    r = documented(live, "POST", cmpl, httpx.post(url + cmpl, content=b"{not json",
-                                                  headers={"content-type": "application/json"}))
+    r = documented(live, "POST", cmpl, httpx.post(url + cmpl, content=b"{not json", headers={"content-type": "application/json"}))
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("invalid request")
     # another method, or no such path: the same error shape
     r = httpx.get(url + cmpl)
@@ -262,8 +305,12 @@ def test_tiny_temperature_top_p_and_huge_seeds_are_served(live):
     temperature and top_p that round to 0 in float32, a seed over 2**64."""
     client = live["client"]
     want, _ = engine_text(live, live["server"].tokenizer.encode(PROMPT), None, 4)
-    for kwargs in ({"temperature": 5e-324}, {"temperature": 1e-300, "seed": 3}, {"top_p": 5e-324, "temperature": 1.0},
-                   {"temperature": 0.7, "seed": 2**70}):
+    for kwargs in (
+        {"temperature": 5e-324},
+        {"temperature": 1e-300, "seed": 3},
+        {"top_p": 5e-324, "temperature": 1.0},
+        {"temperature": 0.7, "seed": 2**70},
+    ):
         r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, **kwargs)
         assert r.choices[0].finish_reason in ("length", "stop")
         if kwargs.get("temperature", 1) < 1e-6 or kwargs.get("top_p", 1) < 1e-6:  # greedy in the limit
@@ -281,12 +328,13 @@ def test_a_stopped_engine_answers_503_at_once(live):
     base = live["server"]
     stopped = KvgraftServer(base.engine, base.tokenizer, base.config)  # its worker is never started
     http = TestClient(stopped.app)  # no lifespan: the engine thread does not run
-    cases = [("GET", "/health", None),
-             ("POST", "/v1/completions", {"model": NAME, "prompt": PROMPT, "max_tokens": 2}),
-             ("POST", "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                                               "stream": True}),
-             ("POST", "/v1/unload_lora_adapter", {"lora_name": "dec"}),
-             ("POST", "/v1/load_lora_adapter", {"lora_name": "mlp2", "lora_path": "mlp"})]
+    cases = [
+        ("GET", "/health", None),
+        ("POST", "/v1/completions", {"model": NAME, "prompt": PROMPT, "max_tokens": 2}),
+        ("POST", "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        ("POST", "/v1/unload_lora_adapter", {"lora_name": "dec"}),
+        ("POST", "/v1/load_lora_adapter", {"lora_name": "mlp2", "lora_path": "mlp"}),
+    ]
     for method, path, body in cases:
         start = time.monotonic()
         r = http.request(method, path, json=body)
@@ -300,8 +348,10 @@ def test_a_full_queue_answers_429(live):
     worker.pause()
     try:
         with concurrent.futures.ThreadPoolExecutor(MAX_SEQS + MAX_QUEUE) as pool:
-            futures = [pool.submit(client.completions.create, model=m, prompt=PROMPT, max_tokens=3, temperature=0)
-                       for m in (NAME, "dec", "enc")[: MAX_SEQS + MAX_QUEUE]]
+            futures = [
+                pool.submit(client.completions.create, model=m, prompt=PROMPT, max_tokens=3, temperature=0)
+                for m in (NAME, "dec", "enc")[: MAX_SEQS + MAX_QUEUE]
+            ]
             deadline = time.monotonic() + 20
             while worker.in_flight < MAX_SEQS + MAX_QUEUE:
                 assert time.monotonic() < deadline
@@ -488,8 +538,7 @@ def test_the_shipped_geometry_adapter_is_served_out_of_the_box():
     server = build_server(BASE, with_shipped_adapters=True, max_seqs=2, max_seq_len=64)
     assert [m["id"] for m in server.models()["data"]] == [NAME, "kvgraft-ced-8m-geometry"]
     ids = server.tokenizer.encode("Q: A square has side 7. Area?\nA:")
-    out = server.engine.generate([ids, ids], SamplingParams(max_new_tokens=8),
-                                 adapters=[None, "kvgraft-ced-8m-geometry"])
+    out = server.engine.generate([ids, ids], SamplingParams(max_new_tokens=8), adapters=[None, "kvgraft-ced-8m-geometry"])
     assert out[0] != out[1]
     given = build_server(BASE, {"geo": shipped}, with_shipped_adapters=True, max_seqs=1, max_seq_len=64)
     assert list(given.worker.adapters) == ["geo"]  # not twice under two names

@@ -52,15 +52,29 @@ def _free_port() -> int:
 
 def _tree(root: Path) -> dict[str, str]:
     """Every file under ``root`` (relative path) -> sha256 of its bytes."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 # ---- kill -9 ---------------------------------------------------------------------------------------------
 def _start(port: int, adapter_dir: Path, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvgraft", "serve", str(BASE), "--adapter", f"geometry={adapter_dir / 'geometry'}",
-           "--adapter-dir", str(adapter_dir), "--port", str(port), "--max-seqs", "2", "--log-level", "warning",
-           "--no-shipped-adapters"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvgraft",
+        "serve",
+        str(BASE),
+        "--adapter",
+        f"geometry={adapter_dir / 'geometry'}",
+        "--adapter-dir",
+        str(adapter_dir),
+        "--port",
+        str(port),
+        "--max-seqs",
+        "2",
+        "--log-level",
+        "warning",
+        "--no-shipped-adapters",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -77,8 +91,9 @@ def _start(port: int, adapter_dir: Path, log: Path) -> subprocess.Popen:
 
 
 def _completion(url: str, model: str) -> str:
-    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": PROMPTS[0], "max_tokens": 12,
-                                                  "temperature": 0}, timeout=60)
+    r = httpx.post(
+        url + "/v1/completions", json={"model": model, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}, timeout=60
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -92,13 +107,11 @@ def test_kill_9_while_streaming_then_restart(tmp_path):
     url = f"http://127.0.0.1:{port}"
     proc = _start(port, adapter_dir, log)
     try:
-        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "geo-hot", "lora_path": "geometry"},
-                       timeout=60)
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "geo-hot", "lora_path": "geometry"}, timeout=60)
         assert r.status_code == 200, r.text
         want = {m: _completion(url, m) for m in (NAME, "geometry", "geo-hot")}
         assert want["geometry"] == want["geo-hot"] != want[NAME]
-        body = {"model": "geometry", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True,
-                "stop": None}
+        body = {"model": "geometry", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True, "stop": None}
         events, broke = [], None
         start = time.monotonic()
         with httpx.Client(timeout=httpx.Timeout(30)) as http:
@@ -127,12 +140,14 @@ def test_kill_9_while_streaming_then_restart(tmp_path):
     try:
         assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]] == [NAME, "geometry"]
         assert {m: _completion(url, m) for m in (NAME, "geometry")} == {m: want[m] for m in (NAME, "geometry")}
-        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "geo-hot", "lora_path": "geometry"},
-                       timeout=60)
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "geo-hot", "lora_path": "geometry"}, timeout=60)
         assert r.status_code == 200 and _completion(url, "geo-hot") == want["geo-hot"]
         with httpx.Client(timeout=60) as http:
-            lines = [ln for ln in http.post(url + "/v1/completions", json=dict(body, max_tokens=12)).text.splitlines()
-                     if ln.startswith("data: ")]
+            lines = [
+                ln
+                for ln in http.post(url + "/v1/completions", json=dict(body, max_tokens=12)).text.splitlines()
+                if ln.startswith("data: ")
+            ]
         assert lines[-1] == "data: [DONE]"
         assert "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1]) == want["geometry"]
     finally:
@@ -155,8 +170,16 @@ def churned(tmp_path_factory):
     pm = add_adapter(load_pretrained(BASE), Placement("decoder-half", ("all-linear",)), AdapterConfig(rank=4))
     randomize_adapter(pm, 0.05, seed=11)
     save_adapter(pm, root / "hot")
-    server = build_server(BASE, {"geometry": SHIPPED}, max_seqs=8, max_batch_tokens=256, max_seq_len=128,
-                          max_queue=32, max_tokens_limit=16, adapter_dir=root)
+    server = build_server(
+        BASE,
+        {"geometry": SHIPPED},
+        max_seqs=8,
+        max_batch_tokens=256,
+        max_seq_len=128,
+        max_queue=32,
+        max_tokens_limit=16,
+        adapter_dir=root,
+    )
     port = _free_port()
     userver = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=userver.run, daemon=True)
@@ -190,8 +213,7 @@ def _request(http: httpx.Client, url: str, model: str, prompt: str, chat: bool, 
     assert data[-1] == "[DONE]", data[-3:]
     chunks = [json.loads(d) for d in data[:-1]]
     assert all("error" not in c for c in chunks), chunks
-    text = "".join((c["choices"][0]["delta"].get("content") or "") if chat else c["choices"][0]["text"]
-                   for c in chunks)
+    text = "".join((c["choices"][0]["delta"].get("content") or "") if chat else c["choices"][0]["text"] for c in chunks)
     return 200, text, chunks[-1]["choices"][0]["finish_reason"], None
 
 
@@ -202,8 +224,12 @@ def test_load_and_unload_while_32_clients_run(churned):
     with httpx.Client(timeout=60) as http:
         assert http.post(url + "/v1/load_lora_adapter", json=load).status_code == 200
         # each request's text alone (greedy), before any churn
-        want = {(m, p, chat): _request(http, url, m, p, chat, False)[1]
-                for m in (NAME, "geometry", "hot") for p in PROMPTS for chat in (False, True)}
+        want = {
+            (m, p, chat): _request(http, url, m, p, chat, False)[1]
+            for m in (NAME, "geometry", "hot")
+            for p in PROMPTS
+            for chat in (False, True)
+        }
         assert len({want[(m, PROMPTS[0], False)] for m in (NAME, "geometry", "hot")}) == 3
         assert http.post(url + "/v1/unload_lora_adapter", json={"lora_name": "hot"}).status_code == 200
 
@@ -286,5 +312,7 @@ def test_load_and_unload_while_32_clients_run(churned):
         time.sleep(0.05)
     listed = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
     assert listed == [NAME, *server.engine.adapters.adapters]
-    print(f"{len(results)} requests in {took:.1f} s: statuses {statuses}, hot served {hot_ok}; "
-          f"{len(ops)} load/unload calls: {sorted(set(ops))}")
+    print(
+        f"{len(results)} requests in {took:.1f} s: statuses {statuses}, hot served {hot_ok}; "
+        f"{len(ops)} load/unload calls: {sorted(set(ops))}"
+    )

@@ -40,9 +40,15 @@ BASE = ROOT / "models" / "kvgraft-ced-8m"
 ADAPTER = ROOT / "models" / "adapters" / "kvgraft-ced-8m-geometry"
 MAX_LEN, MAX_TOKENS = 512, 4
 EXAMPLES = 100  # per operation and phase
-OPERATIONS = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-              ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("GET", "/health"),
-              ("GET", "/metrics")}
+OPERATIONS = {
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+}
 
 
 def _free_port() -> int:
@@ -75,13 +81,19 @@ class _Record:
 def fuzzed(tmp_path_factory):
     adapter_dir = tmp_path_factory.mktemp("adapter-dir")
     shutil.copytree(ADAPTER, adapter_dir / "geometry")
-    server = build_server(BASE, {"geometry": ADAPTER}, max_seqs=4, max_batch_tokens=512, max_seq_len=MAX_LEN,
-                          max_tokens_limit=MAX_TOKENS, max_prompt_tokens=MAX_LEN - MAX_TOKENS,
-                          adapter_dir=adapter_dir)
+    server = build_server(
+        BASE,
+        {"geometry": ADAPTER},
+        max_seqs=4,
+        max_batch_tokens=512,
+        max_seq_len=MAX_LEN,
+        max_tokens_limit=MAX_TOKENS,
+        max_prompt_tokens=MAX_LEN - MAX_TOKENS,
+        adapter_dir=adapter_dir,
+    )
     record = _Record(server.app)
     port = _free_port()
-    userver = uvicorn.Server(uvicorn.Config(record, host="127.0.0.1", port=port, log_level="critical",
-                                            lifespan="on"))
+    userver = uvicorn.Server(uvicorn.Config(record, host="127.0.0.1", port=port, log_level="critical", lifespan="on"))
     thread = threading.Thread(target=userver.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -96,11 +108,33 @@ def fuzzed(tmp_path_factory):
 def test_schemathesis_finds_nothing(fuzzed, tmp_path):
     url, server, record = fuzzed["url"], fuzzed["server"], fuzzed["record"]
     report = tmp_path / "report"
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", url + "/openapi.json", "--max-examples", str(EXAMPLES),
-           "--seed", "20261202", "--request-timeout", "30", "--report", "json", "--report-dir", str(report),
-           "--output-sanitize", "false", "--output-truncate", "false"]
-    env = dict(os.environ, SCHEMATHESIS_HOOKS="fuzz_hooks", KVGRAFT_FUZZ_MAX_PROMPT_BYTES=str(MAX_LEN - MAX_TOKENS),
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    cmd = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        url + "/openapi.json",
+        "--max-examples",
+        str(EXAMPLES),
+        "--seed",
+        "20261202",
+        "--request-timeout",
+        "30",
+        "--report",
+        "json",
+        "--report-dir",
+        str(report),
+        "--output-sanitize",
+        "false",
+        "--output-truncate",
+        "false",
+    ]
+    env = dict(
+        os.environ,
+        SCHEMATHESIS_HOOKS="fuzz_hooks",
+        KVGRAFT_FUZZ_MAX_PROMPT_BYTES=str(MAX_LEN - MAX_TOKENS),
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    )
     start = time.monotonic()
     run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     took = time.monotonic() - start
@@ -143,5 +177,7 @@ def test_schemathesis_finds_nothing(fuzzed, tmp_path):
         time.sleep(0.05)
     assert worker.errors == 0 and worker.alive
     assert httpx.get(url + "/health").json()["status"] == "ok"
-    print(f"schemathesis: {result['test_cases']['generated']} test cases, {len(seen)} requests in {took:.1f} s; "
-          f"statuses {sorted((f'{m} {p}', sorted(s)) for (m, p), s in statuses.items())}; other probes {sorted(others)}")
+    print(
+        f"schemathesis: {result['test_cases']['generated']} test cases, {len(seen)} requests in {took:.1f} s; "
+        f"statuses {sorted((f'{m} {p}', sorted(s)) for (m, p), s in statuses.items())}; other probes {sorted(others)}"
+    )

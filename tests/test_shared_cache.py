@@ -27,8 +27,7 @@ from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.prefix import replay_layer, replay_span
 from kvgraft.runtime.sampling import SamplingParams
 
-CED = get_preset("ced-tiny").replace(num_layers=6, kv_source_layers=(1, 3), qkv_bias=True,
-                                     max_position_embeddings=256)
+CED = get_preset("ced-tiny").replace(num_layers=6, kv_source_layers=(1, 3), qkv_bias=True, max_position_embeddings=256)
 ADAPTERS = {
     "dec": (Placement("decoder-half", ("all-linear",), freeze_kv_writers=True), AdapterConfig(rank=4)),
     "late": (Placement("from:4", ("attention", "mlp")), AdapterConfig(rank=8, alpha=4.0)),
@@ -88,8 +87,7 @@ def test_requests_over_the_shared_cache_give_their_tokens_alone(setup, length):
     first = e.generate([prompt], SamplingParams(max_new_tokens=5))[0]
     assert first == alone(base, dirs, prompt, None, 5)
     assert e.cache_stats()["prefix_entries"] == 1
-    jobs = [(prompt, "dec"), (prompt, "late"), (prompt, "enc"), (longer, "dec"), (longer, None), (prompt, None),
-            (longer, "late")]
+    jobs = [(prompt, "dec"), (prompt, "late"), (prompt, "enc"), (longer, "dec"), (longer, None), (prompt, None), (longer, "late")]
     ids = [e.add_request(p, SamplingParams(max_new_tokens=6), a) for p, a in jobs]
     shared_seen = 0
     while e.has_unfinished():
@@ -146,8 +144,10 @@ def test_prefix_cache_switching_adapters_and_hot_reload(setup):
     # many different prompts through a 2-entry cache: entries are evicted, answers stay right
     prompts = [rand_prompt(40 + i, 100 + i) for i in range(4)]
     outs = e.generate(prompts, SamplingParams(max_new_tokens=3), ["dec", None, "enc", "dec"])
-    assert outs == [alone_named(base, dirs, p, 3) if a == "enc" else alone(base, dirs, p, a, 3)
-                    for p, a in zip(prompts, ["dec", None, "enc", "dec"])]
+    assert outs == [
+        alone_named(base, dirs, p, 3) if a == "enc" else alone(base, dirs, p, a, 3)
+        for p, a in zip(prompts, ["dec", None, "enc", "dec"])
+    ]
     assert len(e.prefix) <= 2
 
 
@@ -275,8 +275,9 @@ def test_shared_bytes_counts_blocks_held_more_than_once(setup):
     c = e.cache
 
     def scan():
-        rings = sum(g.block_bytes for gi, g in enumerate(c.ring_groups) for b in range(g.num_blocks)
-                    if c.ring_refcount(gi, b) > 1)
+        rings = sum(
+            g.block_bytes for gi, g in enumerate(c.ring_groups) for b in range(g.num_blocks) if c.ring_refcount(gi, b) > 1
+        )
         return sum(1 for b in range(c.num_blocks) if c.refcount(b) > 1) * c.block_bytes + rings
 
     a = c.add_sequence()

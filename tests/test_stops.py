@@ -29,7 +29,7 @@ def test_find_matches_a_full_search_on_growing_and_revised_texts():
         for _ in range(30):
             if rng.random() < 0.1 and text:  # the decoder revised a character somewhere
                 i = rng.randrange(len(text))
-                text = text[:i] + rng.choice(alphabet) + text[i + 1:]
+                text = text[:i] + rng.choice(alphabet) + text[i + 1 :]
             else:
                 text += rng.choice(alphabet)
             assert m.find(text) == brute_find(text, stops), (stops, text)
@@ -97,27 +97,37 @@ def test_engine_stops_where_a_full_search_of_the_text_first_finds_the_stop_strin
     from kvgraft.model import ModelConfig, Transformer
     from kvgraft.runtime import Engine, SamplingParams
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     model = Transformer(cfg)
     model.init_weights(0)
     model.eval()
     raw = "aé日\n本ü".encode()
-    pieces = [raw[i % len(raw): i % len(raw) + 1 + i % 3] for i in range(64)]
+    pieces = [raw[i % len(raw) : i % len(raw) + 1 + i % 3] for i in range(64)]
 
     def detok(ids: list[int]) -> str:
         return utf8_decode(pieces, ids)
 
     prompt = [3, 1, 4, 1, 5]
-    free = Engine(model, max_seqs=1, detokenize=detok).generate([prompt], SamplingParams(max_new_tokens=40, seed=3,
-                                                                                         temperature=1.0))[0]
+    free = Engine(model, max_seqs=1, detokenize=detok).generate(
+        [prompt], SamplingParams(max_new_tokens=40, seed=3, temperature=1.0)
+    )[0]
     text = [detok(free[:n]) for n in range(1, len(free) + 1)]
     stop = next((t[-2:] for t in text[3:] if len(t) >= 2 and "\ufffd" not in t[-2:]), None)
     assert stop is not None
     want = next(n for n in range(1, len(free) + 1) if stop in text[n - 1])
     got = Engine(model, max_seqs=1, detokenize=detok).generate(
-        [prompt], SamplingParams(max_new_tokens=40, seed=3, temperature=1.0, stop=(stop,)))[0]
+        [prompt], SamplingParams(max_new_tokens=40, seed=3, temperature=1.0, stop=(stop,))
+    )[0]
     assert got == free[:want]
 
 
@@ -169,8 +179,16 @@ def test_the_engine_decodes_a_window_per_step_not_the_whole_output():
     from kvgraft.model import ModelConfig, Transformer
     from kvgraft.runtime import Engine, SamplingParams
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, max_position_embeddings=160)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=160,
+    )
     torch.manual_seed(0)
     model = Transformer(cfg)
     model.init_weights(0)
@@ -182,6 +200,7 @@ def test_the_engine_decodes_a_window_per_step_not_the_whole_output():
         return "".join(chr(65 + i % 26) for i in ids)
 
     out = Engine(model, max_seqs=1, detokenize=detok).generate(
-        [[1, 2, 3]], SamplingParams(max_new_tokens=120, stop=("never appears",)))[0]
+        [[1, 2, 3]], SamplingParams(max_new_tokens=120, stop=("never appears",))
+    )[0]
     assert len(out) == 120
     assert sum(handed) < 4 * len(out)

@@ -95,12 +95,12 @@ FORMULAS = {
     "scale-factor": lambda a, b: b / a,
 }
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.Pow: operator.pow}
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv, ast.Pow: operator.pow}
 
 
 def _arith(expr: str) -> float:
     """Value of a + - * / ^ ( ) expression over numbers, via the AST (no eval)."""
+
     def ev(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
@@ -198,8 +198,19 @@ def test_budget_counter_agrees_with_the_tokenizer(data, counts, tok):
         examples = _all(data[name])
         real = T.token_counts(tok, [examples[i] for i in picks[name]])
         assert real == [counts[name][i] for i in picks[name]]
-    tricky = ["foo \nbar", "a  b", "it's here, they'll go", "x\n\n  y", "tabs\t\tx", "end  ", "x \n  y",
-              '"}},\n  {"type"', "A\n- b\n```json\n{", "12345678 3.14159", "\u00e9t\u00e9 \u00e0 5"]  # last: not ASCII
+    tricky = [
+        "foo \nbar",
+        "a  b",
+        "it's here, they'll go",
+        "x\n\n  y",
+        "tabs\t\tx",
+        "end  ",
+        "x \n  y",
+        '"}},\n  {"type"',
+        "A\n- b\n```json\n{",
+        "12345678 3.14159",
+        "\u00e9t\u00e9 \u00e0 5",
+    ]  # last: not ASCII
     counter = T._reference_counter()
     assert [counter(t) for t in tricky] == [len(tok.encode(t, add_special_tokens=False).ids) for t in tricky]
 
@@ -332,7 +343,7 @@ def test_recall_answer_lies_beyond_every_window(recall, tok):
         assert len(ids) <= 500
         line_end = e.prompt.index(f": {e.target}\n") + len(f": {e.target}\n")
         prompt_ids = tok.encode(e.prompt).ids
-        assert tok.encode(e.prompt[:line_end]).ids == prompt_ids[:len(tok.encode(e.prompt[:line_end]).ids)]
+        assert tok.encode(e.prompt[:line_end]).ids == prompt_ids[: len(tok.encode(e.prompt[:line_end]).ids)]
         distances.append(len(prompt_ids) - len(tok.encode(e.prompt[:line_end]).ids))
         assert e.prompt.count(e.target) == 1 and e.answer == " " + e.target and e.kind == "recall"
         key = e.prompt.rsplit("code of ", 1)[1].split("?", 1)[0]

@@ -22,8 +22,9 @@ from kvgraft.train.loop import batch_indices, lm_loss, train
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-TINY = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                   intermediate_size=64, max_position_embeddings=32)
+TINY = ModelConfig(
+    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_position_embeddings=32
+)
 
 
 class Patterned(torch.utils.data.Dataset):
@@ -49,8 +50,18 @@ def _model(seed: int = 0) -> Transformer:
 
 
 def _cfg(**kw) -> TrainConfig:
-    base = dict(max_steps=12, micro_batch_size=4, lr=3e-3, warmup_steps=2, eval_every=4, eval_batches=2,
-                save_every=2, log_every=1, precision="fp32", progress=False)
+    base = dict(
+        max_steps=12,
+        micro_batch_size=4,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_every=4,
+        eval_batches=2,
+        save_every=2,
+        log_every=1,
+        precision="fp32",
+        progress=False,
+    )
     base.update(kw)
     return TrainConfig(**base)
 

@@ -46,7 +46,7 @@ def check_text(name: str, text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        bad = text[exc.start:exc.end]
+        bad = text[exc.start : exc.end]
         raw = bad.encode("utf-8", "surrogateescape") if all(0xDC80 <= ord(c) <= 0xDCFF for c in bad) else None
         what = f"bytes {raw!r}" if raw is not None else f"{bad!r}"
         raise ValueError(f"{name} is not valid UTF-8 text ({what} at character {exc.start}); pass UTF-8 text") from None
@@ -63,8 +63,9 @@ def check_device(device: str) -> str:
         raise ValueError(f"device {device!r} is not a device name (e.g. cpu, cuda, cuda:1): {exc}") from exc
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: no CUDA GPU is available here (torch.cuda.is_available() is "
-                             "False); use --device cpu")
+            raise ValueError(
+                f"device {device!r}: no CUDA GPU is available here (torch.cuda.is_available() is False); use --device cpu"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     elif dev.type == "mps":

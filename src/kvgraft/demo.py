@@ -50,13 +50,20 @@ class DemoSetting:
     speed_repeats: int
 
     def describe(self) -> str:
-        ppl = ("the whole held-out slice" if self.heldout_windows is None
-               else f"{self.heldout_windows} windows spread over the held-out slice")
-        cal = ("convert's default calibration (the first 32,768 tokens of eval/calibration.npy)"
-               if self.calibration_tokens is None
-               else f"{self.calibration_tokens:,} calibration tokens spread over eval/calibration.npy")
-        return (f"{self.name} setting: perplexity on {ppl}; {cal}; decode speed over {self.speed_new_tokens} "
-                f"steps x {self.speed_repeats} repeat(s) per point")
+        ppl = (
+            "the whole held-out slice"
+            if self.heldout_windows is None
+            else f"{self.heldout_windows} windows spread over the held-out slice"
+        )
+        cal = (
+            "convert's default calibration (the first 32,768 tokens of eval/calibration.npy)"
+            if self.calibration_tokens is None
+            else f"{self.calibration_tokens:,} calibration tokens spread over eval/calibration.npy"
+        )
+        return (
+            f"{self.name} setting: perplexity on {ppl}; {cal}; decode speed over {self.speed_new_tokens} "
+            f"steps x {self.speed_repeats} repeat(s) per point"
+        )
 
 
 QUICK = DemoSetting("quick", heldout_windows=32, calibration_tokens=16384, speed_new_tokens=12, speed_repeats=1)
@@ -72,9 +79,9 @@ def _spread_windows(tokens, n_windows: int, window: int):
     if n_chunks == 0:
         raise ValueError(f"{tokens.size} tokens hold no window of {window} plus its last target")
     idx = np.unique(np.linspace(0, n_chunks - 1, min(n_windows, n_chunks)).round().astype(np.int64))
-    parts = [np.asarray(tokens[i * window:(i + 1) * window]) for i in idx]
+    parts = [np.asarray(tokens[i * window : (i + 1) * window]) for i in idx]
     end = (int(idx[-1]) + 1) * window
-    parts.append(np.asarray(tokens[end:end + 1]))
+    parts.append(np.asarray(tokens[end : end + 1]))
     return np.concatenate(parts)
 
 
@@ -82,8 +89,7 @@ def _samples(model, tok, max_new_tokens: int, seed: int) -> list[dict]:
     out = []
     for prompt in PROMPTS:
         ids = torch.tensor([tok.encode(prompt)])
-        gen = generate(model, ids, max_new_tokens, temperature=0.8, top_p=0.95, seed=seed,
-                       eos_token_id=model.config.eos_token_id)
+        gen = generate(model, ids, max_new_tokens, temperature=0.8, top_p=0.95, seed=seed, eos_token_id=model.config.eos_token_id)
         text = tok.decode(gen[0].tolist(), skip_special_tokens=True)
         out.append({"prompt": prompt, "text": text})
         print(f"--- {prompt!r}\n{text}\n")
@@ -104,8 +110,10 @@ def _check_arguments(path: Path, out: Path, compression: float, max_new_tokens: 
     config = load_config(path)  # missing directory or config.json: CheckpointError naming it
     for needed in (HELDOUT, CALIBRATION):
         if not (path / needed).is_file():
-            raise ValueError(f"{path} has no {needed}; the demo needs a model with the eval slices a shipped "
-                             "reference model carries (see `kvgraft ship`)")
+            raise ValueError(
+                f"{path} has no {needed}; the demo needs a model with the eval slices a shipped "
+                "reference model carries (see `kvgraft ship`)"
+            )
     ranks = default_ranks(config, compression=compression)  # convert's own rule
     GraftConfig(kv_lora_rank=ranks.kv_lora_rank, qk_rope_head_dim=ranks.qk_rope_head_dim).check_against(config)
 
@@ -113,15 +121,18 @@ def _check_arguments(path: Path, out: Path, compression: float, max_new_tokens: 
 
 
 def demo(
-    model: str | None = None, out_dir: str | Path = "runs/demo", compression: float = 4.0,
-    max_new_tokens: int = 40, seed: int = 0, full: bool = False,
+    model: str | None = None,
+    out_dir: str | Path = "runs/demo",
+    compression: float = 4.0,
+    max_new_tokens: int = 40,
+    seed: int = 0,
+    full: bool = False,
 ) -> dict:
     """Run the demo and return (and write to ``out_dir/report.json``) everything it measured.
 
     ``full=False`` (the default) runs the quick setting, ``full=True`` the long one (see the module
     docstring); the report's ``setting`` says which ran. Arguments are checked before any work.
     """
-
 
     setting = FULL if full else QUICK
     path = resolve_model(model)
@@ -131,8 +142,9 @@ def demo(
     net = load_pretrained(path)
     tok = load_tokenizer_dir(path)
     ctx = net.config.max_position_embeddings
-    speed: dict[str, Any] = dict(contexts=(ctx // 4, ctx - 16), batch_sizes=(1, 8),
-                                 new_tokens=setting.speed_new_tokens, repeats=setting.speed_repeats)
+    speed: dict[str, Any] = dict(
+        contexts=(ctx // 4, ctx - 16), batch_sizes=(1, 8), new_tokens=setting.speed_new_tokens, repeats=setting.speed_repeats
+    )
     heldout = path / HELDOUT
     if setting.heldout_windows is not None:
         heldout = _spread_windows(np.load(heldout, mmap_mode="r"), setting.heldout_windows, ctx)
@@ -140,8 +152,12 @@ def demo(
     if setting.calibration_tokens is not None:
         calibration = out / f"calibration-spread-{setting.calibration_tokens}.npy"
         window = min(512, ctx)  # convert's calibration sequence length
-        np.save(calibration, _spread_windows(np.load(path / CALIBRATION, mmap_mode="r"),
-                                             setting.calibration_tokens // window, window)[:setting.calibration_tokens])
+        np.save(
+            calibration,
+            _spread_windows(np.load(path / CALIBRATION, mmap_mode="r"), setting.calibration_tokens // window, window)[
+                : setting.calibration_tokens
+            ],
+        )
     rerun = "" if full else " (`kvgraft demo --full` for the long version)"
     print(f"kvgraft demo, {setting.describe()}{rerun}\n")
 
@@ -159,25 +175,29 @@ def demo(
     print(f"\n== 3. convert to MLA at {compression:g}x KV compression (one shot, no training) -> {converted_dir}")
     if converted_dir.exists():
         shutil.rmtree(converted_dir)
-    convert_args: dict[str, Any] = {} if calibration is None else {"calibration": calibration,
-                                                   "calibration_tokens": setting.calibration_tokens}
+    convert_args: dict[str, Any] = (
+        {} if calibration is None else {"calibration": calibration, "calibration_tokens": setting.calibration_tokens}
+    )
     record = convert(path, converted_dir, compression=compression, **convert_args)
     kv = record["kv_bytes_per_token_bf16"]
-    print(f"KV bytes/token (bf16) {kv['original']:,} -> {kv['converted']:,}; "
-          f"converted in {record['seconds']['convert']:.1f} s")
+    print(f"KV bytes/token (bf16) {kv['original']:,} -> {kv['converted']:,}; converted in {record['seconds']['convert']:.1f} s")
 
     print("\n== 4. the graft, measured the same way")
     mla = load_pretrained(converted_dir)
-    grafted = evaluate(model_path=converted_dir, model=mla, tokens=heldout, name=f"MLA {compression:g}x (one-shot)",
-                       **speed)
+    grafted = evaluate(model_path=converted_dir, model=mla, tokens=heldout, name=f"MLA {compression:g}x (one-shot)", **speed)
     print(format_report(grafted))
     print("\nsamples from the graft:")
     grafted["samples"] = _samples(mla, tok, max_new_tokens, seed) if tok is not None else []
     print("== side by side")
     print(compare_table([original, grafted]))
 
-    result = {"setting": asdict(setting), "original": original, "doctor": report.to_dict(), "conversion": record,
-              "converted": grafted}
+    result = {
+        "setting": asdict(setting),
+        "original": original,
+        "doctor": report.to_dict(),
+        "conversion": record,
+        "converted": grafted,
+    }
     atomic_write_text(out / "report.json", json.dumps(result, indent=2, default=str) + "\n")
     print(f"\n{setting.describe()}{rerun}")
     print(f"report written to {out / 'report.json'}; converted model in {converted_dir}")

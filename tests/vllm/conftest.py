@@ -29,5 +29,6 @@ def pytest_runtest_setup(item):
         _available = vllm_available()
     ok, why = _available
     if not ok:
-        pytest.skip(f"vllm is not importable in this environment ({why}): build it with `make vllm-env`, "
-                    f"run with `make test-vllm`")
+        pytest.skip(
+            f"vllm is not importable in this environment ({why}): build it with `make vllm-env`, run with `make test-vllm`"
+        )

@@ -59,8 +59,13 @@ class ReferenceDeepseekV3:
         ids = torch.as_tensor(ids, dtype=torch.long)
         T = ids.numel()
         pos = torch.arange(T)
-        H, dn, dr, dv, r = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
-                            c["v_head_dim"], c["kv_lora_rank"])
+        H, dn, dr, dv, r = (
+            c["num_attention_heads"],
+            c["qk_nope_head_dim"],
+            c["qk_rope_head_dim"],
+            c["v_head_dim"],
+            c["kv_lora_rank"],
+        )
         eps = c["rms_norm_eps"]
         scale = (dn + dr) ** -0.5
         h = w["model.embed_tokens.weight"][ids]
@@ -86,7 +91,9 @@ class ReferenceDeepseekV3:
             h = h + attn
             y = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
             m = p + "mlp."
-            y = (torch.nn.functional.silu(y @ w[m + "gate_proj.weight"].T) * (y @ w[m + "up_proj.weight"].T)) @ w[m + "down_proj.weight"].T
+            y = (torch.nn.functional.silu(y @ w[m + "gate_proj.weight"].T) * (y @ w[m + "up_proj.weight"].T)) @ w[
+                m + "down_proj.weight"
+            ].T
             h = h + y
             if capture is not None:
                 capture[i] = {"q_pe": q_pe.clone(), "k_pe": k_pe.clone(), "attn": attn.clone(), "out": h.clone()}

@@ -31,8 +31,8 @@ import torch
 # vLLM reads these at import time; set before the first `import vllm` (setdefault: the caller may override).
 VLLM_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",            # GiB of KV cache: plenty for these tiny models
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",    # engine core in this process: no spawn, hooks can see the model
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache: plenty for these tiny models
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: no spawn, hooks can see the model
 }
 
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -47,6 +47,7 @@ def vllm_available() -> tuple[bool, str]:
         os.environ.setdefault(k, v)
     try:
         import vllm
+
         if getattr(vllm, "__file__", None) is None:  # a namespace package (e.g. this very folder), not vLLM
             return False, "no vllm package installed"
         from vllm import LLM  # noqa: F401
@@ -77,8 +78,16 @@ class VllmRunner:
     Other keyword arguments go to ``vllm.LLM`` and override the defaults here (e.g. ``enforce_eager=False``).
     """
 
-    def __init__(self, model_dir: str | os.PathLike, *, max_model_len: int = 256, dtype: str = "float32",
-                 native_rope: bool | None = None, attention_backend: str | None = None, **llm_kwargs):
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        max_model_len: int = 256,
+        dtype: str = "float32",
+        native_rope: bool | None = None,
+        attention_backend: str | None = None,
+        **llm_kwargs,
+    ):
         ok, why = vllm_available()
         if not ok:
             raise RuntimeError(f"vllm is not importable: {why}")
@@ -94,8 +103,16 @@ class VllmRunner:
         if attention_backend is None and mla:
             attention_backend = "CPU_MLA"
         self.native_rope = mla if native_rope is None else native_rope
-        kwargs = dict(model=self.model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
-                      skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=16, seed=0)
+        kwargs = dict(
+            model=self.model_dir,
+            dtype=dtype,
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            skip_tokenizer_init=True,
+            enable_prefix_caching=False,
+            max_num_seqs=16,
+            seed=0,
+        )
         if attention_backend is not None:
             kwargs["attention_backend"] = attention_backend
         if self.native_rope:
@@ -109,15 +126,15 @@ class VllmRunner:
         and the top_k logprobs at every step."""
         from vllm import SamplingParams
 
-        sp = SamplingParams(temperature=0.0, max_tokens=n_new, logprobs=top_k, ignore_eos=True,
-                            detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], sp,
-                                 use_tqdm=False)
+        sp = SamplingParams(temperature=0.0, max_tokens=n_new, logprobs=top_k, ignore_eos=True, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], sp, use_tqdm=False)
         runs = []
         for p, o in zip(prompts, outs):
             c = o.outputs[0]
-            top = [{int(t): float(lp.logprob) for t, lp in step.items() if lp.rank is None or lp.rank <= top_k}
-                   for step in c.logprobs]
+            top = [
+                {int(t): float(lp.logprob) for t, lp in step.items() if lp.rank is None or lp.rank <= top_k}
+                for step in c.logprobs
+            ]
             runs.append(Greedy([int(t) for t in p], [int(t) for t in c.token_ids], top))
         return runs
 
@@ -138,6 +155,7 @@ class VllmRunner:
         gc.collect()
         try:
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
             cleanup_dist_env_and_memory()
         except Exception:
             pass
@@ -155,8 +173,7 @@ def load_hf(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, output_loading_info=True)
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys",
-                                                        "error_msgs")}
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")}
     if bad:
         raise AssertionError(f"transformers loaded {model_dir} with problems: {bad}")
     return model.eval()
@@ -211,7 +228,8 @@ class Parity:
     @property
     def same_tokens(self) -> bool:
         return all(d is None for d in self.first_divergence) and all(
-            len(a.tokens) == len(b.tokens) for a, b in zip(self.vllm, self.hf))
+            len(a.tokens) == len(b.tokens) for a, b in zip(self.vllm, self.hf)
+        )
 
     @property
     def max_abs_diff_per_prompt(self) -> list[float]:
@@ -228,8 +246,7 @@ class Parity:
     def __str__(self) -> str:
         rows = [f"{'prompt len':>10} {'diverges at':>11} {'max|dlogprob| step0':>20} {'all steps':>10}"]
         for run, div, d in zip(self.vllm, self.first_divergence, self.diffs):
-            rows.append(f"{len(run.prompt):>10} {str(div):>11} {d[0] if d else 0:>20.3g} "
-                        f"{max(d) if d else 0:>10.3g}")
+            rows.append(f"{len(run.prompt):>10} {str(div):>11} {d[0] if d else 0:>20.3g} {max(d) if d else 0:>10.3g}")
         return "\n".join(rows)
 
 
@@ -237,8 +254,9 @@ def compare(vllm_runs: Sequence[Greedy], hf_model, hf_runs: Sequence[Greedy] | N
     """Score vLLM's runs against transformers (teacher-forced on vLLM's sequences); ``hf_runs`` (from
     ``hf_greedy``) supplies transformers' own greedy tokens, computed here when not given."""
     if hf_runs is None:
-        hf_runs = hf_greedy(hf_model, [r.prompt for r in vllm_runs], n_new=len(vllm_runs[0].tokens),
-                            top_k=max(len(t) for t in vllm_runs[0].top))
+        hf_runs = hf_greedy(
+            hf_model, [r.prompt for r in vllm_runs], n_new=len(vllm_runs[0].tokens), top_k=max(len(t) for t in vllm_runs[0].top)
+        )
     diffs = []
     for run in vllm_runs:
         seq = run.prompt + run.tokens
@@ -252,8 +270,7 @@ def compare(vllm_runs: Sequence[Greedy], hf_model, hf_runs: Sequence[Greedy] | N
     return Parity(list(vllm_runs), list(hf_runs), diffs)
 
 
-def parity(runner: VllmRunner, hf_model, prompts: Sequence[Sequence[int]], n_new: int = 32,
-           top_k: int = 5) -> Parity:
+def parity(runner: VllmRunner, hf_model, prompts: Sequence[Sequence[int]], n_new: int = 32, top_k: int = 5) -> Parity:
     """vLLM greedy (runner) and transformers greedy (hf_model) on the same prompts, compared."""
     vllm_runs = runner.greedy(prompts, n_new=n_new, top_k=top_k)
     return compare(vllm_runs, hf_model, hf_greedy(hf_model, prompts, n_new=n_new, top_k=top_k))
@@ -267,11 +284,29 @@ def write_random_deepseek_v3(out: str | os.PathLike, *, seed: int = 0, **overrid
     N(0, 0.06), lm_head N(0, 0.2), norm weights U(0.5, 1.5)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    cfg = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-               n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=None,
-               kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
-               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    cfg = dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     cfg.update(overrides)
     cfg.setdefault("first_k_dense_replace", cfg["num_hidden_layers"])
     gen = torch.Generator().manual_seed(seed)

@@ -26,9 +26,11 @@ LENGTHS = (1, 2, 4, 20, 100)
 N_NEW = 32
 MAX_LEN = 160
 
-DEFECT = ("vLLM CPU rotary_embedding custom op (csrc/cpu/pos_encoding.cpp, used with enforce_eager) rotates "
-          "the wrong rows of the strided 3-D q_pe/k_pe views passed by vllm/model_executor/layers/mla.py: "
-          "only position 0 is right, so 1-token prompts agree and longer ones do not")
+DEFECT = (
+    "vLLM CPU rotary_embedding custom op (csrc/cpu/pos_encoding.cpp, used with enforce_eager) rotates "
+    "the wrong rows of the strided 3-D q_pe/k_pe views passed by vllm/model_executor/layers/mla.py: "
+    "only position 0 is right, so 1-token prompts agree and longer ones do not"
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +70,10 @@ def test_vllm_native_rope_matches_transformers(model_dir, hf, prompts):
     assert report.max_abs_diff < 1e-3, f"top-5 logprobs differ:\n{report}"
 
 
-@pytest.mark.skipif(not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++")),
-                    reason="torch.compile (inductor) on CPU needs a C++ compiler")
+@pytest.mark.skipif(
+    not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++")),
+    reason="torch.compile (inductor) on CPU needs a C++ compiler",
+)
 def test_vllm_compiled_matches_transformers(model_dir, hf, prompts):
     with VllmRunner(model_dir, max_model_len=MAX_LEN, native_rope=False, enforce_eager=False) as runner:
         report = parity(runner, hf, prompts, n_new=N_NEW)

@@ -21,7 +21,7 @@ N_NEW = 32
 @pytest.fixture(scope="module")
 def prompts():
     ids = np.load(MODEL / "eval" / "heldout.npy").astype(np.int64)
-    return [ids[o:o + n].tolist() for o, n in SLICES]
+    return [ids[o : o + n].tolist() for o, n in SLICES]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,9 @@ def runner():
 
 def test_llama_reference_greedy_and_logprobs_match_transformers(runner, prompts):
     report = parity(runner, load_hf(MODEL), prompts, n_new=N_NEW)
-    print(f"\nkvgraft-llama-8m, vLLM {runner.kwargs.get('attention_backend', 'default backend')} vs "
-          f"transformers, {N_NEW} greedy tokens:\n{report}")
+    print(
+        f"\nkvgraft-llama-8m, vLLM {runner.kwargs.get('attention_backend', 'default backend')} vs "
+        f"transformers, {N_NEW} greedy tokens:\n{report}"
+    )
     assert report.same_tokens, f"greedy tokens differ:\n{report}"
     assert report.max_abs_diff < 1e-3, f"top-5 logprobs differ:\n{report}"

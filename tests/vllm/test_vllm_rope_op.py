@@ -18,9 +18,11 @@ import torch
 
 pytestmark = pytest.mark.vllm
 
-DEFECT = ("vLLM CPU rotary_embedding custom op (csrc/cpu/pos_encoding.cpp) reads num_heads from "
-          "query.size(-1) and the token stride from query.stride(-2), so the 3-D strided q_pe [T, H, 64] / "
-          "k_pe [T, 1, 64] views passed by vllm/model_executor/layers/mla.py are rotated at the wrong rows")
+DEFECT = (
+    "vLLM CPU rotary_embedding custom op (csrc/cpu/pos_encoding.cpp) reads num_heads from "
+    "query.size(-1) and the token stride from query.stride(-2), so the 3-D strided q_pe [T, H, 64] / "
+    "k_pe [T, 1, 64] views passed by vllm/model_executor/layers/mla.py are rotated at the wrong rows"
+)
 
 T, H, NOPE, ROPE, LATENT = 5, 4, 64, 64, 512
 
@@ -28,9 +30,15 @@ T, H, NOPE, ROPE, LATENT = 5, 4, 64, 64, 512
 def _rope():
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT, get_rope
+
     with set_current_vllm_config(VllmConfig()):
-        rope = get_rope(ROPE, max_position=256, is_neox_style=False, dtype=torch.float32,
-                        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+        rope = get_rope(
+            ROPE,
+            max_position=256,
+            is_neox_style=False,
+            dtype=torch.float32,
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        )
     _ROPE_DICT.clear()  # do not leave a module built outside an engine in vLLM's process-wide cache
     return rope
 
@@ -38,8 +46,8 @@ def _rope():
 def _inputs():
     g = torch.Generator().manual_seed(0)
     pos = torch.tensor([3, 4, 5, 6, 7])
-    q = torch.randn(T, H, NOPE + ROPE, generator=g)      # q_proj output viewed [T, H, qk_head_dim]
-    kv = torch.randn(T, LATENT + ROPE, generator=g)      # kv_a_proj_with_mqa output
+    q = torch.randn(T, H, NOPE + ROPE, generator=g)  # q_proj output viewed [T, H, qk_head_dim]
+    kv = torch.randn(T, LATENT + ROPE, generator=g)  # kv_a_proj_with_mqa output
     return pos, q, kv
 
 
@@ -49,7 +57,7 @@ def test_cpu_rotary_op_on_mla_views_matches_native():
     pos, q, kv = _inputs()
     q_ref, k_ref = rope.forward_native(pos, q[..., NOPE:].clone(), kv[:, LATENT:].unsqueeze(1).clone())
     q_op, kv_op = q.clone(), kv.clone()
-    rope.forward_cpu(pos, q_op[..., NOPE:], kv_op[:, LATENT:].unsqueeze(1))   # the views mla.py passes
+    rope.forward_cpu(pos, q_op[..., NOPE:], kv_op[:, LATENT:].unsqueeze(1))  # the views mla.py passes
     assert torch.equal(kv_op[:, :LATENT], kv[:, :LATENT]), "the op wrote into the latent"
     torch.testing.assert_close(kv_op[:, LATENT:], k_ref[:, 0], rtol=0, atol=1e-5)
     torch.testing.assert_close(q_op[..., NOPE:], q_ref, rtol=0, atol=1e-5)

@@ -23,9 +23,20 @@ pytestmark = pytest.mark.vllm
 
 VOCAB = 512
 # 8 KV heads x 64 = 1,024 cached values per layer: room for 512 + 64
-WIDE = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=8, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6,
-            tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+WIDE = dict(
+    vocab_size=VOCAB,
+    hidden_size=512,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 FAMILIES = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),  # q/k/v biases: folded into bias-free weights by the engine-safe export
@@ -88,8 +99,10 @@ def test_vllm_serves_the_export_as_transformers_computes_it(export):
     with VllmRunner(path, max_model_len=192) as runner:
         report = parity(runner, load_hf(path), prompts, n_new=N_NEW)
     ds = record["deepseek_v3"]
-    print(f"\n{family} -> stock DeepSeek-V3 512 + 64 (engines; export vs kvgraft graft on the calibration tail: "
-          f"max |dlogit| {ds['max_abs_logit_diff']:.3g}, mean KL {ds['mean_kl']:.3g}); vLLM CPU_MLA vs "
-          f"transformers, {N_NEW} greedy tokens:\n{report}")
+    print(
+        f"\n{family} -> stock DeepSeek-V3 512 + 64 (engines; export vs kvgraft graft on the calibration tail: "
+        f"max |dlogit| {ds['max_abs_logit_diff']:.3g}, mean KL {ds['mean_kl']:.3g}); vLLM CPU_MLA vs "
+        f"transformers, {N_NEW} greedy tokens:\n{report}"
+    )
     assert report.same_tokens, f"{family}: greedy tokens differ:\n{report}"
     assert report.max_abs_diff < 1e-3, f"{family}: top-5 logprobs differ:\n{report}"

@@ -34,14 +34,19 @@ class Certificate:
     reason: str
 
     def to_dict(self) -> dict:
-        return {"untouched": list(self.untouched), "touched": list(self.touched),
-                "first_adapted_layer": self.first_adapted_layer, "shares_cache": self.shares_cache,
-                "reason": self.reason}
+        return {
+            "untouched": list(self.untouched),
+            "touched": list(self.touched),
+            "first_adapted_layer": self.first_adapted_layer,
+            "shares_cache": self.shares_cache,
+            "reason": self.reason,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> Certificate:
-        return cls(tuple(d["untouched"]), tuple(d["touched"]), int(d["first_adapted_layer"]),
-                   bool(d["shares_cache"]), str(d["reason"]))
+        return cls(
+            tuple(d["untouched"]), tuple(d["touched"]), int(d["first_adapted_layer"]), bool(d["shares_cache"]), str(d["reason"])
+        )
 
 
 def cache_groups(config: ModelConfig) -> dict[str, tuple[int, tuple[str, ...]]]:
@@ -73,14 +78,20 @@ def certify(config: ModelConfig, modules: list[str]) -> Certificate:
     if config.is_ced:
         hit = [g for g in touched if g.startswith("segment:")]
         shares = not hit
-        reason = ("every shared segment is the base model's: decoder-side adapter (layers before "
-                  f"{first} and the pivot's KV writers untouched)" if shares else
-                  f"changes shared segments {', '.join(hit)}: needs a private cache")
+        reason = (
+            "every shared segment is the base model's: decoder-side adapter (layers before "
+            f"{first} and the pivot's KV writers untouched)"
+            if shares
+            else f"changes shared segments {', '.join(hit)}: needs a private cache"
+        )
     else:
         shares = not touched
-        reason = ("no KV-writing layer is changed" if shares else
-                  f"layers from {first} on store different KV: private cache for {len(touched)} of "
-                  f"{len(untouched) + len(touched)} layers, the rest shared")
+        reason = (
+            "no KV-writing layer is changed"
+            if shares
+            else f"layers from {first} on store different KV: private cache for {len(touched)} of "
+            f"{len(untouched) + len(touched)} layers, the rest shared"
+        )
     return Certificate(tuple(untouched), tuple(touched), first, shares, reason)
 
 
@@ -105,14 +116,18 @@ def sharing_obstacle(config: ModelConfig, modules: list[str]) -> str | None:
     why = []
     early = sorted({module_layer(m) for m in modules if module_layer(m) < pivot})
     if early:
-        why.append(f"it adapts layers {_layer_ranges(early)}, before the pivot (layer {pivot}), which change the "
-                   "hidden states the shared segments are computed from")
+        why.append(
+            f"it adapts layers {_layer_ranges(early)}, before the pivot (layer {pivot}), which change the "
+            "hidden states the shared segments are computed from"
+        )
     writers = set(cache_groups(config)[f"segment:{pivot}"][1])
     hit = [m for m in modules if m in writers]
     if hit:
         why.append(f"it adapts the pivot's KV writers ({', '.join(hit)}), which write the shared segment")
-    return ("; ".join(why) + ". Its requests need a private cache; a placement from the pivot on with the pivot's "
-            "KV writers frozen shares it (the default: decoder-half, --freeze-kv-writers)")
+    return (
+        "; ".join(why) + ". Its requests need a private cache; a placement from the pivot on with the pivot's "
+        "KV writers frozen shares it (the default: decoder-half, --freeze-kv-writers)"
+    )
 
 
 def sharing_verdict(config: ModelConfig, modules: list[str], base_name: str | None = None) -> str:
@@ -121,10 +136,15 @@ def sharing_verdict(config: ModelConfig, modules: list[str], base_name: str | No
     cert = certify(config, modules)
     if not config.is_ced:
         kept = sorted(int(g.split(":")[1]) for g in cert.untouched if g.startswith("kv:"))
-        own = (f"layers {_layer_ranges(kept)} keep the base's KV (the engine shares those blocks)" if kept else
-               "every layer's KV is the adapter's own")
-        return (f"shares the cache: does not apply: {base_name or 'the base'} has no shared cache (not a causal "
-                f"encoder-decoder: no kv_source layers); {own}")
+        own = (
+            f"layers {_layer_ranges(kept)} keep the base's KV (the engine shares those blocks)"
+            if kept
+            else "every layer's KV is the adapter's own"
+        )
+        return (
+            f"shares the cache: does not apply: {base_name or 'the base'} has no shared cache (not a causal "
+            f"encoder-decoder: no kv_source layers); {own}"
+        )
     if cert.shares_cache:
         return f"shares the cache: yes: {cert.reason}"
     return f"shares the cache: no: {sharing_obstacle(config, modules)}"

@@ -36,7 +36,7 @@ from kvgraft.reference import reference_model_dir
 
 PER_TENSOR = 32  # sampled values per tensor, at most
 SAMPLE_BUDGET = 4096  # sampled values in all, at most (fewer per tensor, or every k-th tensor, beyond)
-TOLERANCE = 2.0 ** -7  # relative: two bf16 steps, what loading in another precision can move a value
+TOLERANCE = 2.0**-7  # relative: two bf16 steps, what loading in another precision can move a value
 
 
 def base_fingerprint(config) -> str:
@@ -124,9 +124,11 @@ def check_base_weights(meta: dict, model, adapter_dir: str | Path) -> bool:
         close = (a - b).abs() <= TOLERANCE * torch.maximum(a.abs(), b.abs()) + 6e-8  # fp16's smallest step
         if bool(close.all()):
             return True  # the same weights in another precision: the hash saw their rounding only
-    raise ValueError(f"adapter {adapter_dir} was trained on another base model: its base {_describe(meta)} has "
-                     f"fingerprint {base['fingerprint']}, this model has {mine} (same architecture, other weights); "
-                     "load it on the model it was trained on")
+    raise ValueError(
+        f"adapter {adapter_dir} was trained on another base model: its base {_describe(meta)} has "
+        f"fingerprint {base['fingerprint']}, this model has {mine} (same architecture, other weights); "
+        "load it on the model it was trained on"
+    )
 
 
 def base_reference(base_path: str | Path, adapter_dir: str | Path) -> dict[str, Any]:
@@ -161,7 +163,6 @@ def resolve_base(adapter_dir: str | Path, meta: dict) -> Path:
     """The base model directory an adapter records, on this machine; FileNotFoundError saying what was tried
     (give the base explicitly then). An old adapter's absolute path is used if it exists, with a warning."""
 
-
     base = meta.get("base")
     tried = []
     if isinstance(base, dict):
@@ -179,11 +180,16 @@ def resolve_base(adapter_dir: str | Path, meta: dict) -> Path:
         what = f"{named} (fingerprint {base.get('fingerprint')})"
     elif isinstance(base, str) and base:
         if (Path(base) / "config.json").is_file():
-            warnings.warn(f"adapter {adapter_dir} records its base as the path {base} (written by an older kvgraft): "
-                          "save it again to record a portable reference", stacklevel=2)
+            warnings.warn(
+                f"adapter {adapter_dir} records its base as the path {base} (written by an older kvgraft): "
+                "save it again to record a portable reference",
+                stacklevel=2,
+            )
             return Path(base)
         what, tried = f"base {base!r}", [f"{base} does not exist here"]
     else:
         what = "no base"
-    raise FileNotFoundError(f"adapter {adapter_dir} records {what}, not found on this machine "
-                            f"({'; '.join(tried) or 'nothing to resolve'}); give the base model explicitly")
+    raise FileNotFoundError(
+        f"adapter {adapter_dir} records {what}, not found on this machine "
+        f"({'; '.join(tried) or 'nothing to resolve'}); give the base model explicitly"
+    )

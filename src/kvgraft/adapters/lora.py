@@ -85,9 +85,14 @@ def add_adapter(model: Transformer, placement: Placement, cfg: AdapterConfig | N
 
     cfg = cfg or AdapterConfig()
     modules = compile_placement(model.config, placement)
-    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",  # type: ignore[arg-type]
-                      target_modules=[HOST_PREFIX + m for m in modules],
-                      init_lora_weights=True if cfg.init == "default" else "gaussian")
+    lora = LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # PEFT annotates an int; float alphas work
+        lora_dropout=cfg.dropout,
+        bias="none",
+        target_modules=[HOST_PREFIX + m for m in modules],
+        init_lora_weights=True if cfg.init == "default" else "gaussian",
+    )
     meta = _meta(model, placement, modules, cfg)  # the base's weights fingerprinted before LoRA wraps them
     peft_model = get_peft_model(AdapterHost(model), lora)
     peft_model.kvgraft_meta = meta  # type: ignore[assignment]  # our record rides on the PeftModel
@@ -96,9 +101,16 @@ def add_adapter(model: Transformer, placement: Placement, cfg: AdapterConfig | N
 
 def _meta(model: Transformer, placement: Placement, modules: list[str], cfg: AdapterConfig) -> dict:
     config = model.config
-    return {"format_version": FORMAT_VERSION, "base_fingerprint": base_fingerprint(config),
-            "base": base_record(model), "base_config": config.to_dict(), "placement": placement.to_dict(),
-            "modules": modules, "adapter": asdict(cfg), "certificate": certify(config, modules).to_dict()}
+    return {
+        "format_version": FORMAT_VERSION,
+        "base_fingerprint": base_fingerprint(config),
+        "base": base_record(model),
+        "base_config": config.to_dict(),
+        "placement": placement.to_dict(),
+        "modules": modules,
+        "adapter": asdict(cfg),
+        "certificate": certify(config, modules).to_dict(),
+    }
 
 
 def adapter_modules(peft_model) -> list[str]:
@@ -124,8 +136,7 @@ def save_adapter(peft_model, out_dir: str | Path, extra: dict | None = None, bas
     if base is not None:
         given = meta.get("base")
         recorded: dict[str, Any] = given if isinstance(given, dict) else {}
-        meta["base"] = base_reference(base, out) | {k: v for k, v in recorded.items()
-                                                      if k not in ("name", "path", "reference")}
+        meta["base"] = base_reference(base, out) | {k: v for k, v in recorded.items() if k not in ("name", "path", "reference")}
     with atomic_dir(out, overwrite=True) as tmp:
         peft_model.save_pretrained(str(tmp))
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
@@ -137,8 +148,9 @@ def read_meta(adapter_dir: str | Path) -> dict:
     if not (Path(adapter_dir) / "adapter_config.json").is_file():
         raise FileNotFoundError(f"{adapter_dir} is not an adapter directory (no adapter_config.json)")
     if not path.is_file():
-        raise FileNotFoundError(f"{adapter_dir} has no {META_FILE}: not written by kvgraft (PEFT files alone "
-                                "carry no placement or certificate)")
+        raise FileNotFoundError(
+            f"{adapter_dir} has no {META_FILE}: not written by kvgraft (PEFT files alone carry no placement or certificate)"
+        )
     return json.loads(path.read_text())
 
 
@@ -149,13 +161,19 @@ def check_base(meta: dict, model: Transformer, adapter_dir: str | Path) -> None:
 
     mine = base_fingerprint(model.config)
     if meta.get("base_fingerprint") != mine:
-        raise ValueError(f"adapter {adapter_dir} was trained on another base model (fingerprint "
-                         f"{meta.get('base_fingerprint')}, this model {mine})")
+        raise ValueError(
+            f"adapter {adapter_dir} was trained on another base model (fingerprint "
+            f"{meta.get('base_fingerprint')}, this model {mine})"
+        )
     if not check_base_weights(meta, model, adapter_dir):
         where = f" and records its base as {meta['base']!r}" if isinstance(meta.get("base"), str) else ""
-        warnings.warn(f"adapter {adapter_dir} was written by an older kvgraft: it has no fingerprint of its base's "
-                      f"weights{where}; only the architecture was checked. Save it again (save_adapter with "
-                      "base=...) to make it portable and checked", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"adapter {adapter_dir} was written by an older kvgraft: it has no fingerprint of its base's "
+            f"weights{where}; only the architecture was checked. Save it again (save_adapter with "
+            "base=...) to make it portable and checked",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def load_adapter(model: Transformer, adapter_dir: str | Path, trainable: bool = False):
@@ -184,8 +202,12 @@ def dry_run(config: ModelConfig, placement: Placement, cfg: AdapterConfig | None
     for m in modules:
         out_f, in_f = shapes[f"{m}.weight"]
         rows.append({"module": HOST_PREFIX + m, "in": in_f, "out": out_f, "lora_params": cfg.rank * (in_f + out_f)})
-    return {"modules": rows, "trainable_parameters": sum(r["lora_params"] for r in rows),
-            "base_parameters": num_parameters(config), "certificate": certify(config, modules).to_dict()}
+    return {
+        "modules": rows,
+        "trainable_parameters": sum(r["lora_params"] for r in rows),
+        "base_parameters": num_parameters(config),
+        "certificate": certify(config, modules).to_dict(),
+    }
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ def module_name(param_name: str) -> str:
     name = param_name.split(".lora_")[0]
     for prefix in ("base_model.model.model.", "base_model.model.", "model."):
         if name.startswith(prefix):
-            return name[len(prefix):]
+            return name[len(prefix) :]
     return name
 
 
@@ -69,5 +69,7 @@ def adapter_param_groups(
     unused = [k for k, v in used.items() if not v]
     if unused:
         raise ValueError(f"lr multiplier globs {unused} match no trainable module")
-    return [{"params": ps, "lr_scale": scale, "weight_decay": weight_decay if decay else 0.0}
-            for (scale, decay), ps in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
+    return [
+        {"params": ps, "lr_scale": scale, "weight_decay": weight_decay if decay else 0.0}
+        for (scale, decay), ps in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1]))
+    ]

@@ -56,8 +56,16 @@ def layer_modules(config: ModelConfig, layer: int) -> dict[str, tuple[str, ...]]
         read = ("self_attn.kv_b_proj",) if config.kv_source_of(layer) is not None else ()
     gate_up, down = ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)
     attention = query + writers + read + out
-    return {"query": query, "kv-writers": writers, "attention-out": out, "attention": attention,
-            "mlp-gate-up": gate_up, "mlp-down": down, "mlp": gate_up + down, "all-linear": attention + gate_up + down}
+    return {
+        "query": query,
+        "kv-writers": writers,
+        "attention-out": out,
+        "attention": attention,
+        "mlp-gate-up": gate_up,
+        "mlp-down": down,
+        "mlp": gate_up + down,
+        "all-linear": attention + gate_up + down,
+    }
 
 
 def pivot_kv_writers(config: ModelConfig) -> tuple[str, ...]:
@@ -91,8 +99,9 @@ class Placement:
             object.__setattr__(self, "layers", layers)
         if isinstance(layers, str):
             if layers not in LAYER_SELECTORS and not layers.startswith("from:"):
-                raise ValueError(f"layers {layers!r} must be one of {', '.join(LAYER_SELECTORS)}, 'from:K' or a list "
-                                 "of layer indices")
+                raise ValueError(
+                    f"layers {layers!r} must be one of {', '.join(LAYER_SELECTORS)}, 'from:K' or a list of layer indices"
+                )
             if layers.startswith("from:"):
                 k = layers[5:]
                 if not k.isdigit():
@@ -128,9 +137,13 @@ class Placement:
         return sorted(set(self.layers))
 
     def to_dict(self) -> dict:
-        return {"layers": self.layers if isinstance(self.layers, str) else list(self.layers),
-                "modules": list(self.modules), "include": list(self.include), "exclude": list(self.exclude),
-                "freeze_kv_writers": self.freeze_kv_writers}
+        return {
+            "layers": self.layers if isinstance(self.layers, str) else list(self.layers),
+            "modules": list(self.modules),
+            "include": list(self.include),
+            "exclude": list(self.exclude),
+            "freeze_kv_writers": self.freeze_kv_writers,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> Placement:
@@ -153,8 +166,9 @@ def compile_placement(config: ModelConfig, placement: Placement) -> list[str]:
     for pattern in placement.include:
         hits = fnmatch.filter(universe, pattern)
         if not hits:
-            raise ValueError(f"include glob {pattern!r} matches no module; modules look like {universe[:4]} ... "
-                             f"(all: {', '.join(universe)})")
+            raise ValueError(
+                f"include glob {pattern!r} matches no module; modules look like {universe[:4]} ... (all: {', '.join(universe)})"
+            )
         chosen.update(hits)
     for pattern in placement.exclude:
         chosen -= set(fnmatch.filter(sorted(chosen), pattern))
@@ -162,8 +176,9 @@ def compile_placement(config: ModelConfig, placement: Placement) -> list[str]:
         chosen -= set(pivot_kv_writers(config))
     names = [n for n in universe if n in chosen]
     if not names:
-        raise ValueError(f"placement {placement.to_dict()} matches no module; the model's projections are: "
-                         + ", ".join(universe))
+        raise ValueError(
+            f"placement {placement.to_dict()} matches no module; the model's projections are: " + ", ".join(universe)
+        )
     return names
 
 

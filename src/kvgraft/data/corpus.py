@@ -109,8 +109,7 @@ def ensure_source(source: Source, install: bool = True) -> None:
         )
     if os.geteuid() != 0:
         raise CorpusError(
-            f"source {source.name!r} needs {missing} from Debian package(s) {pkgs}; "
-            f"installing requires root; {hint}"
+            f"source {source.name!r} needs {missing} from Debian package(s) {pkgs}; installing requires root; {hint}"
         )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     cmd = [apt, "install", "-y", "--no-install-recommends", *source.packages]
@@ -217,16 +216,12 @@ def _kjv_docs() -> Iterator[Document]:
 # ----- World English Bible (diatheke + sword-text-web) -----------------------------------
 
 WEB_MODULE = "engWEB2015eb"
-_WEB_VERSE = re.compile(
-    r"^\s*(?P<book>(?:[IV]+ )?[A-Z][A-Za-z]*(?: [A-Za-z()]+)*) (?P<chapter>\d+):(?P<verse>\d+):(?P<text>.*)$"
-)
+_WEB_VERSE = re.compile(r"^\s*(?P<book>(?:[IV]+ )?[A-Z][A-Za-z]*(?: [A-Za-z()]+)*) (?P<chapter>\d+):(?P<verse>\d+):(?P<text>.*)$")
 _WEB_END = re.compile(r"^\s*(?:\(\w+\)|The following words used in the World English Bible)")
 # Markup removal in diatheke glues some words ("ofGod", "Godcreated", "Yahwehspoke").
 _GLUED_LOWER_UPPER = re.compile(r"\b([a-z]{2,})([A-Z])")
 _GLUED_NAMES = re.compile(r"\b(Yahweh|God|Lord|Christ|Jesus)(?=(?:Yahweh|God|Lord|Christ|Jesus)\b)")
-_GLUED_NAME = re.compile(
-    r"\b(Yahweh|God|Lord)(?!(?:s|ly|liness|ward|wards|head|ship|less|dess|desses)\b)([a-z]{2,})\b"
-)
+_GLUED_NAME = re.compile(r"\b(Yahweh|God|Lord)(?!(?:s|ly|liness|ward|wards|head|ship|less|dess|desses)\b)([a-z]{2,})\b")
 
 
 def _fix_web_text(text: str) -> str:

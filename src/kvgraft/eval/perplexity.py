@@ -99,9 +99,7 @@ def perplexity(
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode(), tqdm(
-            total=num_windows, desc="perplexity", unit="win", disable=not progress
-        ) as bar:
+        with torch.inference_mode(), tqdm(total=num_windows, desc="perplexity", unit="win", disable=not progress) as bar:
             for first in range(0, num_windows, batch_size):
                 n = min(batch_size, num_windows - first)
                 # windows first..first+n-1 share their boundary tokens: one contiguous slice, unfolded
@@ -160,9 +158,7 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
 
 
-def text_to_tokens(
-    text_file: str | Path, tokenizer: Any, eos_token_id: int | None = None, batch_size: int = 64
-) -> np.ndarray:
+def text_to_tokens(text_file: str | Path, tokenizer: Any, eos_token_id: int | None = None, batch_size: int = 64) -> np.ndarray:
     """Tokenize a text file into a 1-D token stream for :func:`perplexity`.
 
     ``tokenizer`` is a ``tokenizers.Tokenizer`` or a transformers tokenizer. A corpus split file
@@ -178,8 +174,10 @@ def text_to_tokens(
     try:
         return _text_to_tokens(path, tokenizer, eos_token_id, batch_size)
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text (byte {exc.object[exc.start:exc.start + 1]!r} at offset "
-                         f"{exc.start}: {exc.reason}); convert it to UTF-8 first") from exc
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {exc.object[exc.start : exc.start + 1]!r} at offset "
+            f"{exc.start}: {exc.reason}); convert it to UTF-8 first"
+        ) from exc
 
 
 def _text_to_tokens(path: Path, tokenizer: Any, eos_token_id: int | None, batch_size: int) -> np.ndarray:

@@ -54,10 +54,15 @@ def _resolve_tokens(
 
 
 def check_eval_args(
-    seq_len: int | None = None, max_tokens: int | None = None, contexts: Sequence[int] = (128,),
-    batch_sizes: Sequence[int] = (1,), new_tokens: int = 32, batch_size: int = 8,
+    seq_len: int | None = None,
+    max_tokens: int | None = None,
+    contexts: Sequence[int] = (128,),
+    batch_sizes: Sequence[int] = (1,),
+    new_tokens: int = 32,
+    batch_size: int = 8,
 ) -> None:
     """Raise ValueError naming the first bad value; runs before any model or token file is touched."""
+
     def positive(name: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} ({value!r}) must be a positive integer")
@@ -147,11 +152,16 @@ def evaluate(
 
     config = model.config
     param_dtype = next(model.parameters()).dtype
-    ppl = perplexity(model, payload, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens,
-                     progress=progress)
+    ppl = perplexity(model, payload, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, progress=progress)
     memory = kv_memory(model, dtype=kv_dtype)
-    speed = decode_speed(model, contexts=tuple(contexts), batch_sizes=tuple(batch_sizes), new_tokens=new_tokens,
-                         warmup=min(warmup, new_tokens - 1), repeats=repeats)
+    speed = decode_speed(
+        model,
+        contexts=tuple(contexts),
+        batch_sizes=tuple(batch_sizes),
+        new_tokens=new_tokens,
+        warmup=min(warmup, new_tokens - 1),
+        repeats=repeats,
+    )
     result: dict[str, Any] = {
         "model": name or (str(model_path) if model_path is not None else type(model).__name__),
         "params": int(sum(p.numel() for p in model.parameters())),
@@ -247,9 +257,7 @@ def _metrics(result: dict[str, Any]) -> dict[str, tuple[float | None, str]]:
         "perplexity": (ppl["ppl"], format_ppl(ppl["ppl"])),
         "loss (nats/token)": (ppl["loss"], f"{ppl['loss']:.4f}"),
         f"KV B/token formula ({mem['dtype']})": (mem["bytes_per_token_formula"], f"{mem['bytes_per_token_formula']:,.0f}"),
-        f"KV B/token measured ({mem['dtype']})": (
-            mem["bytes_per_token_measured"], f"{mem['bytes_per_token_measured']:,.1f}"
-        ),
+        f"KV B/token measured ({mem['dtype']})": (mem["bytes_per_token_measured"], f"{mem['bytes_per_token_measured']:,.1f}"),
     }
     for c, b in mem["per_context"].items():
         rows[f"KV per seq @ {_context_label(int(c))}"] = (b, _human_bytes(b))

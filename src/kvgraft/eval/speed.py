@@ -108,9 +108,15 @@ def decode_speed(
                     for _ in range(repeats):
                         total = context + new_tokens + 1
                         bs = default_block_size(config)
-                        engine = Engine(model, num_blocks=batch * -(-total // bs), block_size=bs,
-                                        max_seqs=batch, max_batch_tokens=batch * context, max_seq_len=total,
-                                        dtype=dtype)
+                        engine = Engine(
+                            model,
+                            num_blocks=batch * -(-total // bs),
+                            block_size=bs,
+                            max_seqs=batch,
+                            max_batch_tokens=batch * context,
+                            max_seq_len=total,
+                            dtype=dtype,
+                        )
                         for row in prompt.tolist():
                             engine.add_request(row, SamplingParams(max_new_tokens=new_tokens + 1))
                         _sync(device)

@@ -19,7 +19,11 @@ CALIBRATION = Path("eval") / "calibration.npy"  # a model directory's shipped ca
 
 
 def load_calibration(
-    model_dir: Path, calibration: str | Path | None, tokens: int, seq_len: int, tokenizer: Any = None,
+    model_dir: Path,
+    calibration: str | Path | None,
+    tokens: int,
+    seq_len: int,
+    tokenizer: Any = None,
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """(N, seq_len) calibration ids: from a .npy token file, a text file (tokenized with ``tokenizer``), or
@@ -49,8 +53,10 @@ def load_calibration(
         raise ValueError(f"calibration {path} has {len(stream)} tokens, fewer than one window of {seq_len}")
     ids = torch.from_numpy(np.asarray(stream[: n * seq_len], dtype=np.int64)).view(n, seq_len)
     if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"calibration {path} holds token ids in [{int(ids.min())}, {int(ids.max())}], outside the "
-                         f"model's vocabulary [0, {vocab_size}); was it tokenized for another model?")
+        raise ValueError(
+            f"calibration {path} holds token ids in [{int(ids.min())}, {int(ids.max())}], outside the "
+            f"model's vocabulary [0, {vocab_size}); was it tokenized for another model?"
+        )
     return ids
 
 
@@ -71,12 +77,16 @@ class CalibrationPlan:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
         if self.sequences * self.seq_len > self.tokens:
-            raise ValueError(f"{self.sequences} sequences of {self.seq_len} tokens exceed the {self.tokens} tokens "
-                             "asked for")
+            raise ValueError(f"{self.sequences} sequences of {self.seq_len} tokens exceed the {self.tokens} tokens asked for")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "path": str(self.path), "tokens": self.tokens, "seq_len": self.seq_len,
-                "sequences": self.sequences}
+        return {
+            "source": self.source,
+            "path": str(self.path),
+            "tokens": self.tokens,
+            "seq_len": self.seq_len,
+            "sequences": self.sequences,
+        }
 
 
 _READ: dict[tuple[Any, ...], torch.Tensor] = {}  # the ids plan_calibration read, until calibration_ids takes them
@@ -87,13 +97,15 @@ def _key(model_dir: Path, plan: CalibrationPlan, vocab_size: int) -> tuple[Any, 
     return (str(model_dir), plan, vocab_size, stat.st_size, stat.st_mtime_ns)
 
 
-def plan_calibration(model_dir: Path, calibration: str | Path | None, tokens: int, seq_len: int, tokenizer: Any,
-                     vocab_size: int) -> CalibrationPlan:
+def plan_calibration(
+    model_dir: Path, calibration: str | Path | None, tokens: int, seq_len: int, tokenizer: Any, vocab_size: int
+) -> CalibrationPlan:
     """Read and check the calibration ``load_calibration`` would return (same errors) and describe it."""
     ids = load_calibration(model_dir, calibration, tokens, seq_len, tokenizer, vocab_size)
     path = Path(calibration) if calibration is not None else model_dir / CALIBRATION
-    plan = CalibrationPlan(path=path, source=str(calibration or model_dir / CALIBRATION), tokens=tokens,
-                           seq_len=seq_len, sequences=int(ids.shape[0]))
+    plan = CalibrationPlan(
+        path=path, source=str(calibration or model_dir / CALIBRATION), tokens=tokens, seq_len=seq_len, sequences=int(ids.shape[0])
+    )
     _READ.clear()
     _READ[_key(model_dir, plan, vocab_size)] = ids
     return plan
@@ -112,8 +124,10 @@ def calibration_ids(model_dir: Path, plan: CalibrationPlan, vocab_size: int) -> 
             tokenizer = load_tokenizer_dir(model_dir)
         ids = load_calibration(model_dir, plan.path, plan.tokens, plan.seq_len, tokenizer, vocab_size)
     if ids.shape != (plan.sequences, plan.seq_len):
-        raise RuntimeError(f"calibration {plan.path} changed since the conversion was planned: it gives "
-                           f"{tuple(ids.shape)} token windows, the plan {(plan.sequences, plan.seq_len)}")
+        raise RuntimeError(
+            f"calibration {plan.path} changed since the conversion was planned: it gives "
+            f"{tuple(ids.shape)} token windows, the plan {(plan.sequences, plan.seq_len)}"
+        )
     return ids
 
 

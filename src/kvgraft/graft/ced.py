@@ -74,21 +74,28 @@ class CEDGraftConfig:
                 "graft MLA with rope_selection='stride' (what `kvgraft convert --to ced` does)"
             )
         if config.mla_latent_norm:
-            raise ValueError("the share graft needs an MLA model without a latent norm (it folds the latent "
-                             "into each layer's window keys)")
+            raise ValueError(
+                "the share graft needs an MLA model without a latent norm (it folds the latent into each layer's window keys)"
+            )
         if config.qk_norm:
-            raise ValueError("the share graft needs an MLA model without per-head query/key norms (Qwen3): "
-                             "convert the original checkpoint with `kvgraft convert --to ced`, which replaces both "
-                             "norms by their least-squares linear fits (GraftConfig(qk_norm='linearise'))")
+            raise ValueError(
+                "the share graft needs an MLA model without per-head query/key norms (Qwen3): "
+                "convert the original checkpoint with `kvgraft convert --to ced`, which replaces both "
+                "norms by their least-squares linear fits (GraftConfig(qk_norm='linearise'))"
+            )
         ced_config(config, self)  # validates layers, window and rate with the config's own errors
 
 
 def ced_config(mla: ModelConfig, g: CEDGraftConfig) -> ModelConfig:
     """The causal encoder-decoder config of the graft: window heads = query heads, MLA widths kept."""
     return mla.replace(
-        attention_kinds=None, layer_types=None, kv_slots=None,
+        attention_kinds=None,
+        layer_types=None,
+        kv_slots=None,
         rope_freq_index=(known(mla.rope_freq_index, "rope_freq_index")[0],) * mla.num_layers,
-        kv_source_layers=g.kv_source_layers, sliding_window=g.sliding_window, compress_rate=g.compress_rate,
+        kv_source_layers=g.kv_source_layers,
+        sliding_window=g.sliding_window,
+        compress_rate=g.compress_rate,
         num_kv_heads=mla.num_heads,
     )
 
@@ -132,14 +139,16 @@ def graft_ced(
     latents: dict[int, torch.Tensor] = {}
     hooks = []
     for layer in range(cfg.num_layers):
+
         def keep(module: nn.Module, args: Any, out: torch.Tensor, layer: int = layer) -> None:
             latents[layer] = out[..., :dc].double().cpu()
+
         hooks.append(_mla_attention(mla, layer).kv_a_proj.register_forward_hook(keep))
     try:
         batches = range(0, calibration.shape[0], batch_size)
         for start in tqdm(batches, desc="share graft: calibrate", unit="batch", disable=not progress):
             latents.clear()
-            mla(calibration[start:start + batch_size].to(device))
+            mla(calibration[start : start + batch_size].to(device))
             pooled = {l: _pool(c, m) for l, c in latents.items()}
             ones = torch.ones(next(iter(pooled.values())).shape[0], 1, dtype=torch.float64)
             for s in xx:
@@ -159,10 +168,19 @@ def graft_ced(
     outside = [k for k in result.missing_keys + result.unexpected_keys if ".self_attn." not in k]
     if outside:
         raise RuntimeError(f"share graft: tensors outside attention do not carry over: {outside}")
-    H, dn, dr, dv = (cfg.num_heads, known(cfg.qk_nope_head_dim, "qk_nope_head_dim"),
-                     known(cfg.qk_rope_head_dim, "qk_rope_head_dim"), known(cfg.v_head_dim, "v_head_dim"))
-    report: dict[str, Any] = {"kv_source_layers": list(g.kv_source_layers), "pivot": new_cfg.pivot_layer,
-                              "sliding_window": g.sliding_window, "compress_rate": m, "readers": {}}
+    H, dn, dr, dv = (
+        cfg.num_heads,
+        known(cfg.qk_nope_head_dim, "qk_nope_head_dim"),
+        known(cfg.qk_rope_head_dim, "qk_rope_head_dim"),
+        known(cfg.v_head_dim, "v_head_dim"),
+    )
+    report: dict[str, Any] = {
+        "kv_source_layers": list(g.kv_source_layers),
+        "pivot": new_cfg.pivot_layer,
+        "sliding_window": g.sliding_window,
+        "compress_rate": m,
+        "readers": {},
+    }
     for layer in range(cfg.num_layers):
         old = _mla_attention(mla, layer)
         attn = cast(CEDAttention, cast(Block, new.layers[layer]).self_attn)

@@ -56,8 +56,12 @@ def _rope_not_mixed(model: Transformer) -> Check:
     dc = attn.dc
     latent_diff = (entries[0][..., :dc] - entries[1][..., :dc]).abs().max().item()
     rope_diff = (entries[0][..., dc:] - entries[1][..., dc:]).abs().max().item()
-    return Check(name, expect, latent_diff < 1e-6 and rope_diff > 1e-6,
-                 f"latent max change {latent_diff:.2e}, RoPE key max change {rope_diff:.2e} (layer {layers[0]})")
+    return Check(
+        name,
+        expect,
+        latent_diff < 1e-6 and rope_diff > 1e-6,
+        f"latent max change {latent_diff:.2e}, RoPE key max change {rope_diff:.2e} (layer {layers[0]})",
+    )
 
 
 def checklist(after: str | Path, original: str | Path, max_tokens: int = 32768) -> list[Check]:
@@ -75,8 +79,7 @@ def checklist(after: str | Path, original: str | Path, max_tokens: int = 32768) 
     with torch.no_grad():
         checks.append(_rope_not_mixed(model))
 
-    heldout = next((d / "eval" / "heldout.npy" for d in (after_dir, orig_dir) if (d / "eval" / "heldout.npy").is_file()),
-                   None)
+    heldout = next((d / "eval" / "heldout.npy" for d in (after_dir, orig_dir) if (d / "eval" / "heldout.npy").is_file()), None)
     name = "initialisation"
     expect = f"one-shot perplexity <= {PPL_BAR}x the original"
     if heldout is None:
@@ -95,8 +98,9 @@ def checklist(after: str | Path, original: str | Path, max_tokens: int = 32768) 
     else:
         fp32 = record.get("fp32_params") or []
         mla_layers = sum(k == "mla" for k in known(model.config.attention_kinds, "attention_kinds"))
-        checks.append(Check(name, expect, len(fp32) >= mla_layers > 0,
-                            f"{len(fp32)} fp32 parameter tensors for {mla_layers} MLA layers"))
+        checks.append(
+            Check(name, expect, len(fp32) >= mla_layers > 0, f"{len(fp32)} fp32 parameter tensors for {mla_layers} MLA layers")
+        )
     name, expect = "healing budget", f"at least {TOKENS_BAR:.0%} of the original pretraining tokens"
     if record is None or record.get("fraction_of_pretraining") is None:
         checks.append(Check(name, expect, None, "not healed, or the original's pretraining tokens are unknown"))
@@ -107,11 +111,23 @@ def checklist(after: str | Path, original: str | Path, max_tokens: int = 32768) 
     ctx = max(16, model.config.max_position_embeddings - 32)
     t_new = decode_speed(model, contexts=(ctx,), batch_sizes=(1,), new_tokens=24, repeats=3)[0].ms_per_token_median
     t_old = decode_speed(base, contexts=(ctx,), batch_sizes=(1,), new_tokens=24, repeats=3)[0].ms_per_token_median
-    checks.append(Check("up-projection", f"decode latency <= {LATENCY_BAR}x the original (absorbed, context {ctx})",
-                        t_new / t_old <= LATENCY_BAR, f"{t_new:.2f} ms vs {t_old:.2f} ms ({t_new / t_old:.2f}x)"))
+    checks.append(
+        Check(
+            "up-projection",
+            f"decode latency <= {LATENCY_BAR}x the original (absorbed, context {ctx})",
+            t_new / t_old <= LATENCY_BAR,
+            f"{t_new:.2f} ms vs {t_old:.2f} ms ({t_new / t_old:.2f}x)",
+        )
+    )
     mem = kv_memory(model, dtype=torch.bfloat16, max_len=1024)
-    checks.append(Check("KV cache allocation", "measured cache size equals the computed size", mem.agree,
-                        f"measured {mem.bytes_per_token_measured:,.0f} B/token, computed {mem.bytes_per_token_formula:,} B/token"))
+    checks.append(
+        Check(
+            "KV cache allocation",
+            "measured cache size equals the computed size",
+            mem.agree,
+            f"measured {mem.bytes_per_token_measured:,.0f} B/token, computed {mem.bytes_per_token_formula:,} B/token",
+        )
+    )
     return checks
 
 

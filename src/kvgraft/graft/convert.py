@@ -105,15 +105,35 @@ def convert(
     layout is used as it is. Readers are fitted by least squares on the calibration tokens.
     ``compression`` defaults to 4 for MLA.
     """
-    return execute(plan_conversion(
-        model, out, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, compression=compression,
-        objective=objective, rope_selection=rope_selection, layerwise=layerwise, rope_expectation=rope_expectation,
-        layers=layers, calibration=calibration, calibration_tokens=calibration_tokens,
-        calibration_seq_len=calibration_seq_len, output_format=output_format, overwrite=overwrite, progress=progress,
-        device=device, to=to, kv_source_layers=kv_source_layers, sliding_window=sliding_window,
-        compress_rate=compress_rate, calibration_shrinkage=calibration_shrinkage, rope_rotation=rope_rotation,
-        target=target, stock_construction=stock_construction,
-    ))
+    return execute(
+        plan_conversion(
+            model,
+            out,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            compression=compression,
+            objective=objective,
+            rope_selection=rope_selection,
+            layerwise=layerwise,
+            rope_expectation=rope_expectation,
+            layers=layers,
+            calibration=calibration,
+            calibration_tokens=calibration_tokens,
+            calibration_seq_len=calibration_seq_len,
+            output_format=output_format,
+            overwrite=overwrite,
+            progress=progress,
+            device=device,
+            to=to,
+            kv_source_layers=kv_source_layers,
+            sliding_window=sliding_window,
+            compress_rate=compress_rate,
+            calibration_shrinkage=calibration_shrinkage,
+            rope_rotation=rope_rotation,
+            target=target,
+            stock_construction=stock_construction,
+        )
+    )
 
 
 EXECUTORS = ("auto", "layerwise", "whole")
@@ -137,8 +157,7 @@ def execute(plan: ConvertPlan, executor: str = "auto") -> dict[str, Any]:
     streamable = layerwise_applies(plan)
     if executor == "layerwise" and not streamable:
         raise ValueError("the layer-by-layer executor converts --to mla with --format kvgraft only")
-    calib = None if plan.calibration is None else calibration_ids(plan.source, plan.calibration,
-                                                                  plan.source_config.vocab_size)
+    calib = None if plan.calibration is None else calibration_ids(plan.source, plan.calibration, plan.source_config.vocab_size)
     if executor != "whole" and streamable:
         return execute_layerwise(plan, calib)
     return execute_whole(plan, calib)
@@ -163,8 +182,14 @@ def execute_whole(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str, An
     if calib is not None:
         tail = tail_figures(original, converted, calib[-TAIL_SEQUENCES:])
     del original  # a 7B model should not be held twice while writing
-    record = conversion_record(plan, converted.config, share_report=share_report, tail=tail,
-                               seconds={"load": t_load, "convert": t_convert}, parameters=parameters)
+    record = conversion_record(
+        plan,
+        converted.config,
+        share_report=share_report,
+        tail=tail,
+        seconds={"load": t_load, "convert": t_convert},
+        parameters=parameters,
+    )
     write_outputs(plan, converted, calib, record)
     return record
 
@@ -185,13 +210,17 @@ def load_source(plan: ConvertPlan) -> Transformer:
 
         problems = weight_problems(original)
         if problems:
-            raise UnsupportedModelError("cannot export to stock DeepSeek-V3 (--format " + plan.output_format + "): "
-                                        + "; ".join(problems) + "; use --format kvgraft")
+            raise UnsupportedModelError(
+                "cannot export to stock DeepSeek-V3 (--format "
+                + plan.output_format
+                + "): "
+                + "; ".join(problems)
+                + "; use --format kvgraft"
+            )
     return original
 
 
-def graft(plan: ConvertPlan, original: Transformer,
-          calib: torch.Tensor | None) -> tuple[Transformer, dict[str, Any] | None]:
+def graft(plan: ConvertPlan, original: Transformer, calib: torch.Tensor | None) -> tuple[Transformer, dict[str, Any] | None]:
     """(converted model, share-graft report or None): the MLA graft (unless the source is all-MLA already),
     then for ``to == "ced"`` the share graft. ``original`` is left untouched."""
     converted = original if plan.mla is None else graft_mla(original, plan.mla, calib, progress=plan.progress)
@@ -206,8 +235,7 @@ def graft(plan: ConvertPlan, original: Transformer,
     return graft_ced(converted, plan.ced, calib, progress=plan.progress)
 
 
-def write_outputs(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor | None,
-                  record: dict[str, Any]) -> None:
+def write_outputs(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor | None, record: dict[str, Any]) -> None:
     """Write ``plan.out`` atomically: the kvgraft-format model and/or the stock DeepSeek-V3 export (whose
     report is added to ``record`` and printed with ``plan.progress``), the eval slices, conversion.json."""
     from kvgraft.hf import save_pretrained
@@ -222,14 +250,22 @@ def write_outputs(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor
         finish_output(plan, tmp, record)
 
 
-def _write_stock(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor | None, record: dict[str, Any],
-                 tmp: Path, tok_dir: Path | None) -> None:
+def _write_stock(
+    plan: ConvertPlan, converted: Transformer, calib: torch.Tensor | None, record: dict[str, Any], tmp: Path, tok_dir: Path | None
+) -> None:
     """The stock DeepSeek-V3 export into ``tmp/deepseek_v3``, its report into ``record["deepseek_v3"]``."""
     from kvgraft.hf.deepseek import export_deepseek_v3
     from kvgraft.hf.engines import engine_support
 
-    report = export_deepseek_v3(converted, tmp / "deepseek_v3", tokenizer_dir=tok_dir, calibration=calib,
-                                tail_sequences=TAIL_SEQUENCES, verbose=False, target=plan.stock_construction)
+    report = export_deepseek_v3(
+        converted,
+        tmp / "deepseek_v3",
+        tokenizer_dir=tok_dir,
+        calibration=calib,
+        tail_sequences=TAIL_SEQUENCES,
+        verbose=False,
+        target=plan.stock_construction,
+    )
     report.path = plan.out / "deepseek_v3"  # where it ends up, not the temporary directory
     record["formats"].append("deepseek_v3")
     stock = record["deepseek_v3"] = report.to_dict()
@@ -238,20 +274,46 @@ def _write_stock(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor 
     stock_bytes = cfg.num_layers * (d_c + d_rope) * 2
     stock["kv_bytes_per_token_bf16"] = stock_bytes
     stock["compression"] = plan.source_config.kv_bytes_per_token(2) / stock_bytes
-    stock["engines"] = [e.to_dict() for e in engine_support(d_c, d_rope, known(cfg.qk_nope_head_dim,
-                                                                                 "qk_nope_head_dim"))]
+    stock["engines"] = [e.to_dict() for e in engine_support(d_c, d_rope, known(cfg.qk_nope_head_dim, "qk_nope_head_dim"))]
     if plan.progress:
         print("\n".join(report.summary()), flush=True)
         tail = record["calibration_tail"]
         if tail is not None:
-            print(f"  calibration tail, against the original: perplexity {tail['original_perplexity']:.4g} "
-                  f"(original) -> {tail['converted_perplexity']:.4g} (converted; the export adds the error "
-                  f"above), max |logit diff| {tail['converted_max_abs_logit_diff_vs_original']:.3g}"
-                  + ("; Qwen3's per-head q/k norms are replaced by their least-squares linear fits (stock "
-                     "DeepSeek-V3 has no place for them)" if plan.source_config.qk_norm else ""), flush=True)
+            print(
+                f"  calibration tail, against the original: perplexity {tail['original_perplexity']:.4g} "
+                f"(original) -> {tail['converted_perplexity']:.4g} (converted; the export adds the error "
+                f"above), max |logit diff| {tail['converted_max_abs_logit_diff_vs_original']:.3g}"
+                + (
+                    "; Qwen3's per-head q/k norms are replaced by their least-squares linear fits (stock "
+                    "DeepSeek-V3 has no place for them)"
+                    if plan.source_config.qk_norm
+                    else ""
+                ),
+                flush=True,
+            )
 
 
-__all__ = ["CALIBRATION", "EXECUTORS", "FORMATS", "SERVE_TARGETS", "STOCK_CONSTRUCTIONS", "TAIL_SEQUENCES", "TARGETS",
-           "ConvertPlan", "conversion_record", "convert", "execute", "execute_whole", "finish_output", "graft",
-           "layerwise_applies", "load_calibration", "load_source", "plan_conversion", "ranks_for_compression",
-           "TailFigures", "tail_figures", "write_outputs"]
+__all__ = [
+    "CALIBRATION",
+    "EXECUTORS",
+    "FORMATS",
+    "SERVE_TARGETS",
+    "STOCK_CONSTRUCTIONS",
+    "TAIL_SEQUENCES",
+    "TARGETS",
+    "ConvertPlan",
+    "conversion_record",
+    "convert",
+    "execute",
+    "execute_whole",
+    "finish_output",
+    "graft",
+    "layerwise_applies",
+    "load_calibration",
+    "load_source",
+    "plan_conversion",
+    "ranks_for_compression",
+    "TailFigures",
+    "tail_figures",
+    "write_outputs",
+]

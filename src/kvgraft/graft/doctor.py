@@ -30,12 +30,20 @@ DEFAULT_CONTEXTS = (1024, 4096, 8192, 32768)
 FLASHMLA_KV_LORA_RANK = 512
 FLASHMLA_ROPE_DIM = 64
 _ROPE_SCALING_FIELDS = (
-    "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
-    "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+    "factor",
+    "original_max_position_embeddings",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
 )
 
 
 # ---- KV-cache table -------------------------------------------------------------------------------
+
 
 def _context_label(tokens: int) -> str:
     if tokens >= 1024 and tokens % 1024 == 0:
@@ -55,9 +63,7 @@ def kv_cache_table(
     when the cache grows; None when ``before`` is 0).
     """
     if bytes_per_token_before < 0 or bytes_per_token_after < 0:
-        raise ValueError(
-            f"bytes per token must be >= 0, got {bytes_per_token_before} before and {bytes_per_token_after} after"
-        )
+        raise ValueError(f"bytes per token must be >= 0, got {bytes_per_token_before} before and {bytes_per_token_after} after")
     rows = []
     for tokens in contexts:
         if int(tokens) != tokens or tokens <= 0:
@@ -65,15 +71,17 @@ def kv_cache_table(
         tokens = int(tokens)
         before = bytes_per_token_before * tokens
         after = bytes_per_token_after * tokens
-        rows.append({
-            "context": tokens,
-            "label": _context_label(tokens),
-            "bytes_before": before,
-            "bytes_after": after,
-            "gb_before": before / 1e9,
-            "gb_after": after / 1e9,
-            "reduction_pct": None if before == 0 else 100.0 * (1.0 - after / before),
-        })
+        rows.append(
+            {
+                "context": tokens,
+                "label": _context_label(tokens),
+                "bytes_before": before,
+                "bytes_after": after,
+                "gb_before": before / 1e9,
+                "gb_after": after / 1e9,
+                "reduction_pct": None if before == 0 else 100.0 * (1.0 - after / before),
+            }
+        )
     return rows
 
 
@@ -110,19 +118,24 @@ def format_kv_cache_table(rows: list[dict[str, Any]], indent: str = "") -> str:
     unit, scale = _unit(min(r["bytes_before"] for r in rows))
     cells = [("context", "now", "", "after", "change")]
     for r in rows:
-        cells.append((
-            r["label"], f"{_num(r['bytes_before'] / scale)} {unit}", "->",
-            f"{_num(r['bytes_after'] / scale)} {unit}", _pct(r["reduction_pct"]),
-        ))
+        cells.append(
+            (
+                r["label"],
+                f"{_num(r['bytes_before'] / scale)} {unit}",
+                "->",
+                f"{_num(r['bytes_after'] / scale)} {unit}",
+                _pct(r["reduction_pct"]),
+            )
+        )
     widths = [max(len(c[i]) for c in cells) for i in range(5)]
     lines = []
     for c in cells:
-        lines.append(f"{indent}{c[0]:<{widths[0]}}  {c[1]:>{widths[1]}} {c[2]:2} {c[3]:>{widths[3]}}  "
-                     f"{c[4]:>{widths[4]}}")
+        lines.append(f"{indent}{c[0]:<{widths[0]}}  {c[1]:>{widths[1]}} {c[2]:2} {c[3]:>{widths[3]}}  {c[4]:>{widths[4]}}")
     return "\n".join(lines)
 
 
 # ---- the report -----------------------------------------------------------------------------------
+
 
 @dataclass
 class Blocker:
@@ -193,8 +206,7 @@ class DoctorReport:
 
         row("layers", str(self.num_layers))
         row("hidden size", str(self.hidden_size))
-        row("attention", f"{self.attention_kind}: {self.num_heads} heads, {self.num_kv_heads} kv heads, "
-                         f"head_dim {self.head_dim}")
+        row("attention", f"{self.attention_kind}: {self.num_heads} heads, {self.num_kv_heads} kv heads, head_dim {self.head_dim}")
         row("RoPE", _rope_text(self.rope))
         row("q/k/v bias", _yes(self.qkv_bias))
         row("o bias", _yes(self.o_bias))
@@ -204,31 +216,42 @@ class DoctorReport:
         if self.sliding_window is None:
             row("sliding window", "none")
         else:
-            row("sliding window", f"{self.sliding_window} tokens on layers "
-                                  f"{_ranges(self.sliding_layers, self.num_layers)}")
+            row("sliding window", f"{self.sliding_window} tokens on layers {_ranges(self.sliding_layers, self.num_layers)}")
         row("tied embeddings", _yes(self.tie_word_embeddings))
         params = _count(self.num_parameters)
         if self.num_parameters_after is not None:
             params += f" -> {_count(self.num_parameters_after)} after"
         row("parameters", params)
 
-        out += ["", f"MLA graft: d_c (kv_lora_rank) = {self.kv_lora_rank}, "
-                    f"d_rope (qk_rope_head_dim) = {self.qk_rope_head_dim}, {self.dtype_bytes} bytes per value"]
+        out += [
+            "",
+            f"MLA graft: d_c (kv_lora_rank) = {self.kv_lora_rank}, "
+            f"d_rope (qk_rope_head_dim) = {self.qk_rope_head_dim}, {self.dtype_bytes} bytes per value",
+        ]
         before, after = self.kv_bytes_per_token_before, self.kv_bytes_per_token_after
-        row("KV per layer", f"{self.kv_width} values now -> {self.kv_lora_rank + self.qk_rope_head_dim} after "
-                            f"(d_c + d_rope)")
-        change = (f"{self.kv_compression:.2f}x smaller, {_pct(self.kv_saving_pct)}" if self.kv_saving_pct >= 0
-                  else f"{1 / self.kv_compression:.2f}x LARGER, {_pct(self.kv_saving_pct)}")
+        row("KV per layer", f"{self.kv_width} values now -> {self.kv_lora_rank + self.qk_rope_head_dim} after (d_c + d_rope)")
+        change = (
+            f"{self.kv_compression:.2f}x smaller, {_pct(self.kv_saving_pct)}"
+            if self.kv_saving_pct >= 0
+            else f"{1 / self.kv_compression:.2f}x LARGER, {_pct(self.kv_saving_pct)}"
+        )
         row("KV per token", f"{before:,} B now -> {after:,} B after ({change})")
         for line in self.info:
             out.append(f"  - {line}")
-        out += ["", "KV cache per sequence (decimal units: 1 GB = 10^9 bytes, 1 MB = 10^6 bytes)", format_kv_cache_table(self.kv_cache, "  ")]
+        out += [
+            "",
+            "KV cache per sequence (decimal units: 1 GB = 10^9 bytes, 1 MB = 10^6 bytes)",
+            format_kv_cache_table(self.kv_cache, "  "),
+        ]
         if self.engines:
             from kvgraft.hf.engines import EngineSupport, format_engine_table
 
-            out += ["", f"engines for a stock DeepSeek-V3 export of these ranks (d_c + d_rope = "
-                        f"{self.kv_lora_rank + self.qk_rope_head_dim}; no attention biases, the default export)",
-                    format_engine_table([EngineSupport(**e) for e in self.engines], "  ")]
+            out += [
+                "",
+                f"engines for a stock DeepSeek-V3 export of these ranks (d_c + d_rope = "
+                f"{self.kv_lora_rank + self.qk_rope_head_dim}; no attention biases, the default export)",
+                format_engine_table([EngineSupport(**e) for e in self.engines], "  "),
+            ]
         sections = (
             ("fast path", self.fast_path, ""),
             ("warnings", self.warnings, "WARNING: "),
@@ -290,7 +313,7 @@ def _rope_dict(config: ModelConfig) -> dict[str, Any]:
 
 
 def attention_kind(num_heads: int, num_kv_heads: int) -> str:
-    """"MHA" (as many kv heads as query heads), "MQA" (one kv head) or "GQA H/K:1"."""
+    """ "MHA" (as many kv heads as query heads), "MQA" (one kv head) or "GQA H/K:1"."""
     if num_kv_heads == num_heads:
         return "MHA"
     if num_kv_heads == 1:
@@ -340,25 +363,44 @@ def _blockers(config: ModelConfig, d_c: int, d_rope: int) -> list[Blocker]:
     out: list[Blocker] = []
     mla = [i for i, k in enumerate(known(config.attention_kinds, "attention_kinds")) if k == "mla"]
     if mla:
-        out.append(Blocker("already_mla", f"layers {_ranges(mla, L)} are already MLA; only GQA/MHA layers can "
-                                          "be grafted"))
+        out.append(Blocker("already_mla", f"layers {_ranges(mla, L)} are already MLA; only GQA/MHA layers can be grafted"))
     if config.is_ced:
-        out.append(Blocker("already_ced", f"this is a causal encoder-decoder (kv_source layers "
-                                          f"{list(known(config.kv_source_layers, 'kv_source_layers'))}): its KV "
-                                          "cache is already shared "
-                                          "and compressed"))
+        out.append(
+            Blocker(
+                "already_ced",
+                f"this is a causal encoder-decoder (kv_source layers "
+                f"{list(known(config.kv_source_layers, 'kv_source_layers'))}): its KV "
+                "cache is already shared "
+                "and compressed",
+            )
+        )
         return out
     if config.num_slots != L:
-        out.append(Blocker("cross_layer_kv", f"cross-layer shared KV ({config.num_slots} cache slots for {L} "
-                                             "layers): the graft converts one KV cache per layer"))
+        out.append(
+            Blocker(
+                "cross_layer_kv",
+                f"cross-layer shared KV ({config.num_slots} cache slots for {L} "
+                "layers): the graft converts one KV cache per layer",
+            )
+        )
     if d_rope > K * hd:
-        out.append(Blocker("d_rope_too_large", f"d_rope ({d_rope}) exceeds the model's RoPE key width "
-                                               f"num_kv_heads x head_dim = {K} x {hd} = {K * hd}: the shared "
-                                               "RoPE key is chosen from the existing keys' rotary pairs"))
+        out.append(
+            Blocker(
+                "d_rope_too_large",
+                f"d_rope ({d_rope}) exceeds the model's RoPE key width "
+                f"num_kv_heads x head_dim = {K} x {hd} = {K * hd}: the shared "
+                "RoPE key is chosen from the existing keys' rotary pairs",
+            )
+        )
     if d_c > config.kv_width:
-        out.append(Blocker("d_c_too_large", f"d_c ({d_c}) exceeds the model's KV width "
-                                            f"2 x num_kv_heads x head_dim = {config.kv_width}: the latent "
-                                            "cannot be wider than the keys and values it replaces"))
+        out.append(
+            Blocker(
+                "d_c_too_large",
+                f"d_c ({d_c}) exceeds the model's KV width "
+                f"2 x num_kv_heads x head_dim = {config.kv_width}: the latent "
+                "cannot be wider than the keys and values it replaces",
+            )
+        )
     try:
         graft = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope)
     except ValueError as exc:  # GraftConfig's own checks (d_rope even, ...)
@@ -402,14 +444,18 @@ def doctor(
         raise ValueError(f"format {output_format!r} is not one of {', '.join(formats)}")
     config, source, model_type = _load(model)
     dtype_bytes = _positive_int("dtype_bytes", dtype_bytes)
-    ranks = default_ranks(config, compression=compression, kv_lora_rank=kv_lora_rank,
-                          qk_rope_head_dim=qk_rope_head_dim, stock=output_format != "kvgraft")
+    ranks = default_ranks(
+        config,
+        compression=compression,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        stock=output_format != "kvgraft",
+    )
     d_c, d_rope = ranks.kv_lora_rank, ranks.qk_rope_head_dim
     info = list(ranks.how)
     if ranks.how:
         info.insert(0, "ranks from the default rule, the same as kvgraft convert's (docs/ranks.md):")
-        info.append("DeepSeek-V2/V3 cache d_c = 512 plus d_rope = 64; the rule gives exactly that at a 576-value "
-                    "budget")
+        info.append("DeepSeek-V2/V3 cache d_c = 512 plus d_rope = 64; the rule gives exactly that at a 576-value budget")
 
     L, K, hd = config.num_layers, config.num_kv_heads, known(config.head_dim, "head_dim")
     before = config.kv_bytes_per_token(dtype_bytes)
@@ -426,47 +472,61 @@ def doctor(
     if (d_c, d_rope) == (FLASHMLA_KV_LORA_RANK, FLASHMLA_ROPE_DIM):
         fast_path.append("d_c = 512 and d_rope = 64 match FlashMLA's decode kernels (576-wide cache rows)")
     else:
-        fast_path.append(f"FlashMLA's decode kernels need d_c = 512 and d_rope = 64; these ranks (d_c = {d_c}, "
-                         f"d_rope = {d_rope}) miss them, so decode runs on the generic MLA path")
+        fast_path.append(
+            f"FlashMLA's decode kernels need d_c = 512 and d_rope = 64; these ranks (d_c = {d_c}, "
+            f"d_rope = {d_rope}) miss them, so decode runs on the generic MLA path"
+        )
 
     warnings = []
     per_layer_after = d_c + d_rope
     if per_layer_after > config.kv_width:
-        warnings.append(f"d_c + d_rope = {d_c} + {d_rope} = {per_layer_after} values per layer is MORE than the "
-                        f"model's current KV cache of {config.kv_width} per layer (2 x {K} kv heads x {hd}): "
-                        f"the graft would grow the KV cache {per_layer_after / config.kv_width:.2f}x; choose "
-                        f"d_c + d_rope < {config.kv_width}")
+        warnings.append(
+            f"d_c + d_rope = {d_c} + {d_rope} = {per_layer_after} values per layer is MORE than the "
+            f"model's current KV cache of {config.kv_width} per layer (2 x {K} kv heads x {hd}): "
+            f"the graft would grow the KV cache {per_layer_after / config.kv_width:.2f}x; choose "
+            f"d_c + d_rope < {config.kv_width}"
+        )
     elif per_layer_after == config.kv_width:
-        warnings.append(f"d_c + d_rope = {per_layer_after} values per layer equals the model's current KV cache "
-                        f"({config.kv_width} per layer): the graft would not shrink the KV cache")
+        warnings.append(
+            f"d_c + d_rope = {per_layer_after} values per layer equals the model's current KV cache "
+            f"({config.kv_width} per layer): the graft would not shrink the KV cache"
+        )
 
     notes = []
     if sliding_layers:
-        notes.append(f"sliding window ({config.sliding_window} tokens on layers "
-                     f"{_ranges(sliding_layers, L)}) is kept in kvgraft's format, but stock DeepSeek-V3 "
-                     "export cannot express it")
+        notes.append(
+            f"sliding window ({config.sliding_window} tokens on layers "
+            f"{_ranges(sliding_layers, L)}) is kept in kvgraft's format, but stock DeepSeek-V3 "
+            "export cannot express it"
+        )
     if config.qkv_bias:
-        notes.append("q/k/v biases are folded into the MLA projections in kvgraft's format; the stock DeepSeek-V3 "
-                     "export for engines (the default) folds them into bias-free weights through the attention "
-                     "input's mean direction (approximate, error measured), --stock-construction exact keeps them "
-                     "exact for transformers only (vLLM and SGLang load no attention bias)")
+        notes.append(
+            "q/k/v biases are folded into the MLA projections in kvgraft's format; the stock DeepSeek-V3 "
+            "export for engines (the default) folds them into bias-free weights through the attention "
+            "input's mean direction (approximate, error measured), --stock-construction exact keeps them "
+            "exact for transformers only (vLLM and SGLang load no attention bias)"
+        )
     if config.o_bias:
         notes.append("the o_proj bias is kept in kvgraft's format")
     if config.qk_norm:
-        notes.append("per-head q/k RMSNorm (Qwen3): the query norm is kept (kvgraft format); the key norm sits "
-                     "between k_proj and RoPE, so it is replaced by its least-squares linear fit on calibration "
-                     "text (not exact: heal afterwards); the stock DeepSeek-V3 export linearises both (error "
-                     "measured)")
+        notes.append(
+            "per-head q/k RMSNorm (Qwen3): the query norm is kept (kvgraft format); the key norm sits "
+            "between k_proj and RoPE, so it is replaced by its least-squares linear fit on calibration "
+            "text (not exact: heal afterwards); the stock DeepSeek-V3 export linearises both (error "
+            "measured)"
+        )
     if config.mlp_bias:
         notes.append("MLP biases are kept in kvgraft's format; stock DeepSeek-V3 MLPs have no bias")
     if config.rope.rope_type != "default":
         rope = _rope_dict(config)
         notes.append(f"RoPE scaling {_rope_text(rope)} is carried over to the MLA RoPE key")
     if d_rope <= K * hd and (d_rope > hd or hd % d_rope):
-        notes.append(f"d_rope ({d_rope}) does not divide head_dim ({hd}): the 'stride' RoPE selection cannot be "
-                     "used; the 'prefix' one (the stock DeepSeek-V3 export's default) can"
-                     + ("" if d_rope <= hd else f" only with d_rope <= head_dim ({hd})")
-                     + ", and so can convert's default 'norm' selection (kvgraft format)")
+        notes.append(
+            f"d_rope ({d_rope}) does not divide head_dim ({hd}): the 'stride' RoPE selection cannot be "
+            "used; the 'prefix' one (the stock DeepSeek-V3 export's default) can"
+            + ("" if d_rope <= hd else f" only with d_rope <= head_dim ({hd})")
+            + ", and so can convert's default 'norm' selection (kvgraft format)"
+        )
 
     blockers = _blockers(config, d_c, d_rope)
     from kvgraft.hf.engines import engine_support
@@ -484,22 +544,50 @@ def doctor(
             params_after = None
     verdict = "blocked" if blockers else "convertible with notes" if warnings or notes else "convertible"
     return DoctorReport(
-        source=source, model_type=model_type,
-        num_layers=L, hidden_size=config.hidden_size, num_heads=config.num_heads, num_kv_heads=K, head_dim=hd,
-        attention_kind=kind, mla_layers=mla_layers, rope=_rope_dict(config),
-        qkv_bias=config.qkv_bias, o_bias=config.o_bias, mlp_bias=config.mlp_bias, qk_norm=config.qk_norm,
-        sliding_window=config.sliding_window if sliding_layers else None, sliding_layers=sliding_layers,
-        tie_word_embeddings=config.tie_word_embeddings, num_parameters=num_parameters(config),
+        source=source,
+        model_type=model_type,
+        num_layers=L,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_heads,
+        num_kv_heads=K,
+        head_dim=hd,
+        attention_kind=kind,
+        mla_layers=mla_layers,
+        rope=_rope_dict(config),
+        qkv_bias=config.qkv_bias,
+        o_bias=config.o_bias,
+        mlp_bias=config.mlp_bias,
+        qk_norm=config.qk_norm,
+        sliding_window=config.sliding_window if sliding_layers else None,
+        sliding_layers=sliding_layers,
+        tie_word_embeddings=config.tie_word_embeddings,
+        num_parameters=num_parameters(config),
         num_parameters_after=params_after,
-        kv_lora_rank=d_c, qk_rope_head_dim=d_rope, dtype_bytes=dtype_bytes, kv_width=config.kv_width,
-        kv_bytes_per_token_before=before, kv_bytes_per_token_after=after,
-        kv_compression=before / after, kv_saving_pct=100.0 * (1.0 - after / before),
-        kv_cache=kv_cache_table(before, after), info=info, fast_path=fast_path, engines=engines, warnings=warnings,
-        notes=notes, blockers=blockers, verdict=verdict,
+        kv_lora_rank=d_c,
+        qk_rope_head_dim=d_rope,
+        dtype_bytes=dtype_bytes,
+        kv_width=config.kv_width,
+        kv_bytes_per_token_before=before,
+        kv_bytes_per_token_after=after,
+        kv_compression=before / after,
+        kv_saving_pct=100.0 * (1.0 - after / before),
+        kv_cache=kv_cache_table(before, after),
+        info=info,
+        fast_path=fast_path,
+        engines=engines,
+        warnings=warnings,
+        notes=notes,
+        blockers=blockers,
+        verdict=verdict,
     )
 
 
 __all__ = [
-    "Blocker", "DoctorReport", "attention_kind", "default_kv_lora_rank", "doctor", "format_kv_cache_table",
+    "Blocker",
+    "DoctorReport",
+    "attention_kind",
+    "default_kv_lora_rank",
+    "doctor",
+    "format_kv_cache_table",
     "kv_cache_table",
 ]

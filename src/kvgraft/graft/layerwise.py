@@ -85,8 +85,11 @@ class SourceLayers:
     def block(self, layer: int) -> Block:
         """The original decoder block ``layer`` (eval mode), its weights read now."""
         prefix = f"{HF_PREFIX}layers.{layer}."
-        state = {k[len(prefix):]: self.tensor(k, release=False) for k in self.reader.prefixed(prefix)
-                 if not k.endswith(IGNORED_SUFFIXES)}
+        state = {
+            k[len(prefix) :]: self.tensor(k, release=False)
+            for k in self.reader.prefixed(prefix)
+            if not k.endswith(IGNORED_SUFFIXES)
+        }
         self.reader.release()
         with torch.device("meta"):
             block = Block(self.config, layer)
@@ -118,21 +121,22 @@ def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str
             new_config = run.model_config()
             _check_written(writer.close(), new_config)
             # as the whole-model executor counts: "convert" is the graft, without the tail figures and the writing
-            seconds = {"load": src.seconds,
-                       "convert": time.perf_counter() - t_start - src.seconds - tail_seconds[0] - writer.seconds}
+            seconds = {
+                "load": src.seconds,
+                "convert": time.perf_counter() - t_start - src.seconds - tail_seconds[0] - writer.seconds,
+            }
             parameters = {"original": num_parameters(config), "converted": num_parameters(new_config)}
-            record = conversion_record(plan, new_config, share_report=None, tail=tail, seconds=seconds,
-                                       parameters=parameters)
+            record = conversion_record(plan, new_config, share_report=None, tail=tail, seconds=seconds, parameters=parameters)
             hf_config = hf_config_from_model(new_config, "kvgraft", dtype=str(DTYPE).removeprefix("torch."))
-            write_side_files(tmp, hf_config, new_config,
-                             tokenizer_files_of(plan.source if plan.has_tokenizer else None))
+            write_side_files(tmp, hf_config, new_config, tokenizer_files_of(plan.source if plan.has_tokenizer else None))
             record["formats"].append("kvgraft")
             finish_output(plan, tmp, record)
     return record
 
 
-def _graft_layers(plan: ConvertPlan, src: SourceLayers, calib: torch.Tensor | None, writer: ShardWriter,
-                  tail_seconds: list[float]) -> tuple[LayerGraft, dict[str, Any] | None]:
+def _graft_layers(
+    plan: ConvertPlan, src: SourceLayers, calib: torch.Tensor | None, writer: ShardWriter, tail_seconds: list[float]
+) -> tuple[LayerGraft, dict[str, Any] | None]:
     """The walk up the layers: graft, write, and run the tail through both stacks; then the head.
     ``tail_seconds[0]`` receives the seconds spent on the tail."""
     g, config, device = plan.mla, plan.source_config, torch.device(plan.device)
@@ -146,8 +150,7 @@ def _graft_layers(plan: ConvertPlan, src: SourceLayers, calib: torch.Tensor | No
     del hidden
     if g.rope_selection == "shared":  # scores every chosen layer on the original stack first: a first pass
         t0 = time.perf_counter()
-        run.shared_pairs = _shared_pairs(config, src.block, embed, rotary, g, sorted(run.layers), calib, 8,
-                                         plan.progress)
+        run.shared_pairs = _shared_pairs(config, src.block, embed, rotary, g, sorted(run.layers), calib, 8, plan.progress)
         run.clock["statistics"] += time.perf_counter() - t0
     tails: list[torch.Tensor] = []  # the tail's hidden states: [original stack, converted stack]
     if tail_ids is not None:
@@ -186,7 +189,7 @@ def _graft_layers(plan: ConvertPlan, src: SourceLayers, calib: torch.Tensor | No
     t_tail = time.perf_counter()
     tail = TailFigures(tail_ids)
     for i in range(tail_ids.shape[0]):  # the head as Transformer.forward applies it, one sequence at a time
-        tail.add(i, *(F.linear(norm(x[i:i + 1]), head) for x in tails))
+        tail.add(i, *(F.linear(norm(x[i : i + 1]), head) for x in tails))
     tail_seconds[0] += time.perf_counter() - t_tail
     return run, tail.record()
 
@@ -196,8 +199,9 @@ def _check_written(weight_map: dict[str, str], config: ModelConfig) -> None:
     expected = {k if k == "lm_head.weight" else HF_PREFIX + k for k in parameter_shapes(config)}
     written = set(weight_map)
     if written != expected:
-        raise RuntimeError(f"layer-by-layer writer bug: missing {sorted(expected - written)}, "
-                           f"unexpected {sorted(written - expected)}")
+        raise RuntimeError(
+            f"layer-by-layer writer bug: missing {sorted(expected - written)}, unexpected {sorted(written - expected)}"
+        )
 
 
 __all__ = ["SHARD_FLOOR", "SourceLayers", "execute_layerwise", "shard_bytes"]

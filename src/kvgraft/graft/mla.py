@@ -112,14 +112,14 @@ class GraftConfig:
             )
         if self.kv_lora_rank > 2 * config.num_kv_heads * head_dim:
             raise ValueError(
-                f"kv_lora_rank ({self.kv_lora_rank}) exceeds the model's KV width "
-                f"2 x num_kv_heads x head_dim = {config.kv_width}"
+                f"kv_lora_rank ({self.kv_lora_rank}) exceeds the model's KV width 2 x num_kv_heads x head_dim = {config.kv_width}"
             )
         if config.num_slots != config.num_layers:
             raise ValueError("models with cross-layer KV sharing cannot be grafted")
         if config.qk_norm and self.qk_norm == "linearise" and len(set(layers)) != config.num_layers:
-            raise ValueError("qk_norm 'linearise' removes the q/k norms from the whole model, so every layer must "
-                             "be converted (layers=None)")
+            raise ValueError(
+                "qk_norm 'linearise' removes the q/k norms from the whole model, so every layer must be converted (layers=None)"
+            )
 
 
 def mla_model_config(config: ModelConfig, g: GraftConfig, rope_index: dict[int, tuple[int, ...]]) -> ModelConfig:
@@ -129,8 +129,11 @@ def mla_model_config(config: ModelConfig, g: GraftConfig, rope_index: dict[int, 
     kinds = tuple("mla" if i in layers else k for i, k in enumerate(known(config.attention_kinds, "attention_kinds")))
     return config.replace(
         qk_norm=config.qk_norm and g.qk_norm != "linearise",
-        attention_kinds=kinds, kv_lora_rank=g.kv_lora_rank, qk_rope_head_dim=g.qk_rope_head_dim,
-        qk_nope_head_dim=config.head_dim, v_head_dim=config.head_dim,
+        attention_kinds=kinds,
+        kv_lora_rank=g.kv_lora_rank,
+        qk_rope_head_dim=g.qk_rope_head_dim,
+        qk_nope_head_dim=config.head_dim,
+        v_head_dim=config.head_dim,
         rope_freq_index=tuple(rope_index.get(i, ()) for i in range(config.num_layers)),
     )
 
@@ -146,12 +149,19 @@ def _gqa(block: Block) -> GQAttention:
 
 def _gqa_weights(attn: GQAttention) -> GQAWeights:
     """The layer's weights on the CPU: the per-layer conversion math runs there, in fp64."""
+
     def b(lin: nn.Linear) -> torch.Tensor | None:
         return None if lin.bias is None else lin.bias.detach().cpu()
 
     return GQAWeights(
-        attn.q_proj.weight.detach().cpu(), attn.k_proj.weight.detach().cpu(), attn.v_proj.weight.detach().cpu(),
-        attn.o_proj.weight.detach().cpu(), b(attn.q_proj), b(attn.k_proj), b(attn.v_proj), b(attn.o_proj),
+        attn.q_proj.weight.detach().cpu(),
+        attn.k_proj.weight.detach().cpu(),
+        attn.v_proj.weight.detach().cpu(),
+        attn.o_proj.weight.detach().cpu(),
+        b(attn.q_proj),
+        b(attn.k_proj),
+        b(attn.v_proj),
+        b(attn.o_proj),
     )
 
 
@@ -168,8 +178,15 @@ class LayerGraft:
     ``clock``: seconds per phase ("statistics", "factorisation", "propagation"), added to.
     """
 
-    def __init__(self, config: ModelConfig, g: GraftConfig, rotary: RotaryEmbedding, hidden: torch.Tensor | None,
-                 batch_size: int = 8, clock: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        g: GraftConfig,
+        rotary: RotaryEmbedding,
+        hidden: torch.Tensor | None,
+        batch_size: int = 8,
+        clock: dict[str, float] | None = None,
+    ) -> None:
         g.check_against(config)
         if g.objective != "weights" and hidden is None:
             raise ValueError(f"objective {g.objective!r} needs calibration tokens (or use objective='weights')")
@@ -230,20 +247,29 @@ class LayerGraft:
         t1 = time.perf_counter()
         clock["statistics"] += t1 - t0
         layer_args: dict[str, Any] = {
-            "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
-            "head_dim": known(config.head_dim, "head_dim"), "kv_lora_rank": g.kv_lora_rank, "d_rope": g.qk_rope_head_dim,
+            "num_heads": config.num_heads,
+            "num_kv_heads": config.num_kv_heads,
+            "head_dim": known(config.head_dim, "head_dim"),
+            "kv_lora_rank": g.kv_lora_rank,
+            "d_rope": g.qk_rope_head_dim,
             "C": shrink_second_moment(C, g.calibration_shrinkage),
-            "objective": g.objective, "rope_selection": g.rope_selection, "balance_kv": g.balance_kv,
-            "rope_attention_scaling": self.rotary.attention_scaling, "q_norm_weight": q_norm,
-            "rope_expectation": expectation, "pairs": self.shared_pairs.get(layer), "rope_rotation": g.rope_rotation,
+            "objective": g.objective,
+            "rope_selection": g.rope_selection,
+            "balance_kv": g.balance_kv,
+            "rope_attention_scaling": self.rotary.attention_scaling,
+            "q_norm_weight": q_norm,
+            "rope_expectation": expectation,
+            "pairs": self.shared_pairs.get(layer),
+            "rope_rotation": g.rope_rotation,
         }
         mla = None
         if self.math_device is not None:  # fp64 on the GPU: the O(rows x h^2) products and the eigh take seconds there
             try:
                 mla = convert_layer(weights, device=self.math_device, **layer_args)
             except RuntimeError as exc:  # e.g. no fp64 solver on this device: the CPU path always works
-                warnings.warn(f"layer {layer}: the factorisation failed on {self.math_device} ({exc}); "
-                              "running it on the CPU", stacklevel=3)
+                warnings.warn(
+                    f"layer {layer}: the factorisation failed on {self.math_device} ({exc}); running it on the CPU", stacklevel=3
+                )
                 self.math_device = None
         if mla is None:
             mla = convert_layer(weights, **layer_args)
@@ -255,8 +281,11 @@ class LayerGraft:
         """The converted ``layer``: an MLA attention (``converted[layer]``, in the block's dtype) between
         ``block``'s own norms and MLP (shared, not copied)."""
         g = self.g
-        cfg = mla_model_config(self.config, GraftConfig(g.kv_lora_rank, g.qk_rope_head_dim, layers=(layer,),
-                                                        qk_norm=g.qk_norm), {layer: self.rope_index[layer]})
+        cfg = mla_model_config(
+            self.config,
+            GraftConfig(g.kv_lora_rank, g.qk_rope_head_dim, layers=(layer,), qk_norm=g.qk_norm),
+            {layer: self.rope_index[layer]},
+        )
         return _build_block(cfg, layer, block, self.converted[layer], self.device)
 
     def advance(self, layer: int, block: Block) -> Block | None:
@@ -301,8 +330,7 @@ def layer_progress(total: int, progress: bool, desc: str = "graft MLA") -> Any:
 
 def layer_postfix(bar: Any, seconds: float, clock: dict[str, float]) -> None:
     """The bar's postfix: the layer just done's seconds, then the seconds per phase so far."""
-    bar.set_postfix_str(f"layer {seconds:.1f} s, " + ", ".join(f"{k} {v:.0f} s" for k, v in clock.items()),
-                        refresh=False)
+    bar.set_postfix_str(f"layer {seconds:.1f} s, " + ", ".join(f"{k} {v:.0f} s" for k, v in clock.items()), refresh=False)
 
 
 @torch.no_grad()
@@ -329,8 +357,17 @@ def graft_mla(
     del hidden
     if g.rope_selection == "shared":
         t0 = time.perf_counter()
-        run.shared_pairs = _shared_pairs(model.config, lambda layer: _block(model, layer), model.embed_tokens.weight,
-                                         model.rotary, g, sorted(run.layers), calibration, batch_size, progress)
+        run.shared_pairs = _shared_pairs(
+            model.config,
+            lambda layer: _block(model, layer),
+            model.embed_tokens.weight,
+            model.rotary,
+            g,
+            sorted(run.layers),
+            calibration,
+            batch_size,
+            progress,
+        )
         run.clock["statistics"] += time.perf_counter() - t0
     bar = layer_progress(run.last + 1, progress)
     for layer in bar:
@@ -384,9 +421,17 @@ def _reset_attention(attn: nn.Module) -> None:
         p.detach().fill_(1.0 if name.endswith("norm.weight") else 0.0)
 
 
-def _shared_pairs(config: ModelConfig, block_at: Callable[[int], Block], embed_weight: torch.Tensor,
-                  rotary: RotaryEmbedding, g: GraftConfig, layers: list[int], calibration: torch.Tensor | None,
-                  batch_size: int, progress: bool) -> dict[int, list[tuple[int, int]]]:
+def _shared_pairs(
+    config: ModelConfig,
+    block_at: Callable[[int], Block],
+    embed_weight: torch.Tensor,
+    rotary: RotaryEmbedding,
+    g: GraftConfig,
+    layers: list[int],
+    calibration: torch.Tensor | None,
+    batch_size: int,
+    progress: bool,
+) -> dict[int, list[tuple[int, int]]]:
     """The "shared" RoPE selection: every converted layer's pair scores on the original model's own
     activations, then one frequency layout for all (``shared_rope_pairs``). ``block_at(layer)``: the original
     block (a model's, or one read from a checkpoint), asked for once per layer in order."""
@@ -405,15 +450,22 @@ def _shared_pairs(config: ModelConfig, block_at: Callable[[int], Block], embed_w
             w32 = _gqa_weights(_gqa(block))
             if config.qk_norm:  # score the pairs on the norms' linear fits (what the graft builds on)
                 w32.q, w32.k = (_linearised(block, which, x, C, batch_size).float() for which in "qk")
-            w = GQAWeights(w32.q.double(), w32.k.double(), w32.v.double(), w32.o.double(), _double(w32.q_bias),
-                           _double(w32.k_bias), _double(w32.v_bias), _double(w32.o_bias))
+            w = GQAWeights(
+                w32.q.double(),
+                w32.k.double(),
+                w32.v.double(),
+                w32.o.double(),
+                _double(w32.q_bias),
+                _double(w32.k_bias),
+                _double(w32.v_bias),
+                _double(w32.o_bias),
+            )
             expectation = None
             if g.rope_expectation:
                 profile = _distance_profile(block, x, cos, sin, batch_size)
                 expectation = rope_expectation(profile, rotary.inv_freq.double().cpu())
             Cs = cast(torch.Tensor, shrink_second_moment(C, g.calibration_shrinkage))  # C is not None
-            scores[layer] = pair_scores(w, Cs, head_rotations(w.k, Cs, K, d, rotation=g.rope_rotation), H, K, d,
-                                        expectation)
+            scores[layer] = pair_scores(w, Cs, head_rotations(w.k, Cs, K, d, rotation=g.rope_rotation), H, K, d, expectation)
         if layer < max(layers):  # the last scored layer's output is never read
             x = _run_block(block, x, cos, sin, batch_size)
     chosen = shared_rope_pairs([scores[layer] for layer in layers], g.qk_rope_head_dim)
@@ -440,7 +492,7 @@ def _second_moment(norm: RMSNorm, x: torch.Tensor, batch_size: int) -> torch.Ten
     C = torch.zeros(h, h, dtype=torch.float64, device=x.device)
     n = 0
     for start in range(0, x.shape[0], batch_size):
-        a = norm(x[start:start + batch_size]).reshape(-1, h).double()
+        a = norm(x[start : start + batch_size]).reshape(-1, h).double()
         C += a.T @ a
         n += a.shape[0]
     return (C / n).cpu()
@@ -451,8 +503,7 @@ def _linearised_keys(block: Block, x: torch.Tensor | None, C: torch.Tensor | Non
     return _linearised(block, "k", x, C, batch_size)
 
 
-def _linearised(block: Block, which: str, x: torch.Tensor | None, C: torch.Tensor | None,
-                batch_size: int) -> torch.Tensor:
+def _linearised(block: Block, which: str, x: torch.Tensor | None, C: torch.Tensor | None, batch_size: int) -> torch.Tensor:
     """A linear stand-in (heads*d, h) for Qwen3's keys k = k_norm(W_k x) (``which="k"``) or queries
     q = q_norm(W_q x) (``"q"``), which MLA's latent (or the share graft's window) must produce linearly.
 
@@ -474,7 +525,7 @@ def _linearised(block: Block, which: str, x: torch.Tensor | None, C: torch.Tenso
     R = torch.zeros(K * d, h, dtype=torch.float64, device=x.device)
     n = 0
     for start in range(0, x.shape[0], batch_size):
-        a = block.input_layernorm(x[start:start + batch_size]).reshape(-1, h)
+        a = block.input_layernorm(x[start : start + batch_size]).reshape(-1, h)
         k = norm(proj(a).view(a.shape[0], K, d)).reshape(a.shape[0], K * d)
         R += k.double().T @ a.double()
         n += a.shape[0]
@@ -486,8 +537,7 @@ def _linearised(block: Block, which: str, x: torch.Tensor | None, C: torch.Tenso
     return fit
 
 
-def _distance_profile(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      batch_size: int) -> torch.Tensor:
+def _distance_profile(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_size: int) -> torch.Tensor:
     """(T,) how much attention the original layer pays at each distance delta = query pos - key pos.
 
     Averaged over heads, queries and calibration sequences; each query's weights sum to one. Computed one
@@ -519,7 +569,7 @@ def _distance_profile(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: tor
         q = apply_rope(q.transpose(1, 2), cos[sl], sin[sl]) * d**-0.5  # (B, H, T, d), softmax scale folded in
         k = apply_rope(k.transpose(1, 2), cos[sl], sin[sl])  # (B, K, T, d)
         for j in range(K):
-            qg = q[:, j * group:(j + 1) * group].reshape(B, group * T, d)
+            qg = q[:, j * group : (j + 1) * group].reshape(B, group * T, d)
             logits = torch.bmm(qg, k[:, j].transpose(-1, -2)).view(B, group, T, T)
             logits.masked_fill_(blocked, float("-inf"))
             total += torch.softmax(logits, dim=-1).sum(dim=(0, 1))
@@ -547,8 +597,7 @@ def _run_block(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return torch.cat(out)
 
 
-def _build_block(config: ModelConfig, layer: int, original_block: Block, mla: MLAWeights,
-                 device: torch.device) -> Block:
+def _build_block(config: ModelConfig, layer: int, original_block: Block, mla: MLAWeights, device: torch.device) -> Block:
     """The converted layer for propagation: a new MLA attention between the original block's own norms
     and MLP (shared, not copied). Built on the meta device and allocated without random initialisation
     (which took ~0.6 s per 1B-shape layer, mostly the MLP's that is then overwritten)."""

@@ -65,8 +65,9 @@ def _pair_rows(head: int, f: int, d: int) -> list[int]:
     return [head * d + f, head * d + f + d // 2]
 
 
-def head_rotations(w_k: Tensor, C: Tensor, num_kv_heads: int, d: int, w_kC: Tensor | None = None,
-                   rotation: str = "real") -> Tensor:
+def head_rotations(
+    w_k: Tensor, C: Tensor, num_kv_heads: int, d: int, w_kC: Tensor | None = None, rotation: str = "real"
+) -> Tensor:
     """(d/2, K, K) orthogonal U_f, rows sorted by decreasing key energy at frequency f.
 
     Energy of a head combination u at frequency f: sum over the pair's two coordinates of
@@ -118,13 +119,22 @@ def _mix(u: Tensor, first: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
         ur, ui = u, torch.zeros_like(u)
     if u.dim() == 0:
         return ur * first - ui * second, ui * first + ur * second
-    return (torch.einsum("j,j...->...", ur, first) - torch.einsum("j,j...->...", ui, second),
-            torch.einsum("j,j...->...", ui, first) + torch.einsum("j,j...->...", ur, second))
+    return (
+        torch.einsum("j,j...->...", ur, first) - torch.einsum("j,j...->...", ui, second),
+        torch.einsum("j,j...->...", ui, first) + torch.einsum("j,j...->...", ur, second),
+    )
 
 
 def pair_scores(
-    w: GQAWeights, C: Tensor, U: Tensor, num_heads: int, num_kv_heads: int, d: int,
-    rope_expectation: Tensor | None = None, w_qC: Tensor | None = None, w_kC: Tensor | None = None,
+    w: GQAWeights,
+    C: Tensor,
+    U: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    d: int,
+    rope_expectation: Tensor | None = None,
+    w_qC: Tensor | None = None,
+    w_kC: Tensor | None = None,
 ) -> Tensor:
     """(K, d/2) contribution of each rotated (m, f) pair: sqrt E|q'|^2 * sqrt E|k'|^2 summed over heads.
 
@@ -268,14 +278,23 @@ def convert_layer(
     group = H // K
     dtype = torch.float64
     dev = w.q.device if device is None else torch.device(device)  # where the fp64 math runs (CPU or a GPU)
+
     def on_dev(t: Tensor) -> Tensor:
         return t.to(device=dev, dtype=dtype)
 
     def on_dev_or_none(t: Tensor | None) -> Tensor | None:
         return None if t is None else on_dev(t)
 
-    w = GQAWeights(on_dev(w.q), on_dev(w.k), on_dev(w.v), on_dev(w.o), on_dev_or_none(w.q_bias),
-                   on_dev_or_none(w.k_bias), on_dev_or_none(w.v_bias), on_dev_or_none(w.o_bias))
+    w = GQAWeights(
+        on_dev(w.q),
+        on_dev(w.k),
+        on_dev(w.v),
+        on_dev(w.o),
+        on_dev_or_none(w.q_bias),
+        on_dev_or_none(w.k_bias),
+        on_dev_or_none(w.v_bias),
+        on_dev_or_none(w.o_bias),
+    )
     if rope_expectation is not None:
         rope_expectation = rope_expectation.to(device=dev, dtype=dtype)
     if q_norm_weight is not None:
@@ -288,6 +307,7 @@ def convert_layer(
         C = torch.eye(h, dtype=dtype, device=dev)
     identity_C = objective == "weights"
     C = C.to(device=dev, dtype=dtype)
+
     # The h x h products with C, once per layer (the dominant cost at real widths: O(rows x h^2) each)
     def times_C(W: Tensor) -> Tensor:
         return W.clone() if identity_C else W @ C
@@ -299,10 +319,10 @@ def convert_layer(
     # ---- 1. RoPE decoupling ------------------------------------------------------------------
     U = head_rotations(w.k, C, K, d, w_kC, rotation=rope_rotation)  # (d/2, K, K), complex128 if "complex"
     if pairs is None:
-        scores = pair_scores(w, C, U, H, K, d, rope_expectation, w_qC=w_qC, w_kC=w_kC) \
-            if rope_selection == "norm" else None
+        scores = pair_scores(w, C, U, H, K, d, rope_expectation, w_qC=w_qC, w_kC=w_kC) if rope_selection == "norm" else None
         pairs = choose_rope_pairs(rope_selection, d_rope, K, d, scores)
     n = len(pairs)
+
     # shared RoPE key rows: pair j -> rows j and j + n (rotate-half over d_rope)
     def rotated_k_rows(m: int, f: int, wk: Tensor) -> Tensor:  # (2, ...) rows of k'_{m,f}
         P = torch.stack([wk[_pair_rows(j, f, d)] for j in range(K)])  # (K, 2, ...)
@@ -346,14 +366,14 @@ def convert_layer(
         for g in range(K):
             grows = slice(g * d, (g + 1) * d)
             # keys: logit error q^T (k - k_hat) summed over the group's query heads
-            Wq = w.q[group * g * d:(group * g + group) * d].view(group, d, h)
-            WqC = w_qC[group * g * d:(group * g + group) * d].view(group, d, h)
+            Wq = w.q[group * g * d : (group * g + group) * d].view(group, d, h)
+            WqC = w_qC[group * g * d : (group * g + group) * d].view(group, d, h)
             Sq = cast(Tensor, sum(WqC[i] @ Wq[i].T for i in range(group)))
             Sq = (Sq + Sq.T) / 2
             s, s_inv = _sqrtm_psd(Sq)
             M[grows, grows], M_inv[grows, grows] = s, s_inv
             # values: output error W_O,i (v - v_hat) summed over the group's heads
-            Wo = w.o[:, group * g * d:(group * g + group) * d].view(h, group, d)
+            Wo = w.o[:, group * g * d : (group * g + group) * d].view(h, group, d)
             So = cast(Tensor, sum(Wo[:, i].T @ Wo[:, i] for i in range(group)))
             s, s_inv = _sqrtm_psd(So)
             vr = slice(K * d + g * d, K * d + (g + 1) * d)
@@ -361,7 +381,7 @@ def convert_layer(
     G = torch.cat([k_resC, w_vC]) @ W_y.T  # W_y C W_y^T, (2Kd, 2Kd)
     S = M @ ((G + G.T) / 2) @ M.T
     if balance_kv:
-        e_k, e_v = torch.diagonal(S)[: K * d].sum(), torch.diagonal(S)[K * d:].sum()
+        e_k, e_v = torch.diagonal(S)[: K * d].sum(), torch.diagonal(S)[K * d :].sum()
         if e_k > 0 and e_v > 0:
             alpha = (e_v / e_k).sqrt()
             M[: K * d] *= alpha
@@ -413,12 +433,12 @@ def convert_layer(
                 q_mix[i, d + n + j, f], q_mix[i, d + n + j, f + d // 2] = ci, cr
         q_proj, q_bias = w.q, w.q_bias
 
-    B_k, B_v = B[: K * d].view(K, d, -1), B[K * d:].view(K, d, -1)
+    B_k, B_v = B[: K * d].view(K, d, -1), B[K * d :].view(K, d, -1)
     heads = torch.arange(H, device=dev) // group
     kv_b = torch.cat([B_k[heads], B_v[heads]], dim=1).reshape(H * 2 * d, kv_lora_rank)
     kv_b_bias = None
     if b_y is not None:
-        bk, bv = b_y[: K * d].view(K, d), b_y[K * d:].view(K, d)
+        bk, bv = b_y[: K * d].view(K, d), b_y[K * d :].view(K, d)
         kv_b_bias = torch.cat([bk[heads], bv[heads]], dim=1).reshape(-1)
     kv_a = torch.cat([A, k_rope])
     kv_a_bias = None
@@ -427,7 +447,15 @@ def convert_layer(
     elif w.q_bias is not None or w.v_bias is not None:
         kv_a_bias = torch.zeros(kv_lora_rank + 2 * n, dtype=dtype, device=dev)
     return MLAWeights(
-        q_proj=q_proj, kv_a_proj=kv_a, kv_b_proj=kv_b, o_proj=w.o, rope_freq_index=tuple(f for _, f in pairs),
-        q_bias=q_bias, kv_a_bias=kv_a_bias, kv_b_bias=kv_b_bias, o_bias=w.o_bias, q_mix=q_mix,
+        q_proj=q_proj,
+        kv_a_proj=kv_a,
+        kv_b_proj=kv_b,
+        o_proj=w.o,
+        rope_freq_index=tuple(f for _, f in pairs),
+        q_bias=q_bias,
+        kv_a_bias=kv_a_bias,
+        kv_b_bias=kv_b_bias,
+        o_bias=w.o_bias,
+        q_mix=q_mix,
         q_norm=q_norm_weight,
     )

@@ -48,8 +48,15 @@ class CliOption:
         return self.flag.lstrip("-").replace("-", "_")
 
 
-def _opt(default: Any, flag: str | None = None, help: str | None = None, *, value_type: type | None = None,
-         choices: tuple[str, ...] | None = None, kind: str = "value") -> Any:
+def _opt(
+    default: Any,
+    flag: str | None = None,
+    help: str | None = None,
+    *,
+    value_type: type | None = None,
+    choices: tuple[str, ...] | None = None,
+    kind: str = "value",
+) -> Any:
     """A ConvertOptions field: its default and, unless ``flag`` is None (Python only), its CLI form
     (``value_type``: argparse's type, e.g. int)."""
     cli = None if flag is None else CliOption(flag, help, value_type, choices, kind)
@@ -62,62 +69,114 @@ class ConvertOptions:
     in ``convert()``'s docstring and the help texts). Raises ValueError on construction for an option that
     is wrong whatever the model; the rest is checked by ``plan_conversion`` against the model's config."""
 
-    to: str = _opt("mla", "--to", "mla: per-layer latent KV; ced: causal encoder-decoder with shared compressed KV "
-                   "written by a few kv_source layers plus a sliding window per layer (the share graft)",
-                   choices=TARGETS)
+    to: str = _opt(
+        "mla",
+        "--to",
+        "mla: per-layer latent KV; ced: causal encoder-decoder with shared compressed KV "
+        "written by a few kv_source layers plus a sliding window per layer (the share graft)",
+        choices=TARGETS,
+    )
     kv_source_layers: tuple[int, ...] | None = _opt(
-        None, "--kv-source-layers", "--to ced: layers that write the shared KV, the last is the pivot (default: "
-        "pivot at the middle layer, e.g. 1 3 4 for 8 layers)", value_type=int, kind="list")
+        None,
+        "--kv-source-layers",
+        "--to ced: layers that write the shared KV, the last is the pivot (default: "
+        "pivot at the middle layer, e.g. 1 3 4 for 8 layers)",
+        value_type=int,
+        kind="list",
+    )
     sliding_window: int = _opt(64, "--sliding-window", "--to ced: window of every layer (tokens)", value_type=int)
     compress_rate: int = _opt(1, "--compress-rate", "--to ced: tokens pooled per shared entry (m)", value_type=int)
     compression: float | None = _opt(
-        None, "--compression", "per-layer KV reduction factor (default 4; 2 with --to ced): the budget d_c + d_rope "
-        "= KV width / compression, split by the default rank rule (docs/ranks.md)", value_type=float)
-    kv_lora_rank: int | None = _opt(None, "--kv-lora-rank", "latent width d_c cached per token per layer (instead "
-                                    "of --compression)", value_type=int)
+        None,
+        "--compression",
+        "per-layer KV reduction factor (default 4; 2 with --to ced): the budget d_c + d_rope "
+        "= KV width / compression, split by the default rank rule (docs/ranks.md)",
+        value_type=float,
+    )
+    kv_lora_rank: int | None = _opt(
+        None, "--kv-lora-rank", "latent width d_c cached per token per layer (instead of --compression)", value_type=int
+    )
     qk_rope_head_dim: int | None = _opt(
-        None, "--rope-dim", "width of the shared RoPE key d_rope (default: the largest even width <= min(64, "
-        "head_dim, budget / 2); a divisor of head_dim with --format deepseek_v3/both)", value_type=int)
+        None,
+        "--rope-dim",
+        "width of the shared RoPE key d_rope (default: the largest even width <= min(64, "
+        "head_dim, budget / 2); a divisor of head_dim with --format deepseek_v3/both)",
+        value_type=int,
+    )
     objective: str = _opt(
-        "attention", "--objective", "latent initialisation: joint SVD of the weights, PCA of K/V outputs on "
+        "attention",
+        "--objective",
+        "latent initialisation: joint SVD of the weights, PCA of K/V outputs on "
         "calibration text, or attention-aware (key error weighted by queries, value error by W_O)",
-        choices=OBJECTIVE_CHOICES)
+        choices=OBJECTIVE_CHOICES,
+    )
     rope_selection: str = _opt(
-        "auto", "--rope-selection", "which RoPE frequencies stay: the fastest d_rope/2 (prefix) or every k-th "
+        "auto",
+        "--rope-selection",
+        "which RoPE frequencies stay: the fastest d_rope/2 (prefix) or every k-th "
         "(stride), both stock DeepSeek-V3 layouts, or the largest measured contributions per layer (norm, kvgraft "
         "format only), or one layout for all layers by measured contribution (shared); auto: norm, shared with "
-        "--to ced, prefix with --format deepseek_v3/both", choices=ROPE_SELECTION_CHOICES)
+        "--to ced, prefix with --format deepseek_v3/both",
+        choices=ROPE_SELECTION_CHOICES,
+    )
     rope_rotation: str | None = _opt(
-        None, "--rope-rotation", "how the KV heads' RoPE pairs are mixed per frequency before the kept ones are "
+        None,
+        "--rope-rotation",
+        "how the KV heads' RoPE pairs are mixed per frequency before the kept ones are "
         "chosen: orthogonal (real) or unitary (complex: each kept pair the best rank-1 complex fit of the heads' "
         "pairs, a per-head phase folded into the queries); default complex (--to mla), real (--to ced)",
-        choices=ROPE_ROTATION_CHOICES)
-    layerwise: bool = _opt(True, "--layerwise", "calibrate each layer on the converted layers' activations",
-                           kind="bool")
+        choices=ROPE_ROTATION_CHOICES,
+    )
+    layerwise: bool = _opt(True, "--layerwise", "calibrate each layer on the converted layers' activations", kind="bool")
     calibration_shrinkage: float = _opt(
-        0.5, "--calibration-shrinkage", "shrink each layer's calibration second moment toward the weights-only "
+        0.5,
+        "--calibration-shrinkage",
+        "shrink each layer's calibration second moment toward the weights-only "
         "fit's, in [0, 1] (0: the calibrated fit as measured; default 0.5, measured to generalise better out of "
-        "domain: bench/RESULTS.md)", value_type=float)
+        "domain: bench/RESULTS.md)",
+        value_type=float,
+    )
     rope_expectation: bool = _opt(
-        True, "--rope-expectation", "pairs that lose RoPE keep their expected rotation under the layer's measured "
-        "attention distances (instead of none)", kind="bool")
-    layers: tuple[int, ...] | None = _opt(None, "--layers", "convert only these layers (progressive grafting); the "
-                                          "rest stay as they are", value_type=int, kind="list")
-    calibration: str | Path | None = _opt(None, "--calibration", "calibration text (.txt) or token ids (.npy); default: "
-                                   "the model's eval/calibration.npy")
+        True,
+        "--rope-expectation",
+        "pairs that lose RoPE keep their expected rotation under the layer's measured attention distances (instead of none)",
+        kind="bool",
+    )
+    layers: tuple[int, ...] | None = _opt(
+        None,
+        "--layers",
+        "convert only these layers (progressive grafting); the rest stay as they are",
+        value_type=int,
+        kind="list",
+    )
+    calibration: str | Path | None = _opt(
+        None, "--calibration", "calibration text (.txt) or token ids (.npy); default: the model's eval/calibration.npy"
+    )
     calibration_tokens: int = _opt(32768, "--calibration-tokens", value_type=int)
     output_format: str | None = _opt(
-        None, "--format", "kvgraft's own format and/or a stock DeepSeek-V3 checkpoint (all layers converted); "
-        "default kvgraft, or deepseek_v3 with --target", choices=FORMATS)
+        None,
+        "--format",
+        "kvgraft's own format and/or a stock DeepSeek-V3 checkpoint (all layers converted); "
+        "default kvgraft, or deepseek_v3 with --target",
+        choices=FORMATS,
+    )
     target: str | None = _opt(
-        None, "--target", "shape the stock DeepSeek-V3 export for an engine: vllm = d_c 512 + d_rope 64, the only "
+        None,
+        "--target",
+        "shape the stock DeepSeek-V3 export for an engine: vllm = d_c 512 + d_rope 64, the only "
         "shape vLLM's CPU backends and FlashMLA-class kernels take (refused, saying why, when the model's KV width "
-        "or head_dim cannot); `kvgraft doctor` lists what each backend accepts", choices=SERVE_TARGETS)
+        "or head_dim cannot); `kvgraft doctor` lists what each backend accepts",
+        choices=SERVE_TARGETS,
+    )
     stock_construction: str = _opt(
-        "engines", "--stock-construction", "engines (default): no attention bias tensors and fp16-safe weights, so "
+        "engines",
+        "--stock-construction",
+        "engines (default): no attention bias tensors and fp16-safe weights, so "
         "vLLM and SGLang compute what transformers does (latent norm fitted, biases folded: approximate, error "
         "printed); transformers: the exact constructions held in attention biases, which vLLM and SGLang drop "
-        "(transformers only; docs/export.md)", choices=STOCK_CONSTRUCTIONS)
+        "(transformers only; docs/export.md)",
+        choices=STOCK_CONSTRUCTIONS,
+    )
     device: str = _opt("cpu", "--device", "where the model and calibration run, e.g. cuda")
     overwrite: bool = _opt(False, "--overwrite", kind="switch")
     # Python only
@@ -130,30 +189,40 @@ class ConvertOptions:
         if target is not None and target not in SERVE_TARGETS:
             raise ValueError(f"target {target!r} is not one of {', '.join(SERVE_TARGETS)} (or None)")
         if self.stock_construction not in STOCK_CONSTRUCTIONS:
-            raise ValueError(f"stock_construction {self.stock_construction!r} is not one of "
-                             f"{', '.join(STOCK_CONSTRUCTIONS)}")
+            raise ValueError(f"stock_construction {self.stock_construction!r} is not one of {', '.join(STOCK_CONSTRUCTIONS)}")
         if target is not None:
             if output_format not in ("deepseek_v3", "both"):
-                raise ValueError(f"target {target!r} serves the stock DeepSeek-V3 export; format {output_format!r} "
-                                 "writes none (use --format deepseek_v3 or both)")
+                raise ValueError(
+                    f"target {target!r} serves the stock DeepSeek-V3 export; format {output_format!r} "
+                    "writes none (use --format deepseek_v3 or both)"
+                )
             if to != "mla":
-                raise ValueError(f"target {target!r} needs --to mla (vLLM runs the causal encoder-decoder only "
-                                 "through kvgraft's own engine)")
+                raise ValueError(
+                    f"target {target!r} needs --to mla (vLLM runs the causal encoder-decoder only through kvgraft's own engine)"
+                )
             if self.stock_construction != "engines":
-                raise ValueError(f"target {target!r} needs stock_construction 'engines': vLLM loads no attention "
-                                 "bias, so the 'transformers' construction would silently serve another model")
+                raise ValueError(
+                    f"target {target!r} needs stock_construction 'engines': vLLM loads no attention "
+                    "bias, so the 'transformers' construction would silently serve another model"
+                )
             from kvgraft.hf.engines import VLLM_PREFERRED
 
             want_c, want_r = VLLM_PREFERRED
-            for name, value, want in (("kv_lora_rank", self.kv_lora_rank, want_c),
-                                      ("qk_rope_head_dim", self.qk_rope_head_dim, want_r)):
+            for name, value, want in (
+                ("kv_lora_rank", self.kv_lora_rank, want_c),
+                ("qk_rope_head_dim", self.qk_rope_head_dim, want_r),
+            ):
                 if value is not None and value != want:
-                    raise ValueError(f"target {target!r} sets {name} to {want} (vLLM's CPU backends and "
-                                     f"FlashMLA-class kernels cache d_c + d_rope = 512 + 64); got {value}: drop it "
-                                     "or drop --target")
+                    raise ValueError(
+                        f"target {target!r} sets {name} to {want} (vLLM's CPU backends and "
+                        f"FlashMLA-class kernels cache d_c + d_rope = 512 + 64); got {value}: drop it "
+                        "or drop --target"
+                    )
             if self.compression is not None:
-                raise ValueError(f"target {target!r} fixes the ranks at {want_c} + {want_r}; --compression "
-                                 f"{self.compression} contradicts it: drop one")
+                raise ValueError(
+                    f"target {target!r} fixes the ranks at {want_c} + {want_r}; --compression "
+                    f"{self.compression} contradicts it: drop one"
+                )
         if output_format not in FORMATS:
             raise ValueError(f"format {output_format!r} is not one of {', '.join(FORMATS)}")
         if to not in TARGETS:
@@ -162,8 +231,10 @@ class ConvertOptions:
             if output_format != "kvgraft":
                 raise ValueError(f"a causal encoder-decoder is written in kvgraft's format only, not {output_format!r}")
             if self.rope_selection == "norm":
-                raise ValueError("rope_selection 'norm' picks frequencies per layer; the shared RoPE keys of --to ced "
-                                 "need one layout ('shared', 'stride' or 'auto')")
+                raise ValueError(
+                    "rope_selection 'norm' picks frequencies per layer; the shared RoPE keys of --to ced "
+                    "need one layout ('shared', 'stride' or 'auto')"
+                )
             if self.objective == "weights":
                 raise ValueError("--to ced fits the readers on calibration text; objective 'weights' has none")
             for name in ("sliding_window", "compress_rate"):
@@ -238,6 +309,17 @@ def options_from_cli(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-__all__ = ["FORMATS", "OBJECTIVE_CHOICES", "ROPE_ROTATION_CHOICES", "ROPE_SELECTION_CHOICES", "SERVE_TARGETS",
-           "STOCK_CONSTRUCTIONS", "TARGETS", "CliOption", "ConvertOptions", "add_cli_options", "cli_options",
-           "options_from_cli"]
+__all__ = [
+    "FORMATS",
+    "OBJECTIVE_CHOICES",
+    "ROPE_ROTATION_CHOICES",
+    "ROPE_SELECTION_CHOICES",
+    "SERVE_TARGETS",
+    "STOCK_CONSTRUCTIONS",
+    "TARGETS",
+    "CliOption",
+    "ConvertOptions",
+    "add_cli_options",
+    "cli_options",
+    "options_from_cli",
+]

@@ -29,9 +29,11 @@ from kvgraft.graft.ranks import (
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.fields import known
 
-_STOCK_HEAD_NOTE = ("(stock DeepSeek-V3 rotates each frequency once in its one shared RoPE key, so the RoPE parts "
-                    "of {heads} KV heads cannot all keep their rotation: --rope-dim {head_dim} is the closest stock "
-                    "export, its measured error printed)")
+_STOCK_HEAD_NOTE = (
+    "(stock DeepSeek-V3 rotates each frequency once in its one shared RoPE key, so the RoPE parts "
+    "of {heads} KV heads cannot all keep their rotation: --rope-dim {head_dim} is the closest stock "
+    "export, its measured error printed)"
+)
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,10 @@ class ConvertPlan:
                 raise ValueError("only --to ced of an all-MLA model skips the MLA graft (mla None)")
         else:
             if (self.mla.kv_lora_rank, self.mla.qk_rope_head_dim) != (self.kv_lora_rank, self.qk_rope_head_dim):
-                raise ValueError(f"the MLA graft's ranks ({self.mla.kv_lora_rank}, {self.mla.qk_rope_head_dim}) are "
-                                 f"not the plan's ({self.kv_lora_rank}, {self.qk_rope_head_dim})")
+                raise ValueError(
+                    f"the MLA graft's ranks ({self.mla.kv_lora_rank}, {self.mla.qk_rope_head_dim}) are "
+                    f"not the plan's ({self.kv_lora_rank}, {self.qk_rope_head_dim})"
+                )
             if self.stock and self.mla.rope_selection not in STOCK_LAYOUTS:
                 raise ValueError(f"rope selection {self.mla.rope_selection!r} cannot be exported to stock DeepSeek-V3")
             self.mla.check_against(config)
@@ -83,8 +87,7 @@ class ConvertPlan:
             if (self.kv_lora_rank, self.qk_rope_head_dim) != VLLM_PREFERRED:
                 raise ValueError(f"target {o.target!r} needs d_c + d_rope = {VLLM_PREFERRED[0]} + {VLLM_PREFERRED[1]}")
         if (self.calibration is None) != (o.objective == "weights"):
-            raise ValueError(f"objective {o.objective!r} {'takes no' if o.objective == 'weights' else 'needs'} "
-                             "calibration")
+            raise ValueError(f"objective {o.objective!r} {'takes no' if o.objective == 'weights' else 'needs'} calibration")
         if self.ced is not None:
             self.ced.check_against(self.predicted_config())
 
@@ -130,15 +133,21 @@ class ConvertPlan:
     def to_dict(self) -> dict[str, Any]:
         """The plan, JSON-ready (paths as strings; conversion.json records it under "plan")."""
         return {
-            "source": str(self.source), "out": str(self.out), "to": self.to, "output_format": self.output_format,
-            "serve_target": self.serve_target, "stock_construction": self.stock_construction,
-            "ranks": {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
-                      "how": list(self.rank_notes)},
+            "source": str(self.source),
+            "out": str(self.out),
+            "to": self.to,
+            "output_format": self.output_format,
+            "serve_target": self.serve_target,
+            "stock_construction": self.stock_construction,
+            "ranks": {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim, "how": list(self.rank_notes)},
             "mla": None if self.mla is None else dataclasses.asdict(self.mla),
             "ced": None if self.ced is None else dataclasses.asdict(self.ced),
             "calibration": None if self.calibration is None else self.calibration.to_dict(),
-            "has_tokenizer": self.has_tokenizer, "device": self.device, "overwrite": self.overwrite,
-            "progress": self.progress, "options": self.options.to_dict(),
+            "has_tokenizer": self.has_tokenizer,
+            "device": self.device,
+            "overwrite": self.overwrite,
+            "progress": self.progress,
+            "options": self.options.to_dict(),
         }
 
 
@@ -149,8 +158,9 @@ def _predicted_config(config: ModelConfig, graft: GraftConfig) -> ModelConfig:
     if graft.rope_selection == "prefix":
         layout = tuple(range(d_rope // 2))
     else:
-        layout = tuple(range(0, half, hd // d_rope)) if hd % d_rope == 0 \
-            else tuple(i % half for i in range(d_rope // 2))  # (wider than a head: pairs from several heads)
+        layout = (
+            tuple(range(0, half, hd // d_rope)) if hd % d_rope == 0 else tuple(i % half for i in range(d_rope // 2))
+        )  # (wider than a head: pairs from several heads)
     return mla_model_config(config, graft, {i: layout for i in range(config.num_layers)})
 
 
@@ -184,31 +194,43 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
             raise ValueError(f"--target {o.target}: {problem}")
         problem = vllm_rope_problem(config.rope.rope_type)
         if problem:
-            raise ValueError(f"--target {o.target}: {problem}; --format deepseek_v3 without --target writes the "
-                             "export exactly for transformers (with this warning)")
+            raise ValueError(
+                f"--target {o.target}: {problem}; --format deepseek_v3 without --target writes the "
+                "export exactly for transformers (with this warning)"
+            )
         kv_lora_rank, qk_rope_head_dim = VLLM_PREFERRED
     seq_len = min(o.calibration_seq_len, config.max_position_embeddings)
     if o.calibration_tokens < seq_len and o.objective != "weights":
-        raise ValueError(f"calibration_tokens ({o.calibration_tokens}) must be at least one calibration sequence "
-                         f"({seq_len} tokens)")
+        raise ValueError(
+            f"calibration_tokens ({o.calibration_tokens}) must be at least one calibration sequence ({seq_len} tokens)"
+        )
     already_mla = to == "ced" and set(known(config.attention_kinds, "attention_kinds")) == {"mla"}  # skip MLA step
     rope_selection = o.rope_selection
     if already_mla:
         d_rope, d_c = known(config.qk_rope_head_dim, "qk_rope_head_dim"), known(config.kv_lora_rank, "kv_lora_rank")
         rank_notes: tuple[str, ...] = ()
     else:
-        ranks = default_ranks(config, compression=o.compression, kv_lora_rank=kv_lora_rank,
-                              qk_rope_head_dim=qk_rope_head_dim, stock=stock,
-                              stock_layout=rope_selection if rope_selection in STOCK_LAYOUTS else STOCK_ROPE_SELECTION,
-                              default_compression=DEFAULT_CED_COMPRESSION if to == "ced" else DEFAULT_COMPRESSION)
+        ranks = default_ranks(
+            config,
+            compression=o.compression,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            stock=stock,
+            stock_layout=rope_selection if rope_selection in STOCK_LAYOUTS else STOCK_ROPE_SELECTION,
+            default_compression=DEFAULT_CED_COMPRESSION if to == "ced" else DEFAULT_COMPRESSION,
+        )
         d_c, d_rope, rank_notes = ranks.kv_lora_rank, ranks.qk_rope_head_dim, ranks.how
         if stock and o.stock_construction == "transformers" and kv_lora_rank is None and d_c > 1:
             # the stock export pins DeepSeek-V3's latent RMSNorm with one constant latent coordinate
             # (kvgraft.hf.deepseek, latent_norm "pad"): graft one value less so the export caches the budget
             d_c -= 1
-            rank_notes = (*rank_notes, (
-                f"stock DeepSeek-V3 export: one of the d_c values is a constant coordinate that makes its latent "
-                f"RMSNorm exact, so the graft keeps d_c = {d_c} and the export caches {d_c + 1} + {d_rope}"))
+            rank_notes = (
+                *rank_notes,
+                (
+                    f"stock DeepSeek-V3 export: one of the d_c values is a constant coordinate that makes its latent "
+                    f"RMSNorm exact, so the graft keeps d_c = {d_c} and the export caches {d_c + 1} + {d_rope}"
+                ),
+            )
     rope_rotation = o.rope_rotation
     if rope_rotation is None:  # complex measured better for MLA (bench/mla_ood.py); the share graft is unmeasured
         rope_rotation = "real" if to == "ced" else "complex"
@@ -218,23 +240,35 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
         raise ValueError(
             f"rope selection {rope_selection!r} cannot be exported to stock DeepSeek-V3 (--format {output_format}): "
             "its one shared RoPE key rotates each frequency once, in every layer, at theta'^(-2j/d_rope); use "
-            "--rope-selection prefix or stride (or auto), or --format kvgraft")
+            "--rope-selection prefix or stride (or auto), or --format kvgraft"
+        )
     note = " " + _STOCK_HEAD_NOTE.format(heads=config.num_kv_heads, head_dim=hd)
     if rope_selection == "prefix" and d_rope > hd:
-        raise ValueError(f"rope selection 'prefix' needs d_rope ({d_rope}) <= head_dim ({hd}): it keeps "
-                         f"one rotated head at the d_rope/2 fastest frequencies; pass --rope-dim with an even value <= "
-                         f"{hd} or leave it to the default rule{note if stock else ''}")
-    graft = GraftConfig(kv_lora_rank=d_c, qk_rope_head_dim=d_rope, objective=o.objective,
-                        rope_selection=rope_selection, layerwise=o.layerwise, layers=o.layers,
-                        rope_expectation=o.rope_expectation and o.objective != "weights",
-                        calibration_shrinkage=o.calibration_shrinkage, rope_rotation=rope_rotation,
-                        # stock DeepSeek-V3 has no per-head q/k norms: the stock export takes their linear fits
-                        qk_norm="linearise" if to == "ced" or (stock and config.qk_norm) else "keep")
+        raise ValueError(
+            f"rope selection 'prefix' needs d_rope ({d_rope}) <= head_dim ({hd}): it keeps "
+            f"one rotated head at the d_rope/2 fastest frequencies; pass --rope-dim with an even value <= "
+            f"{hd} or leave it to the default rule{note if stock else ''}"
+        )
+    graft = GraftConfig(
+        kv_lora_rank=d_c,
+        qk_rope_head_dim=d_rope,
+        objective=o.objective,
+        rope_selection=rope_selection,
+        layerwise=o.layerwise,
+        layers=o.layers,
+        rope_expectation=o.rope_expectation and o.objective != "weights",
+        calibration_shrinkage=o.calibration_shrinkage,
+        rope_rotation=rope_rotation,
+        # stock DeepSeek-V3 has no per-head q/k norms: the stock export takes their linear fits
+        qk_norm="linearise" if to == "ced" or (stock and config.qk_norm) else "keep",
+    )
     if rope_selection == "stride" and (d_rope > hd or hd % d_rope):
         divisors = [v for v in range(2, hd + 1, 2) if hd % v == 0]
-        raise ValueError(f"rope selection 'stride' needs d_rope ({d_rope}) to divide head_dim ({hd}); "
-                         f"pass --rope-dim with one of {divisors} or leave it to the default rule"
-                         f"{note if stock and d_rope > hd else ''}")
+        raise ValueError(
+            f"rope selection 'stride' needs d_rope ({d_rope}) to divide head_dim ({hd}); "
+            f"pass --rope-dim with one of {divisors} or leave it to the default rule"
+            f"{note if stock and d_rope > hd else ''}"
+        )
     predicted = config
     if not already_mla:
         graft.check_against(config)
@@ -250,17 +284,32 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
 
         problems = config_problems(predicted)
         if problems:
-            raise UnsupportedModelError("cannot export to stock DeepSeek-V3 (--format " + output_format + "): "
-                                        + "; ".join(problems) + "; use --format kvgraft")
+            raise UnsupportedModelError(
+                "cannot export to stock DeepSeek-V3 (--format "
+                + output_format
+                + "): "
+                + "; ".join(problems)
+                + "; use --format kvgraft"
+            )
         stock_rope_parameters(predicted)
     tokenizer = load_tokenizer_dir(src)
     calibration = None
     if o.objective != "weights":
         calibration = plan_calibration(src, o.calibration, o.calibration_tokens, seq_len, tokenizer, config.vocab_size)
-    return ConvertPlan(source=src, out=out, options=o, source_config=config, output_format=output_format,
-                       kv_lora_rank=d_c, qk_rope_head_dim=d_rope, rank_notes=rank_notes,
-                       mla=None if already_mla else graft, ced=ced, calibration=calibration,
-                       has_tokenizer=tokenizer is not None)
+    return ConvertPlan(
+        source=src,
+        out=out,
+        options=o,
+        source_config=config,
+        output_format=output_format,
+        kv_lora_rank=d_c,
+        qk_rope_head_dim=d_rope,
+        rank_notes=rank_notes,
+        mla=None if already_mla else graft,
+        ced=ced,
+        calibration=calibration,
+        has_tokenizer=tokenizer is not None,
+    )
 
 
 __all__ = ["ConvertPlan", "plan_conversion"]

@@ -65,8 +65,7 @@ def check_compression(compression: object) -> float:
     if isinstance(compression, bool) or not isinstance(compression, (int, float)):
         raise ValueError(f"compression ({compression!r}) must be a number > 1 (original bytes / converted bytes)")
     if not math.isfinite(compression) or compression <= 1:
-        raise ValueError(f"compression ({compression}) must be a finite number > 1 (original bytes / converted "
-                         "bytes per token)")
+        raise ValueError(f"compression ({compression}) must be a finite number > 1 (original bytes / converted bytes per token)")
     return float(compression)
 
 
@@ -77,11 +76,11 @@ def stock_rope_problem(config: ModelConfig, d_rope: int, layout: str = STOCK_ROP
         raise ValueError(f"stock layout {layout!r} is not one of {', '.join(STOCK_LAYOUTS)}")
     hd = known(config.head_dim, "head_dim")
     if layout == "stride" and (d_rope > hd or hd % d_rope or d_rope % 2):
-        return (f"the stock DeepSeek-V3 layout (rope selection 'stride') needs an even d_rope dividing head_dim "
-                f"({hd}), got {d_rope}")
+        return (
+            f"the stock DeepSeek-V3 layout (rope selection 'stride') needs an even d_rope dividing head_dim ({hd}), got {d_rope}"
+        )
     if layout == "prefix" and (d_rope > hd or d_rope % 2):
-        return (f"the stock DeepSeek-V3 layout (rope selection 'prefix') needs an even d_rope <= head_dim "
-                f"({hd}), got {d_rope}")
+        return f"the stock DeepSeek-V3 layout (rope selection 'prefix') needs an even d_rope <= head_dim ({hd}), got {d_rope}"
     if config.rope.rope_type in ("default", "linear") or (layout == "stride" and config.rope.rope_type == "llama3"):
         return None  # functions of each base frequency alone, which both layouts reproduce exactly
     from kvgraft.errors import UnsupportedModelError
@@ -125,8 +124,10 @@ def default_ranks(
     if kv_lora_rank is not None:
         _positive_int("kv_lora_rank", kv_lora_rank)
         if compression is not None:
-            raise ValueError(f"give the budget once: compression ({compression}) or kv_lora_rank ({kv_lora_rank}), "
-                             "not both (--compression sets d_c from the KV width)")
+            raise ValueError(
+                f"give the budget once: compression ({compression}) or kv_lora_rank ({kv_lora_rank}), "
+                "not both (--compression sets d_c from the KV width)"
+            )
     if qk_rope_head_dim is not None:
         _positive_int("qk_rope_head_dim", qk_rope_head_dim)
     if kv_lora_rank is not None and qk_rope_head_dim is not None:
@@ -143,14 +144,17 @@ def default_ranks(
                 raise ValueError(
                     f"compression {compression:g}x leaves {budget} cached values per layer (KV width {width} / "
                     f"{compression:g}), not enough for qk_rope_head_dim ({qk_rope_head_dim}) plus a latent; "
-                    "lower the compression or the RoPE width")
-            how.append(f"d_c = budget - d_rope = {budget} - {qk_rope_head_dim} = {d_c} (budget: KV width {width} / "
-                       f"{compression:g}x)")
+                    "lower the compression or the RoPE width"
+                )
+            how.append(
+                f"d_c = budget - d_rope = {budget} - {qk_rope_head_dim} = {d_c} (budget: KV width {width} / {compression:g}x)"
+            )
             return Ranks(d_c, qk_rope_head_dim, budget, tuple(how))
         if budget < 3:
             raise ValueError(
                 f"compression {compression:g}x leaves {budget} cached values per layer (KV width {width} / "
-                f"{compression:g}): MLA needs at least 3 (one RoPE pair plus a latent); lower the compression")
+                f"{compression:g}): MLA needs at least 3 (one RoPE pair plus a latent); lower the compression"
+            )
         cap = min(ROPE_CAP, hd, budget // 2)
         what = f"min(64, head_dim {hd}, budget/2 = {budget // 2})"
         if stock and stock_layout == "prefix":
@@ -163,8 +167,13 @@ def default_ranks(
     if stock_layout not in STOCK_LAYOUTS:
         raise ValueError(f"stock layout {stock_layout!r} is not one of {', '.join(STOCK_LAYOUTS)}")
     allowed = _allowed(config, stock, stock_layout)
-    kind = ("even divisor of head_dim that stock DeepSeek-V3 can rotate" if stock and stock_layout == "stride" else
-            "even value that stock DeepSeek-V3 can rotate" if stock else "even value")
+    kind = (
+        "even divisor of head_dim that stock DeepSeek-V3 can rotate"
+        if stock and stock_layout == "stride"
+        else "even value that stock DeepSeek-V3 can rotate"
+        if stock
+        else "even value"
+    )
     fitting = [v for v in allowed if v <= cap]
     limit = budget - 1 if budget is not None else None  # leave at least one latent value
     if fitting:
@@ -178,15 +187,20 @@ def default_ranks(
             smaller = [v for v in range(2, allowed[0], 2) if stock_layout == "prefix" or hd % v == 0]
             why = stock_rope_problem(config, smaller[-1], stock_layout) if smaller else None
             need = allowed[0] + 1
-            reason = (f"; a stock DeepSeek-V3 export of this model needs d_rope in {allowed}"
-                      + (f" (at d_rope {smaller[-1]}: {why})" if why else "") + f", so at least {need} values")
-            fix = (f"pass --compression {math.floor(width / need * 1000) / 1000:g} or lower (or --kv-lora-rank with --rope-dim {allowed[0]})")
+            reason = (
+                f"; a stock DeepSeek-V3 export of this model needs d_rope in {allowed}"
+                + (f" (at d_rope {smaller[-1]}: {why})" if why else "")
+                + f", so at least {need} values"
+            )
+            fix = f"pass --compression {math.floor(width / need * 1000) / 1000:g} or lower (or --kv-lora-rank with --rope-dim {allowed[0]})"
         elif stock:
-            reason = "; stock DeepSeek-V3 export: " + (stock_rope_problem(config, hd, stock_layout)
-                                                        or "no even divisor of head_dim fits")
+            reason = "; stock DeepSeek-V3 export: " + (
+                stock_rope_problem(config, hd, stock_layout) or "no even divisor of head_dim fits"
+            )
         raise ValueError(
             f"no RoPE width fits: compression leaves {budget} cached values per layer{reason}; {fix}, or export "
-            "kvgraft's own format (--format kvgraft)")
+            "kvgraft's own format (--format kvgraft)"
+        )
     how.append(f"d_rope = largest {kind} <= {what}: {d_rope}")
     if budget is None:
         assert kv_lora_rank is not None  # no budget: d_c was given
@@ -197,5 +211,14 @@ def default_ranks(
     return Ranks(d_c, d_rope, budget, tuple(how))
 
 
-__all__ = ["DEFAULT_CED_COMPRESSION", "DEFAULT_COMPRESSION", "ROPE_CAP", "STOCK_PREFIX_ROPE_SHARE",
-           "STOCK_ROPE_SELECTION", "Ranks", "check_compression", "default_ranks", "stock_rope_problem"]
+__all__ = [
+    "DEFAULT_CED_COMPRESSION",
+    "DEFAULT_COMPRESSION",
+    "ROPE_CAP",
+    "STOCK_PREFIX_ROPE_SHARE",
+    "STOCK_ROPE_SELECTION",
+    "Ranks",
+    "check_compression",
+    "default_ranks",
+    "stock_rope_problem",
+]

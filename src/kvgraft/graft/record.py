@@ -30,7 +30,7 @@ def tail_figures(original: Transformer, converted: Transformer, ids: torch.Tenso
     tail = TailFigures(ids)
     try:
         for i in range(ids.shape[0]):
-            row = ids[i:i + 1].to(device)
+            row = ids[i : i + 1].to(device)
             tail.add(i, original(row), converted(row))
     finally:
         original.train(was[0])
@@ -63,8 +63,9 @@ class TailFigures:
             if start < T - 1:  # the last position predicts nothing
                 stop = min(end, T - 1) - start
                 for k, logits in enumerate((a64, b64)):
-                    self.nll[k] += float(torch.nn.functional.cross_entropy(logits[:stop], target[start:start + stop],
-                                                                           reduction="sum"))
+                    self.nll[k] += float(
+                        torch.nn.functional.cross_entropy(logits[:stop], target[start : start + stop], reduction="sum")
+                    )
             self.max_diff = max(self.max_diff, float((a64 - b64).abs().max()))
 
     def record(self) -> dict[str, Any]:
@@ -73,13 +74,24 @@ class TailFigures:
             raise ValueError(f"{self.seen} of the tail's {n} sequences were added")
         count = n * (T - 1)
         ppl = [math.exp(nll / count) if count else float("nan") for nll in self.nll]
-        return {"sequences": n, "seq_len": T, "original_perplexity": ppl[0], "converted_perplexity": ppl[1],
-                "converted_max_abs_logit_diff_vs_original": self.max_diff}
+        return {
+            "sequences": n,
+            "seq_len": T,
+            "original_perplexity": ppl[0],
+            "converted_perplexity": ppl[1],
+            "converted_max_abs_logit_diff_vs_original": self.max_diff,
+        }
 
 
-def conversion_record(plan: ConvertPlan, converted: ModelConfig, *, share_report: dict[str, Any] | None,
-                      tail: dict[str, Any] | None, seconds: dict[str, float],
-                      parameters: dict[str, int]) -> dict[str, Any]:
+def conversion_record(
+    plan: ConvertPlan,
+    converted: ModelConfig,
+    *,
+    share_report: dict[str, Any] | None,
+    tail: dict[str, Any] | None,
+    seconds: dict[str, float],
+    parameters: dict[str, int],
+) -> dict[str, Any]:
     """The ``conversion.json`` record of ``plan`` executed (``converted``: the result's config; ``seconds``:
     "load" and "convert"); ``write_outputs`` adds "formats" and, for a stock export, "deepseek_v3"."""
     config, cal = plan.source_config, plan.calibration
@@ -90,13 +102,12 @@ def conversion_record(plan: ConvertPlan, converted: ModelConfig, *, share_report
         "ranks_chosen": list(plan.rank_notes),
         "qk_norm_linearised_for_stock_export": plan.qk_norm_linearised_for_stock_export,
         "share_graft": share_report,
-        "kv_cache_bytes_bf16": {str(n): {"original": config.kv_cache_bytes(n, 2),
-                                         "converted": converted.kv_cache_bytes(n, 2)} for n in (512, 4096)},
-        "kv_bytes_per_token_bf16": {"original": config.kv_bytes_per_token(2),
-                                    "converted": converted.kv_bytes_per_token(2)},
+        "kv_cache_bytes_bf16": {
+            str(n): {"original": config.kv_cache_bytes(n, 2), "converted": converted.kv_cache_bytes(n, 2)} for n in (512, 4096)
+        },
+        "kv_bytes_per_token_bf16": {"original": config.kv_bytes_per_token(2), "converted": converted.kv_bytes_per_token(2)},
         "compression": config.kv_bytes_per_token(2) / converted.kv_bytes_per_token(2),
-        "calibration": None if cal is None else {"sequences": cal.sequences, "seq_len": cal.seq_len,
-                                                 "source": cal.source},
+        "calibration": None if cal is None else {"sequences": cal.sequences, "seq_len": cal.seq_len, "source": cal.source},
         "seconds": dict(seconds),
         "parameters": dict(parameters),
         "convert_seconds_per_million_params": seconds["convert"] / (parameters["original"] / 1e6),

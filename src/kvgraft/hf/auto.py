@@ -47,8 +47,16 @@ from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
 
 # top-level config.json fields copied from the ModelConfig (kvgraft_config_dict writes the same)
-_TOP_LEVEL = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
-              "tie_word_embeddings", "bos_token_id", "eos_token_id")
+_TOP_LEVEL = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+)
 
 
 class KvgraftConfig(PreTrainedConfig):
@@ -183,8 +191,7 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
             out = CausalLMOutputWithPast(logits=logits)
             return out if (return_dict if return_dict is not None else self.config.return_dict) else out.to_tuple()
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
-                             f"{tuple(input_ids.shape)}")
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
         if attention_mask is not None and not bool(attention_mask.all()):
             logits = _keep(self._padded_logits(input_ids, attention_mask.bool()), logits_to_keep)
         else:
@@ -205,8 +212,15 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("attention_mask has a row with no tokens")
         cfg = self.config.model_config
         bs = default_block_size(cfg)
-        cache = PagedKVCache(cfg, num_blocks=sum(-(-n // bs) for n in lens), block_size=bs, max_seqs=len(lens),
-                             max_seq_len=max(lens), dtype=self.lm_head.weight.dtype, device=input_ids.device)
+        cache = PagedKVCache(
+            cfg,
+            num_blocks=sum(-(-n // bs) for n in lens),
+            block_size=bs,
+            max_seqs=len(lens),
+            max_seq_len=max(lens),
+            dtype=self.lm_head.weight.dtype,
+            device=input_ids.device,
+        )
         ctx = BatchContext(cache, [cache.add_sequence() for _ in lens], lens)
         hidden = self.model(input_ids[keep], ctx=ctx)[0]  # (N, h), rows packed in order
         logits = self.lm_head(hidden)
@@ -215,11 +229,15 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         return out
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 generation_config: Any = None, **kwargs: Any) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        generation_config: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """(B, T + n) ids: each row's prompt (padding kept) then its new tokens, padded with pad_token_id
         (else eos) after a row stops; decoded by kvgraft's engine (``kvgraft.runtime.engine``)."""
-
 
         if input_ids is None or input_ids.dim() != 2:
             raise ValueError("generate needs input_ids of shape (batch, length)")
@@ -241,9 +259,16 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
         sample = bool(gc.do_sample)
         seeds = torch.randint(0, 2**62, (B,)).tolist() if sample else [None] * B  # follows torch.manual_seed
-        params = [SamplingParams(max_new_tokens=max_new, temperature=float(gc.temperature or 1.0) if sample else 0.0,
-                                 top_p=float(gc.top_p or 1.0) if sample else 1.0, seed=seeds[r],
-                                 stop_token_ids=eos) for r in range(B)]
+        params = [
+            SamplingParams(
+                max_new_tokens=max_new,
+                temperature=float(gc.temperature or 1.0) if sample else 0.0,
+                top_p=float(gc.top_p or 1.0) if sample else 1.0,
+                seed=seeds[r],
+                stop_token_ids=eos,
+            )
+            for r in range(B)
+        ]
         if max_new == 0:
             return input_ids.clone()
         total = max(len(p) for p in prompts) + max_new
@@ -253,8 +278,14 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         if routes is not None and len(routes) != B:
             raise ValueError(f"adapter_names has {len(routes)} entries for {B} rows")
         with _eval_mode(self):
-            engine = Engine(self.to_kvgraft(), num_blocks=B * -(-total // bs), block_size=bs, max_seqs=B,
-                            max_batch_tokens=max(sum(len(p) for p in prompts), 256), max_seq_len=total)
+            engine = Engine(
+                self.to_kvgraft(),
+                num_blocks=B * -(-total // bs),
+                block_size=bs,
+                max_seqs=B,
+                max_batch_tokens=max(sum(len(p) for p in prompts), 256),
+                max_seq_len=total,
+            )
             outs: list[list[int]]
             if routes is None:
                 outs = engine.generate(prompts, params)
@@ -287,8 +318,9 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         model.training = self.training
         return model
 
-    def init_continuous_batching(self, generation_config: Any = None, continuous_batching_config: Any = None,
-                                 workload_hints: Any = None) -> Any:
+    def init_continuous_batching(
+        self, generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None
+    ) -> Any:
         """transformers' continuous-batching manager for this model, with the settings kvgraft's paged forward
         needs (:func:`kvgraft.hf.continuous.kvgraft_cb_config`: no block sharing, CPU offload, CUDA graphs,
         compile or async batching); ``num_return_sequences > 1`` (forked requests) is refused, and so is, at
@@ -296,15 +328,17 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
 
         gen = generation_config if generation_config is not None else self.generation_config
         if (getattr(gen, "num_return_sequences", None) or 1) != 1:
-            raise ValueError("KvgraftForCausalLM under continuous batching supports num_return_sequences=1 only "
-                             "(a forked request would start mid-sequence with no kvgraft state)")
+            raise ValueError(
+                "KvgraftForCausalLM under continuous batching supports num_return_sequences=1 only "
+                "(a forked request would start mid-sequence with no kvgraft state)"
+            )
         cb = continuous_batching_config
         if cb is None:
             cb = getattr(gen, "continuous_batching_config", None)
             cb = cb if isinstance(cb, ContinuousBatchingConfig) else ContinuousBatchingConfig()
-        manager = super().init_continuous_batching(generation_config=generation_config,
-                                                   continuous_batching_config=kvgraft_cb_config(cb),
-                                                   workload_hints=workload_hints)
+        manager = super().init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=kvgraft_cb_config(cb), workload_hints=workload_hints
+        )
         guard_request_length(manager, self.config.model_config.max_position_embeddings)
         return manager
 

@@ -92,9 +92,7 @@ def _rope_from_hf(d: dict[str, Any], source: str, max_pos: int, layer_types: lis
         raise CheckpointError(f"{source}: invalid rope parameters: {exc}") from exc
 
 
-def _sliding(
-    model_type: str, d: dict[str, Any], layers: int, source: str
-) -> tuple[int | None, tuple[str, ...] | None]:
+def _sliding(model_type: str, d: dict[str, Any], layers: int, source: str) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types) as transformers runs the file."""
     window = d.get("sliding_window", _DEFAULTS[model_type].get("sliding_window"))
     if model_type == "mistral":  # one window for every layer (Mistral ignores layer_types)
@@ -246,12 +244,14 @@ def _check_representable(cfg: ModelConfig, model_type: str) -> None:
     if model_type == "llama":
         need(not sliding, "llama has no sliding-window layers")
     if model_type == "mistral":
-        need(cfg.sliding_window is None or all(t == "sliding_attention" for t in cfg.layer_types),
-             "mistral applies its sliding window to every layer")
+        need(
+            cfg.sliding_window is None or all(t == "sliding_attention" for t in cfg.layer_types),
+            "mistral applies its sliding window to every layer",
+        )
 
 
 def natural_model_type(cfg: ModelConfig) -> str:
-    """"llama" for a plain Llama-family model, else kvgraft's own format (MLA grafts, encoder-decoders)."""
+    """ "llama" for a plain Llama-family model, else kvgraft's own format (MLA grafts, encoder-decoders)."""
     return "llama" if set(cfg.attention_kinds) == {"gqa"} else KVGRAFT_MODEL_TYPE
 
 

@@ -87,8 +87,9 @@ def kvgraft_cb_config(cb_config: Any) -> Any:
             continue
         mine = getattr(out, name)
         if mine != value and mine != getattr(default, name, value) and mine is not None:
-            logger.warning("kvgraft: continuous batching runs with %s=%r (asked: %r); see kvgraft.hf.continuous",
-                           name, value, mine)
+            logger.warning(
+                "kvgraft: continuous batching runs with %s=%r (asked: %r); see kvgraft.hf.continuous", name, value, mine
+            )
         setattr(out, name, value)
     return out
 
@@ -104,8 +105,10 @@ def guard_request_length(manager: Any, max_seq_len: int) -> None:
     def add_request(input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
         new = manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         if len(input_ids) + (new or 0) > max_seq_len:
-            raise ValueError(f"kvgraft: a request of {len(input_ids)} prompt tokens + {new} new tokens exceeds the "
-                             f"model's max_position_embeddings ({max_seq_len})")
+            raise ValueError(
+                f"kvgraft: a request of {len(input_ids)} prompt tokens + {new} new tokens exceeds the "
+                f"model's max_position_embeddings ({max_seq_len})"
+            )
         return add(input_ids, request_id, max_new_tokens, *args, **kwargs)
 
     manager.add_request = add_request
@@ -137,9 +140,17 @@ class ContinuousRequests:
     def _new_shard(self) -> int:
         slots = max(MIN_SHARD, len(self.seqs))
         per_seq = math.ceil(self.max_seq_len / self.block_size)
-        self.shards.append(PagedKVCache(self.config, num_blocks=slots * per_seq, block_size=self.block_size,
-                                        max_seqs=slots, max_seq_len=self.max_seq_len, dtype=self.dtype,
-                                        device=self.device))
+        self.shards.append(
+            PagedKVCache(
+                self.config,
+                num_blocks=slots * per_seq,
+                block_size=self.block_size,
+                max_seqs=slots,
+                max_seq_len=self.max_seq_len,
+                dtype=self.dtype,
+                device=self.device,
+            )
+        )
         return len(self.shards) - 1
 
     def _add(self, rid: str) -> tuple[int, int]:
@@ -172,29 +183,35 @@ class ContinuousRequests:
         last = idx[torch.tensor([e - 1 for e in ends], device=idx.device)].tolist() if ends else []
         return [owner.get(int(i) // alloc.block_physical_stride) for i in last]
 
-    def rows(self, tcache: Any, write_index: list[torch.Tensor], ends: list[int], starts: list[int],
-             lens: list[int]) -> list[tuple[int, int]]:
+    def rows(
+        self, tcache: Any, write_index: list[torch.Tensor], ends: list[int], starts: list[int], lens: list[int]
+    ) -> list[tuple[int, int]]:
         """(shard, sequence) of each row (``ends``: one past its last token on the packed axis; ``starts``: its
         first position), after checking it continues where kvgraft's state for it ends."""
         live = set().union(*(a.block_table.keys() for a in tcache.cache_allocators.values()))
         self._collect(live)
         rids = self._owners(tcache, write_index, ends)
         if len(set(rids)) != len(rids) or None in rids:
-            raise RuntimeError(f"kvgraft: could not match the rows of this continuous-batching step to requests "
-                               f"(found {rids}); the row's last token must be written to a block of its request")
+            raise RuntimeError(
+                f"kvgraft: could not match the rows of this continuous-batching step to requests "
+                f"(found {rids}); the row's last token must be written to a block of its request"
+            )
         out = []
         for rid, start, n in zip(rids, starts, lens):
             if start + n > self.max_seq_len:
-                raise ValueError(f"kvgraft: request {rid!r} reaches {start + n} tokens, beyond the model's "
-                                 f"max_position_embeddings ({self.max_seq_len}); lower max_new_tokens")
+                raise ValueError(
+                    f"kvgraft: request {rid!r} reaches {start + n} tokens, beyond the model's "
+                    f"max_position_embeddings ({self.max_seq_len}); lower max_new_tokens"
+                )
             if rid in self.seqs and start == 0:  # re-prefilled from scratch (soft reset), or an id reused
                 self._drop(rid)
             if rid in self.seqs:
                 i, seq = self.seqs[rid]
                 have = self.shards[i].length(seq)
                 if have != start:
-                    raise RuntimeError(f"kvgraft: request {rid!r} continues at position {start} but kvgraft holds "
-                                       f"{have} tokens of it")
+                    raise RuntimeError(
+                        f"kvgraft: request {rid!r} continues at position {start} but kvgraft holds {have} tokens of it"
+                    )
                 out.append((i, seq))
             elif start == 0:
                 assert rid is not None  # checked above: every row has an owner
@@ -203,12 +220,20 @@ class ContinuousRequests:
                 raise RuntimeError(
                     f"kvgraft: request {rid!r} starts at position {start} with no kvgraft state: a forked "
                     "(num_return_sequences > 1), prefix-shared or CPU-offloaded request, which kvgraft's models do "
-                    "not support under continuous batching (their KV lives in kvgraft's cache, not transformers')")
+                    "not support under continuous batching (their KV lives in kvgraft's cache, not transformers')"
+                )
         return out
 
     # ---- the step ------------------------------------------------------------------------------------
-    def forward(self, backbone: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                cu_seq_lens_q: torch.Tensor, write_index: list[torch.Tensor], tcache: Any) -> torch.Tensor:
+    def forward(
+        self,
+        backbone: nn.Module,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seq_lens_q: torch.Tensor,
+        write_index: list[torch.Tensor],
+        tcache: Any,
+    ) -> torch.Tensor:
         """Hidden states (1, N, h) of the step's packed tokens (zeros at padding tokens after the last row)."""
         cu = [int(c) for c in cu_seq_lens_q.tolist()]
         bounds = [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]  # padding rows have no tokens
@@ -236,8 +261,10 @@ def continuous_hidden(model: nn.Module, backbone: nn.Module, input_ids: torch.Te
     the kvgraft state lives on transformers' cache object, so it ends with the manager that owns it."""
     tcache = kwargs["cache"]
     if kwargs.get("block_table") is not None:
-        raise ValueError("kvgraft: the flash decode fast path (block tables) is not supported; run continuous "
-                         "batching with attn_implementation 'eager' or 'sdpa'")
+        raise ValueError(
+            "kvgraft: the flash decode fast path (block tables) is not supported; run continuous "
+            "batching with attn_implementation 'eager' or 'sdpa'"
+        )
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise ValueError("kvgraft: a continuous-batching step without position_ids")

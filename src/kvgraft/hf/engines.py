@@ -34,24 +34,55 @@ class _Backend:
 
 
 BACKENDS: tuple[_Backend, ...] = (
-    _Backend("transformers", "DeepseekV3ForCausalLM (eager / sdpa)", "any", None,
-             source="transformers/models/deepseek_v3/modeling_deepseek_v3.py",
-             tested="yes: every export is loaded and measured against the kvgraft model (tests/test_deepseek_export.py)"),
-    _Backend("vLLM", "CPU_MLA", "x86 CPU", (576,), source="vllm/v1/attention/backends/mla/cpu_mla.py",
-             tested="yes: make test-vllm (fp32, greedy tokens and top-5 logprobs against transformers)"),
+    _Backend(
+        "transformers",
+        "DeepseekV3ForCausalLM (eager / sdpa)",
+        "any",
+        None,
+        source="transformers/models/deepseek_v3/modeling_deepseek_v3.py",
+        tested="yes: every export is loaded and measured against the kvgraft model (tests/test_deepseek_export.py)",
+    ),
+    _Backend(
+        "vLLM",
+        "CPU_MLA",
+        "x86 CPU",
+        (576,),
+        source="vllm/v1/attention/backends/mla/cpu_mla.py",
+        tested="yes: make test-vllm (fp32, greedy tokens and top-5 logprobs against transformers)",
+    ),
     _Backend("vLLM", "AMX_MLA", "x86 CPU with AMX", (576,), source="vllm/v1/attention/backends/mla/amx_mla.py"),
     _Backend("vLLM", "TRITON_MLA", "GPU (any)", None, source="vllm/v1/attention/backends/mla/triton_mla.py"),
-    _Backend("vLLM", "FLASHMLA", "GPU sm90 (Hopper)", (320, 512, 576),
-             source="vllm/v1/attention/backends/mla/flashmla.py (head sizes of MLACommonBackend)"),
-    _Backend("vLLM", "FLASH_ATTN_MLA", "GPU sm90 (Hopper)", (576,),
-             source="vllm/v1/attention/backends/mla/flashattn_mla.py"),
-    _Backend("vLLM", "CUTLASS_MLA", "GPU sm100 (Blackwell)", (320, 512, 576),
-             source="vllm/v1/attention/backends/mla/cutlass_mla.py (head sizes of MLACommonBackend)"),
-    _Backend("vLLM", "FLASHINFER_MLA", "GPU sm100 (Blackwell)", (320, 512, 576), nope_dims=(64, 128, 192),
-             source="vllm/v1/attention/backends/mla/flashinfer_mla.py"),
-    _Backend("SGLang", "FlashMLA", "GPU sm90 (Hopper)", (576,),
-             source="sglang python/sglang/srt/models/deepseek_v2.py (projections bias=False); FlashMLA's kernels "
-                    "are built for DeepSeek's 512 + 64"),
+    _Backend(
+        "vLLM",
+        "FLASHMLA",
+        "GPU sm90 (Hopper)",
+        (320, 512, 576),
+        source="vllm/v1/attention/backends/mla/flashmla.py (head sizes of MLACommonBackend)",
+    ),
+    _Backend("vLLM", "FLASH_ATTN_MLA", "GPU sm90 (Hopper)", (576,), source="vllm/v1/attention/backends/mla/flashattn_mla.py"),
+    _Backend(
+        "vLLM",
+        "CUTLASS_MLA",
+        "GPU sm100 (Blackwell)",
+        (320, 512, 576),
+        source="vllm/v1/attention/backends/mla/cutlass_mla.py (head sizes of MLACommonBackend)",
+    ),
+    _Backend(
+        "vLLM",
+        "FLASHINFER_MLA",
+        "GPU sm100 (Blackwell)",
+        (320, 512, 576),
+        nope_dims=(64, 128, 192),
+        source="vllm/v1/attention/backends/mla/flashinfer_mla.py",
+    ),
+    _Backend(
+        "SGLang",
+        "FlashMLA",
+        "GPU sm90 (Hopper)",
+        (576,),
+        source="sglang python/sglang/srt/models/deepseek_v2.py (projections bias=False); FlashMLA's kernels "
+        "are built for DeepSeek's 512 + 64",
+    ),
 )
 
 
@@ -76,8 +107,11 @@ def engine_support(kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: i
 
     Only the shape is judged here; the export must also be kvgraft's engine-safe one (no attention bias
     tensors), which ``kvgraft convert --format deepseek_v3`` writes by default."""
-    for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", qk_rope_head_dim),
-                        ("qk_nope_head_dim", qk_nope_head_dim)):
+    for name, value in (
+        ("kv_lora_rank", kv_lora_rank),
+        ("qk_rope_head_dim", qk_rope_head_dim),
+        ("qk_nope_head_dim", qk_nope_head_dim),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} ({value!r}) must be a non-negative integer")
     head = kv_lora_rank + qk_rope_head_dim
@@ -86,12 +120,12 @@ def engine_support(kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: i
         why = []
         if b.head_sizes is not None and head not in b.head_sizes:
             want = " or ".join(str(h) for h in b.head_sizes)
-            why.append(f"caches rows of d_c + d_rope = {want} only; this export's is {kv_lora_rank} + "
-                       f"{qk_rope_head_dim} = {head}")
+            why.append(
+                f"caches rows of d_c + d_rope = {want} only; this export's is {kv_lora_rank} + {qk_rope_head_dim} = {head}"
+            )
         if b.nope_dims is not None and qk_nope_head_dim not in b.nope_dims:
             why.append(f"needs qk_nope_head_dim in {{{', '.join(map(str, b.nope_dims))}}}, not {qk_nope_head_dim}")
-        out.append(EngineSupport(b.engine, b.backend, b.device, not why, "; ".join(why) or "shape accepted",
-                                 b.source, b.tested))
+        out.append(EngineSupport(b.engine, b.backend, b.device, not why, "; ".join(why) or "shape accepted", b.source, b.tested))
     return out
 
 
@@ -101,16 +135,22 @@ def vllm_shape_problem(kv_width: int, head_dim: int) -> str | None:
     d_c, d_rope = VLLM_PREFERRED
     problems = []
     if kv_width <= d_c + d_rope:
-        problems.append(f"its KV cache holds {kv_width} values per token and layer (2 x num_kv_heads x head_dim), so "
-                        f"{d_c} + {d_rope} = {d_c + d_rope} would not shrink it")
+        problems.append(
+            f"its KV cache holds {kv_width} values per token and layer (2 x num_kv_heads x head_dim), so "
+            f"{d_c} + {d_rope} = {d_c + d_rope} would not shrink it"
+        )
     if head_dim < d_rope:
-        problems.append(f"head_dim is {head_dim}: the stock export's one shared RoPE key can keep at most one head's "
-                        f"{head_dim} rotated dims, not {d_rope}")
+        problems.append(
+            f"head_dim is {head_dim}: the stock export's one shared RoPE key can keep at most one head's "
+            f"{head_dim} rotated dims, not {d_rope}"
+        )
     if not problems:
         return None
-    return ("vLLM's CPU backends (CPU_MLA, AMX_MLA) and FlashMLA-class kernels need d_c + d_rope = 512 + 64, which "
-            "this model cannot take: " + "; ".join(problems) + ". Without --target vllm the export still runs on "
-            "vLLM's TRITON_MLA backend (GPU, any shape) and in transformers")
+    return (
+        "vLLM's CPU backends (CPU_MLA, AMX_MLA) and FlashMLA-class kernels need d_c + d_rope = 512 + 64, which "
+        "this model cannot take: " + "; ".join(problems) + ". Without --target vllm the export still runs on "
+        "vLLM's TRITON_MLA backend (GPU, any shape) and in transformers"
+    )
 
 
 def vllm_rope_problem(rope_type: str) -> str | None:
@@ -121,9 +161,11 @@ def vllm_rope_problem(rope_type: str) -> str | None:
     0.41-0.98 off in logprobs, linear refused at engine start."""
     if rope_type in ("default", "yarn"):
         return None
-    return (f"the model's RoPE scaling is {rope_type!r}: vLLM's DeepSeek-V2/V3 code reads every rope scaling as "
-            "DeepSeek's yarn ('deepseek_yarn'), so it would serve other RoPE frequencies than transformers "
-            "(docs/vllm.md: llama3 measured 0.41-0.98 off in logprobs, linear refused at engine start)")
+    return (
+        f"the model's RoPE scaling is {rope_type!r}: vLLM's DeepSeek-V2/V3 code reads every rope scaling as "
+        "DeepSeek's yarn ('deepseek_yarn'), so it would serve other RoPE frequencies than transformers "
+        "(docs/vllm.md: llama3 measured 0.41-0.98 off in logprobs, linear refused at engine start)"
+    )
 
 
 def format_engine_table(rows: list[EngineSupport], indent: str = "") -> str:
@@ -136,5 +178,13 @@ def format_engine_table(rows: list[EngineSupport], indent: str = "") -> str:
     return "\n".join(lines)
 
 
-__all__ = ["BACKENDS", "EngineSupport", "VLLM_PREFERRED", "VLLM_VERSION", "engine_support", "format_engine_table",
-           "vllm_rope_problem", "vllm_shape_problem"]
+__all__ = [
+    "BACKENDS",
+    "EngineSupport",
+    "VLLM_PREFERRED",
+    "VLLM_VERSION",
+    "engine_support",
+    "format_engine_table",
+    "vllm_rope_problem",
+    "vllm_shape_problem",
+]

@@ -67,21 +67,17 @@ def _to_hf_name(key: str) -> str:
     return key if key == LM_HEAD else HF_PREFIX + key
 
 
-def hf_to_kvgraft(
-    state: dict[str, torch.Tensor], cfg: ModelConfig, source: str = "checkpoint"
-) -> dict[str, torch.Tensor]:
+def hf_to_kvgraft(state: dict[str, torch.Tensor], cfg: ModelConfig, source: str = "checkpoint") -> dict[str, torch.Tensor]:
     """transformers names -> kvgraft names, checked against ``cfg``. Errors use the file's names."""
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
     if cfg.tie_word_embeddings:
         state = _drop_tied_head(state, HF_PREFIX + EMBED, source)
     expected = {_to_hf_name(k): shape for k, shape in expected_shapes(cfg).items()}
     check_state(state, expected, source)
-    return {(k if k == LM_HEAD else k[len(HF_PREFIX):]): v for k, v in state.items()}
+    return {(k if k == LM_HEAD else k[len(HF_PREFIX) :]): v for k, v in state.items()}
 
 
-def kvgraft_to_hf(
-    state: dict[str, torch.Tensor], cfg: ModelConfig, source: str = "model"
-) -> dict[str, torch.Tensor]:
+def kvgraft_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, source: str = "model") -> dict[str, torch.Tensor]:
     """kvgraft names -> transformers names; with tied embeddings lm_head is dropped (it is the embedding)."""
     if cfg.tie_word_embeddings:
         state = _drop_tied_head(state, EMBED, source)

@@ -116,11 +116,14 @@ def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
             nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
             raise CheckpointError(
                 f"{source}: tensor {name} {tuple(t.shape)} holds {nan} NaN and {inf} Inf values; the checkpoint "
-                "is corrupt or came from a diverged run (kvgraft refuses to load non-finite weights)")
+                "is corrupt or came from a diverged run (kvgraft refuses to load non-finite weights)"
+            )
 
 
 def load_pretrained(
-    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
     check_weights: bool = True,
 ) -> Transformer:
     """A kvgraft Transformer (eval mode) with a transformers checkpoint's weights.

@@ -80,8 +80,13 @@ def save_pretrained(
 
 
 def write_checkpoint_dir(
-    out_dir: Path, config_json: dict, tensors: dict[str, torch.Tensor], cfg, tokenizer_files: list[Path],
-    extra_files: dict[str, str], overwrite: bool,
+    out_dir: Path,
+    config_json: dict,
+    tensors: dict[str, torch.Tensor],
+    cfg,
+    tokenizer_files: list[Path],
+    extra_files: dict[str, str],
+    overwrite: bool,
 ) -> None:
     """Write config.json, model.safetensors, generation_config.json, tokenizer and extra files atomically."""
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
@@ -101,8 +106,9 @@ def tokenizer_files_of(tokenizer_dir: str | Path | None) -> list[Path]:
     return files
 
 
-def write_side_files(directory: Path, config_json: dict, cfg, tokenizer_files: list[Path],
-                     extra_files: dict[str, str] | None = None) -> None:
+def write_side_files(
+    directory: Path, config_json: dict, cfg, tokenizer_files: list[Path], extra_files: dict[str, str] | None = None
+) -> None:
     """Everything of a checkpoint directory but its weights: config.json, generation_config.json, the
     tokenizer and extra files (``write_checkpoint_dir``; the layer-by-layer converter writes its weights
     through ``kvgraft.hf.shards.ShardWriter``)."""

@@ -119,8 +119,9 @@ class ShardWriter:
     Tensors are copied to CPU, made contiguous, and never kept past their shard's write. Names must be unique.
     ``close()`` returns the ``weight_map`` (name -> file)."""
 
-    def __init__(self, directory: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, directory: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES, metadata: dict[str, str] | None = None
+    ) -> None:
         if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes ({max_shard_bytes!r}) must be a positive integer")
         self.directory = Path(directory)

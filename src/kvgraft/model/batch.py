@@ -219,8 +219,9 @@ class StepContext:
         the writer ``layer`` stored this step. The typed view of every entry group ``gi`` may read."""
         raise NotImplementedError
 
-    def compress(self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> None:
+    def compress(
+        self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
         """kv_source ``layer``'s compressor writes the shared entries of the group's new tokens (G, T, h)."""
         raise NotImplementedError
 
@@ -266,8 +267,9 @@ class DenseContext(StepContext):
             self.scratch[("kv", layer)] = entries
         return Entries(self.scratch[("kv", layer)], self.groups[gi].qpos)
 
-    def compress(self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> None:
+    def compress(
+        self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
         self.scratch[("seg", layer)] = compressor(x, cos, sin)
 
     def segment(self, source: int, gi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,13 +303,20 @@ class BatchContext(StepContext):
     cache: PagedKVCache  # (always a cache: narrows the base class's optional one)
     views = True  # read a single row's consecutive blocks as a view of the pool (False: always gather)
 
-    def __init__(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[int],
-                 adapter_ids: list[object] | None = None, *, replay: bool = False,
-                 capture_layer: int | None = None, write_from: int | None = None,
-                 replay_at: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        seqs: list[int],
+        new_tokens: list[int],
+        adapter_ids: list[object] | None = None,
+        *,
+        replay: bool = False,
+        capture_layer: int | None = None,
+        write_from: int | None = None,
+        replay_at: list[int] | None = None,
+    ) -> None:
         if len(seqs) != len(new_tokens) or not seqs:
-            raise ValueError(f"seqs ({len(seqs)}) and new_tokens ({len(new_tokens)}) must be non-empty and of "
-                             "equal length")
+            raise ValueError(f"seqs ({len(seqs)}) and new_tokens ({len(new_tokens)}) must be non-empty and of equal length")
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"a sequence appears twice in one step: {seqs}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in new_tokens):
@@ -316,20 +325,21 @@ class BatchContext(StepContext):
             raise ValueError(f"adapter_ids has {len(adapter_ids)} entries for {len(seqs)} rows")
         if replay_at is not None:
             if not replay or write_from is None or len(replay_at) != len(seqs):
-                raise ValueError("replay_at (one first position per row) is for a full-attention replay "
-                                 "(replay=True with write_from)")
+                raise ValueError(
+                    "replay_at (one first position per row) is for a full-attention replay (replay=True with write_from)"
+                )
             for s, t, a in zip(seqs, new_tokens, replay_at):
                 if isinstance(a, bool) or not isinstance(a, int) or a < 0 or a + t > cache.length(s):
-                    raise ValueError(f"replay of positions [{a}, {a} + {t}) on sequence {s}, which holds "
-                                     f"{cache.length(s)} tokens")
+                    raise ValueError(
+                        f"replay of positions [{a}, {a} + {t}) on sequence {s}, which holds {cache.length(s)} tokens"
+                    )
         if replay:
             for s, t in zip(seqs, new_tokens):
                 if t > cache.length(s):
                     raise ValueError(f"replay of {t} tokens on sequence {s}, which holds {cache.length(s)}")
             # a replay writes the rings of the groups from the cache's ring split on (the decoder): make the
             # ring blocks it writes private (a restore with recompute_from already gave it fresh ones)
-            groups = {gi for gi, g in enumerate(cache.ring_groups)
-                      if cache.ring_split is None or g.layers[0] >= cache.ring_split}
+            groups = {gi for gi, g in enumerate(cache.ring_groups) if cache.ring_split is None or g.layers[0] >= cache.ring_split}
             for s, t in zip(seqs, new_tokens):
                 need = cache.ring_blocks_needed(s, cache.length(s) - t, t, groups)
                 if any(k > cache.ring_groups[gi].blocks.free_count for gi, k in need.items()):
@@ -351,8 +361,10 @@ class BatchContext(StepContext):
             for s in seqs:  # the layers it rewrites must hold their own blocks (a restore with recompute_from)
                 for u in range(cut, len(cache.units)):
                     if any(cache.refcount(b, u) > 1 for b in cache.block_table(s, u)):
-                        raise ValueError(f"replay of sequence {s} would write blocks of layer {cache.units[u][1]} "
-                                         "that other sequences share; restore it with recompute_from first")
+                        raise ValueError(
+                            f"replay of sequence {s} would write blocks of layer {cache.units[u][1]} "
+                            "that other sequences share; restore it with recompute_from first"
+                        )
         self.write_from = write_from
         self.replay, self.capture_layer = replay, capture_layer
         self.captured: torch.Tensor | None = None  # the hidden state entering capture_layer, after a forward
@@ -360,8 +372,11 @@ class BatchContext(StepContext):
         self.adapter_ids = list(adapter_ids) if adapter_ids is not None else [None] * len(seqs)
         self.has_adapters = any(a is not None for a in self.adapter_ids)
         self._adapter_tokens: dict[object, torch.Tensor] | None = None
-        self.starts = list(replay_at) if replay_at is not None else \
-            [cache.length(s) - (t if replay else 0) for s, t in zip(seqs, new_tokens)]
+        self.starts = (
+            list(replay_at)
+            if replay_at is not None
+            else [cache.length(s) - (t if replay else 0) for s, t in zip(seqs, new_tokens)]
+        )
         self.scratch = {"compress_rate": cache.layout.compress_rate}
         dev, bs = cache.device, cache.block_size
         offsets: list[int] = []
@@ -400,8 +415,11 @@ class BatchContext(StepContext):
             unit_tables = tuple(by_cut[max(c for c in cuts if c <= u)] for u in range(len(cache.units)))
             table = by_cut[0]
             tb = tables[0]
-            run = tb[0] if self.views and len(cuts) == 1 and len(rows) == 1 and len(tb) == nb and \
-                len(_pieces(tb, nb * bs, bs)) == 1 else None
+            run = (
+                tb[0]
+                if self.views and len(cuts) == 1 and len(rows) == 1 and len(tb) == nb and len(_pieces(tb, nb * bs, bs)) == 1
+                else None
+            )
             row_pieces: list[list[tuple[int, int, int]]] | None = None
             if self.views and t == 1 and len(cuts) == 1 and run is None and self._row_views_pay(cache, ends):
                 row_pieces = []
@@ -413,12 +431,28 @@ class BatchContext(StepContext):
                     row_pieces.append(pieces)
             tok = torch.cat([torch.arange(offsets[r], offsets[r] + t) for r in rows]).to(dev)
             qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(t, device=dev)[None]
-            rings = tuple(torch.tensor([[max(b, 0) for b in cache.ring_table(seqs[r], gi)] for r in rows],
-                                       dtype=torch.long, device=dev) for gi in range(len(cache.ring_groups)))
-            self.groups.append(Group(rows, t, qpos, tok, torch.tensor(starts, device=dev), table,
-                                     torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev), max(ends),
-                                     adapter, adapter_rows, run, rings, unit_tables,
-                                     None if row_pieces is None else tuple(row_pieces)))
+            rings = tuple(
+                torch.tensor([[max(b, 0) for b in cache.ring_table(seqs[r], gi)] for r in rows], dtype=torch.long, device=dev)
+                for gi in range(len(cache.ring_groups))
+            )
+            self.groups.append(
+                Group(
+                    rows,
+                    t,
+                    qpos,
+                    tok,
+                    torch.tensor(starts, device=dev),
+                    table,
+                    torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev),
+                    max(ends),
+                    adapter,
+                    adapter_rows,
+                    run,
+                    rings,
+                    unit_tables,
+                    None if row_pieces is None else tuple(row_pieces),
+                )
+            )
 
     @staticmethod
     def _row_views_pay(cache: PagedKVCache, ends: list[int]) -> bool:
@@ -430,8 +464,9 @@ class BatchContext(StepContext):
         gather is a fast device copy and per-row ops would each launch kernels: always gather there."""
         if not cache.paged or cache.device.type != "cpu":
             return False
-        widths = [math.prod(cache.head_major[x]) if x in cache.head_major else p.shape[-1]
-                  for x, p in cache.paged.items()]  # values per token: 2K x head_dim, or the latent's width
+        widths = [
+            math.prod(cache.head_major[x]) if x in cache.head_major else p.shape[-1] for x, p in cache.paged.items()
+        ]  # values per token: 2K x head_dim, or the latent's width
         per_token = max(widths) * torch.empty((), dtype=cache.dtype).element_size()
         return bool(sum(ends) * per_token >= ROW_VIEW_MIN_BYTES * len(ends))
 
@@ -471,8 +506,10 @@ class BatchContext(StepContext):
         write = True
         if self.replay and layer not in c.rings:
             if self.write_from is None:
-                raise ValueError(f"layer {layer} stores paged KV: a replay over it needs write_from (the first layer "
-                                 "whose KV it rebuilds; the layers below are read as the cache holds them)")
+                raise ValueError(
+                    f"layer {layer} stores paged KV: a replay over it needs write_from (the first layer "
+                    "whose KV it rebuilds; the layers below are read as the cache holds them)"
+                )
             write = layer >= self.write_from  # below: the shared blocks already hold exactly these entries
         if layer in c.head_major:  # GQA: (2K, G, S, d), keys then values per head, each head contiguous
             pool = c.paged[layer]
@@ -484,13 +521,14 @@ class BatchContext(StepContext):
                 src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
                 pool.view(H2, -1, d).index_copy_(1, flat, src)
             if g.row_pieces is not None:  # decode rows read as views: per row, its pieces (2K, 1, S_i, d), no copy
-                out = RowPieces([[pool[:, b:b + n].reshape(H2, 1, n * bs, d)[:, :, :e] for b, n, e in pieces]
-                                 for pieces in g.row_pieces])
+                out = RowPieces(
+                    [[pool[:, b : b + n].reshape(H2, 1, n * bs, d)[:, :, :e] for b, n, e in pieces] for pieces in g.row_pieces]
+                )
                 self.scratch[key] = out
                 return out
             if g.run is not None:  # one row in consecutive blocks: a view of the pool
                 nb = table.shape[1]
-                keys = pool[:, g.run:g.run + nb].reshape(H2, 1, nb * bs, d)[:, :, : g.max_end]
+                keys = pool[:, g.run : g.run + nb].reshape(H2, 1, nb * bs, d)[:, :, : g.max_end]
             else:
                 # index_select, not pool[:, table]: the same copy, ~4x faster on the CPU (advanced indexing
                 # takes a generic strided path; index_select copies whole (bs, d) blocks)
@@ -503,15 +541,17 @@ class BatchContext(StepContext):
             if write:
                 pos = g.qpos  # (G, T)
                 flat = table.gather(1, pos // bs) * bs + pos % bs
-                pool.view(-1, pool.shape[-1]).index_copy_(0, flat.reshape(-1),
-                                                          entries.reshape(-1, entries.shape[-1]).to(pool.dtype))
+                pool.view(-1, pool.shape[-1]).index_copy_(
+                    0, flat.reshape(-1), entries.reshape(-1, entries.shape[-1]).to(pool.dtype)
+                )
             if g.row_pieces is not None:  # decode rows read as views: per row, its pieces (S_i, E)
-                out = RowPieces([[pool[b:b + n].reshape(n * bs, pool.shape[-1])[:e] for b, n, e in pieces]
-                                 for pieces in g.row_pieces])
+                out = RowPieces(
+                    [[pool[b : b + n].reshape(n * bs, pool.shape[-1])[:e] for b, n, e in pieces] for pieces in g.row_pieces]
+                )
                 self.scratch[key] = out
                 return out
             if g.run is not None:
-                keys = pool[g.run:g.run + table.shape[1]].reshape(1, -1, pool.shape[-1])[:, : g.max_end]
+                keys = pool[g.run : g.run + table.shape[1]].reshape(1, -1, pool.shape[-1])[:, : g.max_end]
             else:
                 keys = pool.index_select(0, table.reshape(-1)).view(g.G, -1, pool.shape[-1])[:, : g.max_end]
             kpos = torch.arange(g.max_end, device=keys.device).expand(g.G, -1)
@@ -530,16 +570,18 @@ class BatchContext(StepContext):
             keys = torch.cat([ring, entries.to(ring.dtype)], dim=1)
             kpos = torch.cat([ring_pos, g.qpos], dim=1)
             n = min(g.T, R)
-            idx = g.qpos[:, g.T - n:] % W  # (G, n) ring slots
+            idx = g.qpos[:, g.T - n :] % W  # (G, n) ring slots
             flat = rtab.gather(1, idx // rb) * rb + idx % rb
             ring_pool.view(-1, ring_pool.shape[-1]).index_copy_(
-                0, flat.reshape(-1), entries[:, g.T - n:].reshape(-1, entries.shape[-1]).to(ring_pool.dtype))
+                0, flat.reshape(-1), entries[:, g.T - n :].reshape(-1, entries.shape[-1]).to(ring_pool.dtype)
+            )
             out = Entries(keys, kpos)
         self.scratch[key] = out
         return out
 
-    def compress(self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> None:
+    def compress(
+        self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
         """Run kv_source ``layer``'s compressor on the group's new tokens (G, T, h): store every entry
         they complete in the shared segment, keep the rest as the row's pending tokens."""
         if self.replay:  # the shared segments already hold these tokens (a replay recomputes windows only)
@@ -569,8 +611,9 @@ class BatchContext(StepContext):
             n = all_e.shape[1] // m * m
             rest = all_e.shape[1] - n
             if rest:
-                pend[slots[:, None], torch.arange(rest, device=pend.device)[None]] = \
-                    torch.cat([all_e[:, n:], all_s[:, n:]], dim=-1).to(pend.dtype)
+                pend[slots[:, None], torch.arange(rest, device=pend.device)[None]] = torch.cat(
+                    [all_e[:, n:], all_s[:, n:]], dim=-1
+                ).to(pend.dtype)
             if n:
                 blocks = compressor.pool(all_e[:, :n], all_s[:, :n])  # (Gs, n / m, E)
                 e = (starts[sub] // m)[:, None] + torch.arange(n // m, device=blocks.device)[None]
@@ -588,7 +631,7 @@ class BatchContext(StepContext):
             table = g.tables[c.unit_of_segment[source]]
             N = g.max_end // m
             if g.run is not None:
-                entries = seg[g.run:g.run + table.shape[1]].reshape(1, -1, seg.shape[-1])[:, :N]
+                entries = seg[g.run : g.run + table.shape[1]].reshape(1, -1, seg.shape[-1])[:, :N]
             else:
                 entries = seg.index_select(0, table.reshape(-1)).view(g.G, -1, seg.shape[-1])[:, :N]
             first = (torch.arange(N, device=entries.device) * m).expand(g.G, -1)

@@ -114,7 +114,7 @@ class BlockAllocator:
                 starts = np.flatnonzero(c[n:] - c[:-n] == n)
                 if starts.size:
                     b = int(starts[0])
-                    self._claim[b + 1:b + n] = owner
+                    self._claim[b + 1 : b + n] = owner
                     return self._take(b)
         return self.allocate()
 

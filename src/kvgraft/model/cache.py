@@ -49,8 +49,16 @@ from kvgraft.model.blocks import BlockAllocator, CacheFullError
 from kvgraft.model.config import CacheLayout, ModelConfig, cache_layout
 from kvgraft.model.rings import WindowRings, ring_shape
 
-__all__ = ["CacheFullError", "CacheLayout", "CacheSnapshot", "PagedKVCache", "cache_layout", "default_block_size",
-           "ring_geometry", "static_cache"]
+__all__ = [
+    "CacheFullError",
+    "CacheLayout",
+    "CacheSnapshot",
+    "PagedKVCache",
+    "cache_layout",
+    "default_block_size",
+    "ring_geometry",
+    "static_cache",
+]
 
 
 @dataclass
@@ -117,18 +125,31 @@ class PagedKVCache:
         self.layout = layout = cache_layout(config)
         m = layout.compress_rate
         if block_size % m:
-            raise ValueError(f"block_size ({block_size}) must be a multiple of compress_rate ({m}): a block "
-                             "holds whole pooled entries")
+            raise ValueError(
+                f"block_size ({block_size}) must be a multiple of compress_rate ({m}): a block holds whole pooled entries"
+            )
         self.config, self.block_size, self.num_blocks, self.max_seqs = config, block_size, num_blocks, max_seqs
         self.max_seq_len, self.dtype, self.device = max_seq_len, dtype, torch.device(device)
         if isinstance(ring_split, str):
             if ring_split != "pivot":
-                raise ValueError(f"ring_split ({ring_split!r}) must be a layer index in [0, {config.num_layers}], "
-                                 "'pivot' or None")
+                raise ValueError(
+                    f"ring_split ({ring_split!r}) must be a layer index in [0, {config.num_layers}], 'pivot' or None"
+                )
             ring_split = max(config.kv_source_layers) if config.kv_source_layers else None
         # window rings: their pools and ring groups (a sequence keeps its ring-block tables)
-        self.window_rings = wr = WindowRings(layout.rings, layout.window, block_size, max_seq_len, max_seqs, ring_blocks,
-                                             ring_split, config.num_layers, config.is_ced, dtype, device)
+        self.window_rings = wr = WindowRings(
+            layout.rings,
+            layout.window,
+            block_size,
+            max_seq_len,
+            max_seqs,
+            ring_blocks,
+            ring_split,
+            config.num_layers,
+            config.is_ced,
+            dtype,
+            device,
+        )
         self.ring_len, self.ring_block, self.ring_blocks_per_seq = wr.ring_len, wr.ring_block, wr.blocks_per_seq
         self.ring_split, self.ring_groups, self.ring_group_of, self.rings = wr.split, wr.groups, wr.group_of, wr.pools
 
@@ -139,11 +160,15 @@ class PagedKVCache:
         # GQA layers store keys and values head-major, (2K, blocks, block_size, head_dim): gathering a batch's
         # blocks then yields each head's keys contiguous, which decode attention reads without another copy.
         # Other paged layers store one row per token, (blocks, block_size, width).
-        self.head_major = {layer: (2 * config.num_kv_heads, config.head_dim) for layer in layout.paged
-                           if config.attention_kinds[layer] == "gqa"}
-        self.paged = {layer: zeros(self.head_major[layer][0], num_blocks, block_size, self.head_major[layer][1])
-                      if layer in self.head_major else zeros(num_blocks, block_size, w)
-                      for layer, w in layout.paged.items()}
+        self.head_major = {
+            layer: (2 * config.num_kv_heads, config.head_dim) for layer in layout.paged if config.attention_kinds[layer] == "gqa"
+        }
+        self.paged = {
+            layer: zeros(self.head_major[layer][0], num_blocks, block_size, self.head_major[layer][1])
+            if layer in self.head_major
+            else zeros(num_blocks, block_size, w)
+            for layer, w in layout.paged.items()
+        }
         self.segments = {s: zeros(num_blocks, block_size // m, w) for s, w in layout.segments.items()}
         self.pending = {s: zeros(max_seqs, m - 1, w) for s, w in layout.pending.items()}
         # token blocks: one id space, a reference count per (unit, block): a unit is a paged layer or a
@@ -151,17 +176,20 @@ class PagedKVCache:
         self.units = [("paged", x) for x in sorted(layout.paged)] + [("segment", x) for x in sorted(layout.segments)]
         self.unit_of_paged = {x: u for u, (k, x) in enumerate(self.units) if k == "paged"}
         self.unit_of_segment = {x: u for u, (k, x) in enumerate(self.units) if k == "segment"}
-        self.unit_bytes = np.array([itemsize * (block_size * layout.paged[x] if k == "paged"
-                                                else block_size // m * layout.segments[x]) for k, x in self.units],
-                                   dtype=np.int64)
+        self.unit_bytes = np.array(
+            [
+                itemsize * (block_size * layout.paged[x] if k == "paged" else block_size // m * layout.segments[x])
+                for k, x in self.units
+            ],
+            dtype=np.int64,
+        )
         # token blocks (a sequence that says how long it will get claims a run of consecutive ids and grows
         # into it, so decode reads its blocks as views of the pools)
         self.blocks = BlockAllocator(len(self.units), num_blocks, tuple(x for _, x in self.units))
         self._free_slots: deque[int] = deque(range(max_seqs))
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
-        self.block_bytes = itemsize * (block_size * sum(layout.paged.values())
-                                       + block_size // m * sum(layout.segments.values()))
+        self.block_bytes = itemsize * (block_size * sum(layout.paged.values()) + block_size // m * sum(layout.segments.values()))
         self.slot_bytes = itemsize * (m - 1) * sum(layout.pending.values())
 
     # ---- sequences ---------------------------------------------------------------------------------
@@ -171,16 +199,19 @@ class PagedKVCache:
         ``expect_tokens``: how long the sequence may get (e.g. prompt + max new tokens); its first block then
         starts a run of free block ids long enough for that, which it claims and grows into (consecutive
         blocks are read as views, not gathered). Only a preference: nothing is held beyond what is written."""
-        if expect_tokens is not None and (isinstance(expect_tokens, bool) or not isinstance(expect_tokens, int)
-                                          or expect_tokens < 0):
+        if expect_tokens is not None and (
+            isinstance(expect_tokens, bool) or not isinstance(expect_tokens, int) or expect_tokens < 0
+        ):
             raise ValueError(f"expect_tokens ({expect_tokens!r}) must be a non-negative integer or None")
         if not self._free_slots:
             raise CacheFullError(f"all {self.max_seqs} sequence slots are in use")
         seq = self._next_id
         self._next_id += 1
-        self._seqs[seq] = _Sequence(self._free_slots.popleft(),
-                                    rings=self.window_rings.new_tables(),
-                                    expect_blocks=math.ceil(min(expect_tokens or 0, self.max_seq_len) / self.block_size))
+        self._seqs[seq] = _Sequence(
+            self._free_slots.popleft(),
+            rings=self.window_rings.new_tables(),
+            expect_blocks=math.ceil(min(expect_tokens or 0, self.max_seq_len) / self.block_size),
+        )
         self._clear_state(self._seqs[seq].slot)
         return seq
 
@@ -205,8 +236,7 @@ class PagedKVCache:
         self._incref_spans(s.spans)
         self.window_rings.hold(s.rings)
         state = {("pending", layer): t[s.slot].clone() for layer, t in self.pending.items()}
-        return CacheSnapshot(tuple((u, tuple(t)) for u, t in s.spans), s.length, state,
-                             tuple(tuple(t) for t in s.rings))
+        return CacheSnapshot(tuple((u, tuple(t)) for u, t in s.spans), s.length, state, tuple(tuple(t) for t in s.rings))
 
     def restore(self, snap: CacheSnapshot, recompute_from: int | None = None) -> int:
         """A new sequence holding the snapshot's tokens: its blocks and ring blocks shared (reference
@@ -223,15 +253,19 @@ class PagedKVCache:
         need = self.restore_ring_blocks(snap, recompute_from)
         gi = self.window_rings.shortfall(need)
         if gi is not None:
-            raise CacheFullError(f"restore needs {need[gi]} ring blocks of group {gi}, "
-                                 f"{self.ring_groups[gi].blocks.free_count} free of {self.ring_groups[gi].num_blocks}")
+            raise CacheFullError(
+                f"restore needs {need[gi]} ring blocks of group {gi}, "
+                f"{self.ring_groups[gi].blocks.free_count} free of {self.ring_groups[gi].num_blocks}"
+            )
         spans: list[list[Any]] = [[u, list(t)] for u, t in snap.spans]
         cut = self._unit_cut(recompute_from)
         n_blocks = -(-snap.length // self.block_size)
         if cut < len(self.units) and self.block_bytes:  # the units from ``cut`` on come fresh
             if self.blocks.available(cut, len(self.units)) < n_blocks:
-                raise CacheFullError(f"restore needs {n_blocks} blocks for layers from {recompute_from} on, "
-                                     f"{self.blocks.available(cut, len(self.units))} free there")
+                raise CacheFullError(
+                    f"restore needs {n_blocks} blocks for layers from {recompute_from} on, "
+                    f"{self.blocks.available(cut, len(self.units))} free there"
+                )
             spans = self._split(spans, cut)
             spans = [sp for sp in spans if sp[0] < cut]
         if not self._free_slots:
@@ -342,8 +376,10 @@ class PagedKVCache:
         need = self.ring_blocks_needed(seq, start, n, groups)
         gi = self.window_rings.shortfall(need)
         if gi is not None:
-            raise CacheFullError(f"sequence {seq} needs {need[gi]} more ring blocks of group {gi}, "
-                                 f"{self.ring_groups[gi].blocks.free_count} free of {self.ring_groups[gi].num_blocks}")
+            raise CacheFullError(
+                f"sequence {seq} needs {need[gi]} more ring blocks of group {gi}, "
+                f"{self.ring_groups[gi].blocks.free_count} free of {self.ring_groups[gi].num_blocks}"
+            )
         self.window_rings.reserve(self._get(seq).rings, need, start, n)
 
     def can_extend(self, seq: int, new_tokens: int) -> bool:
@@ -366,7 +402,8 @@ class PagedKVCache:
             if k and k > self.blocks.available(*self._span_range(s, i)):
                 raise CacheFullError(
                     f"sequence {seq} needs {self.blocks_needed(seq, new_tokens)} more blocks for {new_tokens} tokens, "
-                    f"{self.blocks.available(*self._span_range(s, i))} free of {self.num_blocks}")
+                    f"{self.blocks.available(*self._span_range(s, i))} free of {self.num_blocks}"
+                )
         self.reserve_rings(seq, s.length, new_tokens)
         if not self.block_bytes:
             return
@@ -498,8 +535,14 @@ def default_block_size(config: ModelConfig, tokens: int = 16) -> int:
     return math.ceil(tokens / m) * m
 
 
-def static_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str, block_size: int | None = None) -> tuple[PagedKVCache, list[int]]:
+def static_cache(
+    config: ModelConfig,
+    batch_size: int,
+    max_len: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    block_size: int | None = None,
+) -> tuple[PagedKVCache, list[int]]:
     """A cache sized for ``batch_size`` sequences of up to ``max_len`` tokens each, and those sequences.
 
     ``block_size`` defaults to :func:`default_block_size`."""
@@ -510,6 +553,13 @@ def static_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: torc
     if block_size is None:
         block_size = default_block_size(config)
     per_seq = math.ceil(max_len / block_size)
-    cache = PagedKVCache(config, num_blocks=batch_size * per_seq, block_size=block_size, max_seqs=batch_size,
-                         max_seq_len=max_len, dtype=dtype, device=device)
+    cache = PagedKVCache(
+        config,
+        num_blocks=batch_size * per_seq,
+        block_size=block_size,
+        max_seqs=batch_size,
+        max_seq_len=max_len,
+        dtype=dtype,
+        device=device,
+    )
     return cache, [cache.add_sequence(expect_tokens=max_len) for _ in range(batch_size)]

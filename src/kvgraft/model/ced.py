@@ -139,8 +139,8 @@ class CEDAttention(LatentAttention):
         q = self.q_proj(x).view(B, T, self.num_heads, -1).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, -1)
         v = self.v_proj(x)
-        q = torch.cat([q[..., : self.dn], apply_rope(q[..., self.dn:], cos, sin)], dim=-1)
-        k_rope = apply_rope(k[..., self.dn:].transpose(1, 2), cos, sin).transpose(1, 2)
+        q = torch.cat([q[..., : self.dn], apply_rope(q[..., self.dn :], cos, sin)], dim=-1)
+        k_rope = apply_rope(k[..., self.dn :].transpose(1, 2), cos, sin).transpose(1, 2)
         k = torch.cat([k[..., : self.dn], k_rope], dim=-1).reshape(B, T, -1)
         return q, torch.cat([k, v], dim=-1)  # (B, H, T, dn+dr), window entry (B, T, K (dn+dr) + K dv)
 
@@ -158,7 +158,7 @@ class CEDAttention(LatentAttention):
             win, kpos = ctx.kv(self.layer, gi, g.take(entry)).entries()  # (G, S, K (dk + dv))
             G, S = win.shape[:2]
             k = win[..., : K * dk].view(G, S, K, dk).transpose(1, 2)
-            v = win[..., K * dk:].view(G, S, K, self.dv).transpose(1, 2)
+            v = win[..., K * dk :].view(G, S, K, self.dv).transpose(1, 2)
             mask = ctx.window_mask(gi, kpos, self.window, "ring")
             shared = None
             if self.source is not None:
@@ -193,8 +193,9 @@ class CEDAttention(LatentAttention):
         return out
 
     # ---- the optional indexer -------------------------------------------------------------------
-    def _select(self, x: torch.Tensor, q: torch.Tensor, shared: torch.Tensor, visible: torch.Tensor,
-                ctx: StepContext) -> torch.Tensor:
+    def _select(
+        self, x: torch.Tensor, q: torch.Tensor, shared: torch.Tensor, visible: torch.Tensor, ctx: StepContext
+    ) -> torch.Tensor:
         """Top-k selection of the visible shared entries per query: (G, T, N) bool; in training the
         indexer's loss is appended to ``ctx.scratch["aux"]``.
 
@@ -209,7 +210,7 @@ class CEDAttention(LatentAttention):
         D = self.dc + self.dr
         xd = x.detach()
         qi = self.index_q_proj(xd).view(B, T, self.index_heads, self.di)
-        wi = self.index_w_proj(xd) * self.index_heads ** -0.5  # (B, T, heads)
+        wi = self.index_w_proj(xd) * self.index_heads**-0.5  # (B, T, heads)
         ki = shared[..., D:]  # (B, N, di): from a detached input too (Compressor), trained by this loss only
         scores = torch.einsum("btjd,bnd->btjn", qi, ki).relu().mul(wi[..., None]).sum(dim=2)  # (B, T, N)
         scores = scores.float().masked_fill(~visible, float("-inf"))

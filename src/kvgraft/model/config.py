@@ -122,14 +122,11 @@ class ModelConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
-                    f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}) "
-                    "unless head_dim is given"
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}) unless head_dim is given"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim <= 0 or self.head_dim % 2:
@@ -155,9 +152,7 @@ class ModelConfig:
             object.__setattr__(self, "attention_kinds", ("ced" if self.kv_source_layers else "gqa",) * L)
         object.__setattr__(self, "attention_kinds", tuple(self.attention_kinds))
         if len(self.attention_kinds) != L or any(k not in ATTENTION_KINDS for k in self.attention_kinds):
-            raise ValueError(
-                f"attention_kinds {self.attention_kinds} must list one of {ATTENTION_KINDS} for each of {L} layers"
-            )
+            raise ValueError(f"attention_kinds {self.attention_kinds} must list one of {ATTENTION_KINDS} for each of {L} layers")
         if "ced" in self.attention_kinds or self.kv_source_layers is not None:
             self._check_ced()
         if "mla" in self.attention_kinds or "ced" in self.attention_kinds:
@@ -172,9 +167,7 @@ class ModelConfig:
             if slot < 0 or writer > layer:
                 raise ValueError(f"kv_slots[{layer}] = {slot} is invalid: slots must be >= 0")
             if self.layer_types[writer] != self.layer_types[layer]:
-                raise ValueError(
-                    f"layer {layer} reads slot {slot} written by layer {writer}, but their layer_types differ"
-                )
+                raise ValueError(f"layer {layer} reads slot {slot} written by layer {writer}, but their layer_types differ")
 
     def _check_ced(self) -> None:
         L, src = self.num_layers, self.kv_source_layers
@@ -232,14 +225,15 @@ class ModelConfig:
         if len(index) != self.num_layers:
             raise ValueError(f"rope_freq_index has {len(index)} entries, expected one per layer ({self.num_layers})")
         if "ced" in self.attention_kinds and len(set(index)) != 1:
-            raise ValueError("rope_freq_index must be the same for every layer of a causal encoder-decoder "
-                             "(all layers attend over the same shared RoPE keys)")
+            raise ValueError(
+                "rope_freq_index must be the same for every layer of a causal encoder-decoder "
+                "(all layers attend over the same shared RoPE keys)"
+            )
         for layer in mla_layers:
             idx = index[layer]
             if len(idx) != dr // 2 or any(not 0 <= f < half for f in idx):
                 raise ValueError(
-                    f"rope_freq_index[{layer}] = {idx} must hold qk_rope_head_dim/2 = "
-                    f"{dr // 2} frequency indices in [0, {half})"
+                    f"rope_freq_index[{layer}] = {idx} must hold qk_rope_head_dim/2 = {dr // 2} frequency indices in [0, {half})"
                 )
 
     # ---- derived quantities -------------------------------------------------------------------
@@ -264,8 +258,10 @@ class ModelConfig:
         widths of MLA and causal encoder-decoder layers; ValueError when the config sets none."""
         dims = (self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim)
         if dims[0] is None or dims[1] is None or dims[2] is None or dims[3] is None:
-            raise ValueError(f"latent widths (kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim) = {dims}: "
-                             "this config has no MLA or causal encoder-decoder layers")
+            raise ValueError(
+                f"latent widths (kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim) = {dims}: "
+                "this config has no MLA or causal encoder-decoder layers"
+            )
         return dims[0], dims[1], dims[2], dims[3]
 
     @property

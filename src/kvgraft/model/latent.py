@@ -82,8 +82,7 @@ def _version(t: torch.Tensor) -> tuple[int, int, torch.dtype, torch.device]:
 
 def _peft_key(module: Any, weight: torch.Tensor, names: list[str]) -> tuple[object, ...]:
     scaling = getattr(module, "scaling", {})
-    return (tuple(names), tuple(scaling.get(n) for n in names),
-            tuple(_version(t) for t in _peft_tensors(module, weight, names)))
+    return (tuple(names), tuple(scaling.get(n) for n in names), tuple(_version(t) for t in _peft_tensors(module, weight, names)))
 
 
 class LatentAttention(nn.Module):
@@ -108,8 +107,8 @@ class LatentAttention(nn.Module):
         bk = bv = None
         if b is not None:
             b = b.view(self.num_heads, self.dn + self.dv)
-            bk, bv = b[:, : self.dn], b[:, self.dn:]
-        return w[:, : self.dn], w[:, self.dn:], bk, bv
+            bk, bv = b[:, : self.dn], b[:, self.dn :]
+        return w[:, : self.dn], w[:, self.dn :], bk, bv
 
     def attend(
         self,
@@ -130,8 +129,9 @@ class LatentAttention(nn.Module):
             raise ValueError("kv_b_delta is for the absorbed path")
         return self._attend_expanded(q, k, v, latents, mask)
 
-    def _attend_expanded(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                         latents: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    def _attend_expanded(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, latents: torch.Tensor | None, mask: torch.Tensor
+    ) -> torch.Tensor:
         G, H, T, _ = q.shape
         keys, values = [], []
         if k is not None and v is not None:
@@ -140,18 +140,24 @@ class LatentAttention(nn.Module):
             values.append(v.repeat_interleave(rep, dim=1))
         if latents is not None:
             N = latents.shape[1]
-            c, k_rope = latents[..., : self.dc], latents[..., self.dc:self.dc + self.dr]
+            c, k_rope = latents[..., : self.dc], latents[..., self.dc : self.dc + self.dr]
             w, b = self.weights("kv_b_proj")
             kv = F.linear(c, w, b).view(G, N, H, self.dn + self.dv).transpose(1, 2)  # (G, H, N, dn + dv)
             keys.append(torch.cat([kv[..., : self.dn], k_rope[:, None].expand(G, H, N, self.dr)], dim=-1))
-            values.append(kv[..., self.dn:])
+            values.append(kv[..., self.dn :])
         k_all = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
         v_all = values[0] if len(values) == 1 else torch.cat(values, dim=2)
         return sdpa(q, k_all, v_all, attn_mask=mask[:, None], scale=self.scale)  # (the CPU's fused kernel)
 
-    def _attend_absorbed(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                         latents: torch.Tensor | None, mask: torch.Tensor,
-                         kv_b_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def _attend_absorbed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        latents: torch.Tensor | None,
+        mask: torch.Tensor,
+        kv_b_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Scores against the latents directly (W_UK folded into the query, W_UV applied after), next to
         the window scores under one softmax. Window heads are read per group (the query heads of a group
         side by side on the query axis), not repeated."""
@@ -168,7 +174,7 @@ class LatentAttention(nn.Module):
             if kv_b_delta is not None:  # + q_nope B_k A per row: (G, H, T, dn) (G, H, dn, r) (G, 1, r, dc)
                 A, B = kv_b_delta
                 B = B.view(G, H, self.dn + self.dv, -1)
-                b_k, b_v = B[:, :, : self.dn], B[:, :, self.dn:]
+                b_k, b_v = B[:, :, : self.dn], B[:, :, self.dn :]
                 q_c = q_c + torch.matmul(torch.matmul(q_nope, b_k.to(q.dtype)), A[:, None].to(q.dtype))
             q_lat = torch.cat([q_c, q_rope], dim=-1)  # (G, H, T, dc + dr)
             entry = latents[:, None, :, : self.dc + self.dr]

@@ -138,7 +138,7 @@ class MLAttention(LatentAttention):
         w, b = self.weights("kv_b_proj")
         kv = F.linear(c, w, b).view(G, T, H, self.dn + self.dv).transpose(1, 2)
         k = torch.cat([kv[..., : self.dn], k_rope[:, None].expand(G, H, T, self.dr)], dim=-1)
-        return sdpa(q, k, kv[..., self.dn:], is_causal=T > 1, scale=self.scale)  # (the CPU's fused kernel)
+        return sdpa(q, k, kv[..., self.dn :], is_causal=T > 1, scale=self.scale)  # (the CPU's fused kernel)
 
     def _query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, H, T, dn) no-RoPE and (B, H, T, dr) rotated RoPE parts of the query."""
@@ -201,8 +201,7 @@ class MLAttention(LatentAttention):
         self._folded[key] = (params, (q_w, q_b, o_w, o_b))
         return q_w, q_b, o_w, o_b
 
-    def _decode_folded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: KVView,
-                       mask: MaskOf) -> torch.Tensor:
+    def _decode_folded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: KVView, mask: MaskOf) -> torch.Tensor:
         """Absorbed decode with the up-projections folded into the query and output projections:
         x (G, T, h) over the latent entries ``view`` holds (mask: their visibility) -> (G, T, h)."""
         B, T, _ = x.shape

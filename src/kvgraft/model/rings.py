@@ -67,19 +67,32 @@ class WindowRings:
     group); ``num_blocks``: ring blocks per group (default ``max_seqs`` whole rings); ``splittable``: whether
     a restore may recompute some groups only (a causal encoder-decoder's rings split at its pivot)."""
 
-    def __init__(self, widths: dict[int, int], window: int | None, block_size: int, max_seq_len: int,
-                 max_seqs: int, num_blocks: int | None, split: int | None, num_layers: int, splittable: bool,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        widths: dict[int, int],
+        window: int | None,
+        block_size: int,
+        max_seq_len: int,
+        max_seqs: int,
+        num_blocks: int | None,
+        split: int | None,
+        num_layers: int,
+        splittable: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         self.window = window
         self.num_layers, self.splittable = num_layers, splittable
-        self.ring_len, self.ring_block, self.blocks_per_seq = ring_shape(window if widths else None, block_size,
-                                                                         max_seq_len)
+        self.ring_len, self.ring_block, self.blocks_per_seq = ring_shape(window if widths else None, block_size, max_seq_len)
         rb, nrb = self.ring_block, self.blocks_per_seq
         ring_layers = sorted(widths)
         if split is not None and (isinstance(split, bool) or not isinstance(split, int) or not 0 <= split <= num_layers):
             raise ValueError(f"ring_split ({split!r}) must be a layer index in [0, {num_layers}] or None")
-        parts = [[layer for layer in ring_layers if layer < split], [layer for layer in ring_layers if layer >= split]] \
-            if split is not None else [ring_layers]
+        parts = (
+            [[layer for layer in ring_layers if layer < split], [layer for layer in ring_layers if layer >= split]]
+            if split is not None
+            else [ring_layers]
+        )
         parts = [p for p in parts if p]
         if num_blocks is None:
             num_blocks = max_seqs * nrb
@@ -87,11 +100,11 @@ class WindowRings:
             raise ValueError(f"ring_blocks ({num_blocks!r}) must be an integer >= one sequence's ring ({nrb} blocks)")
         self.split = split if len(parts) > 1 else None
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.groups = [RingGroup(tuple(p), num_blocks, itemsize * rb * sum(widths[x] for x in p))
-                       for p in parts] if nrb else []
+        self.groups = [RingGroup(tuple(p), num_blocks, itemsize * rb * sum(widths[x] for x in p)) for p in parts] if nrb else []
         self.group_of = {layer: i for i, g in enumerate(self.groups) for layer in g.layers}
-        self.pools = {layer: torch.zeros((num_blocks, rb, w), dtype=dtype, device=device)
-                      for layer, w in widths.items()} if nrb else {}
+        self.pools = (
+            {layer: torch.zeros((num_blocks, rb, w), dtype=dtype, device=device) for layer, w in widths.items()} if nrb else {}
+        )
 
     # ---- tables ----------------------------------------------------------------------------------
     def new_tables(self) -> list[list[int]]:
@@ -107,8 +120,7 @@ class WindowRings:
             return list(range(self.blocks_per_seq))
         return sorted({(p % W) // self.ring_block for p in range(start + n - min(n, self.ring_len), start + n)})
 
-    def needed(self, tables: list[list[int]], start: int, n: int,
-               groups: Collection[int] | None = None) -> dict[int, int]:
+    def needed(self, tables: list[list[int]], start: int, n: int, groups: Collection[int] | None = None) -> dict[int, int]:
         """Per group (of ``groups``, default all), free ring blocks that writing positions [start, start + n)
         into ``tables`` takes (blocks never written plus copies of shared ones)."""
         touched = self.touched(start, n)
@@ -160,15 +172,19 @@ class WindowRings:
         if isinstance(recompute_from, bool) or not isinstance(recompute_from, int):
             raise ValueError(f"recompute_from ({recompute_from!r}) must be a layer index or None")
         if self.groups and not self.splittable and recompute_from < self.num_layers:
-            raise ValueError(f"recompute_from={recompute_from}: this model's window rings are one group (only a "
-                             "causal encoder-decoder's rings split at its pivot)")
+            raise ValueError(
+                f"recompute_from={recompute_from}: this model's window rings are one group (only a "
+                "causal encoder-decoder's rings split at its pivot)"
+            )
         fresh = set()
         for gi, g in enumerate(self.groups):
             if g.layers[0] >= recompute_from:
                 fresh.add(gi)
             elif g.layers[-1] >= recompute_from:
-                raise ValueError(f"recompute_from={recompute_from} splits ring group {list(g.layers)}; ring groups "
-                                 f"start at layers {[x.layers[0] for x in self.groups]}")
+                raise ValueError(
+                    f"recompute_from={recompute_from} splits ring group {list(g.layers)}; ring groups "
+                    f"start at layers {[x.layers[0] for x in self.groups]}"
+                )
         return fresh
 
     def restore_blocks(self, length: int, recompute_from: int | None) -> dict[int, int]:

@@ -22,8 +22,9 @@ LM_HEAD = "lm_head.weight"
 def _meta_summary(config: ModelConfig) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], int]:
     with torch.device("meta"):
         model = Transformer(config)
-    shapes = tuple((key, tuple(t.shape)) for key, t in model.state_dict().items()
-                   if not (config.tie_word_embeddings and key == LM_HEAD))
+    shapes = tuple(
+        (key, tuple(t.shape)) for key, t in model.state_dict().items() if not (config.tie_word_embeddings and key == LM_HEAD)
+    )
     count = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
     return shapes, count
 

@@ -164,8 +164,9 @@ class Transformer(nn.Module):
                 return i
         return len(self.layers)
 
-    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None,
-                  block_size: int | None = None) -> PagedKVCache:
+    def new_cache(
+        self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, block_size: int | None = None
+    ) -> PagedKVCache:
         """A paged cache holding ``batch_size`` sequences of up to ``max_len`` tokens, already added:
         ``model(ids (batch_size, T), cache=cache)`` extends every one of them by T tokens."""
         p = self.embed_tokens.weight
@@ -185,8 +186,10 @@ class Transformer(nn.Module):
             raise ValueError(f"from_layer ({from_layer}) must be in [0, {len(self.layers)})")
         split = ctx.cache.ring_split
         if split is not None and from_layer < split:
-            raise ValueError(f"from_layer ({from_layer}) is below the cache's ring split ({split}): a replay rebuilds "
-                             "the decoder's rings only; the encoder's are shared between sequences")
+            raise ValueError(
+                f"from_layer ({from_layer}) is below the cache's ring split ({split}): a replay rebuilds "
+                "the decoder's rings only; the encoder's are shared between sequences"
+            )
         x = hidden.reshape(1, ctx.num_tokens, -1)
         cos, sin = self.rotary(ctx.positions, x.dtype)
         if self.config.is_ced:

@@ -38,8 +38,9 @@ MaskOf = Callable[[torch.Tensor], torch.Tensor]  # key positions (G, S) -> (G, T
 class KVView:
     """What one group's queries may read of one layer's stored entries (see the module docstring)."""
 
-    def attend_heads(self, q: torch.Tensor, num_kv_heads: int, window: int | None, mask: MaskOf,
-                     causal: bool, decode: bool) -> torch.Tensor:
+    def attend_heads(
+        self, q: torch.Tensor, num_kv_heads: int, window: int | None, mask: MaskOf, causal: bool, decode: bool
+    ) -> torch.Tensor:
         """(G, H, T, d) queries over the K = ``num_kv_heads`` key/value heads -> (G, H, T, d).
 
         ``causal``: the plain causal batch (cache-free, default positions, the window no shorter than the
@@ -47,8 +48,7 @@ class KVView:
         ``DECODE_MAX_NEW_TOKENS`` tokens per row, attended by matmuls that do not repeat shared heads."""
         raise NotImplementedError(f"{type(self).__name__} holds no key/value heads")
 
-    def attend_latent(self, q: torch.Tensor, dc: int, window: int | None, scale: float,
-                      mask: MaskOf) -> torch.Tensor:
+    def attend_latent(self, q: torch.Tensor, dc: int, window: int | None, scale: float, mask: MaskOf) -> torch.Tensor:
         """(G, H, T, d_c + d_rope) absorbed queries over the latent entries -> (G, H, T, d_c)."""
         raise NotImplementedError(f"{type(self).__name__} holds no latent entries")
 
@@ -69,12 +69,13 @@ class Entries(KVView):
     def entries(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data, self.kpos
 
-    def attend_heads(self, q: torch.Tensor, num_kv_heads: int, window: int | None, mask: MaskOf,
-                     causal: bool, decode: bool) -> torch.Tensor:
+    def attend_heads(
+        self, q: torch.Tensor, num_kv_heads: int, window: int | None, mask: MaskOf, causal: bool, decode: bool
+    ) -> torch.Tensor:
         G, H, _, d = q.shape
         K, S = num_kv_heads, self.data.shape[1]
         k = self.data[..., : K * d].view(G, S, K, d).transpose(1, 2)
-        v = self.data[..., K * d:].view(G, S, K, d).transpose(1, 2)
+        v = self.data[..., K * d :].view(G, S, K, d).transpose(1, 2)
         if causal:
             return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=K != H)
         m = mask(self.kpos)
@@ -82,8 +83,7 @@ class Entries(KVView):
             return grouped_attention(q, k, v, m, d**-0.5)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], enable_gqa=K != H)
 
-    def attend_latent(self, q: torch.Tensor, dc: int, window: int | None, scale: float,
-                      mask: MaskOf) -> torch.Tensor:
+    def attend_latent(self, q: torch.Tensor, dc: int, window: int | None, scale: float, mask: MaskOf) -> torch.Tensor:
         ent = self.data[:, None]  # one key/value head shared by all query heads (MQA over the latents)
         return grouped_attention(q, ent, ent[..., :dc], mask(self.kpos), scale)
 
@@ -97,15 +97,17 @@ class HeadMajorKV(KVView):
     def __init__(self, data: torch.Tensor, kpos: torch.Tensor) -> None:
         self.data, self.kpos = data, kpos
 
-    def attend_heads(self, q: torch.Tensor, num_kv_heads: int, window: int | None, mask: MaskOf,
-                     causal: bool, decode: bool) -> torch.Tensor:
+    def attend_heads(
+        self, q: torch.Tensor, num_kv_heads: int, window: int | None, mask: MaskOf, causal: bool, decode: bool
+    ) -> torch.Tensor:
         K, H, d = num_kv_heads, q.shape[1], q.shape[-1]
         k_hm, v_hm = self.data[:K], self.data[K:]
         m = mask(self.kpos)
         if q.shape[2] <= DECODE_MAX_NEW_TOKENS:
             return grouped_attention_head_major(q, k_hm, v_hm, m, d**-0.5)  # decode step
-        return F.scaled_dot_product_attention(q, k_hm.transpose(0, 1), v_hm.transpose(0, 1),
-                                              attn_mask=m[:, None], enable_gqa=K != H)
+        return F.scaled_dot_product_attention(
+            q, k_hm.transpose(0, 1), v_hm.transpose(0, 1), attn_mask=m[:, None], enable_gqa=K != H
+        )
 
 
 class RowPieces(KVView):
@@ -118,21 +120,26 @@ class RowPieces(KVView):
     def __init__(self, rows: list[list[torch.Tensor]]) -> None:
         self.rows = rows
 
-    def attend_heads(self, q: torch.Tensor, num_kv_heads: int, window: int | None, mask: MaskOf,
-                     causal: bool, decode: bool) -> torch.Tensor:
+    def attend_heads(
+        self, q: torch.Tensor, num_kv_heads: int, window: int | None, mask: MaskOf, causal: bool, decode: bool
+    ) -> torch.Tensor:
         K, d = num_kv_heads, q.shape[-1]
         y = []
         for r, row in enumerate(self.rows):  # a decode token sees every position, or the last `window`
             pieces = last_positions(row, window, dim=2)
-            y.append(attention_over_pieces(q[r:r + 1], [p[:K] for p in pieces], [p[K:] for p in pieces], d**-0.5))
+            y.append(attention_over_pieces(q[r : r + 1], [p[:K] for p in pieces], [p[K:] for p in pieces], d**-0.5))
         return torch.cat(y)
 
-    def attend_latent(self, q: torch.Tensor, dc: int, window: int | None, scale: float,
-                      mask: MaskOf) -> torch.Tensor:
+    def attend_latent(self, q: torch.Tensor, dc: int, window: int | None, scale: float, mask: MaskOf) -> torch.Tensor:
         rows = [last_positions(row, window, dim=0) for row in self.rows]
-        return torch.cat([attention_over_pieces(q[r:r + 1], [e[None, None] for e in pieces],
-                                                [e[None, None, :, :dc] for e in pieces], scale)
-                          for r, pieces in enumerate(rows)])
+        return torch.cat(
+            [
+                attention_over_pieces(
+                    q[r : r + 1], [e[None, None] for e in pieces], [e[None, None, :, :dc] for e in pieces], scale
+                )
+                for r, pieces in enumerate(rows)
+            ]
+        )
 
     def entries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows joined back into one padded batch (a copy, as a gather would make); positions past a

@@ -56,8 +56,18 @@ from kvgraft.model.transformer import Transformer
 _GATHER_MAX_TOKENS = 64  # steps of at most this many tokens gather per-token A/B (decode); longer: per adapter
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # PEFT options that change what a LoRA layer computes beyond y = W x + scale B A x (refused when set)
-_UNSUPPORTED = ("use_dora", "fan_in_fan_out", "lora_bias", "use_qalora", "use_bdlora", "modules_to_save",
-                "layer_replication", "trainable_token_indices", "target_parameters", "alora_invocation_tokens")
+_UNSUPPORTED = (
+    "use_dora",
+    "fan_in_fan_out",
+    "lora_bias",
+    "use_qalora",
+    "use_bdlora",
+    "modules_to_save",
+    "layer_replication",
+    "trainable_token_indices",
+    "target_parameters",
+    "alora_invocation_tokens",
+)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
 
 
@@ -75,8 +85,9 @@ class AdapterBusyError(AdapterError):
 
 def check_name(name: object) -> str:
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise AdapterError(f"adapter name {name!r} must be 1-64 characters of letters, digits, '.', '_' or '-', "
-                           "starting with a letter or digit")
+        raise AdapterError(
+            f"adapter name {name!r} must be 1-64 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
     return name
 
 
@@ -145,16 +156,22 @@ class MultiLoraLinear(nn.Module):
                 if lw is None:
                     return y
                 if ctx.active_adapter is MIXED and x.shape[0] != g.G:
-                    raise RuntimeError(f"adapter layer called inside group {gi} ({g.G} rows) on a tensor of shape "
-                                       f"{tuple(x.shape)}: cannot tell its rows")
+                    raise RuntimeError(
+                        f"adapter layer called inside group {gi} ({g.G} rows) on a tensor of shape "
+                        f"{tuple(x.shape)}: cannot tell its rows"
+                    )
                 return y + lw.delta(x)
             if x.shape[0] != g.G:
-                raise RuntimeError(f"adapter layer called inside mixed group {gi} ({g.G} rows) on a tensor of "
-                                   f"shape {tuple(x.shape)}: cannot tell its rows")
+                raise RuntimeError(
+                    f"adapter layer called inside mixed group {gi} ({g.G} rows) on a tensor of "
+                    f"shape {tuple(x.shape)}: cannot tell its rows"
+                )
             return self._per_row(x, y, ctx.row_adapters(gi))
         if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != ctx.num_tokens:
-            raise RuntimeError(f"adapter layer called outside a group on a tensor of shape {tuple(x.shape)}; "
-                               f"expected the packed token axis (1, {ctx.num_tokens}, {x.shape[-1]})")
+            raise RuntimeError(
+                f"adapter layer called outside a group on a tensor of shape {tuple(x.shape)}; "
+                f"expected the packed token axis (1, {ctx.num_tokens}, {x.shape[-1]})"
+            )
         tokens = ctx.adapter_tokens()
         if len(tokens) > 1 and ctx.num_tokens <= _GATHER_MAX_TOKENS:  # a few tokens of several adapters
             return self._per_row(x[0, :, None], y[0, :, None], ctx.token_adapters())[None, :, 0]
@@ -173,8 +190,7 @@ class MultiLoraLinear(nn.Module):
         adapter's scale folded into B (zero rows for the base or an adapter without a delta here; ranks
         zero-padded to the largest); None when no row has a delta. Cached while the rows keep their adapters."""
         lws = tuple(self.lora(a) for a in adapters)
-        if self._stack is None or len(self._stack[0]) != len(lws) or any(
-                p is not q for p, q in zip(self._stack[0], lws)):
+        if self._stack is None or len(self._stack[0]) != len(lws) or any(p is not q for p, q in zip(self._stack[0], lws)):
             live = [lw for lw in lws if lw is not None]
             if not live:
                 return None
@@ -209,14 +225,18 @@ class MultiLoraLinear(nn.Module):
         if ctx.active_group is None:
             mine = sorted(str(a) for a in ctx.adapter_tokens() if a in self.loras)
             if mine:
-                raise RuntimeError(f"a weight read outside a group of a step whose rows use adapters {mine} on this "
-                                   "module: no single weight is right for every row")
+                raise RuntimeError(
+                    f"a weight read outside a group of a step whose rows use adapters {mine} on this "
+                    "module: no single weight is right for every row"
+                )
             return weight, bias
         adapter = ctx.active_adapter if ctx.active_adapter is not MIXED else ctx.groups[ctx.active_group].adapter
         if adapter is MIXED:
             if any(a in self.loras for a, _ in ctx.groups[ctx.active_group].adapter_rows):
-                raise RuntimeError("a weight read for a group whose rows use different adapters on this module; "
-                                   "read it per adapter (BatchContext.each_adapter)")
+                raise RuntimeError(
+                    "a weight read for a group whose rows use different adapters on this module; "
+                    "read it per adapter (BatchContext.each_adapter)"
+                )
             return weight, bias
         lw = self.lora(adapter)
         return (weight, bias) if lw is None else (lw.merged(weight), bias)
@@ -252,7 +272,6 @@ def _pattern_value(patterns: dict[str, Any] | None, module: str, default: float)
 def read_adapter(path: str | Path, config: ModelConfig) -> AdapterFiles:
     """Read and check an adapter directory against a base model ``config`` (a ``ModelConfig``)."""
 
-
     path = Path(path)
     if not path.is_dir():
         raise AdapterError(f"adapter path {path} is not a directory")
@@ -264,8 +283,10 @@ def read_adapter(path: str | Path, config: ModelConfig) -> AdapterFiles:
         raise AdapterError(f"{path}: kvgraft_adapter.json is not valid JSON ({exc})") from None
     mine = base_fingerprint(config)
     if meta.get("base_fingerprint") != mine:
-        raise AdapterError(f"adapter {path} was trained on another base model (fingerprint "
-                           f"{meta.get('base_fingerprint')}, the served base {mine})")
+        raise AdapterError(
+            f"adapter {path} was trained on another base model (fingerprint "
+            f"{meta.get('base_fingerprint')}, the served base {mine})"
+        )
     try:
         peft_config = json.loads((path / "adapter_config.json").read_text())
     except json.JSONDecodeError as exc:
@@ -277,8 +298,9 @@ def read_adapter(path: str | Path, config: ModelConfig) -> AdapterFiles:
         bad.append(("bias", peft_config["bias"]))
     if bad:
         key, value = bad[0]
-        raise AdapterError(f"{path}: adapter_config.json sets {key}={value!r}, which the serving adapter layer "
-                           "does not apply (plain LoRA only)")
+        raise AdapterError(
+            f"{path}: adapter_config.json sets {key}={value!r}, which the serving adapter layer does not apply (plain LoRA only)"
+        )
     file = path / "adapter_model.safetensors"
     if not file.is_file():
         raise AdapterError(f"{path} has no adapter_model.safetensors")
@@ -293,7 +315,7 @@ def read_adapter(path: str | Path, config: ModelConfig) -> AdapterFiles:
             raise AdapterError(f"{file}: tensor {key!r} is not a LoRA A/B weight (plain LoRA only)")
         module = m["module"]
         if module.startswith(HOST_PREFIX):
-            module = module[len(HOST_PREFIX):]
+            module = module[len(HOST_PREFIX) :]
         pairs.setdefault(module, {})[m["which"]] = t
     if not pairs:
         raise AdapterError(f"{file} holds no LoRA weights")
@@ -317,8 +339,10 @@ def read_adapter(path: str | Path, config: ModelConfig) -> AdapterFiles:
     cert = certify(config, sorted(weights)).to_dict()
     stated = meta.get("certificate")
     if stated is not None and stated != cert:
-        raise AdapterError(f"{path}: the certificate in kvgraft_adapter.json does not match the adapter's modules "
-                           f"(recomputed: untouched {cert['untouched']}, touched {cert['touched']})")
+        raise AdapterError(
+            f"{path}: the certificate in kvgraft_adapter.json does not match the adapter's modules "
+            f"(recomputed: untouched {cert['untouched']}, touched {cert['touched']})"
+        )
     return AdapterFiles(path, meta, peft_config, cert, weights)
 
 
@@ -336,9 +360,16 @@ class Adapter:
     draining: bool = False  # unloading once its requests finish; new requests are refused
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.name, "path": str(self.path), "modules": len(self.modules), "rank": self.rank,
-                "parameters": self.num_parameters, "placement": self.meta.get("placement"),
-                "certificate": self.certificate, "draining": self.draining}
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "modules": len(self.modules),
+            "rank": self.rank,
+            "parameters": self.num_parameters,
+            "placement": self.meta.get("placement"),
+            "certificate": self.certificate,
+            "draining": self.draining,
+        }
 
 
 class AdapterRegistry:
@@ -381,11 +412,15 @@ class AdapterRegistry:
             layer = self.model.get_submodule(module)
             base = layer.base_layer if isinstance(layer, MultiLoraLinear) else layer
             if type(base) is not nn.Linear:
-                raise AdapterError(f"module {module} is a {type(layer).__name__}, not a plain nn.Linear (is another "
-                                   "adapter library attached to the served model?)")
+                raise AdapterError(
+                    f"module {module} is a {type(layer).__name__}, not a plain nn.Linear (is another "
+                    "adapter library attached to the served model?)"
+                )
             if A.shape[1] != base.in_features or B.shape[0] != base.out_features:
-                raise AdapterError(f"{files.path}: module {module} is ({base.out_features}, {base.in_features}) in "
-                                   f"the base but the adapter has A {tuple(A.shape)}, B {tuple(B.shape)}")
+                raise AdapterError(
+                    f"{files.path}: module {module} is ({base.out_features}, {base.in_features}) in "
+                    f"the base but the adapter has A {tuple(A.shape)}, B {tuple(B.shape)}"
+                )
             plan.append((module, layer, LoraWeights(A.to(ref.device, ref.dtype), B.to(ref.device, ref.dtype), scale)))
         for module, layer, lw in plan:
             if not isinstance(layer, MultiLoraLinear):
@@ -395,8 +430,9 @@ class AdapterRegistry:
                 setattr(self.model.get_submodule(parent), child, layer)
             layer.loras[name] = lw
             layer._stack = None
-        adapter = Adapter(name, files.path, files.meta, files.certificate, sorted(files.weights), files.rank,
-                          files.num_parameters)
+        adapter = Adapter(
+            name, files.path, files.meta, files.certificate, sorted(files.weights), files.rank, files.num_parameters
+        )
         self.adapters[name] = adapter
         self._fold_cache_size()
         return adapter

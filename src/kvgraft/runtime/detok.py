@@ -41,12 +41,12 @@ class IncrementalText:
         n = len(ids)
         if n < len(self._ids) or (self._ids and ids[len(self._ids) - 1] != self._ids[-1]):
             self._reset()  # not an extension (checked at its last id, to stay linear): start over
-        self._ids.extend(ids[len(self._ids):])
+        self._ids.extend(ids[len(self._ids) :])
         context = self._decode(self._start, self._read)
         window = self._decode(self._start, n)
         if not window.startswith(context):  # the decoder revised the context: decode it all, commit nothing
             return self._decode(0, n)
-        tail = window[len(context):]
+        tail = window[len(context) :]
         if n > self._read and not tail.endswith(REPLACEMENT):
             self._text += tail
             self._start, self._read = n - 1, n  # the last committed token is the next window's context

@@ -76,12 +76,18 @@ class Engine:
         config = model.config
         seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
         block_size = default_block_size(config) if block_size is None else block_size
-        for name, value in (("block_size", block_size), ("max_seqs", max_seqs), ("max_batch_tokens", max_batch_tokens),
-                            ("max_seq_len", seq_len), ("prefix_entries", prefix_entries)):
+        for name, value in (
+            ("block_size", block_size),
+            ("max_seqs", max_seqs),
+            ("max_batch_tokens", max_batch_tokens),
+            ("max_seq_len", seq_len),
+            ("prefix_entries", prefix_entries),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
-        if prefix_max_bytes is not None and (isinstance(prefix_max_bytes, bool) or not isinstance(prefix_max_bytes, int)
-                                             or prefix_max_bytes < 0):
+        if prefix_max_bytes is not None and (
+            isinstance(prefix_max_bytes, bool) or not isinstance(prefix_max_bytes, int) or prefix_max_bytes < 0
+        ):
             raise ValueError(f"prefix_max_bytes ({prefix_max_bytes!r}) must be a non-negative integer or None")
         if num_blocks is None:
             num_blocks = max_seqs * math.ceil(seq_len / block_size)
@@ -91,8 +97,9 @@ class Engine:
         # live sequences' rings (the default budget of kept state, below, is also a quarter of the pools)
         nrb = ring_geometry(config, block_size, seq_len)[2]
         ring_blocks = max_seqs * nrb + max(nrb, max_seqs * nrb // 4) if prefix_cache and nrb else None
-        self.cache = PagedKVCache(config, num_blocks, block_size, max_seqs, seq_len,
-                                  dtype or param.dtype, param.device, ring_blocks=ring_blocks)
+        self.cache = PagedKVCache(
+            config, num_blocks, block_size, max_seqs, seq_len, dtype or param.dtype, param.device, ring_blocks=ring_blocks
+        )
         self.max_batch_tokens = max_batch_tokens
         self.detokenize = detokenize
         self.device = param.device
@@ -103,10 +110,16 @@ class Engine:
         if prefix_max_bytes is None:  # kept state outside the pools: at most a quarter of the pools' size
             prefix_max_bytes = self.cache.nbytes // 4
         self.replay_layer = replay_layer(config)
-        self.prefix = PrefixCache(self.cache, prefix_entries, replay_span(config), prefix_max_bytes,
-                                  replay_from=self.replay_layer) if prefix_cache else None
-        self.prefix_policy = None if self.prefix is None else PrefixPolicy(
-            model, self.cache, self.prefix, self.replay_layer, max_batch_tokens, self.prefix_stats, self.device)
+        self.prefix = (
+            PrefixCache(self.cache, prefix_entries, replay_span(config), prefix_max_bytes, replay_from=self.replay_layer)
+            if prefix_cache
+            else None
+        )
+        self.prefix_policy = (
+            None
+            if self.prefix is None
+            else PrefixPolicy(model, self.cache, self.prefix, self.replay_layer, max_batch_tokens, self.prefix_stats, self.device)
+        )
         self.scheduler = Scheduler(self.cache, max_batch_tokens, self.prefix_policy, self.stats)
         self.adapters = AdapterRegistry(model)
         self.residency = AdapterResidency(self.adapters, self.scheduler.unfinished, self._drop_owner)
@@ -130,11 +143,20 @@ class Engine:
         p = self.prefix_stats
         if self.prefix is not None:
             p["entries"], p["bytes"] = len(self.prefix), self.prefix.nbytes
-        return {"used_bytes": c.used_bytes, "free_bytes": c.free_bytes, "total_bytes": c.nbytes,
-                "shared_bytes": shared, "private_bytes": c.used_bytes - shared,
-                "prefix_entries": p["entries"], "prefix_bytes": p["bytes"], "prefix_queries": p["queries"],
-                "prefix_hits": p["hits"], "prefix_hit_rate": p["hits"] / p["queries"] if p["queries"] else 0.0,
-                "replays": p["replays"], "replayed_tokens": p["replayed_tokens"]}
+        return {
+            "used_bytes": c.used_bytes,
+            "free_bytes": c.free_bytes,
+            "total_bytes": c.nbytes,
+            "shared_bytes": shared,
+            "private_bytes": c.used_bytes - shared,
+            "prefix_entries": p["entries"],
+            "prefix_bytes": p["bytes"],
+            "prefix_queries": p["queries"],
+            "prefix_hits": p["hits"],
+            "prefix_hit_rate": p["hits"] / p["queries"] if p["queries"] else 0.0,
+            "replays": p["replays"],
+            "replayed_tokens": p["replayed_tokens"],
+        }
 
     # ---- adapters ----------------------------------------------------------------------------------
     def load_adapter(self, name: str, source: str | Path | AdapterFiles) -> Adapter:
@@ -152,8 +174,7 @@ class Engine:
             self.prefix_policy.drop_owner(uid)
 
     # ---- requests ----------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
-                    adapter: str | None = None) -> int:
+    def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, adapter: str | None = None) -> int:
         """Queue a request (with a loaded adapter's name, or None for the base); its id. Raises ValueError
         for a request the cache could never hold, UnknownAdapterError (listing the loaded ones) for an
         adapter that is not loaded, AdapterError for one being unloaded."""
@@ -169,12 +190,13 @@ class Engine:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         total = len(prompt) + sampling.max_new_tokens
         if total > self.cache.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
-                             f"exceeds the engine's max_seq_len ({self.cache.max_seq_len})")
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
+                f"exceeds the engine's max_seq_len ({self.cache.max_seq_len})"
+            )
         blocks = math.ceil(total / self.cache.block_size) if self.cache.block_bytes else 0
         if blocks > self.cache.num_blocks:
-            raise ValueError(f"a request of {total} tokens needs {blocks} cache blocks; the cache has "
-                             f"{self.cache.num_blocks}")
+            raise ValueError(f"a request of {total} tokens needs {blocks} cache blocks; the cache has {self.cache.num_blocks}")
         if sampling.stop and self.detokenize is None:
             raise ValueError("stop strings need a detokenize function (Engine(..., detokenize=...))")
         rid = self._next_id
@@ -230,10 +252,14 @@ class Engine:
         if policy is not None:
             policy.run_replays()
         capture = policy is not None and any(policy.needs_hidden(r) for r, _ in rows)
-        ctx = BatchContext(self.cache, [r.cache_seq for r, _ in rows], [n for _, n in rows],
-                           adapter_ids=[r.adapter for r, _ in rows],
-                           capture_layer=self.replay_layer if capture else None)
-        ids = torch.tensor([t for r, n in rows for t in r.tokens[r.computed:r.computed + n]], device=self.device)
+        ctx = BatchContext(
+            self.cache,
+            [r.cache_seq for r, _ in rows],
+            [n for _, n in rows],
+            adapter_ids=[r.adapter for r, _ in rows],
+            capture_layer=self.replay_layer if capture else None,
+        )
+        ids = torch.tensor([t for r, n in rows for t in r.tokens[r.computed : r.computed + n]], device=self.device)
         logits = self.model(ids, ctx=ctx, last_only=True)[0]  # (rows, vocab)
         if capture and policy is not None:
             policy.keep_hidden(ctx, rows)
@@ -264,8 +290,7 @@ class Engine:
         s = req.sampling
         if tok in s.stop_token_ids:
             return "stop"
-        if req.stops is not None and req.decoded is not None \
-                and req.stops.find(req.decoded.text(req.output)) is not None:
+        if req.stops is not None and req.decoded is not None and req.stops.find(req.decoded.text(req.output)) is not None:
             return "stop"
         if len(req.output) >= s.max_new_tokens:
             return "length"
@@ -277,8 +302,12 @@ class Engine:
             if not self.step() and not self.running:
                 raise RuntimeError("the engine scheduled nothing while requests wait (cache too small?)")
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams],
-                 adapters: str | None | Sequence[str | None] = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams],
+        adapters: str | None | Sequence[str | None] = None,
+    ) -> list[list[int]]:
         """Generated ids per prompt (prompt excluded), running the engine until all are done; ``adapters``:
         one adapter name (or None) for all prompts, or one per prompt."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)

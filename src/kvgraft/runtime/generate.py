@@ -33,17 +33,29 @@ def generate(
         raise ValueError(f"input_ids must be (batch, length>0), got shape {tuple(input_ids.shape)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 0")
-    params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                             seed=None if seed is None else seed + r,
-                             stop_token_ids=() if eos_token_id is None else (eos_token_id,))
-              for r in range(input_ids.shape[0])]
+    params = [
+        SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=None if seed is None else seed + r,
+            stop_token_ids=() if eos_token_id is None else (eos_token_id,),
+        )
+        for r in range(input_ids.shape[0])
+    ]
     if max_new_tokens == 0:
         return input_ids.clone()
     B, T = input_ids.shape
     total = T + max_new_tokens
     block_size = default_block_size(model.config) if block_size is None else block_size
-    engine = Engine(model, num_blocks=B * math.ceil(total / block_size), block_size=block_size, max_seqs=B,
-                    max_batch_tokens=max(B * T, 256), max_seq_len=total)
+    engine = Engine(
+        model,
+        num_blocks=B * math.ceil(total / block_size),
+        block_size=block_size,
+        max_seqs=B,
+        max_batch_tokens=max(B * T, 256),
+        max_seq_len=total,
+    )
     outs = engine.generate(input_ids.tolist(), params)
     width = max(len(o) for o in outs)
     pad = eos_token_id if eos_token_id is not None else 0

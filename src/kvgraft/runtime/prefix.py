@@ -109,8 +109,14 @@ class PrefixEntry:
 class PrefixCache:
     """LRU entries over one :class:`PagedKVCache` (see the module docstring)."""
 
-    def __init__(self, cache: PagedKVCache, max_entries: int, span: int | None, max_bytes: int | None = None,
-                 replay_from: int | None = None) -> None:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        max_entries: int,
+        span: int | None,
+        max_bytes: int | None = None,
+        replay_from: int | None = None,
+    ) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_entries ({max_entries!r}) must be a positive integer")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
@@ -134,8 +140,9 @@ class PrefixCache:
         """Bytes of the entries' copied state and kept hidden states (their blocks count in the cache)."""
         return self._bytes
 
-    def match(self, prompt: list[int], owner: object, shares: bool,
-              same_below: int | None = None) -> tuple[PrefixEntry, int | None] | None:
+    def match(
+        self, prompt: list[int], owner: object, shares: bool, same_below: int | None = None
+    ) -> tuple[PrefixEntry, int | None] | None:
         """The longest usable entry for a request (``prompt``, adapter ``owner``, its certificate's
         ``shares`` and, on a full-attention base, ``same_below``: the layers below it store the base's
         KV) and the layer a replay rebuilds from (None: used as it is); None when none is usable."""
@@ -155,8 +162,7 @@ class PrefixCache:
             self._entries.move_to_end(best_key)
         return best
 
-    def _use(self, e: PrefixEntry, owner: object, shares: bool,
-             same_below: int | None = None) -> tuple[bool, int | None]:
+    def _use(self, e: PrefixEntry, owner: object, shares: bool, same_below: int | None = None) -> tuple[bool, int | None]:
         """Whether ``e`` is usable by (owner, shares, same_below), and the layer a replay must rebuild
         from (None: everything is reused as it is)."""
         if e.owner == owner:
@@ -197,8 +203,15 @@ class PrefixCache:
                     return True
         return False
 
-    def insert(self, tokens: list[int], snap: CacheSnapshot, owner: object, shares: bool,
-               hidden: torch.Tensor | None, same_below: int | None = None) -> PrefixEntry | None:
+    def insert(
+        self,
+        tokens: list[int],
+        snap: CacheSnapshot,
+        owner: object,
+        shares: bool,
+        hidden: torch.Tensor | None,
+        same_below: int | None = None,
+    ) -> PrefixEntry | None:
         """Keep a snapshot (this cache now owns it); evicts the least recently used entries beyond
         ``max_entries`` or ``max_bytes`` of kept state. None (snapshot released) if it alone exceeds
         ``max_bytes``."""

@@ -26,8 +26,16 @@ class PrefixPolicy:
     """The prefix cache as the engine uses it (see the module docstring). ``stats`` is the engine's
     ``prefix_stats`` dict: queries, hits, replays and replayed tokens are counted into it."""
 
-    def __init__(self, model: Transformer, cache: PagedKVCache, store: PrefixCache, replay_layer: int | None,
-                 max_batch_tokens: int, stats: dict[str, int], device: torch.device) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedKVCache,
+        store: PrefixCache,
+        replay_layer: int | None,
+        max_batch_tokens: int,
+        stats: dict[str, int],
+        device: torch.device,
+    ) -> None:
         self.model, self.cache, self.store, self.device = model, cache, store, device
         self.replay_layer = replay_layer
         self.max_batch_tokens = max_batch_tokens
@@ -50,8 +58,12 @@ class PrefixPolicy:
         T = len(req.prompt) - 1
         fork = store.fork_point(req.prompt)
         for point in (fork, T):
-            if self.cache.block_size <= point <= T and point > done and point not in req.keep_at and \
-                    not store.covers(req.prompt[:point], req.owner, req.shares, req.same_below):
+            if (
+                self.cache.block_size <= point <= T
+                and point > done
+                and point not in req.keep_at
+                and not store.covers(req.prompt[:point], req.owner, req.shares, req.same_below)
+            ):
                 req.keep_at.append(point)
         return hit
 
@@ -107,9 +119,10 @@ class PrefixPolicy:
                 ids = torch.tensor(entry.tokens, device=self.device)
                 for a in range(0, n, self.max_batch_tokens):
                     k = min(self.max_batch_tokens, n - a)
-                    ctx = BatchContext(self.cache, [req.seq], [k], adapter_ids=[req.adapter], replay=True,
-                                       write_from=layer, replay_at=[a])
-                    self.model.replay(self.model.embed_tokens(ids[a:a + k])[None], ctx, 0)
+                    ctx = BatchContext(
+                        self.cache, [req.seq], [k], adapter_ids=[req.adapter], replay=True, write_from=layer, replay_at=[a]
+                    )
+                    self.model.replay(self.model.embed_tokens(ids[a : a + k])[None], ctx, 0)
                 if req.keep_at and req.keep_at[0] == req.computed:  # its own entry: the next request of
                     self.keep(req)  # this adapter reuses it as it is (the lower layers are the same blocks)
             self.stats["replays"] += 1
@@ -131,7 +144,7 @@ class PrefixPolicy:
             hi = min(req.computed + n, req.keep_at[-1])
             if lo < hi:
                 off = ctx.offsets[i] - req.computed
-                req.hidden.append((lo, ctx.captured[0, off + lo: off + hi].clone()))
+                req.hidden.append((lo, ctx.captured[0, off + lo : off + hi].clone()))
 
     def after_row(self, req: Request) -> None:
         """``req``'s row ran (``req.computed`` updated): keep its cache if it reached its next keep point."""
@@ -151,14 +164,13 @@ class PrefixPolicy:
                 end = start + h.shape[0]
                 if end <= pos or start > pos:
                     continue
-                parts.append(h[pos - start: T - start])
+                parts.append(h[pos - start : T - start])
                 pos = min(end, T)
                 if pos >= T:
                     break
             if pos >= T:
                 hidden = torch.cat(parts)
-        self.store.insert(req.prompt[:T], self.cache.snapshot(req.cache_seq), req.owner, req.shares, hidden,
-                          req.same_below)
+        self.store.insert(req.prompt[:T], self.cache.snapshot(req.cache_seq), req.owner, req.shares, hidden, req.same_below)
         if req.keep_at:  # drop what the next keep point's span does not need
             first = req.keep_at[0] - span if span else 0
             req.hidden = [(st, h) for st, h in req.hidden if st + h.shape[0] > first]

@@ -19,8 +19,9 @@ class AdapterResidency:
     """The engine's adapters (``registry``: the loaded ones and their layers). ``unfinished`` lists the
     requests not finished yet; ``on_unload(identity)`` is called when an adapter is unloaded."""
 
-    def __init__(self, registry: AdapterRegistry, unfinished: Callable[[], Iterable[Request]],
-                 on_unload: Callable[[int], None]) -> None:
+    def __init__(
+        self, registry: AdapterRegistry, unfinished: Callable[[], Iterable[Request]], on_unload: Callable[[int], None]
+    ) -> None:
         self.registry = registry
         self._unfinished = unfinished
         self._on_unload = on_unload
@@ -44,8 +45,10 @@ class AdapterResidency:
             self._unload(name)
             return True
         if not wait:
-            raise AdapterBusyError(f"adapter {name!r} has {len(busy)} unfinished requests ({busy[:8]}); cancel them "
-                                   "or unload with wait=True (it then unloads when they finish)")
+            raise AdapterBusyError(
+                f"adapter {name!r} has {len(busy)} unfinished requests ({busy[:8]}); cancel them "
+                "or unload with wait=True (it then unloads when they finish)"
+            )
         adapter.draining = True
         return False
 
@@ -80,8 +83,7 @@ class AdapterResidency:
             return
         cert = self.registry.get(req.adapter).certificate
         req.owner = self._uids[req.adapter]
-        req.shares = bool(cert.get("shares_cache")) and (
-            replay_layer is None or int(cert["first_adapted_layer"]) >= replay_layer)
+        req.shares = bool(cert.get("shares_cache")) and (replay_layer is None or int(cert["first_adapted_layer"]) >= replay_layer)
         if replay_layer is None:  # full-attention base: layers below the first changed KV are shared
             kv = [int(g.split(":")[1]) for g in cert.get("touched", ()) if g.startswith("kv:")]
             req.same_below = min(kv) if kv else None

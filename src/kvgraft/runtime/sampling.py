@@ -46,9 +46,7 @@ class SamplingParams:
 GREEDY_BELOW = 1e-6
 
 
-def sample_next(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-) -> torch.Tensor:
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
     """logits (B, V) -> next token ids (B,). temperature 0 means greedy, and so does any temperature below
     ``GREEDY_BELOW`` (its limit: logits / 1e-40 overflow fp32 and softmax would give NaN)."""
     if temperature < 0:
@@ -81,4 +79,4 @@ class Sampler:
             if self._greedy is None:
                 self._greedy = [int(t) for t in self.logits.argmax(dim=-1).tolist()]
             return self._greedy[row]
-        return int(sample_next(self.logits[row:row + 1], params.temperature, params.top_p, generator)[0])
+        return int(sample_next(self.logits[row : row + 1], params.temperature, params.top_p, generator)[0])

@@ -25,8 +25,7 @@ class Scheduler:
     """The waiting queue and the running requests over one cache (see the module docstring). ``stats`` is
     the engine's ``stats`` dict: preemptions are counted into it."""
 
-    def __init__(self, cache: PagedKVCache, max_batch_tokens: int, prefix: PrefixPolicy | None,
-                 stats: dict[str, int]) -> None:
+    def __init__(self, cache: PagedKVCache, max_batch_tokens: int, prefix: PrefixPolicy | None, stats: dict[str, int]) -> None:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
         self.prefix = prefix

@@ -79,6 +79,7 @@ class RequestStream:
 
     def accept(self, rid: int | None, exc: BaseException | None = None) -> None:
         """Resolve :attr:`accepted` (from the engine thread): the request id, or the exception that refused it."""
+
         def set_result() -> None:
             if self.accepted.done():
                 return
@@ -86,12 +87,15 @@ class RequestStream:
                 self.accepted.set_exception(exc)
             else:
                 self.accepted.set_result(rid)
+
         self._call(set_result)
 
     def push(self, item: StreamItem) -> None:
         """Queue ``item`` on the request's event loop (from the engine thread)."""
+
         def put() -> None:
             self.items.put_nowait(item)
+
         self._call(put)
 
 
@@ -189,14 +193,16 @@ class EngineWorker:
         self._paused.clear()
 
     # -- called from other threads --
-    def submit(self, prompt: list[int], sampling: SamplingParams, adapter: str | None,
-               loop: asyncio.AbstractEventLoop) -> RequestStream:
+    def submit(
+        self, prompt: list[int], sampling: SamplingParams, adapter: str | None, loop: asyncio.AbstractEventLoop
+    ) -> RequestStream:
         self.check_running()
         with self._lock:
             if self.in_flight >= self.max_in_flight:
                 self.counts["rejected"] += 1
-                raise QueueFull(f"the server's queue is full ({self.in_flight} requests in flight, at most "
-                                f"{self.max_in_flight}); retry later")
+                raise QueueFull(
+                    f"the server's queue is full ({self.in_flight} requests in flight, at most {self.max_in_flight}); retry later"
+                )
             self.in_flight += 1
         stream = RequestStream(loop)
         self.commands.put(Submit(stream, prompt, sampling, adapter))
@@ -387,9 +393,14 @@ class EngineWorker:
         bytes by kind, the prefix cache's counters) is taken at most every 0.2 s, as a shared-block count
         scans the block table."""
         e = self.engine
-        snap = {"waiting": len(e.waiting), "running": len(e.running), "steps": e.stats["steps"],
-                "preemptions": e.stats["preemptions"], "adapters": len(e.adapters),
-                "cache": self.snapshot.get("cache", {})}
+        snap = {
+            "waiting": len(e.waiting),
+            "running": len(e.running),
+            "steps": e.stats["steps"],
+            "preemptions": e.stats["preemptions"],
+            "adapters": len(e.adapters),
+            "cache": self.snapshot.get("cache", {}),
+        }
         now = time.monotonic()
         if now - self._cache_at > 0.2:
             self._cache_at = now

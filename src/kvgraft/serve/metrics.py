@@ -35,11 +35,11 @@ class _Metrics:
     def collect(self) -> Iterator[Metric]:
         w, s = self.worker, self.worker.snapshot
         queued = max(w.in_flight - s.get("running", 0), 0)
-        yield GaugeMetricFamily("kvgraft_queue_depth", "requests waiting for the engine (submitted, not running)",
-                                value=queued)
+        yield GaugeMetricFamily("kvgraft_queue_depth", "requests waiting for the engine (submitted, not running)", value=queued)
         yield GaugeMetricFamily("kvgraft_running_requests", "requests in the running batch", value=s.get("running", 0))
-        yield GaugeMetricFamily("kvgraft_tokens_per_second", "generated tokens per second over the last 10 s",
-                                value=w.tokens_per_second())
+        yield GaugeMetricFamily(
+            "kvgraft_tokens_per_second", "generated tokens per second over the last 10 s", value=w.tokens_per_second()
+        )
         yield CounterMetricFamily("kvgraft_generated_tokens", "tokens generated", value=w.generated_tokens)
         yield CounterMetricFamily("kvgraft_prompt_tokens", "prompt tokens of accepted requests", value=w.prompt_tokens)
         requests = CounterMetricFamily("kvgraft_requests", "finished requests by outcome", labels=["outcome"])
@@ -47,30 +47,40 @@ class _Metrics:
             requests.add_metric([outcome], n)
         yield requests
         c = s.get("cache", {})
-        cache = GaugeMetricFamily("kvgraft_cache_bytes", "paged KV cache bytes: used, free, total; shared (blocks "
-                                  "held by more than one sequence or prefix-cache entry, each counted once) and "
-                                  "private (the rest of used)", labels=["kind"])
+        cache = GaugeMetricFamily(
+            "kvgraft_cache_bytes",
+            "paged KV cache bytes: used, free, total; shared (blocks "
+            "held by more than one sequence or prefix-cache entry, each counted once) and "
+            "private (the rest of used)",
+            labels=["kind"],
+        )
         for kind in ("used", "free", "total", "shared", "private"):
             cache.add_metric([kind], c.get(f"{kind}_bytes", 0))
         yield cache
-        yield GaugeMetricFamily("kvgraft_prefix_cache_entries", "prefix-cache entries held",
-                                value=c.get("prefix_entries", 0))
-        yield GaugeMetricFamily("kvgraft_prefix_cache_state_bytes", "bytes of prefix-cache entries outside the "
-                                "paged cache: copied per-sequence state and hidden states kept for decoder replay "
-                                "(their blocks count in kvgraft_cache_bytes)",
-                                value=c.get("prefix_bytes", 0))
-        yield GaugeMetricFamily("kvgraft_prefix_cache_hit_rate", "prefix-cache hits / queries since the start",
-                                value=c.get("prefix_hit_rate", 0.0))
-        yield CounterMetricFamily("kvgraft_prefix_cache_queries", "prefix-cache look-ups",
-                                  value=c.get("prefix_queries", 0))
-        yield CounterMetricFamily("kvgraft_prefix_cache_hits", "prefix-cache look-ups that found a cached prefix",
-                                  value=c.get("prefix_hits", 0))
-        yield CounterMetricFamily("kvgraft_decoder_replays", "adapter switches on a cached prefix served by "
-                                  "replaying the decoder layers", value=c.get("replays", 0))
-        yield CounterMetricFamily("kvgraft_decoder_replayed_tokens", "token positions recomputed by decoder replays",
-                                  value=c.get("replayed_tokens", 0))
+        yield GaugeMetricFamily("kvgraft_prefix_cache_entries", "prefix-cache entries held", value=c.get("prefix_entries", 0))
+        yield GaugeMetricFamily(
+            "kvgraft_prefix_cache_state_bytes",
+            "bytes of prefix-cache entries outside the "
+            "paged cache: copied per-sequence state and hidden states kept for decoder replay "
+            "(their blocks count in kvgraft_cache_bytes)",
+            value=c.get("prefix_bytes", 0),
+        )
+        yield GaugeMetricFamily(
+            "kvgraft_prefix_cache_hit_rate", "prefix-cache hits / queries since the start", value=c.get("prefix_hit_rate", 0.0)
+        )
+        yield CounterMetricFamily("kvgraft_prefix_cache_queries", "prefix-cache look-ups", value=c.get("prefix_queries", 0))
+        yield CounterMetricFamily(
+            "kvgraft_prefix_cache_hits", "prefix-cache look-ups that found a cached prefix", value=c.get("prefix_hits", 0)
+        )
+        yield CounterMetricFamily(
+            "kvgraft_decoder_replays",
+            "adapter switches on a cached prefix served by replaying the decoder layers",
+            value=c.get("replays", 0),
+        )
+        yield CounterMetricFamily(
+            "kvgraft_decoder_replayed_tokens", "token positions recomputed by decoder replays", value=c.get("replayed_tokens", 0)
+        )
         yield GaugeMetricFamily("kvgraft_adapters_loaded", "adapters loaded", value=s.get("adapters", 0))
         yield CounterMetricFamily("kvgraft_engine_steps", "engine steps", value=s.get("steps", 0))
-        yield CounterMetricFamily("kvgraft_preemptions", "requests preempted (recomputed later)",
-                                  value=s.get("preemptions", 0))
+        yield CounterMetricFamily("kvgraft_preemptions", "requests preempted (recomputed later)", value=s.get("preemptions", 0))
         yield CounterMetricFamily("kvgraft_engine_errors", "failed engine steps", value=w.errors)

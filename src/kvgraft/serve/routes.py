@@ -97,9 +97,13 @@ def build_app(server: Served) -> FastAPI:
         yield
         server.worker.stop()
 
-    app = FastAPI(title="kvgraft", version=_version(), lifespan=lifespan,
-                  description="OpenAI-compatible completions over kvgraft's engine; many LoRA adapters on one "
-                              "base. Every error is an ErrorResponse.")
+    app = FastAPI(
+        title="kvgraft",
+        version=_version(),
+        lifespan=lifespan,
+        description="OpenAI-compatible completions over kvgraft's engine; many LoRA adapters on one "
+        "base. Every error is an ErrorResponse.",
+    )
     app.add_middleware(_BodyLimit, limit=server.config.max_request_bytes)
 
     @app.exception_handler(HTTPError)
@@ -126,27 +130,59 @@ def build_app(server: Served) -> FastAPI:
     stream = {"text/event-stream": {"schema": _SSE}}
     # response_model=None: what the endpoint's return annotation says is not a response model (a dict, or
     # a stream); the 200 body is documented under ``responses``
-    app.post("/v1/completions", response_model=None, responses={
-        200: {"model": Completion, "description": "The completion (JSON), or its stream", "content": stream},
-        **generate})(server.completions)
-    app.post("/v1/chat/completions", response_model=None, responses={
-        200: {"model": ChatCompletion, "description": "The chat completion (JSON), or its stream",
-              "content": stream},
-        **generate})(server.chat)
-    app.get("/v1/models", response_model=None, responses={
-        200: {"model": ModelList, "description": "The base, then every loaded adapter"}})(server.models)
-    app.post("/v1/load_lora_adapter", response_model=None, responses={
-        200: {"model": LoadAdapterResponse, "description": "Loaded"},
-        **_responses(400, 403, 404, 409, 411, 413, 422, 500, 503)})(server.load_adapter)
-    app.post("/v1/unload_lora_adapter", response_model=None, responses={
-        200: {"model": UnloadAdapterResponse, "description": "Unloaded, or unloading once its requests finish"},
-        **_responses(400, 404, 409, 411, 413, 500, 503)})(server.unload_adapter)
-    app.get("/health", response_model=None, responses={
-        200: {"model": Health, "description": "The engine runs"},
-        503: {"model": Health, "description": "The engine is not running"}})(server.health)
-    app.get("/metrics", response_model=None, response_class=PlainTextResponse, responses={
-        200: {"description": "Prometheus text exposition format",
-              "content": {"text/plain": {"schema": {"type": "string"}}}}})(server.metrics)
+    app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={
+            200: {"model": Completion, "description": "The completion (JSON), or its stream", "content": stream},
+            **generate,
+        },
+    )(server.completions)
+    app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={
+            200: {"model": ChatCompletion, "description": "The chat completion (JSON), or its stream", "content": stream},
+            **generate,
+        },
+    )(server.chat)
+    app.get(
+        "/v1/models",
+        response_model=None,
+        responses={200: {"model": ModelList, "description": "The base, then every loaded adapter"}},
+    )(server.models)
+    app.post(
+        "/v1/load_lora_adapter",
+        response_model=None,
+        responses={
+            200: {"model": LoadAdapterResponse, "description": "Loaded"},
+            **_responses(400, 403, 404, 409, 411, 413, 422, 500, 503),
+        },
+    )(server.load_adapter)
+    app.post(
+        "/v1/unload_lora_adapter",
+        response_model=None,
+        responses={
+            200: {"model": UnloadAdapterResponse, "description": "Unloaded, or unloading once its requests finish"},
+            **_responses(400, 404, 409, 411, 413, 500, 503),
+        },
+    )(server.unload_adapter)
+    app.get(
+        "/health",
+        response_model=None,
+        responses={
+            200: {"model": Health, "description": "The engine runs"},
+            503: {"model": Health, "description": "The engine is not running"},
+        },
+    )(server.health)
+    app.get(
+        "/metrics",
+        response_model=None,
+        response_class=PlainTextResponse,
+        responses={
+            200: {"description": "Prometheus text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+        },
+    )(server.metrics)
     app.openapi = server.openapi  # type: ignore[method-assign]  # FastAPI's documented way to serve a custom schema
     return app
 
@@ -169,13 +205,20 @@ def openapi(server: Served) -> dict[str, Any]:
         comps.pop(name, None)
     vocab = server.engine.model.config.vocab_size
     limit = server.config.max_tokens_limit
-    ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}, "minItems": 1,
-           "maxItems": server.max_prompt_tokens}
+    ids = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1},
+        "minItems": 1,
+        "maxItems": server.max_prompt_tokens,
+    }
     prompt = comps["CompletionRequest"]["properties"]["prompt"]
-    prompt["anyOf"] = [_NON_EMPTY, ids, {"type": "array", "items": _NON_EMPTY, "minItems": 1, "maxItems": 1},
-                       {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]
-    for req, fields in (("CompletionRequest", ("max_tokens",)),
-                        ("ChatRequest", ("max_tokens", "max_completion_tokens"))):
+    prompt["anyOf"] = [
+        _NON_EMPTY,
+        ids,
+        {"type": "array", "items": _NON_EMPTY, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": ids, "minItems": 1, "maxItems": 1},
+    ]
+    for req, fields in (("CompletionRequest", ("max_tokens",)), ("ChatRequest", ("max_tokens", "max_completion_tokens"))):
         for field in fields:
             for option in comps[req]["properties"][field]["anyOf"]:
                 if option.get("type") == "integer":
@@ -189,8 +232,7 @@ def openapi(server: Served) -> dict[str, Any]:
         "/v1/completions": [{"model": m, "prompt": question, "max_tokens": n, "temperature": 0} for m in names]
         + [{"model": names[-1], "prompt": question, "max_tokens": n, "stream": True, "stop": ["\n"]}],
         "/v1/chat/completions": [{"model": m, "messages": chat, "max_tokens": n, "temperature": 0} for m in names]
-        + [{"model": names[-1], "messages": chat, "max_tokens": n, "stream": True,
-            "stream_options": {"include_usage": True}}],
+        + [{"model": names[-1], "messages": chat, "max_tokens": n, "stream": True, "stream_options": {"include_usage": True}}],
     }
     for path, values in examples.items():
         media = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
@@ -222,8 +264,9 @@ class _BodyLimit:
             elif not length.isdigit():
                 response = error_response(400, f"Content-Length {length.decode(errors='replace')!r} is not a number")
             elif int(length) > self.limit:
-                response = error_response(413, f"the request body ({int(length)} bytes) exceeds this server's limit "
-                                               f"({self.limit} bytes)")
+                response = error_response(
+                    413, f"the request body ({int(length)} bytes) exceeds this server's limit ({self.limit} bytes)"
+                )
             if response is not None:
                 await response(scope, receive, send)
                 return

@@ -21,8 +21,7 @@ from kvgraft.runtime.adapters import NAME_RE
 class HTTPError(Exception):
     """A refusal: answered with ``status`` and OpenAI's error body (``kind`` is its ``type``)."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
@@ -31,8 +30,13 @@ def error_body(status: int, message: str, kind: str = "invalid_request_error", p
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, kind, param), status_code=status, headers=headers)
 
 
@@ -80,14 +84,20 @@ class _Common(BaseModel):
     n: PositiveInt = Field(1, description="one choice per request", json_schema_extra=dict(maximum=1))
     stream: bool = False
     stream_options: dict[str, Any] | None = Field(None, description='{"include_usage": true}: a last chunk with usage')
-    stop: str | list[str] | None = Field(None, description="up to 4 non-empty strings", json_schema_extra=dict(anyOf=[
-        _NON_EMPTY, {"type": "array", "items": _NON_EMPTY, "maxItems": 4}, {"type": "null"}]))
+    stop: str | list[str] | None = Field(
+        None,
+        description="up to 4 non-empty strings",
+        json_schema_extra=dict(anyOf=[_NON_EMPTY, {"type": "array", "items": _NON_EMPTY, "maxItems": 4}, {"type": "null"}]),
+    )
     seed: NonNegativeInt | None = Field(None, description="any integer >= 0 (taken modulo 2**64)")
     logprobs: Any = Field(None, description="not supported", json_schema_extra=dict(enum=[None, False, 0]))
     presence_penalty: float = Field(0.0, description="not supported", json_schema_extra=dict(maximum=0, minimum=0))
     frequency_penalty: float = Field(0.0, description="not supported", json_schema_extra=dict(maximum=0, minimum=0))
-    logit_bias: dict[str, Any] | None = Field(None, description="not supported", json_schema_extra=dict(anyOf=[
-        {"type": "object", "maxProperties": 0}, {"type": "null"}]))
+    logit_bias: dict[str, Any] | None = Field(
+        None,
+        description="not supported",
+        json_schema_extra=dict(anyOf=[{"type": "object", "maxProperties": 0}, {"type": "null"}]),
+    )
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -109,23 +119,40 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[Int] | list[str] | list[list[Int]] = Field(
-        description="text, token ids, or a list of one of either (one prompt per request)")
+        description="text, token ids, or a list of one of either (one prompt per request)"
+    )
     max_tokens: PositiveInt | None = None
     echo: bool = Field(False, description="not supported", json_schema_extra=dict(enum=[False]))
-    best_of: Int | None = Field(None, description="not supported (1)", json_schema_extra=dict(anyOf=[
-        {"type": "integer", "minimum": 0, "maximum": 1}, {"type": "null"}]))
-    suffix: str | None = Field(None, description="not supported", json_schema_extra=dict(anyOf=[
-        {"type": "string", "maxLength": 0}, {"type": "null"}]))
+    best_of: Int | None = Field(
+        None,
+        description="not supported (1)",
+        json_schema_extra=dict(anyOf=[{"type": "integer", "minimum": 0, "maximum": 1}, {"type": "null"}]),
+    )
+    suffix: str | None = Field(
+        None, description="not supported", json_schema_extra=dict(anyOf=[{"type": "string", "maxLength": 0}, {"type": "null"}])
+    )
 
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]] = Field(description="text, or a list of text parts", json_schema_extra=dict(anyOf=[
-        {"type": "string"},
-        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
-                                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]))
+    content: str | list[dict[str, Any]] = Field(
+        description="text, or a list of text parts",
+        json_schema_extra=dict(
+            anyOf=[
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    },
+                },
+            ]
+        ),
+    )
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -155,15 +182,17 @@ class UnloadAdapterRequest(BaseModel):
     model_config = _STRICT
 
     lora_name: str
-    wait: bool = Field(False, description="with requests running on the adapter: unload it once they finish "
-                                          "(refusing new ones) instead of answering 409")
+    wait: bool = Field(
+        False,
+        description="with requests running on the adapter: unload it once they finish "
+        "(refusing new ones) instead of answering 409",
+    )
 
 
 # ---- response bodies (documentation: /openapi.json) ---------------------------------------------------
 class ErrorInfo(BaseModel):
     message: str
-    type: str = Field(description="invalid_request_error, permission_error, not_found_error, rate_limit_error or "
-                                  "server_error")
+    type: str = Field(description="invalid_request_error, permission_error, not_found_error, rate_limit_error or server_error")
     param: str | None = Field(description="the request field at fault, if one is")
     code: int | None = Field(description="the HTTP status")
 
@@ -262,12 +291,10 @@ class Health(BaseModel):
 
 
 _ERRORS = {
-    400: "Invalid request: not JSON, not matching the schema, an unsupported option, or a prompt (+ max_tokens) "
-         "over the context",
+    400: "Invalid request: not JSON, not matching the schema, an unsupported option, or a prompt (+ max_tokens) over the context",
     403: "Loading adapters over HTTP is off (start the server with --adapter-dir), or lora_path is outside it",
     404: "Not found: the model, the adapter, or an adapter at lora_path",
-    409: "Conflict with the loaded adapters: a name already loaded, an adapter with requests running, or one "
-         "being unloaded",
+    409: "Conflict with the loaded adapters: a name already loaded, an adapter with requests running, or one being unloaded",
     411: "The request has no Content-Length header",
     413: "The request body is over this server's limit (max_request_bytes)",
     422: "The adapter directory cannot be loaded: trained on another base, corrupt or unsupported files",
@@ -275,14 +302,20 @@ _ERRORS = {
     500: "The engine failed while running the request (or installing the adapter)",
     503: "The engine is not running (stopped or shutting down)",
 }
-_SSE = {"type": "object", "description": "One server-sent event (stream: true): `data: {chunk}` per piece of text "
-        "(a chunk object as JSON), an optional usage chunk, then `data: [DONE]`; an engine failure mid-stream is "
-        "a `data: {ErrorResponse}` event, then `data: [DONE]`",
-        "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
-                       "retry": {"type": "integer"}},
-        "required": ["data"]}
+_SSE = {
+    "type": "object",
+    "description": "One server-sent event (stream: true): `data: {chunk}` per piece of text "
+    "(a chunk object as JSON), an optional usage chunk, then `data: [DONE]`; an engine failure mid-stream is "
+    "a `data: {ErrorResponse}` event, then `data: [DONE]`",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
 
 
 def _responses(*codes: int) -> dict[int | str, Any]:
     return {code: {"model": ErrorResponse, "description": _ERRORS[code]} for code in codes}
-

@@ -135,14 +135,56 @@ from kvgraft.serve.streaming import TextStream, collect, sse_events
 # Every name this module defined before it was split (schemas, bridge, streaming, routes, metrics), still
 # importable from here.
 __all__ = [
-    "CHAT_STOP", "MIN_TEMPERATURE", "MIN_TOP_P", "render_chat", "ServerConfig", "QueueFull", "EngineStopped",
-    "HTTPError", "error_body", "error_response", "_Stream", "EngineWorker", "_NON_EMPTY", "_integral", "Int",
-    "_int", "_STRICT", "_schema", "_Common", "CompletionRequest", "ChatMessage", "ChatRequest",
-    "LoadAdapterRequest", "UnloadAdapterRequest", "ErrorInfo", "ErrorResponse", "Usage", "CompletionChoice",
-    "Completion", "ChatCompletionMessage", "ChatCompletionChoice", "ChatCompletion", "AdapterInfo", "ModelCard",
-    "ModelList", "LoadAdapterResponse", "UnloadAdapterResponse", "Health", "_ERRORS", "_SSE", "_responses",
-    "TextStream", "_check_unicode", "KvgraftServer", "_version", "_BodyLimit", "_Metrics", "shipped_adapters",
-    "build_server", "serve",
+    "CHAT_STOP",
+    "MIN_TEMPERATURE",
+    "MIN_TOP_P",
+    "render_chat",
+    "ServerConfig",
+    "QueueFull",
+    "EngineStopped",
+    "HTTPError",
+    "error_body",
+    "error_response",
+    "_Stream",
+    "EngineWorker",
+    "_NON_EMPTY",
+    "_integral",
+    "Int",
+    "_int",
+    "_STRICT",
+    "_schema",
+    "_Common",
+    "CompletionRequest",
+    "ChatMessage",
+    "ChatRequest",
+    "LoadAdapterRequest",
+    "UnloadAdapterRequest",
+    "ErrorInfo",
+    "ErrorResponse",
+    "Usage",
+    "CompletionChoice",
+    "Completion",
+    "ChatCompletionMessage",
+    "ChatCompletionChoice",
+    "ChatCompletion",
+    "AdapterInfo",
+    "ModelCard",
+    "ModelList",
+    "LoadAdapterResponse",
+    "UnloadAdapterResponse",
+    "Health",
+    "_ERRORS",
+    "_SSE",
+    "_responses",
+    "TextStream",
+    "_check_unicode",
+    "KvgraftServer",
+    "_version",
+    "_BodyLimit",
+    "_Metrics",
+    "shipped_adapters",
+    "build_server",
+    "serve",
 ]
 
 CHAT_STOP = "\n<|"
@@ -159,8 +201,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], *, tokenize: bool = ...,
-                            add_generation_prompt: bool = ...) -> Any: ...
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], *, tokenize: bool = ..., add_generation_prompt: bool = ...
+    ) -> Any: ...
 
 
 _T = TypeVar("_T")
@@ -189,8 +232,7 @@ class ServerConfig:
         for name in ("max_queue", "max_tokens_limit", "max_request_bytes", "default_max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
-                raise ValueError(f"{name} ({value!r}) must be a {'non-negative' if name == 'max_queue' else 'positive'} "
-                                 "integer")
+                raise ValueError(f"{name} ({value!r}) must be a {'non-negative' if name == 'max_queue' else 'positive'} integer")
         if self.adapter_dir is not None:
             self.adapter_dir = Path(self.adapter_dir).resolve()
             if not self.adapter_dir.is_dir():
@@ -231,8 +273,12 @@ class KvgraftServer:
                 raise HTTPError(409, f"adapter {model!r} is being unloaded; it takes no new requests", param="model")
             return model
         loaded = ", ".join(self.worker.adapters) or "none"
-        raise HTTPError(404, f"model {model!r} not found; served: base {self.config.model_name!r}, adapters: {loaded}",
-                        kind="not_found_error", param="model")
+        raise HTTPError(
+            404,
+            f"model {model!r} not found; served: base {self.config.model_name!r}, adapters: {loaded}",
+            kind="not_found_error",
+            param="model",
+        )
 
     def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
         """The token ids of a request's prompt (text or ids, alone or as a list of one), checked against the
@@ -255,8 +301,9 @@ class KvgraftServer:
         if not ids:
             raise HTTPError(400, "the prompt is empty", param="prompt")
         if len(ids) > self.max_prompt_tokens:
-            raise HTTPError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
-                                 f"{self.max_prompt_tokens}", param="prompt")
+            raise HTTPError(
+                400, f"the prompt has {len(ids)} tokens; this server takes at most {self.max_prompt_tokens}", param="prompt"
+            )
         return ids
 
     def _encode(self, text: str, param: str) -> list[int]:
@@ -268,11 +315,15 @@ class KvgraftServer:
         if asked is None:
             asked = min(default or room, room, self.config.max_tokens_limit)
         if asked > self.config.max_tokens_limit:
-            raise HTTPError(400, f"max_tokens ({asked}) exceeds this server's limit ({self.config.max_tokens_limit})",
-                            param="max_tokens")
+            raise HTTPError(
+                400, f"max_tokens ({asked}) exceeds this server's limit ({self.config.max_tokens_limit})", param="max_tokens"
+            )
         if asked > room:
-            raise HTTPError(400, f"prompt ({n_prompt} tokens) + max_tokens ({asked}) exceeds the model's context "
-                                 f"({self.max_seq_len} tokens)", param="max_tokens")
+            raise HTTPError(
+                400,
+                f"prompt ({n_prompt} tokens) + max_tokens ({asked}) exceeds the model's context ({self.max_seq_len} tokens)",
+                param="max_tokens",
+            )
         return asked
 
     def _sampling(self, req: _Common, max_tokens: int, stops: tuple[str, ...]) -> SamplingParams:
@@ -282,10 +333,14 @@ class KvgraftServer:
         temperature = float(req.temperature)
         temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
         try:
-            return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                                  top_p=max(float(req.top_p), MIN_TOP_P),
-                                  seed=None if req.seed is None else req.seed % 2**64,
-                                  stop_token_ids=() if self.eos is None else (self.eos,), stop=stops)
+            return SamplingParams(
+                max_new_tokens=max_tokens,
+                temperature=temperature,
+                top_p=max(float(req.top_p), MIN_TOP_P),
+                seed=None if req.seed is None else req.seed % 2**64,
+                stop_token_ids=() if self.eos is None else (self.eos,),
+                stop=stops,
+            )
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from None
 
@@ -337,24 +392,29 @@ class KvgraftServer:
         adapter = self._adapter_of(body.model)
         ids = self._prompt_ids(body.prompt)
         stops = body.stops()
-        sampling = self._sampling(body, self._max_tokens(body.max_tokens, len(ids), self.config.default_max_tokens),
-                                  stops)
+        sampling = self._sampling(body, self._max_tokens(body.max_tokens, len(ids), self.config.default_max_tokens), stops)
         stream = await self._start(ids, sampling, adapter)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         text = TextStream(self.decode, stops)
 
         def chunk(delta: str, reason: str | None) -> dict[str, Any]:
-            return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]}
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}],
+            }
 
         if body.stream:
             usage: Callable[[list[int]], dict[str, Any]] | None = None
             if (body.stream_options or {}).get("include_usage"):
+
                 def usage_chunk(out: list[int]) -> dict[str, Any]:
                     return dict(chunk("", None), choices=[], usage=self._usage(len(ids), len(out)))
+
                 usage = usage_chunk
-            return StreamingResponse(sse_events(self.worker, stream, text, chunk, usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(sse_events(self.worker, stream, text, chunk, usage), media_type="text/event-stream")
         out, reason = await collect(self.worker, stream, request)
         result = chunk(text.text(out, True), reason)
         result["usage"] = self._usage(len(ids), len(out))
@@ -374,8 +434,9 @@ class KvgraftServer:
         for field in ("max_tokens", "max_completion_tokens"):  # both are checked, whichever is used
             value = getattr(body, field)
             if value is not None and value > self.config.max_tokens_limit:
-                raise HTTPError(400, f"{field} ({value}) exceeds this server's limit ({self.config.max_tokens_limit})",
-                                param=field)
+                raise HTTPError(
+                    400, f"{field} ({value}) exceeds this server's limit ({self.config.max_tokens_limit})", param=field
+                )
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = self._sampling(body, self._max_tokens(asked, len(ids), None), stops)
         stream = await self._start(ids, sampling, adapter)
@@ -388,32 +449,71 @@ class KvgraftServer:
             if first[0]:
                 d["role"] = "assistant"
                 first[0] = False
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]}
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": body.model,
+                "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}],
+            }
 
         if body.stream:
             usage: Callable[[list[int]], dict[str, Any]] | None = None
             if (body.stream_options or {}).get("include_usage"):
+
                 def usage_chunk(out: list[int]) -> dict[str, Any]:
-                    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                            "choices": [], "usage": self._usage(len(ids), len(out))}
+                    return {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": body.model,
+                        "choices": [],
+                        "usage": self._usage(len(ids), len(out)),
+                    }
+
                 usage = usage_chunk
-            return StreamingResponse(sse_events(self.worker, stream, text, chunk, usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(sse_events(self.worker, stream, text, chunk, usage), media_type="text/event-stream")
         out, reason = await collect(self.worker, stream, request)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": body.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text.text(out, True)},
-                             "logprobs": None, "finish_reason": reason}],
-                "usage": self._usage(len(ids), len(out))}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": body.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text.text(out, True)},
+                    "logprobs": None,
+                    "finish_reason": reason,
+                }
+            ],
+            "usage": self._usage(len(ids), len(out)),
+        }
 
     def models(self) -> dict[str, Any]:
-        base = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "kvgraft",
-                "root": self.config.model_name, "parent": None, "max_model_len": self.max_seq_len}
+        base = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvgraft",
+            "root": self.config.model_name,
+            "parent": None,
+            "max_model_len": self.max_seq_len,
+        }
         data = [base]
         for name, info in self.worker.adapters.items():
-            data.append({"id": name, "object": "model", "created": self.created, "owned_by": "kvgraft",
-                         "root": info["path"], "parent": self.config.model_name, "max_model_len": self.max_seq_len,
-                         "kvgraft": info})
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "kvgraft",
+                    "root": info["path"],
+                    "parent": self.config.model_name,
+                    "max_model_len": self.max_seq_len,
+                    "kvgraft": info,
+                }
+            )
         return {"object": "list", "data": data}
 
     def _adapter_path(self, root: Path, lora_path: str) -> Path:
@@ -421,32 +521,45 @@ class KvgraftServer:
         try:
             path = (root / lora_path).resolve()
         except (OSError, ValueError, RuntimeError):  # a NUL byte, a name too long, a symlink loop
-            raise HTTPError(404, f"no adapter at lora_path {lora_path!r}", kind="not_found_error",
-                            param="lora_path") from None
+            raise HTTPError(404, f"no adapter at lora_path {lora_path!r}", kind="not_found_error", param="lora_path") from None
         if not path.is_relative_to(root):
-            raise HTTPError(403, f"lora_path {lora_path!r} is outside the adapter directory", kind="permission_error",
-                            param="lora_path")
+            raise HTTPError(
+                403, f"lora_path {lora_path!r} is outside the adapter directory", kind="permission_error", param="lora_path"
+            )
         try:
             is_dir = path.is_dir()
             is_adapter = is_dir and (path / "adapter_config.json").is_file()
         except (OSError, ValueError):
             is_dir = is_adapter = False
         if not is_dir:
-            raise HTTPError(404, f"lora_path {lora_path!r} is not a directory inside the adapter directory",
-                            kind="not_found_error", param="lora_path")
+            raise HTTPError(
+                404,
+                f"lora_path {lora_path!r} is not a directory inside the adapter directory",
+                kind="not_found_error",
+                param="lora_path",
+            )
         if not is_adapter:
-            raise HTTPError(404, f"lora_path {lora_path!r} is not an adapter directory (no adapter_config.json)",
-                            kind="not_found_error", param="lora_path")
+            raise HTTPError(
+                404,
+                f"lora_path {lora_path!r} is not an adapter directory (no adapter_config.json)",
+                kind="not_found_error",
+                param="lora_path",
+            )
         return path
 
     async def load_adapter(self, body: LoadAdapterRequest) -> dict[str, Any]:
         root = self.config.adapter_dir
         if root is None:
-            raise HTTPError(403, "loading adapters over HTTP is off: start the server with --adapter-dir DIR",
-                            kind="permission_error")
+            raise HTTPError(
+                403, "loading adapters over HTTP is off: start the server with --adapter-dir DIR", kind="permission_error"
+            )
         if not NAME_RE.fullmatch(body.lora_name):
-            raise HTTPError(400, f"adapter name {body.lora_name!r} must be 1-64 characters of letters, digits, '.', "
-                                 "'_' or '-', starting with a letter or digit", param="lora_name")
+            raise HTTPError(
+                400,
+                f"adapter name {body.lora_name!r} must be 1-64 characters of letters, digits, '.', "
+                "'_' or '-', starting with a letter or digit",
+                param="lora_name",
+            )
         if body.lora_name == self.config.model_name:
             raise HTTPError(409, f"an adapter cannot take the base model's name {body.lora_name!r}", param="lora_name")
         if body.lora_name in self.worker.adapters:
@@ -457,8 +570,9 @@ class KvgraftServer:
         except AdapterError as exc:
             raise HTTPError(422, str(exc), param="lora_path") from None
         except OSError as exc:  # unreadable files
-            raise HTTPError(422, f"lora_path {body.lora_path!r} cannot be read ({type(exc).__name__}: {exc.strerror})",
-                            param="lora_path") from None
+            raise HTTPError(
+                422, f"lora_path {body.lora_path!r} cannot be read ({type(exc).__name__}: {exc.strerror})", param="lora_path"
+            ) from None
         try:
             adapter = await self._engine(self.worker.load_adapter(body.lora_name, files))
         except AdapterError as exc:  # loaded meanwhile, or the layers refuse it
@@ -477,8 +591,12 @@ class KvgraftServer:
 
     def health(self) -> Response:
         ok = self.worker.alive
-        body = {"status": "ok" if ok else "engine stopped", "model": self.config.model_name,
-                "adapters": list(self.worker.adapters), "in_flight": self.worker.in_flight}
+        body = {
+            "status": "ok" if ok else "engine stopped",
+            "model": self.config.model_name,
+            "adapters": list(self.worker.adapters),
+            "in_flight": self.worker.in_flight,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def metrics(self) -> Response:
@@ -511,10 +629,19 @@ def shipped_adapters(base_dir: str | Path, config: ModelConfig) -> dict[str, Pat
     return found
 
 
-def build_server(base: str | Path, adapters: dict[str, str | Path] | None = None, *, model_name: str | None = None,
-                 max_seqs: int = 16, max_batch_tokens: int = 512, max_seq_len: int | None = None,
-                 num_blocks: int | None = None, prefix_cache: bool = True, with_shipped_adapters: bool = False,
-                 **config: Any) -> KvgraftServer:
+def build_server(
+    base: str | Path,
+    adapters: dict[str, str | Path] | None = None,
+    *,
+    model_name: str | None = None,
+    max_seqs: int = 16,
+    max_batch_tokens: int = 512,
+    max_seq_len: int | None = None,
+    num_blocks: int | None = None,
+    prefix_cache: bool = True,
+    with_shipped_adapters: bool = False,
+    **config: Any,
+) -> KvgraftServer:
     """Load ``base`` (a model directory or shipped reference name) and its tokenizer, start adapters, build
     the server (not started: run it with uvicorn, or :func:`serve`). ``prefix_cache``: the engine's prefix
     cache (on by default; ``kvgraft serve --no-prefix-cache`` turns it off). ``with_shipped_adapters``: also
@@ -531,8 +658,15 @@ def build_server(base: str | Path, adapters: dict[str, str | Path] | None = None
     def detok(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    engine = Engine(model, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len,
-                    num_blocks=num_blocks, detokenize=detok, prefix_cache=prefix_cache)
+    engine = Engine(
+        model,
+        max_seqs=max_seqs,
+        max_batch_tokens=max_batch_tokens,
+        max_seq_len=max_seq_len,
+        num_blocks=num_blocks,
+        detokenize=detok,
+        prefix_cache=prefix_cache,
+    )
     adapters = dict(adapters or {})
     if with_shipped_adapters:
         given = {Path(p).resolve() for p in adapters.values()}

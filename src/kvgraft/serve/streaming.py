@@ -40,7 +40,7 @@ class TextStream:
         text = self.text(ids, finished)
         if not text.startswith(self.sent):  # never retract what was sent
             return ""
-        new, self.sent = text[len(self.sent):], text
+        new, self.sent = text[len(self.sent) :], text
         return new
 
 
@@ -64,9 +64,13 @@ async def collect(worker: EngineWorker, stream: RequestStream, request: Request)
             return ids, item.finish_reason
 
 
-async def sse_events(worker: EngineWorker, stream: RequestStream, text: TextStream,
-                     chunk: Callable[[str, str | None], dict[str, Any]],
-                     usage: Callable[[list[int]], dict[str, Any]] | None) -> AsyncIterator[str]:
+async def sse_events(
+    worker: EngineWorker,
+    stream: RequestStream,
+    text: TextStream,
+    chunk: Callable[[str, str | None], dict[str, Any]],
+    usage: Callable[[list[int]], dict[str, Any]] | None,
+) -> AsyncIterator[str]:
     """The request's server-sent events (see the module docstring); cancels the request when it ends or the
     client goes away."""
     ids: list[int] = []

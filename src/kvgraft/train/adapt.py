@@ -96,8 +96,7 @@ class AdaptConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} ({v!r}) must be a positive integer")
         if self.accuracy_examples < 0 or self.warmup_steps < 0:
-            raise ValueError(f"accuracy_examples ({self.accuracy_examples}) and warmup_steps ({self.warmup_steps}) "
-                             "must be >= 0")
+            raise ValueError(f"accuracy_examples ({self.accuracy_examples}) and warmup_steps ({self.warmup_steps}) must be >= 0")
         for name in ("val_examples", "test_examples"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -196,8 +195,10 @@ def answer_accuracy(model, tokenizer, task_name: str, examples, max_new_tokens: 
     limit = model.config.max_position_embeddings
     if any(len(p) >= limit for p in prompts):
         raise ValueError(f"a prompt is {max(len(p) for p in prompts)} tokens; the model takes {limit}")
-    params = [SamplingParams(max_new_tokens=min(max_new_tokens, limit - len(p)),
-                             stop_token_ids=() if eos is None else (eos,)) for p in prompts]
+    params = [
+        SamplingParams(max_new_tokens=min(max_new_tokens, limit - len(p)), stop_token_ids=() if eos is None else (eos,))
+        for p in prompts
+    ]
     longest = max(len(p) + s.max_new_tokens for p, s in zip(prompts, params))
     engine = Engine(model, max_seqs=min(64, len(prompts)), max_batch_tokens=2048, max_seq_len=longest)
     outs = engine.generate(prompts, params)
@@ -211,12 +212,22 @@ def sharing(config, modules: list[str], base_name: str | None = None) -> dict[st
     why) and ``why_not`` (what stops it, and what would share; None when it shares or does not apply)."""
 
     applies = bool(config.is_ced)
-    return {"applies": applies, "shares_cache": certify(config, modules).shares_cache if applies else None,
-            "verdict": sharing_verdict(config, modules, base_name), "why_not": sharing_obstacle(config, modules)}
+    return {
+        "applies": applies,
+        "shares_cache": certify(config, modules).shares_cache if applies else None,
+        "verdict": sharing_verdict(config, modules, base_name),
+        "why_not": sharing_obstacle(config, modules),
+    }
 
 
-def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: AdaptConfig | None = None,
-          dry_run: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def adapt(
+    base: str | Path | None,
+    task: str | Path,
+    out_dir: str | Path,
+    cfg: AdaptConfig | None = None,
+    dry_run: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Train one adapter (see the module docstring); returns the result (also ``out_dir/result.json``).
     ``dry_run``: only resolve the placement and return every matched module and the parameter count.
     ``log``: where a note goes before training when the adapter will not share the base's cache (None: not
@@ -230,8 +241,10 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     modules = [row["module"].removeprefix("model.") for row in report["modules"]]
     share = sharing(model_config, modules, path.name)
     if cfg.require_sharing and not share["applies"]:
-        raise ValueError(f"sharing the cache was required, but it does not apply: {path.name} has no shared cache "
-                         "(not a causal encoder-decoder: no kv_source layers)")
+        raise ValueError(
+            f"sharing the cache was required, but it does not apply: {path.name} has no shared cache "
+            "(not a causal encoder-decoder: no kv_source layers)"
+        )
     if cfg.require_sharing and not share["shares_cache"]:
         raise ValueError(f"sharing the cache was required, but this placement cannot share it: {share['why_not']}")
     report["sharing"] = share
@@ -255,7 +268,7 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     seq_len = task_seq_len(tokenizer, splits, model.config.max_position_embeddings - 1)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else (model.config.eos_token_id or 0)
     limits = {"train": None, "validation": cfg.val_examples, "test": cfg.test_examples}
-    data = {s: encode_split(tokenizer, exs[:limits[s]], seq_len, pad) for s, exs in splits.items()}
+    data = {s: encode_split(tokenizer, exs[: limits[s]], seq_len, pad) for s, exs in splits.items()}
 
     torch.manual_seed(cfg.seed)  # the adapter's A matrices
     peft_model = add_adapter(model, placement, cfg.adapter_config())
@@ -264,17 +277,37 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     model.gradient_checkpointing = cfg.gradient_checkpointing
     groups = adapter_param_groups(peft_model, 0.0, dict(cfg.lr_multipliers), cfg.loraplus_ratio)
     val_batches = math.ceil(len(data["validation"]) / cfg.micro_batch_size)
-    tcfg = TrainConfig(max_steps=cfg.steps, micro_batch_size=cfg.micro_batch_size, lr=cfg.lr,
-                       warmup_steps=cfg.warmup_steps, weight_decay=0.0, precision=cfg.precision,
-                       eval_every=cfg.eval_every, eval_batches=val_batches,
-                       save_every=max(1, cfg.steps // 2), keep_checkpoints=1, log_every=1, seed=cfg.seed,
-                       max_time_s=cfg.max_time_s, progress=cfg.progress, grad_clip=1.0,
-                       gradient_checkpointing=cfg.gradient_checkpointing)
+    tcfg = TrainConfig(
+        max_steps=cfg.steps,
+        micro_batch_size=cfg.micro_batch_size,
+        lr=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=0.0,
+        precision=cfg.precision,
+        eval_every=cfg.eval_every,
+        eval_batches=val_batches,
+        save_every=max(1, cfg.steps // 2),
+        keep_checkpoints=1,
+        log_every=1,
+        seed=cfg.seed,
+        max_time_s=cfg.max_time_s,
+        progress=cfg.progress,
+        grad_clip=1.0,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
     t0 = time.perf_counter()
-    result = train(peft_model, data["train"], tcfg, out, val_data=data["validation"], loss_fn=lm_loss,
-                   param_groups=groups, checkpoint_trainable_only=True,
-                   eval_steps=sorted({max(1, round(cfg.steps * f)) for f in (0.1, 0.3)} | set(cfg.eval_steps())),
-                   extra_state={"adapt_config": cfg.to_dict()})
+    result = train(
+        peft_model,
+        data["train"],
+        tcfg,
+        out,
+        val_data=data["validation"],
+        loss_fn=lm_loss,
+        param_groups=groups,
+        checkpoint_trainable_only=True,
+        eval_steps=sorted({max(1, round(cfg.steps * f)) for f in (0.1, 0.3)} | set(cfg.eval_steps())),
+        extra_state={"adapt_config": cfg.to_dict()},
+    )
     wall = time.perf_counter() - t0
     if result.stopped_early:
         return {"stopped_early": True, "step": result.step}
@@ -284,24 +317,46 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     step_times = [h["step_s"] for h in history if "step_s" in h][1:]  # the first pays one-time set-up
     step_time = statistics.median(step_times) if step_times else wall / cfg.steps
     protocol = [val[s] for s in cfg.eval_steps() if s in val]
-    test_loss = evaluate(peft_model, data["test"], lm_loss, cfg.micro_batch_size,
-                         math.ceil(len(data["test"]) / cfg.micro_batch_size), precision=cfg.precision)
+    test_loss = evaluate(
+        peft_model,
+        data["test"],
+        lm_loss,
+        cfg.micro_batch_size,
+        math.ceil(len(data["test"]) / cfg.micro_batch_size),
+        precision=cfg.precision,
+    )
     accuracy = None
     if cfg.accuracy_examples:
-        answer_tokens = max(len(_ids(tokenizer, ex.answer)) for ex in splits["test"][:cfg.accuracy_examples])
-        accuracy = answer_accuracy(transformer_of(peft_model).eval(), tokenizer, task_name,
-                                   splits["test"][:cfg.accuracy_examples], answer_tokens + 8)
+        answer_tokens = max(len(_ids(tokenizer, ex.answer)) for ex in splits["test"][: cfg.accuracy_examples])
+        accuracy = answer_accuracy(
+            transformer_of(peft_model).eval(), tokenizer, task_name, splits["test"][: cfg.accuracy_examples], answer_tokens + 8
+        )
     recorded = base_reference(path, out / "adapter")
-    summary = {"task": task_name, "base": recorded["name"] if recorded.get("reference") else str(base),
-               "config": cfg.to_dict(), "steps": result.step,
-               "val_loss": {str(k): v for k, v in sorted(val.items())},
-               "val_loss_protocol": statistics.fmean(protocol) if protocol else None,
-               "protocol_steps": list(cfg.eval_steps()), "train_curve": train_curve, "test_loss": test_loss,
-               "test_accuracy": accuracy, "accuracy_examples": cfg.accuracy_examples,
-               "step_time_s": step_time, "wall_s": wall, "trainable_parameters": report["trainable_parameters"],
-               "certificate": certificate_of(peft_model).to_dict(), "sharing": share, "seq_len": seq_len}
-    save_adapter(peft_model, out / "adapter", base=path, extra={"training": {k: summary[k] for k in (
-        "task", "steps", "val_loss_protocol", "test_loss", "test_accuracy")}})
+    summary = {
+        "task": task_name,
+        "base": recorded["name"] if recorded.get("reference") else str(base),
+        "config": cfg.to_dict(),
+        "steps": result.step,
+        "val_loss": {str(k): v for k, v in sorted(val.items())},
+        "val_loss_protocol": statistics.fmean(protocol) if protocol else None,
+        "protocol_steps": list(cfg.eval_steps()),
+        "train_curve": train_curve,
+        "test_loss": test_loss,
+        "test_accuracy": accuracy,
+        "accuracy_examples": cfg.accuracy_examples,
+        "step_time_s": step_time,
+        "wall_s": wall,
+        "trainable_parameters": report["trainable_parameters"],
+        "certificate": certificate_of(peft_model).to_dict(),
+        "sharing": share,
+        "seq_len": seq_len,
+    }
+    save_adapter(
+        peft_model,
+        out / "adapter",
+        base=path,
+        extra={"training": {k: summary[k] for k in ("task", "steps", "val_loss_protocol", "test_loss", "test_accuracy")}},
+    )
     summary = json.loads(json.dumps(summary))  # what result.json holds (lists, not tuples)
     atomic_write_text(done, json.dumps(summary, indent=2) + "\n")
     ckpts = out / "checkpoints"
@@ -310,5 +365,4 @@ def adapt(base: str | Path | None, task: str | Path, out_dir: str | Path, cfg: A
     return summary
 
 
-__all__ = ["AdaptConfig", "DEFAULT_PRESET", "RESULT_FILE", "adapt", "answer_accuracy", "encode_split",
-           "load_task_any", "sharing"]
+__all__ = ["AdaptConfig", "DEFAULT_PRESET", "RESULT_FILE", "adapt", "answer_accuracy", "encode_split", "load_task_any", "sharing"]

@@ -26,7 +26,7 @@ def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").exists()]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
 def find_latest(out_dir: str | Path) -> Path | None:
@@ -35,21 +35,30 @@ def find_latest(out_dir: str | Path) -> Path | None:
 
 
 def save_checkpoint(
-    out_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int, tokens: int,
-    elapsed_s: float, keep: int, extra: dict[str, Any] | None = None, trainable_only: bool = False,
+    out_dir: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    step: int,
+    tokens: int,
+    elapsed_s: float,
+    keep: int,
+    extra: dict[str, Any] | None = None,
+    trainable_only: bool = False,
 ) -> Path:
     """``trainable_only``: store only the parameters that train (an adapter run: the frozen base is not
     copied into every checkpoint; it is loaded from the base model on resume)."""
     target = Path(out_dir) / "checkpoints" / f"{PREFIX}{step:08d}"
     with atomic_dir(target, overwrite=True) as tmp:
         if trainable_only:
-            save_file({n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad},
-                      str(tmp / "model.safetensors"))
+            save_file(
+                {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad},
+                str(tmp / "model.safetensors"),
+            )
         else:
             save_model(model, str(tmp / "model.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        state = {"step": step, "tokens": tokens, "elapsed_s": elapsed_s, "trainable_only": trainable_only,
-                 **(extra or {})}
+        state = {"step": step, "tokens": tokens, "elapsed_s": elapsed_s, "trainable_only": trainable_only, **(extra or {})}
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
     for old in checkpoint_dirs(out_dir)[:-keep]:
         shutil.rmtree(old)
@@ -65,8 +74,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         params = dict(model.named_parameters())
         want = {n for n, p in params.items() if p.requires_grad}
         if set(saved) != want:
-            raise ValueError(f"checkpoint {path} holds trainable parameters {sorted(set(saved) ^ want)[:5]} ... "
-                             "that do not match the model's")
+            raise ValueError(
+                f"checkpoint {path} holds trainable parameters {sorted(set(saved) ^ want)[:5]} ... that do not match the model's"
+            )
         with torch.no_grad():
             for n, t in saved.items():
                 params[n].copy_(t)

@@ -39,8 +39,15 @@ class TrainConfig:
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "micro_batch_size", "grad_accum", "eval_batches", "save_every",
-                     "keep_checkpoints", "log_every"):
+        for name in (
+            "max_steps",
+            "micro_batch_size",
+            "grad_accum",
+            "eval_batches",
+            "save_every",
+            "keep_checkpoints",
+            "log_every",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")

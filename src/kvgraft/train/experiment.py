@@ -34,16 +34,27 @@ from kvgraft.reference import resolve_model
 from kvgraft.train.adapt import AdaptConfig, adapt
 
 FROZEN = "+frozen-kv-writers"
-DEFAULT_CONFIGS = ("all-linear-r16", "encoder-half-r16", "decoder-half-r16", "all-linear-r8", "slim-attention-r16",
-                   "no-mlp-down-r16", "all-linear-r16" + FROZEN, "decoder-half-r16" + FROZEN, "all-linear-r8" + FROZEN)
+DEFAULT_CONFIGS = (
+    "all-linear-r16",
+    "encoder-half-r16",
+    "decoder-half-r16",
+    "all-linear-r8",
+    "slim-attention-r16",
+    "no-mlp-down-r16",
+    "all-linear-r16" + FROZEN,
+    "decoder-half-r16" + FROZEN,
+    "all-linear-r8" + FROZEN,
+)
 SWEEP_LRS = (3e-4, 1e-3, 3e-3, 1e-2)
 
 
 def parse_config(name: str) -> tuple[str, bool]:
     preset, frozen = (name[: -len(FROZEN)], True) if name.endswith(FROZEN) else (name, False)
     if preset not in PRESETS:
-        raise ValueError(f"configuration {name!r}: unknown preset {preset!r}; known: {', '.join(PRESETS)} "
-                         f"(append {FROZEN!r} to freeze the pivot's KV writers)")
+        raise ValueError(
+            f"configuration {name!r}: unknown preset {preset!r}; known: {', '.join(PRESETS)} "
+            f"(append {FROZEN!r} to freeze the pivot's KV writers)"
+        )
     return preset, frozen
 
 
@@ -58,27 +69,59 @@ def _summ(values: list[float]) -> dict[str, float] | None:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def lr_sweep(base, task, out_dir: Path, lrs=SWEEP_LRS, steps: int = 30, preset: str = "all-linear-r16",
-             micro_batch_size: int = 16, progress: bool = True, val_examples: int | None = None) -> dict[str, Any]:
+def lr_sweep(
+    base,
+    task,
+    out_dir: Path,
+    lrs=SWEEP_LRS,
+    steps: int = 30,
+    preset: str = "all-linear-r16",
+    micro_batch_size: int = 16,
+    progress: bool = True,
+    val_examples: int | None = None,
+) -> dict[str, Any]:
     """Short runs at each LR; the pick is the lowest plateau (mean training loss over the last third). The
     runs score ``val_examples`` validation problems (None: all) and one test problem (the pick never
     reads the test split)."""
     rows = []
     bar = _progress(len(lrs), "lr sweep", progress)
     for lr in lrs:
-        r = adapt(base, task, out_dir / f"lr_{lr:g}", AdaptConfig(
-            preset=preset, steps=steps, lr=lr, warmup_steps=max(1, steps // 10),
-            micro_batch_size=micro_batch_size, accuracy_examples=0, progress=False, val_examples=val_examples,
-            test_examples=1))
+        r = adapt(
+            base,
+            task,
+            out_dir / f"lr_{lr:g}",
+            AdaptConfig(
+                preset=preset,
+                steps=steps,
+                lr=lr,
+                warmup_steps=max(1, steps // 10),
+                micro_batch_size=micro_batch_size,
+                accuracy_examples=0,
+                progress=False,
+                val_examples=val_examples,
+                test_examples=1,
+            ),
+        )
         losses = [loss for _, loss in r["train_curve"]]
-        tail = losses[-max(1, len(losses) // 3):]
-        rows.append({"lr": lr, "plateau": statistics.fmean(tail), "early": statistics.fmean(losses[:max(1, len(losses) // 5)]),
-                     "final_val": r["val_loss"].get(str(steps))})
+        tail = losses[-max(1, len(losses) // 3) :]
+        rows.append(
+            {
+                "lr": lr,
+                "plateau": statistics.fmean(tail),
+                "early": statistics.fmean(losses[: max(1, len(losses) // 5)]),
+                "final_val": r["val_loss"].get(str(steps)),
+            }
+        )
         bar.update(1)
     bar.close()
     best = min(rows, key=lambda row: row["plateau"])
-    return {"rows": rows, "lr": best["lr"], "rule": "lowest plateau (mean training loss over the last third)",
-            "steps": steps, "preset": preset}
+    return {
+        "rows": rows,
+        "lr": best["lr"],
+        "rule": "lowest plateau (mean training loss over the last third)",
+        "steps": steps,
+        "preset": preset,
+    }
 
 
 def placement_study(
@@ -109,17 +152,39 @@ def placement_study(
     out.mkdir(parents=True, exist_ok=True)
     sweep = None
     if lr is None:
-        sweep = lr_sweep(base, task, out / "sweep", sweep_lrs, sweep_steps, micro_batch_size=micro_batch_size,
-                         progress=progress, val_examples=val_examples)
+        sweep = lr_sweep(
+            base,
+            task,
+            out / "sweep",
+            sweep_lrs,
+            sweep_steps,
+            micro_batch_size=micro_batch_size,
+            progress=progress,
+            val_examples=val_examples,
+        )
         lr = sweep["lr"]
     runs: dict[str, list[dict]] = {c: [] for c in configs}
     bar = _progress(len(configs) * seeds, "placement study", progress)
     for seed in range(seeds):
         for name, (preset, frozen) in zip(configs, parsed):
-            r = adapt(base, task, out / "runs" / name / f"seed{seed}", AdaptConfig(
-                preset=preset, freeze_kv_writers=frozen, steps=steps, lr=lr, seed=seed, precision=precision,
-                micro_batch_size=micro_batch_size, accuracy_examples=accuracy_examples, val_examples=val_examples,
-                test_examples=test_examples, progress=False))
+            r = adapt(
+                base,
+                task,
+                out / "runs" / name / f"seed{seed}",
+                AdaptConfig(
+                    preset=preset,
+                    freeze_kv_writers=frozen,
+                    steps=steps,
+                    lr=lr,
+                    seed=seed,
+                    precision=precision,
+                    micro_batch_size=micro_batch_size,
+                    accuracy_examples=accuracy_examples,
+                    val_examples=val_examples,
+                    test_examples=test_examples,
+                    progress=False,
+                ),
+            )
             runs[name].append(r)
             bar.update(1)
             bar.set_postfix(config=name, seed=seed, val=f"{r['val_loss_protocol']:.3f}")
@@ -144,34 +209,52 @@ def summarise(runs: dict[str, list[dict]], lr: float, steps: int, seeds: int, sw
         }
     diffs = None
     if "decoder-half-r16" in runs and "encoder-half-r16" in runs:
-        diffs = [d["val_loss_protocol"] - e["val_loss_protocol"]
-                 for d, e in zip(runs["decoder-half-r16"], runs["encoder-half-r16"])]
+        diffs = [
+            d["val_loss_protocol"] - e["val_loss_protocol"] for d, e in zip(runs["decoder-half-r16"], runs["encoder-half-r16"])
+        ]
     task = next(iter(runs.values()))[0]["task"]
-    return {"task": task, "lr": lr, "steps": steps, "seeds": seeds, "sweep": sweep, "table": table,
-            "decoder_minus_encoder_per_seed": diffs,
-            "protocol": "validation loss = mean of the evaluations at steps 50%, 70%, 100%; mean (min-max) over seeds"}
+    return {
+        "task": task,
+        "lr": lr,
+        "steps": steps,
+        "seeds": seeds,
+        "sweep": sweep,
+        "table": table,
+        "decoder_minus_encoder_per_seed": diffs,
+        "protocol": "validation loss = mean of the evaluations at steps 50%, 70%, 100%; mean (min-max) over seeds",
+    }
 
 
 def study_markdown(study: dict[str, Any]) -> str:
     def fmt(s, nd=3):
         return "-" if s is None else f"{s['mean']:.{nd}f} ({s['min']:.{nd}f}-{s['max']:.{nd}f})"
 
-    lines = [f"Task {study['task']}, {study['steps']} steps, {study['seeds']} seeds, LR {study['lr']:g}. "
-             f"{study['protocol']}.", "",
-             "| configuration | trainable | val loss | test loss | test accuracy | shares the cache | step time (s) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Task {study['task']}, {study['steps']} steps, {study['seeds']} seeds, LR {study['lr']:g}. {study['protocol']}.",
+        "",
+        "| configuration | trainable | val loss | test loss | test accuracy | shares the cache | step time (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, row in study["table"].items():
-        lines.append(f"| {name} | {row['trainable_parameters']:,} | {fmt(row['val_loss'])} | {fmt(row['test_loss'])} | "
-                     f"{fmt(row['test_accuracy'])} | {'yes' if row['shares_cache'] else 'no'} | "
-                     f"{row['step_time_s']:.3f} |")
+        lines.append(
+            f"| {name} | {row['trainable_parameters']:,} | {fmt(row['val_loss'])} | {fmt(row['test_loss'])} | "
+            f"{fmt(row['test_accuracy'])} | {'yes' if row['shares_cache'] else 'no'} | "
+            f"{row['step_time_s']:.3f} |"
+        )
     if study["decoder_minus_encoder_per_seed"] is not None:
-        lines += ["", "Decoder-half minus encoder-half, per seed: "
-                  + ", ".join(f"{d:+.3f}" for d in study["decoder_minus_encoder_per_seed"])]
+        lines += [
+            "",
+            "Decoder-half minus encoder-half, per seed: "
+            + ", ".join(f"{d:+.3f}" for d in study["decoder_minus_encoder_per_seed"]),
+        ]
     if study.get("sweep"):
         sw = study["sweep"]
-        lines += ["", f"LR sweep ({sw['preset']}, {sw['steps']} steps, {sw['rule']}): "
-                  + ", ".join(f"{r['lr']:g}: plateau {r['plateau']:.3f} (early {r['early']:.3f})" for r in sw["rows"])
-                  + f" -> {sw['lr']:g}"]
+        lines += [
+            "",
+            f"LR sweep ({sw['preset']}, {sw['steps']} steps, {sw['rule']}): "
+            + ", ".join(f"{r['lr']:g}: plateau {r['plateau']:.3f} (early {r['early']:.3f})" for r in sw["rows"])
+            + f" -> {sw['lr']:g}",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -188,8 +271,14 @@ def plot_curves(runs: dict[str, list[dict]], path: Path) -> None:
         train = [statistics.fmean(r["train_curve"][i][1] for r in rs) for i in range(len(steps))]
         ax_t.plot(steps, train, label=name, linewidth=1)
         vsteps = sorted(int(s) for s in rs[0]["val_loss"])
-        ax_v.plot(vsteps, [statistics.fmean(r["val_loss"][str(s)] for r in rs) for s in vsteps], marker="o",
-                  markersize=3, label=name, linewidth=1)
+        ax_v.plot(
+            vsteps,
+            [statistics.fmean(r["val_loss"][str(s)] for r in rs) for s in vsteps],
+            marker="o",
+            markersize=3,
+            label=name,
+            linewidth=1,
+        )
     ax_t.set(title="training loss (mean over seeds)", xlabel="step", ylabel="loss")
     ax_v.set(title="validation loss (mean over seeds)", xlabel="step", ylabel="loss")
     ax_v.legend(fontsize=7)
@@ -233,24 +322,53 @@ def placement_curve(
     for k in range(L):
         rs = []
         for seed in range(seeds):
-            rs.append(adapt(base, task, out / "runs" / f"from{k}" / f"seed{seed}", AdaptConfig(
-                preset=None, placement=Placement(f"from:{k}", ("all-linear",), freeze_kv_writers=True), rank=rank,
-                steps=steps, lr=lr, seed=seed, micro_batch_size=micro_batch_size, precision=precision,
-                accuracy_examples=0, progress=False)))
+            rs.append(
+                adapt(
+                    base,
+                    task,
+                    out / "runs" / f"from{k}" / f"seed{seed}",
+                    AdaptConfig(
+                        preset=None,
+                        placement=Placement(f"from:{k}", ("all-linear",), freeze_kv_writers=True),
+                        rank=rank,
+                        steps=steps,
+                        lr=lr,
+                        seed=seed,
+                        micro_batch_size=micro_batch_size,
+                        precision=precision,
+                        accuracy_examples=0,
+                        progress=False,
+                    ),
+                )
+            )
             bar.update(1)
-        rows.append({"first_layer": k, "val_loss": _summ([r["val_loss_protocol"] for r in rs]),
-                     "step_time_s": statistics.median(r["step_time_s"] for r in rs),
-                     "trainable_parameters": rs[0]["trainable_parameters"],
-                     "shares_cache": rs[0]["certificate"]["shares_cache"]})
+        rows.append(
+            {
+                "first_layer": k,
+                "val_loss": _summ([r["val_loss_protocol"] for r in rs]),
+                "step_time_s": statistics.median(r["step_time_s"] for r in rs),
+                "trainable_parameters": rs[0]["trainable_parameters"],
+                "shares_cache": rs[0]["certificate"]["shares_cache"],
+            }
+        )
     bar.close()
-    curve = {"task": rs[0]["task"], "lr": lr, "steps": steps, "seeds": seeds, "rank": rank,
-             "pivot": config.pivot_layer if config.is_ced else None, "rows": rows}
+    curve = {
+        "task": rs[0]["task"],
+        "lr": lr,
+        "steps": steps,
+        "seeds": seeds,
+        "rank": rank,
+        "pivot": config.pivot_layer if config.is_ced else None,
+        "rows": rows,
+    }
     atomic_write_text(out / "curve.json", json.dumps(curve, indent=2) + "\n")
     lines = ["| first adapted layer k | trainable | val loss | step time (s) | shares the cache |", "|---|---|---|---|---|"]
     for r in rows:
         v = r["val_loss"]
-        lines.append(f"| {r['first_layer']} | {r['trainable_parameters']:,} | {v['mean']:.3f} ({v['min']:.3f}-"
-                     f"{v['max']:.3f}) | {r['step_time_s']:.3f} | {'yes' if r['shares_cache'] else 'no'} |")
+        lines.append(
+            f"| {r['first_layer']} | {r['trainable_parameters']:,} | {v['mean']:.3f} ({v['min']:.3f}-"
+            f"{v['max']:.3f}) | {r['step_time_s']:.3f} | {'yes' if r['shares_cache'] else 'no'} |"
+        )
     atomic_write_text(out / "curve.md", "\n".join(lines) + "\n")
     _plot_curve(curve, out / "curve.png")
     return curve
@@ -270,10 +388,12 @@ def _plot_curve(curve: dict, path: Path) -> None:
     ax.errorbar(k, mean, yerr=err, marker="o", capsize=3, label="validation loss (mean, min-max over seeds)")
     shared = [x for x, r in zip(k, rows) if r["shares_cache"]]
     if shared:
-        ax.axvspan(min(shared) - 0.5, max(shared) + 0.5, color="green", alpha=0.1,
-                   label="shares the base's cache (certified)")
-    ax.set(xlabel="first adapted layer k (adapter on layers k..L-1)", ylabel="validation loss",
-           title=f"placement curve: {curve['task']}, rank {curve['rank']}, {curve['steps']} steps")
+        ax.axvspan(min(shared) - 0.5, max(shared) + 0.5, color="green", alpha=0.1, label="shares the base's cache (certified)")
+    ax.set(
+        xlabel="first adapted layer k (adapter on layers k..L-1)",
+        ylabel="validation loss",
+        title=f"placement curve: {curve['task']}, rank {curve['rank']}, {curve['steps']} steps",
+    )
     ax2 = ax.twinx()
     ax2.plot(k, [r["step_time_s"] for r in rows], color="gray", linestyle="--", marker="s", label="step time (s)")
     ax2.set_ylabel("training step time (s)")

@@ -55,8 +55,7 @@ class HealConfig:
             raise ValueError(f"temperature ({self.temperature}) must be > 0")
         if self.tokens is not None and self.fraction_of_pretraining is not None:
             raise ValueError("give a token budget as tokens or as fraction_of_pretraining, not both")
-        if self.tokens is not None and (isinstance(self.tokens, bool) or not isinstance(self.tokens, int)
-                                        or self.tokens < 1):
+        if self.tokens is not None and (isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1):
             raise ValueError(f"tokens ({self.tokens!r}) must be a positive integer")
         if self.fraction_of_pretraining is not None and not 0 < self.fraction_of_pretraining:
             raise ValueError(f"fraction_of_pretraining ({self.fraction_of_pretraining}) must be > 0")
@@ -154,8 +153,9 @@ def heal(
             raise ValueError(f"loss {hc.loss!r} needs a teacher model (the original, before conversion)")
         teacher_model = load_pretrained(resolve_model(teacher), dtype=dtype)
     record = original_training(resolve_model(teacher)) if teacher is not None else None
-    record = record or original_training(Path(json.loads((src / "conversion.json").read_text())["source"])
-                                         if (src / "conversion.json").is_file() else src)
+    record = record or original_training(
+        Path(json.loads((src / "conversion.json").read_text())["source"]) if (src / "conversion.json").is_file() else src
+    )
     if original_lr is None and record is not None:
         original_lr = record["train_config"]["lr"]
     if pretraining_tokens is None and record is not None:
@@ -167,8 +167,7 @@ def heal(
         if lr is None:  # an explicit lr (even a bad one, which TrainConfig names) is never replaced
             lr = original_lr / 10 if original_lr else None
         if lr is None:
-            raise ValueError("no learning rate: give one, or the original's (original_lr), or use a model "
-                             "whose card records it")
+            raise ValueError("no learning rate: give one, or the original's (original_lr), or use a model whose card records it")
         recipe = dict(max_steps=100, lr=lr, weight_decay=0.1, grad_clip=1.0, precision="bf16", warmup_steps=10)
         train_config = TrainConfig(**{**recipe, **(train_overrides or {}), "lr": lr})
     base = train_config
@@ -193,17 +192,28 @@ def heal(
     else:
         assert teacher_model is not None  # loaded above for "kl" and "mix"
         loss_fn = distillation_loss(teacher_model, hc)
-    extra = {"heal": asdict(hc), "source": str(src), "fp32_params": fp32, "original_lr": original_lr,
-             "pretraining_tokens": pretraining_tokens}
-    result = train(student, train_ds, base, out, val_data=val_ds, loss_fn=loss_fn, extra_state=extra,
-                   val_loss_fn=lm_loss)  # validation is always next-token perplexity
+    extra = {
+        "heal": asdict(hc),
+        "source": str(src),
+        "fp32_params": fp32,
+        "original_lr": original_lr,
+        "pretraining_tokens": pretraining_tokens,
+    }
+    result = train(
+        student, train_ds, base, out, val_data=val_ds, loss_fn=loss_fn, extra_state=extra, val_loss_fn=lm_loss
+    )  # validation is always next-token perplexity
     latest = find_latest(out)
     if latest is not None:
         load_checkpoint(latest, student)
     tok_dir = src if (src / "tokenizer.json").is_file() else None
-    summary = {**extra, "train_config": asdict(base), "steps": result.step, "tokens": result.tokens,
-               "val_loss": result.val_loss,
-               "fraction_of_pretraining": (result.tokens / pretraining_tokens) if pretraining_tokens else None}
+    summary = {
+        **extra,
+        "train_config": asdict(base),
+        "steps": result.step,
+        "tokens": result.tokens,
+        "val_loss": result.val_loss,
+        "fraction_of_pretraining": (result.tokens / pretraining_tokens) if pretraining_tokens else None,
+    }
 
     if not PartialState().is_main_process:  # under a multi-process launch one process writes the result
         PartialState().wait_for_everyone()
@@ -213,8 +223,7 @@ def heal(
     files = {"heal.json": json.dumps(summary, indent=2) + "\n", "README.md": heal_card(summary, src, what)}
     with atomic_dir(out / "final", overwrite=True) as tmp:  # the healed model, complete or not at all
         if output_format in ("kvgraft", "both"):
-            save_pretrained(healed, tmp, tokenizer_dir=tok_dir, model_type="kvgraft", overwrite=True,
-                            extra_files=files)
+            save_pretrained(healed, tmp, tokenizer_dir=tok_dir, model_type="kvgraft", overwrite=True, extra_files=files)
         else:
             for name, text in files.items():
                 (tmp / name).write_text(text)
@@ -232,8 +241,11 @@ def heal(
 def heal_card(summary: dict[str, Any], source: Path, what: str = "MLA graft") -> str:
     tc, hc = summary["train_config"], summary["heal"]
     frac = summary.get("fraction_of_pretraining")
-    loss = {"lm": "next-token cross-entropy", "kl": "KL divergence from the original (teacher)",
-            "mix": f"{hc['kl_weight']:g} x KL from the original + {1 - hc['kl_weight']:g} x cross-entropy"}[hc["loss"]]
+    loss = {
+        "lm": "next-token cross-entropy",
+        "kl": "KL divergence from the original (teacher)",
+        "mix": f"{hc['kl_weight']:g} x KL from the original + {1 - hc['kl_weight']:g} x cross-entropy",
+    }[hc["loss"]]
     val = summary.get("val_loss")
     return f"""# Healed {what}
 
@@ -241,13 +253,13 @@ Continued pretraining of `{source}` with kvgraft's heal recipe.
 
 | | |
 |---|---|
-| loss | {loss}{' (temperature ' + format(hc['temperature'], 'g') + ')' if hc['loss'] != 'lm' else ''} |
-| trained parameters | {'attention only (embeddings, MLPs, norms frozen)' if hc['attention_only'] else 'all'} |
-| optimizer | AdamW (beta {tc['beta1']}, {tc['beta2']}), weight decay {tc['weight_decay']}, clip {tc['grad_clip']} |
-| learning rate | peak {tc['lr']:g} (original's {summary.get('original_lr')} / 10 unless set), {tc['warmup_steps']} warmup steps, cosine to {tc['min_lr_ratio']}x |
-| precision | {tc['precision']} autocast; fp32 latent down-projections ({len(summary['fp32_params'])} tensors) |
-| steps / tokens | {summary['steps']:,} / {summary['tokens']:,}{f' ({frac:.2%} of the original pretraining tokens)' if frac else ''} |
-| final validation loss | {'n/a' if val is None else f'{val:.4f} (perplexity {math.exp(val):.2f})'} |
+| loss | {loss}{" (temperature " + format(hc["temperature"], "g") + ")" if hc["loss"] != "lm" else ""} |
+| trained parameters | {"attention only (embeddings, MLPs, norms frozen)" if hc["attention_only"] else "all"} |
+| optimizer | AdamW (beta {tc["beta1"]}, {tc["beta2"]}), weight decay {tc["weight_decay"]}, clip {tc["grad_clip"]} |
+| learning rate | peak {tc["lr"]:g} (original's {summary.get("original_lr")} / 10 unless set), {tc["warmup_steps"]} warmup steps, cosine to {tc["min_lr_ratio"]}x |
+| precision | {tc["precision"]} autocast; fp32 latent down-projections ({len(summary["fp32_params"])} tensors) |
+| steps / tokens | {summary["steps"]:,} / {summary["tokens"]:,}{f" ({frac:.2%} of the original pretraining tokens)" if frac else ""} |
+| final validation loss | {"n/a" if val is None else f"{val:.4f} (perplexity {math.exp(val):.2f})"} |
 
 `heal.json` holds all of it, machine-readable.
 """

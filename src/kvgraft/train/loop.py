@@ -119,7 +119,7 @@ def batch_indices(n_items: int, seed: int, micro_index: int, batch_size: int) ->
         epoch, offset = divmod(start + len(out), n_items)
         perm = _permutation(n_items, seed, epoch)
         take = min(batch_size - len(out), n_items - offset)
-        out.extend(perm[offset:offset + take])
+        out.extend(perm[offset : offset + take])
     return out
 
 
@@ -142,8 +142,14 @@ def collate(dataset: Sequence[Batch], indices: list[int]) -> Batch:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, dataset: Sequence[Batch], loss_fn: LossFn, batch_size: int, max_batches: int,
-    device: torch.device | str | None = None, precision: str = "fp32", accelerator: Accelerator | None = None,
+    model: nn.Module,
+    dataset: Sequence[Batch],
+    loss_fn: LossFn,
+    batch_size: int,
+    max_batches: int,
+    device: torch.device | str | None = None,
+    precision: str = "fp32",
+    accelerator: Accelerator | None = None,
 ) -> float:
     """Token-weighted mean loss over the first ``max_batches`` micro-batches (fixed, in order).
 
@@ -241,9 +247,15 @@ def train(
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             save_checkpoint(
-                out_dir, accelerator.unwrap_model(model), optimizer, step=step, tokens=tokens,
-                elapsed_s=elapsed_before + time.perf_counter() - t_start, keep=cfg.keep_checkpoints,
-                extra=extra_state, trainable_only=checkpoint_trainable_only,
+                out_dir,
+                accelerator.unwrap_model(model),
+                optimizer,
+                step=step,
+                tokens=tokens,
+                elapsed_s=elapsed_before + time.perf_counter() - t_start,
+                keep=cfg.keep_checkpoints,
+                extra=extra_state,
+                trainable_only=checkpoint_trainable_only,
             )
             log.plot()
 
@@ -260,7 +272,7 @@ def train(
                 idx = batch_indices(len(train_data), cfg.seed, micro_index, cfg.micro_batch_size)
                 batch = {k: v.to(accelerator.device) for k, v in collate(train_data, idx).items()}
                 sync = micro == cfg.grad_accum - 1
-                with (nullcontext() if sync else accelerator.no_sync(model)), autocast(cfg.precision, accelerator.device):
+                with nullcontext() if sync else accelerator.no_sync(model), autocast(cfg.precision, accelerator.device):
                     loss, metrics = loss_fn(model, batch)
                     aux = getattr(accelerator.unwrap_model(model), "aux_loss", None)
                     if aux is not None:  # e.g. a causal encoder-decoder's indexers (their own loss)
@@ -291,19 +303,36 @@ def train(
                 now = time.perf_counter()
                 rate = tok_window / max(now - t_window, 1e-9)
                 t_window, tok_window = now, 0
-                log.write({"step": step, "loss": step_loss, "lr": lr, "tokens": tokens, "grad_norm": grad_norm,
-                           "tokens_per_s": rate, "step_s": step_s, "elapsed_s": elapsed_before + now - t_start,
-                           **step_metrics})
+                log.write(
+                    {
+                        "step": step,
+                        "loss": step_loss,
+                        "lr": lr,
+                        "tokens": tokens,
+                        "grad_norm": grad_norm,
+                        "tokens_per_s": rate,
+                        "step_s": step_s,
+                        "elapsed_s": elapsed_before + now - t_start,
+                        **step_metrics,
+                    }
+                )
                 if progress is not None:
                     progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{rate:,.0f}", lr=f"{lr:.2e}")
             if progress is not None:
                 progress.update(1)
             due = (cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps)) or step in eval_steps
             if val_data is not None and due:
-                val_loss = evaluate(model, val_data, val_loss_fn or loss_fn, cfg.micro_batch_size, cfg.eval_batches,
-                                    accelerator.device, cfg.precision, accelerator=accelerator)
-                log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
-                           "tokens": tokens})
+                val_loss = evaluate(
+                    model,
+                    val_data,
+                    val_loss_fn or loss_fn,
+                    cfg.micro_batch_size,
+                    cfg.eval_batches,
+                    accelerator.device,
+                    cfg.precision,
+                    accelerator=accelerator,
+                )
+                log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)), "tokens": tokens})
                 if progress is not None:
                     progress.write(f"step {step}: val loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})")
             out_of_time = cfg.max_time_s is not None and time.perf_counter() - t_start >= cfg.max_time_s
@@ -317,8 +346,9 @@ def train(
                 break
     if progress is not None:
         progress.close()
-    return TrainResult(step=step, tokens=tokens, train_loss=last_loss, val_loss=val_loss,
-                       stopped_early=stopped_early, history=log.read())
+    return TrainResult(
+        step=step, tokens=tokens, train_loss=last_loss, val_loss=val_loss, stopped_early=stopped_early, history=log.read()
+    )
 
 
 # May change when a run resumes: what does not touch the arithmetic (how often to save, log, keep), and
@@ -326,8 +356,15 @@ def train(
 # autocast is fast only where the CPU has bf16 instructions (one core without them: 196 s a step of
 # ced-8m-deep in bf16 against 31 s in fp32), so a run that moves machines may have to switch. A change is
 # recorded in log.jsonl as {"step", "resumed_with"} so the curve says where it happened.
-_RESUME_FREE_FIELDS = ("max_time_s", "progress", "gradient_checkpointing", "precision", "save_every",
-                       "keep_checkpoints", "log_every")
+_RESUME_FREE_FIELDS = (
+    "max_time_s",
+    "progress",
+    "gradient_checkpointing",
+    "precision",
+    "save_every",
+    "keep_checkpoints",
+    "log_every",
+)
 
 
 def _check_config(out_dir: Path, cfg: TrainConfig, write: bool = True) -> dict[str, Any]:
@@ -339,16 +376,16 @@ def _check_config(out_dir: Path, cfg: TrainConfig, write: bool = True) -> dict[s
     changed: dict[str, Any] = {}
     if path.exists():
         theirs = json.loads(path.read_text())
-        diff = {k: (theirs.get(k), v) for k, v in mine.items()
-                if k not in _RESUME_FREE_FIELDS and theirs.get(k) != v}
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if k not in _RESUME_FREE_FIELDS and theirs.get(k) != v}
         if diff and find_latest(out_dir) is not None:
             details = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
             raise ValueError(
                 f"{out_dir} holds a run with a different training config ({details}); "
                 "resume with the same settings or choose another output directory"
             )
-        changed = {k: [theirs.get(k), mine[k]] for k in ("precision", "gradient_checkpointing")
-                   if k in theirs and theirs[k] != mine[k]}
+        changed = {
+            k: [theirs.get(k), mine[k]] for k in ("precision", "gradient_checkpointing") if k in theirs and theirs[k] != mine[k]
+        }
     if write:
         atomic_write_text(path, json.dumps(mine, indent=2) + "\n")
     return changed

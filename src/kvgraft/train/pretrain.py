@@ -29,20 +29,25 @@ def check_data_vocab(data_dir: Path, config: ModelConfig, preset: str | None = N
     """
 
     name = f"model preset {preset!r}" if preset else "the model"
-    fix = (f"prepare the data with --vocab-size {config.vocab_size} (or less), or choose a model whose "
-           "vocab_size covers the data's")
+    fix = (
+        f"prepare the data with --vocab-size {config.vocab_size} (or less), or choose a model whose vocab_size covers the data's"
+    )
     tokenizer = data_dir / "tokenizer" / "tokenizer.json"
     if tokenizer.is_file():
         size = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
         if size > config.vocab_size:
-            raise ValueError(f"the data in {data_dir} uses a {size}-token vocabulary ({tokenizer}), but {name} has "
-                             f"vocab_size {config.vocab_size}; {fix}")
+            raise ValueError(
+                f"the data in {data_dir} uses a {size}-token vocabulary ({tokenizer}), but {name} has "
+                f"vocab_size {config.vocab_size}; {fix}"
+            )
     for split in ("train", "validation"):
         path = data_dir / "tokens" / f"{split}.npy"
         tokens = np.load(path, mmap_mode="r")
         if tokens.size and int(tokens.max()) >= config.vocab_size:
-            raise ValueError(f"{path} holds token id {int(tokens.max())}, outside the vocabulary of {name} "
-                             f"(vocab_size {config.vocab_size}); {fix}")
+            raise ValueError(
+                f"{path} holds token id {int(tokens.max())}, outside the vocabulary of {name} "
+                f"(vocab_size {config.vocab_size}); {fix}"
+            )
 
 
 def pretrain(
@@ -81,7 +86,11 @@ def pretrain(
     net = Transformer(config)
     net.init_weights(seed=train_config.seed)
     result = train(
-        net, train_ds, train_config, out_dir, val_data=val_ds,
+        net,
+        train_ds,
+        train_config,
+        out_dir,
+        val_data=val_ds,
         extra_state={"model_config": config.to_dict(), "seq_len": seq_len},
     )
 
@@ -91,12 +100,17 @@ def pretrain(
         if latest is not None:
             load_checkpoint(latest, net)
 
-        save_pretrained(net, out_dir / "final", tokenizer_dir=data_dir / "tokenizer", overwrite=True,
-                        model_type=natural_model_type(config))
+        save_pretrained(
+            net, out_dir / "final", tokenizer_dir=data_dir / "tokenizer", overwrite=True, model_type=natural_model_type(config)
+        )
         summary = {
-            "steps": result.step, "tokens": result.tokens, "train_loss": result.train_loss,
-            "val_loss": result.val_loss, "val_ppl": math.exp(result.val_loss) if result.val_loss else None,
-            "seq_len": seq_len, "stopped_early": result.stopped_early,
+            "steps": result.step,
+            "tokens": result.tokens,
+            "train_loss": result.train_loss,
+            "val_loss": result.val_loss,
+            "val_ppl": math.exp(result.val_loss) if result.val_loss else None,
+            "seq_len": seq_len,
+            "stopped_early": result.stopped_early,
         }
         (out_dir / "final" / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     state.wait_for_everyone()

@@ -42,13 +42,18 @@ def module_group(name: str) -> str:
     return ".".join(rest)
 
 
-def probe(adapter_dir: str | Path, task: str | Path, base: str | Path | None = None, steps: int = 8,
-          micro_batch_size: int = 16, val_examples: int = 224) -> dict[str, Any]:
+def probe(
+    adapter_dir: str | Path,
+    task: str | Path,
+    base: str | Path | None = None,
+    steps: int = 8,
+    micro_batch_size: int = 16,
+    val_examples: int = 224,
+) -> dict[str, Any]:
     """Gradient energy and zeroing ablation per module group (see the module docstring)."""
 
     if steps < 1 or micro_batch_size < 1 or val_examples < 1:
-        raise ValueError(f"steps ({steps}), micro_batch_size ({micro_batch_size}) and val_examples ({val_examples}) "
-                         "must be >= 1")
+        raise ValueError(f"steps ({steps}), micro_batch_size ({micro_batch_size}) and val_examples ({val_examples}) must be >= 1")
     meta = read_meta(adapter_dir)
     path = resolve_model(base) if base is not None else resolve_base(adapter_dir, meta)
     task_name, splits = load_task_any(task)
@@ -90,22 +95,42 @@ def probe(adapter_dir: str | Path, task: str | Path, base: str | Path | None = N
             zeroed = evaluate(pm, val, lm_loss, micro_batch_size, nb)
             for n, t in saved.items():
                 params[n].copy_(t)
-            rows.append({"group": g, "parameters": n_c, "param_share": share_n, "grad_energy_share": share_g,
-                         "rho": rho, "suggested_lr_multiplier": (1 / math.sqrt(rho)) if rho > 0 else None,
-                         "val_loss_zeroed": zeroed, "delta": zeroed - full})
+            rows.append(
+                {
+                    "group": g,
+                    "parameters": n_c,
+                    "param_share": share_n,
+                    "grad_energy_share": share_g,
+                    "rho": rho,
+                    "suggested_lr_multiplier": (1 / math.sqrt(rho)) if rho > 0 else None,
+                    "val_loss_zeroed": zeroed,
+                    "delta": zeroed - full,
+                }
+            )
         with pm.disable_adapter():
             base_loss = evaluate(pm, val, lm_loss, micro_batch_size, nb)
-    return {"adapter": str(adapter_dir), "task": task_name, "steps": steps, "val_loss": full,
-            "val_loss_all_zeroed": base_loss, "rows": rows}
+    return {
+        "adapter": str(adapter_dir),
+        "task": task_name,
+        "steps": steps,
+        "val_loss": full,
+        "val_loss_all_zeroed": base_loss,
+        "rows": rows,
+    }
 
 
 def probe_markdown(result: dict[str, Any]) -> str:
-    lines = [f"Adapter {result['adapter']} on {result['task']}: validation loss {result['val_loss']:.4f}, all zeroed "
-             f"(the base) {result['val_loss_all_zeroed']:.4f}; gradient energy over {result['steps']} micro-batches.", "",
-             "| module group | params | n_c/n | G_c/G | rho_c | LR x 1/sqrt(rho) | val loss zeroed | delta |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Adapter {result['adapter']} on {result['task']}: validation loss {result['val_loss']:.4f}, all zeroed "
+        f"(the base) {result['val_loss_all_zeroed']:.4f}; gradient energy over {result['steps']} micro-batches.",
+        "",
+        "| module group | params | n_c/n | G_c/G | rho_c | LR x 1/sqrt(rho) | val loss zeroed | delta |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         mult = "-" if r["suggested_lr_multiplier"] is None else f"{r['suggested_lr_multiplier']:.2f}"
-        lines.append(f"| {r['group']} | {r['parameters']:,} | {r['param_share']:.3f} | {r['grad_energy_share']:.3f} | "
-                     f"{r['rho']:.2f} | {mult} | {r['val_loss_zeroed']:.4f} | {r['delta']:+.4f} |")
+        lines.append(
+            f"| {r['group']} | {r['parameters']:,} | {r['param_share']:.3f} | {r['grad_energy_share']:.3f} | "
+            f"{r['rho']:.2f} | {mult} | {r['val_loss_zeroed']:.4f} | {r['delta']:+.4f} |"
+        )
     return "\n".join(lines) + "\n"

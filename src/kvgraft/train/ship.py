@@ -50,8 +50,7 @@ def ship_reference(
                 shutil.copy2(f, tmp / f.name)
         (tmp / "eval").mkdir()
         chunk = summary["seq_len"]
-        n_cal = spread_tokens(data_dir / "tokens" / "train.npy", calibration_tokens, chunk,
-                              tmp / "eval" / "calibration.npy")
+        n_cal = spread_tokens(data_dir / "tokens" / "train.npy", calibration_tokens, chunk, tmp / "eval" / "calibration.npy")
         n_held = spread_tokens(data_dir / "tokens" / "test.npy", heldout_tokens, chunk, tmp / "eval" / "heldout.npy")
         if (run_dir / "loss.png").exists():
             shutil.copy2(run_dir / "loss.png", tmp / "loss.png")
@@ -75,18 +74,18 @@ def ship_reference(
             "calibration_tokens": n_cal,
             "heldout_tokens": n_held,
             "train_config": train_cfg,
-            "data": {k: prepare[k] for k in ("sources", "packages", "seed", "val_fraction", "test_fraction",
-                                             "vocab_size")},
-            "splits": {s: {k: v[k] for k in ("documents", "documents_by_source", "tokens", "bytes_per_token")}
-                       for s, v in prepare["splits"].items()},
+            "data": {k: prepare[k] for k in ("sources", "packages", "seed", "val_fraction", "test_fraction", "vocab_size")},
+            "splits": {
+                s: {k: v[k] for k in ("documents", "documents_by_source", "tokens", "bytes_per_token")}
+                for s, v in prepare["splits"].items()
+            },
             "wall_time_s": train_rows[-1]["elapsed_s"] if train_rows else None,
             "kv_cache_bytes_bf16": {str(n): model.config.kv_cache_bytes(n, 2) for n in (512, 4096)},
             "parameters": num_parameters(model.config),
             "run_dir_name": run_dir.name,
         }
         if compare_with is not None:
-            record["compared_with"] = _comparison(Path(compare_with), tmp / "eval" / "heldout.npy",
-                                                  summary["seq_len"], val_rows)
+            record["compared_with"] = _comparison(Path(compare_with), tmp / "eval" / "heldout.npy", summary["seq_len"], val_rows)
         (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
         config = json.loads((tmp / "config.json").read_text())
         (tmp / "README.md").write_text(model_card(out_dir.name, config, record))
@@ -100,8 +99,11 @@ def _comparison(other_dir: Path, heldout, seq_len: int, val_rows: list[dict]) ->
     held = perplexity(other, heldout, seq_len=seq_len, progress=False)
     card = json.loads((other_dir / "training.json").read_text())
     return {
-        "name": other_dir.name, "parameters": num_parameters(other.config), "tokens_seen": card["tokens_seen"],
-        "final_val_ppl": card["final_val_ppl"], "heldout_ppl": held.ppl,
+        "name": other_dir.name,
+        "parameters": num_parameters(other.config),
+        "tokens_seen": card["tokens_seen"],
+        "final_val_ppl": card["final_val_ppl"],
+        "heldout_ppl": held.ppl,
         "kv_cache_bytes_bf16": {str(n): other.config.kv_cache_bytes(n, 2) for n in (512, 4096)},
     }
 
@@ -109,22 +111,24 @@ def _comparison(other_dir: Path, heldout, seq_len: int, val_rows: list[dict]) ->
 def _attention_rows(config: dict) -> str:
     if config.get("model_type") != "kvgraft":
         H, K = config["num_attention_heads"], config["num_key_value_heads"]
-        return (f"| attention | {H} query heads x {config.get('head_dim')} dims, {K} KV heads (GQA {H // K}:1) |")
+        return f"| attention | {H} query heads x {config.get('head_dim')} dims, {K} KV heads (GQA {H // K}:1) |"
     c = config["kvgraft"]
     if c.get("kv_source_layers") is None:
         return f"| attention | {', '.join(sorted(set(c['attention_kinds'])))} (kvgraft format) |"
     src = c["kv_source_layers"]
-    return "\n".join([
-        f"| attention | causal encoder-decoder: kv_source layers {', '.join(map(str, src))} (pivot {src[-1]}); "
-        f"layers before {src[0]} read only their window |",
-        f"| shared KV | per kv_source layer one entry per {c['compress_rate']} tokens (gated pooling): latent "
-        f"d_c {c['kv_lora_rank']}{' (RMS-normalised)' if c['mla_latent_norm'] else ''} + RoPE key d_rope "
-        f"{c['qk_rope_head_dim']}; each layer reads it through its own up-projection |",
-        f"| window | last {c['sliding_window']} tokens per layer, {c['num_kv_heads']} K/V heads, keys "
-        f"{c['qk_nope_head_dim']} + {c['qk_rope_head_dim']} (RoPE) dims, values {c['v_head_dim']} |",
-        f"| queries | {c['num_heads']} heads x {c['qk_nope_head_dim']} + {c['qk_rope_head_dim']} dims, one softmax "
-        "over window and shared entries |",
-    ])
+    return "\n".join(
+        [
+            f"| attention | causal encoder-decoder: kv_source layers {', '.join(map(str, src))} (pivot {src[-1]}); "
+            f"layers before {src[0]} read only their window |",
+            f"| shared KV | per kv_source layer one entry per {c['compress_rate']} tokens (gated pooling): latent "
+            f"d_c {c['kv_lora_rank']}{' (RMS-normalised)' if c['mla_latent_norm'] else ''} + RoPE key d_rope "
+            f"{c['qk_rope_head_dim']}; each layer reads it through its own up-projection |",
+            f"| window | last {c['sliding_window']} tokens per layer, {c['num_kv_heads']} K/V heads, keys "
+            f"{c['qk_nope_head_dim']} + {c['qk_rope_head_dim']} (RoPE) dims, values {c['v_head_dim']} |",
+            f"| queries | {c['num_heads']} heads x {c['qk_nope_head_dim']} + {c['qk_rope_head_dim']} dims, one softmax "
+            "over window and shared entries |",
+        ]
+    )
 
 
 def _comparison_section(r: dict) -> str:
@@ -133,19 +137,19 @@ def _comparison_section(r: dict) -> str:
         return ""
     kv, okv = r["kv_cache_bytes_bf16"], o["kv_cache_bytes_bf16"]
     return f"""
-## Compared with {o['name']}
+## Compared with {o["name"]}
 Same data, tokenizer and width; held-out perplexity on this card's `eval/heldout.npy`; KV cache bytes per
 sequence in bf16 (measured equal to the formula by the tests and `bench/ced_decode.py`).
 
-| | this model | {o['name']} | ratio |
+| | this model | {o["name"]} | ratio |
 |---|---:|---:|---:|
-| parameters | {r['parameters']:,} | {o['parameters']:,} | {r['parameters'] / o['parameters']:.3f} |
-| training tokens | {r['tokens_seen']:,} | {o['tokens_seen']:,} | {r['tokens_seen'] / o['tokens_seen']:.3f} |
-| validation perplexity | {_f(r['final_val_ppl'], '.2f')} | {_f(o['final_val_ppl'], '.2f')} | {r['final_val_ppl'] / o['final_val_ppl']:.3f} |
-| held-out perplexity | {r['heldout_ppl']:.2f} | {o['heldout_ppl']:.2f} | {r['heldout_ppl'] / o['heldout_ppl']:.3f} |
-| KV bytes / sequence at 512 tokens | {kv['512']:,} | {okv['512']:,} | {kv['512'] / okv['512']:.3f} |
-| KV bytes / sequence at 4,096 tokens | {kv['4096']:,} | {okv['4096']:,} | {kv['4096'] / okv['4096']:.3f} |
-| KV bytes / token at 512 / 4,096 | {kv['512'] / 512:,.0f} / {kv['4096'] / 4096:,.0f} | {okv['512'] / 512:,.0f} / {okv['4096'] / 4096:,.0f} | |
+| parameters | {r["parameters"]:,} | {o["parameters"]:,} | {r["parameters"] / o["parameters"]:.3f} |
+| training tokens | {r["tokens_seen"]:,} | {o["tokens_seen"]:,} | {r["tokens_seen"] / o["tokens_seen"]:.3f} |
+| validation perplexity | {_f(r["final_val_ppl"], ".2f")} | {_f(o["final_val_ppl"], ".2f")} | {r["final_val_ppl"] / o["final_val_ppl"]:.3f} |
+| held-out perplexity | {r["heldout_ppl"]:.2f} | {o["heldout_ppl"]:.2f} | {r["heldout_ppl"] / o["heldout_ppl"]:.3f} |
+| KV bytes / sequence at 512 tokens | {kv["512"]:,} | {okv["512"]:,} | {kv["512"] / okv["512"]:.3f} |
+| KV bytes / sequence at 4,096 tokens | {kv["4096"]:,} | {okv["4096"]:,} | {kv["4096"] / okv["4096"]:.3f} |
+| KV bytes / token at 512 / 4,096 | {kv["512"] / 512:,.0f} / {kv["4096"] / 4096:,.0f} | {okv["512"] / 512:,.0f} / {okv["4096"] / 4096:,.0f} | |
 """
 
 
@@ -153,21 +157,30 @@ def model_card(name: str, config: dict, r: dict) -> str:
     tc = r["train_config"]
     splits = "\n".join(
         f"| {s} | {v['documents']:,} | {v['tokens']:,} | {v['bytes_per_token']:.2f} | "
-        + ", ".join(f"{k} {n}" for k, n in v["documents_by_source"].items()) + " |"
+        + ", ".join(f"{k} {n}" for k, n in v["documents_by_source"].items())
+        + " |"
         for s, v in r["splits"].items()
     )
     params = r.get("parameters") or _count_params(config)
     if config.get("model_type") == "kvgraft":  # the fields the card shows, from the ModelConfig inside
         c = config["kvgraft"]
-        config = {**config, "intermediate_size": c["intermediate_size"], "rms_norm_eps": c["rms_norm_eps"],
-                  "rope_theta": c["rope"]["theta"], "head_dim": c["head_dim"], "num_key_value_heads": c["num_kv_heads"]}
+        config = {
+            **config,
+            "intermediate_size": c["intermediate_size"],
+            "rms_norm_eps": c["rms_norm_eps"],
+            "rope_theta": c["rope"]["theta"],
+            "head_dim": c["head_dim"],
+            "num_key_value_heads": c["num_kv_heads"],
+        }
     arch = f"{config['model_type']}-architecture"
     if config.get("kvgraft", {}).get("kv_source_layers"):
         arch = "causal encoder-decoder (kvgraft's cross-layer shared compressed KV + sliding windows)"
-    loads = ("It loads with plain `transformers.AutoModelForCausalLM.from_pretrained` (no kvgraft import needed)."
-             if config["model_type"] != "kvgraft" else
-             "It is in kvgraft's own format: `transformers.AutoModelForCausalLM.from_pretrained` loads it after "
-             "`import kvgraft.hf`, and `kvgraft.hf.load_pretrained` loads it as kvgraft's model.")
+    loads = (
+        "It loads with plain `transformers.AutoModelForCausalLM.from_pretrained` (no kvgraft import needed)."
+        if config["model_type"] != "kvgraft"
+        else "It is in kvgraft's own format: `transformers.AutoModelForCausalLM.from_pretrained` loads it after "
+        "`import kvgraft.hf`, and `kvgraft.hf.load_pretrained` loads it as kvgraft's model."
+    )
     return f"""# {name}
 
 A small {arch} causal LM trained from scratch by kvgraft on public-domain and
@@ -177,19 +190,19 @@ freely licensed text, shipped with kvgraft as a reference model. {loads}
 | field | value |
 |---|---|
 | parameters | {params:,} (tied input/output embeddings) |
-| layers | {config['num_hidden_layers']} |
-| hidden size | {config['hidden_size']} |
+| layers | {config["num_hidden_layers"]} |
+| hidden size | {config["hidden_size"]} |
 {_attention_rows(config)}
-| MLP | SwiGLU, intermediate {config['intermediate_size']} |
-| vocabulary | {config['vocab_size']} (byte-level BPE, `tokenizer.json`) |
-| context | {config['max_position_embeddings']} tokens, RoPE theta {config.get('rope_theta', (config.get('rope_parameters') or {}).get('rope_theta'))} |
-| norm | RMSNorm, eps {config['rms_norm_eps']} |
+| MLP | SwiGLU, intermediate {config["intermediate_size"]} |
+| vocabulary | {config["vocab_size"]} (byte-level BPE, `tokenizer.json`) |
+| context | {config["max_position_embeddings"]} tokens, RoPE theta {config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))} |
+| norm | RMSNorm, eps {config["rms_norm_eps"]} |
 | weights | fp32 safetensors |
 
 ## Data
 Debian packages, extracted by `kvgraft prepare-data` (split by document with a seeded hash; the KJV and
-WEB versions of one Bible chapter always fall in the same split): sources {', '.join(r['data']['sources'])}
-(packages {', '.join(r['data']['packages'])}). Bibles (KJV, World English Bible) and The Devil's
+WEB versions of one Bible chapter always fall in the same split): sources {", ".join(r["data"]["sources"])}
+(packages {", ".join(r["data"]["packages"])}). Bibles (KJV, World English Bible) and The Devil's
 Dictionary are public domain; the Python documentation is under the PSF licence; the fortunes are from
 the BSD-licensed `fortunes` package.
 
@@ -197,41 +210,41 @@ the BSD-licensed `fortunes` package.
 |---|---|---|---|---|
 {splits}
 
-Tokenizer: byte-level BPE, {r['data']['vocab_size']} entries, trained on the train split only;
+Tokenizer: byte-level BPE, {r["data"]["vocab_size"]} entries, trained on the train split only;
 `<|endoftext|>` (id 0) ends every document and serves as BOS/EOS/pad.
 
 ## Training
 | | |
 |---|---|
-| optimizer | AdamW (beta {tc['beta1']}, {tc['beta2']}), weight decay {tc['weight_decay']}, clip {tc['grad_clip']} |
-| learning rate | peak {tc['lr']}, {tc['warmup_steps']} warmup steps, cosine to {tc['min_lr_ratio']}x over {tc['max_steps']} steps |
-| batch | {tc['micro_batch_size']} x {r['seq_len']} tokens x {tc['grad_accum']} accumulation |
-| precision | {tc['precision']} autocast, fp32 master weights |
-| steps taken | {r['steps']:,} |
-| tokens seen | {r['tokens_seen']:,} |
-| wall time | {(r['wall_time_s'] or 0) / 3600:.2f} h on a 2-core CPU |
+| optimizer | AdamW (beta {tc["beta1"]}, {tc["beta2"]}), weight decay {tc["weight_decay"]}, clip {tc["grad_clip"]} |
+| learning rate | peak {tc["lr"]}, {tc["warmup_steps"]} warmup steps, cosine to {tc["min_lr_ratio"]}x over {tc["max_steps"]} steps |
+| batch | {tc["micro_batch_size"]} x {r["seq_len"]} tokens x {tc["grad_accum"]} accumulation |
+| precision | {tc["precision"]} autocast, fp32 master weights |
+| steps taken | {r["steps"]:,} |
+| tokens seen | {r["tokens_seen"]:,} |
+| wall time | {(r["wall_time_s"] or 0) / 3600:.2f} h on a 2-core CPU |
 
 ## Results
 | measure | value |
 |---|---|
-| final train loss (mean of last 10 logged steps) | {_f(r['final_train_loss_mean_last_10_logged'])} |
-| final validation loss / perplexity | {_f(r['final_val_loss'])} / {_f(r['final_val_ppl'], '.2f')} |
-| held-out (test split) loss / perplexity, `eval/heldout.npy` | {r['heldout_loss']:.4f} / {r['heldout_ppl']:.2f} ({r['heldout_tokens_scored']:,} tokens, windows of {r['seq_len']}) |
+| final train loss (mean of last 10 logged steps) | {_f(r["final_train_loss_mean_last_10_logged"])} |
+| final validation loss / perplexity | {_f(r["final_val_loss"])} / {_f(r["final_val_ppl"], ".2f")} |
+| held-out (test split) loss / perplexity, `eval/heldout.npy` | {r["heldout_loss"]:.4f} / {r["heldout_ppl"]:.2f} ({r["heldout_tokens_scored"]:,} tokens, windows of {r["seq_len"]}) |
 
 ![loss curve](loss.png)
 {_comparison_section(r)}
 ## Files
 - `config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json`, `tokenizer_config.json`
-- `eval/calibration.npy`: {r['calibration_tokens']:,} tokens of the train split (uint16) in {r['seq_len']}-token chunks spread evenly over it, for calibrating conversions
-- `eval/heldout.npy`: {r['heldout_tokens']:,} tokens of the test split (uint16) in {r['seq_len']}-token chunks spread evenly over it, never trained on
+- `eval/calibration.npy`: {r["calibration_tokens"]:,} tokens of the train split (uint16) in {r["seq_len"]}-token chunks spread evenly over it, for calibrating conversions
+- `eval/heldout.npy`: {r["heldout_tokens"]:,} tokens of the test split (uint16) in {r["seq_len"]}-token chunks spread evenly over it, never trained on
 - `training.json`: everything in this card, machine-readable; `training_log.jsonl`: the run's log
 
 ## Reproduce
 ```
 make install
-.venv/bin/python -m kvgraft prepare-data --out runs/data --sources {' '.join(r['data']['sources'])}
-{r['command']}
-.venv/bin/python -m kvgraft ship runs/{r.get('run_dir_name', 'pretrain-llama-8m')} --data runs/data --out models/{name}{' --compare-with models/' + r['compared_with']['name'] if r.get('compared_with') else ''}
+.venv/bin/python -m kvgraft prepare-data --out runs/data --sources {" ".join(r["data"]["sources"])}
+{r["command"]}
+.venv/bin/python -m kvgraft ship runs/{r.get("run_dir_name", "pretrain-llama-8m")} --data runs/data --out models/{name}{" --compare-with models/" + r["compared_with"]["name"] if r.get("compared_with") else ""}
 ```
 Training is deterministic for a given machine and thread count; a rerun on other hardware gives close,
 not bit-identical, losses.

@@ -33,35 +33,53 @@ def adapt_config(args: argparse.Namespace) -> AdaptConfig:
             try:
                 layers = tuple(int(x) for x in layers.split(","))
             except ValueError:
-                raise ValueError(f"--layers {args.layers!r}: all, encoder-half, decoder-half, from:K or a list "
-                                 "like 4,5,6") from None
-        placement = Placement(layers, tuple(args.modules or ("all-linear",)), tuple(args.include or ()),
-                              tuple(args.exclude or ()))
+                raise ValueError(
+                    f"--layers {args.layers!r}: all, encoder-half, decoder-half, from:K or a list like 4,5,6"
+                ) from None
+        placement = Placement(
+            layers, tuple(args.modules or ("all-linear",)), tuple(args.include or ()), tuple(args.exclude or ())
+        )
     preset = args.preset
     if placement is not None:  # the placement given; the rank from --rank, else from --preset or the default
         preset = None if args.rank is not None else (preset or DEFAULT_PRESET)
-    return AdaptConfig(preset=preset, placement=placement, rank=args.rank, alpha=args.alpha, dropout=args.dropout,
-                       freeze_kv_writers=args.freeze_kv_writers, freeze=tuple(args.freeze or ()),
-                       lr_multipliers=tuple(mults), loraplus_ratio=args.loraplus_ratio, steps=args.steps, lr=args.lr,
-                       micro_batch_size=args.micro_batch_size, seed=args.seed,
-                       gradient_checkpointing=args.gradient_checkpointing, accuracy_examples=args.accuracy_examples,
-                       val_examples=args.val_examples, test_examples=args.test_examples,
-                       require_sharing=args.share_cache)
+    return AdaptConfig(
+        preset=preset,
+        placement=placement,
+        rank=args.rank,
+        alpha=args.alpha,
+        dropout=args.dropout,
+        freeze_kv_writers=args.freeze_kv_writers,
+        freeze=tuple(args.freeze or ()),
+        lr_multipliers=tuple(mults),
+        loraplus_ratio=args.loraplus_ratio,
+        steps=args.steps,
+        lr=args.lr,
+        micro_batch_size=args.micro_batch_size,
+        seed=args.seed,
+        gradient_checkpointing=args.gradient_checkpointing,
+        accuracy_examples=args.accuracy_examples,
+        val_examples=args.val_examples,
+        test_examples=args.test_examples,
+        require_sharing=args.share_cache,
+    )
 
 
 def adapt(args: argparse.Namespace) -> int:
     cfg = adapt_config(args)
-    result = run_adapt(args.base, args.task, args.out, cfg, dry_run=args.dry_run,
-                   log=lambda line: print(line, flush=True))  # the note before training, when it will not share
+    result = run_adapt(
+        args.base, args.task, args.out, cfg, dry_run=args.dry_run, log=lambda line: print(line, flush=True)
+    )  # the note before training, when it will not share
     share = result.get("sharing")  # absent when the run stopped early (no adapter yet)
     if args.dry_run:
         assert share is not None  # a dry run always certifies the placement
         for row in result["modules"]:
             print(f"{row['module']:<48} {row['in']:>6} -> {row['out']:<6} {row['lora_params']:>10,}")
         cert = result["certificate"]
-        print(f"{len(result['modules'])} modules, {result['trainable_parameters']:,} trainable parameters "
-              f"({100 * result['trainable_parameters'] / result['base_parameters']:.2f}% of the base's "
-              f"{result['base_parameters']:,})")
+        print(
+            f"{len(result['modules'])} modules, {result['trainable_parameters']:,} trainable parameters "
+            f"({100 * result['trainable_parameters'] / result['base_parameters']:.2f}% of the base's "
+            f"{result['base_parameters']:,})"
+        )
         print(f"sharing certificate: {share['verdict']}")
         print(f"  untouched cache groups: {', '.join(cert['untouched']) or '-'}")
         print(f"  touched cache groups:   {', '.join(cert['touched']) or '-'}")
@@ -75,22 +93,44 @@ def adapt(args: argparse.Namespace) -> int:
 
 def experiment(args: argparse.Namespace) -> int:
     if args.sweep_first_layer:
-        curve = placement_curve(args.base, args.task, args.out, seeds=args.seeds, steps=args.steps, rank=args.rank,
-                                lr=args.lr, micro_batch_size=args.micro_batch_size)
+        curve = placement_curve(
+            args.base,
+            args.task,
+            args.out,
+            seeds=args.seeds,
+            steps=args.steps,
+            rank=args.rank,
+            lr=args.lr,
+            micro_batch_size=args.micro_batch_size,
+        )
         print((Path(args.out) / "curve.md").read_text())
         print(f"plot: {Path(args.out) / 'curve.png'}; pivot layer {curve['pivot']}")
         return 0
-    placement_study(args.base, args.task, args.out, seeds=args.seeds, steps=args.steps,
-                    configs=tuple(args.configs or DEFAULT_CONFIGS), lr=args.lr,
-                    micro_batch_size=args.micro_batch_size, accuracy_examples=args.accuracy_examples)
+    placement_study(
+        args.base,
+        args.task,
+        args.out,
+        seeds=args.seeds,
+        steps=args.steps,
+        configs=tuple(args.configs or DEFAULT_CONFIGS),
+        lr=args.lr,
+        micro_batch_size=args.micro_batch_size,
+        accuracy_examples=args.accuracy_examples,
+    )
     print((Path(args.out) / "study.md").read_text())
     print(f"curves: {Path(args.out) / 'curves.png'}")
     return 0
 
 
 def probe(args: argparse.Namespace) -> int:
-    result = run_probe(args.adapter, args.task, base=args.base, steps=args.steps, micro_batch_size=args.micro_batch_size,
-                   val_examples=args.val_examples)
+    result = run_probe(
+        args.adapter,
+        args.task,
+        base=args.base,
+        steps=args.steps,
+        micro_batch_size=args.micro_batch_size,
+        val_examples=args.val_examples,
+    )
     text = probe_markdown(result)
     print(text)
     if args.out:

@@ -13,8 +13,9 @@ from kvgraft.reference import resolve_model
 
 
 def prepare_data(args: argparse.Namespace) -> int:
-    summary = build_data(args.out, sources=args.sources, vocab_size=args.vocab_size, seed=args.seed,
-                         files=args.files, tokenizer=args.tokenizer)
+    summary = build_data(
+        args.out, sources=args.sources, vocab_size=args.vocab_size, seed=args.seed, files=args.files, tokenizer=args.tokenizer
+    )
     for split, s in summary["splits"].items():
         print(f"{split:>10}: {s['documents']:>6} documents, {s['tokens']:>9,} tokens")
     return 0
@@ -37,8 +38,9 @@ def tasks(args: argparse.Namespace) -> int:
         if args.tokenizer is not None:
             raise
         print(f"kvgraft: note: no token counts ({exc})", file=sys.stderr)
-    out = write_task(args.name, args.out, seed=args.seed, tokenizer=tokenizer, tokenizer_name=tokenizer_name,
-                     overwrite=args.overwrite)
+    out = write_task(
+        args.name, args.out, seed=args.seed, tokenizer=tokenizer, tokenizer_name=tokenizer_name, overwrite=args.overwrite
+    )
     info = read_task_info(out)
     tokens = info.get("tokens", {}).get("splits", {})
     print(f"{args.name} (seed {args.seed}, generator v{info['generator_version']}) -> {out}")
@@ -49,6 +51,7 @@ def tasks(args: argparse.Namespace) -> int:
             line += f", {t['mean']:.1f} tokens per example (min {t['min']}, max {t['max']})"
         print(line)
     if tokens:
-        print(f"{'all':>10}: {info['tokens']['all']['mean']:.1f} tokens per example (prompt + answer, "
-              f"{tokenizer_name} tokenizer)")
+        print(
+            f"{'all':>10}: {info['tokens']['all']['mean']:.1f} tokens per example (prompt + answer, {tokenizer_name} tokenizer)"
+        )
     return 0

@@ -23,8 +23,13 @@ def doctor(args: argparse.Namespace) -> int:
         return 0
     if args.json:
         check_writable(args.json, what="--json file")
-    report = run_doctor(args.model, kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.rope_dim,
-                        compression=args.compression, output_format=args.format)
+    report = run_doctor(
+        args.model,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_rope_head_dim=args.rope_dim,
+        compression=args.compression,
+        output_format=args.format,
+    )
     print(report.format())
     if args.json:
         atomic_write_text(args.json, json.dumps(report.to_dict(), indent=2) + "\n")

@@ -29,11 +29,19 @@ def eval_models(args: argparse.Namespace) -> int:
         json_out = None
         if args.json:
             json_out = args.json if len(models) == 1 else Path(args.json).with_suffix(f".{i}.json")
-        results.append(evaluate(
-            model_path=path, text_file=args.text, tokens=tokens, seq_len=args.seq_len, contexts=tuple(args.contexts),
-            batch_sizes=tuple(args.batch_sizes), new_tokens=args.new_tokens, json_out=json_out,
-            max_tokens=args.max_tokens,
-        ))
+        results.append(
+            evaluate(
+                model_path=path,
+                text_file=args.text,
+                tokens=tokens,
+                seq_len=args.seq_len,
+                contexts=tuple(args.contexts),
+                batch_sizes=tuple(args.batch_sizes),
+                new_tokens=args.new_tokens,
+                json_out=json_out,
+                max_tokens=args.max_tokens,
+            )
+        )
         print(format_report(results[-1]))
     if len(results) > 1:
         print(compare_table(results))

@@ -18,8 +18,13 @@ def generate(args: argparse.Namespace) -> int:
     check_text("--prompt", args.prompt)  # argv bytes that are not UTF-8 arrive as lone surrogates
     for stop in args.stop or ():
         check_text("--stop", stop)
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              seed=args.seed, stop=tuple(args.stop or ()))
+    sampling = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+    )
     if sampling.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens ({args.max_new_tokens}) must be >= 1")
     path = resolve_model(args.model)
@@ -31,8 +36,10 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty after tokenization; give a non-empty --prompt")
     limit = load_config(path).max_position_embeddings  # checked on config.json, before the weights load
     if len(ids) + sampling.max_new_tokens > limit:
-        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({sampling.max_new_tokens}) exceeds the "
-                         f"model's max_position_embeddings ({limit})")
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + --max-new-tokens ({sampling.max_new_tokens}) exceeds the "
+            f"model's max_position_embeddings ({limit})"
+        )
     model = load_pretrained(path).eval()
     eos = model.config.eos_token_id
     if eos is not None:
@@ -52,7 +59,7 @@ def generate(args: argparse.Namespace) -> int:
         # cut before a stop string; until the end, hold back a tail that could begin one
         text = stops.visible(decoded.text(req.output), finished=req.status == "finished")
         if text.startswith(shown):
-            print(text[len(shown):], end="", flush=True)
+            print(text[len(shown) :], end="", flush=True)
             shown = text
     print()
     return 0

@@ -20,13 +20,23 @@ def serve(args: argparse.Namespace) -> int:
         adapters[name] = path
     if not 0 < args.port < 65536:
         raise ValueError(f"--port ({args.port}) must be in 1..65535")
-    server = build_server(args.model, adapters, model_name=args.model_name, max_seqs=args.max_seqs,
-                          max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue,
-                          max_tokens_limit=args.max_tokens_limit, max_request_bytes=args.max_request_bytes,
-                          adapter_dir=args.adapter_dir, prefix_cache=not args.no_prefix_cache,
-                          with_shipped_adapters=not args.no_shipped_adapters)
+    server = build_server(
+        args.model,
+        adapters,
+        model_name=args.model_name,
+        max_seqs=args.max_seqs,
+        max_batch_tokens=args.max_batch_tokens,
+        max_queue=args.max_queue,
+        max_tokens_limit=args.max_tokens_limit,
+        max_request_bytes=args.max_request_bytes,
+        adapter_dir=args.adapter_dir,
+        prefix_cache=not args.no_prefix_cache,
+        with_shipped_adapters=not args.no_shipped_adapters,
+    )
     served = sorted(server.engine.adapters.adapters)
-    print(f"serving {server.config.model_name} with adapters {', '.join(served) or 'none'} on "
-          f"http://{args.host}:{args.port}/v1", flush=True)
+    print(
+        f"serving {server.config.model_name} with adapters {', '.join(served) or 'none'} on http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
     run_server(server, args.host, args.port, log_level=args.log_level)
     return 0

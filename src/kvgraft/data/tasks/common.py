@@ -136,8 +136,7 @@ def tokenizer_eos_id(tokenizer: Any) -> int | None:
     return None
 
 
-def encode_example(tokenizer: Any, ex: Example, max_len: int, *, eos: bool | int = True
-                   ) -> tuple[list[int], list[int]]:
+def encode_example(tokenizer: Any, ex: Example, max_len: int, *, eos: bool | int = True) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of one example for supervised fine-tuning.
 
     ``input_ids = enc(prompt) + enc(answer) [+ eos]``; ``labels`` equals ``input_ids`` with
@@ -158,8 +157,10 @@ def encode_example(tokenizer: Any, ex: Example, max_len: int, *, eos: bool | int
     tail = [eos_id] if eos_id is not None else []
     ids = prompt_ids + answer_ids + tail
     if len(ids) > max_len:
-        raise ValueError(f"example is {len(ids)} tokens ({len(prompt_ids)} prompt + {len(answer_ids)} answer"
-                         f"{' + eos' if tail else ''}), longer than max_len={max_len}")
+        raise ValueError(
+            f"example is {len(ids)} tokens ({len(prompt_ids)} prompt + {len(answer_ids)} answer"
+            f"{' + eos' if tail else ''}), longer than max_len={max_len}"
+        )
     labels = [IGNORE_INDEX] * len(prompt_ids) + answer_ids + tail
     return ids, labels
 
@@ -185,8 +186,7 @@ def token_stats(tokenizer: Any, splits: Mapping[str, Sequence[Example]]) -> dict
 def _summary(counts: Sequence[int]) -> dict[str, float | int]:
     if not counts:
         return {"examples": 0, "mean": 0.0, "min": 0, "max": 0}
-    return {"examples": len(counts), "mean": round(sum(counts) / len(counts), 2), "min": min(counts),
-            "max": max(counts)}
+    return {"examples": len(counts), "mean": round(sum(counts) / len(counts), 2), "min": min(counts), "max": max(counts)}
 
 
 # --------------------------------------------------------------------------- the reference tokenizer's ruler
@@ -262,8 +262,11 @@ def reference_token_budget(max_tokens: int) -> dict[str, Any]:
     """The ``task.json`` entry of a task sized with the reference tokenizer: the budget and the ruler's hash."""
 
     ruler = reference_tokenizer_file()
-    return {"max_tokens": max_tokens, "counted": "prompt + answer + EOS",
-            "tokenizer_sha256": hashlib.sha256(ruler.read_bytes()).hexdigest()}
+    return {
+        "max_tokens": max_tokens,
+        "counted": "prompt + answer + EOS",
+        "tokenizer_sha256": hashlib.sha256(ruler.read_bytes()).hexdigest(),
+    }
 
 
 # --------------------------------------------------------------------------- files
@@ -322,8 +325,7 @@ def read_task_info(directory: str | Path) -> dict[str, Any]:
     return info
 
 
-def _write_splits(out: Path, splits: Mapping[str, Sequence[Example]], info: Mapping[str, Any], *,
-                  overwrite: bool) -> None:
+def _write_splits(out: Path, splits: Mapping[str, Sequence[Example]], info: Mapping[str, Any], *, overwrite: bool) -> None:
     """Write the split files and ``task.json`` into ``out``, which appears complete or not at all."""
 
     with atomic_dir(out, overwrite=overwrite) as tmp:

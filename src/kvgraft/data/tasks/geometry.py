@@ -251,11 +251,15 @@ def _geometry_generator() -> Callable[[random.Random], Example]:
 SPEC = TaskSpec(
     name="geometry",
     summary="geometry word problems (angles, Pythagoras, areas, perimeters, similar triangles): "
-            "short worked steps and a numeric answer",
+    "short worked steps and a numeric answer",
     generator=_geometry_generator,
-    format={"fields": ["prompt", "answer", "target", "kind"], "prompt": "Q: <problem>\\nA:",
-            "answer": " <worked steps>=<final number>", "target": "the final number",
-            "correct": "final number within 1e-2 relative of the target"},
+    format={
+        "fields": ["prompt", "answer", "target", "kind"],
+        "prompt": "Q: <problem>\\nA:",
+        "answer": " <worked steps>=<final number>",
+        "target": "the final number",
+        "correct": "final number within 1e-2 relative of the target",
+    },
     extract=extract_geometry,
     correct=geometry_correct,
 )

@@ -39,14 +39,70 @@ RECALL_MAX_TOKENS = 500
 RECALL_MAX_LINES = 60
 
 ADJECTIVES = (
-    "amber", "bold", "brave", "calm", "clever", "crimson", "dark", "eager", "gentle", "golden", "green", "grey",
-    "happy", "jolly", "kind", "little", "lucky", "mighty", "noble", "old", "proud", "quick", "quiet", "red",
-    "royal", "silent", "silver", "swift", "tall", "white", "wild", "young",
+    "amber",
+    "bold",
+    "brave",
+    "calm",
+    "clever",
+    "crimson",
+    "dark",
+    "eager",
+    "gentle",
+    "golden",
+    "green",
+    "grey",
+    "happy",
+    "jolly",
+    "kind",
+    "little",
+    "lucky",
+    "mighty",
+    "noble",
+    "old",
+    "proud",
+    "quick",
+    "quiet",
+    "red",
+    "royal",
+    "silent",
+    "silver",
+    "swift",
+    "tall",
+    "white",
+    "wild",
+    "young",
 )
 ANIMALS = (
-    "bear", "cat", "crow", "deer", "dog", "dove", "eagle", "fox", "frog", "goat", "hawk", "horse", "lamb",
-    "lion", "mole", "mouse", "owl", "ox", "pig", "rabbit", "ram", "raven", "seal", "sheep", "snake", "swan",
-    "tiger", "toad", "whale", "wolf",
+    "bear",
+    "cat",
+    "crow",
+    "deer",
+    "dog",
+    "dove",
+    "eagle",
+    "fox",
+    "frog",
+    "goat",
+    "hawk",
+    "horse",
+    "lamb",
+    "lion",
+    "mole",
+    "mouse",
+    "owl",
+    "ox",
+    "pig",
+    "rabbit",
+    "ram",
+    "raven",
+    "seal",
+    "sheep",
+    "snake",
+    "swan",
+    "tiger",
+    "toad",
+    "whale",
+    "wolf",
 )
 HEADER = "Ledger of codes:\n"
 
@@ -111,20 +167,28 @@ def _recall_generator() -> Callable[[random.Random], Example]:
 
 
 def _recall_info() -> dict[str, Any]:
-    return {"token_budget": reference_token_budget(RECALL_MAX_TOKENS),
-            "distance": {"min_tokens": RECALL_MIN_DISTANCE, "window": RECALL_WINDOW,
-                         "counted": "from the end of the queried line to the end of the prompt"}}
+    return {
+        "token_budget": reference_token_budget(RECALL_MAX_TOKENS),
+        "distance": {
+            "min_tokens": RECALL_MIN_DISTANCE,
+            "window": RECALL_WINDOW,
+            "counted": "from the end of the queried line to the end of the prompt",
+        },
+    }
 
 
 SPEC = TaskSpec(
     name="recall",
     summary="a ledger of codes and a question about a line at least 96 tokens above the answer, beyond "
-            "every layer's 64-token window (at most 500 tokens; kvgraft.data.recall)",
+    "every layer's 64-token window (at most 500 tokens; kvgraft.data.recall)",
     generator=_recall_generator,
-    format={"fields": ["prompt", "answer", "target", "kind"],
-            "prompt": "Ledger of codes:\\n<key>: <4 digits>\\n...Question: what is the code of <key>?\\nAnswer:",
-            "answer": " <4 digits>", "target": "the 4 digits",
-            "correct": "the first 4-digit number of the reply's first line equals the target"},
+    format={
+        "fields": ["prompt", "answer", "target", "kind"],
+        "prompt": "Ledger of codes:\\n<key>: <4 digits>\\n...Question: what is the code of <key>?\\nAnswer:",
+        "answer": " <4 digits>",
+        "target": "the 4 digits",
+        "correct": "the first 4-digit number of the reply's first line equals the target",
+    },
     extract=extract_recall,
     info=_recall_info,
 )

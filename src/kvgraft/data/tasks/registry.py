@@ -53,8 +53,7 @@ def _check_name(name: object) -> str:
 # --------------------------------------------------------------------------- generation
 
 
-def generate_task(name: str, seed: int = 0, *, sizes: Mapping[str, int] | None = None
-                  ) -> dict[str, list[Example]]:
+def generate_task(name: str, seed: int = 0, *, sizes: Mapping[str, int] | None = None) -> dict[str, list[Example]]:
     """The task's splits ``{"train": [...], "validation": [...], "test": [...]}``.
 
     ``sizes`` defaults to :data:`~kvgraft.data.tasks.SPLIT_SIZES` (1,472 / 224 / 601); smaller ones are
@@ -77,8 +76,7 @@ def generate_task(name: str, seed: int = 0, *, sizes: Mapping[str, int] | None =
     while len(examples) < total:
         attempts += 1
         if attempts > 50 * total + 1000:  # a generator's space is too small for the split sizes
-            raise TaskError(f"{name}: only {len(examples)} distinct examples after {attempts} draws; "
-                            f"ask for fewer than {total}")
+            raise TaskError(f"{name}: only {len(examples)} distinct examples after {attempts} draws; ask for fewer than {total}")
         ex = make(rng)
         if ex.prompt in seen:
             continue
@@ -88,7 +86,7 @@ def generate_task(name: str, seed: int = 0, *, sizes: Mapping[str, int] | None =
     out: dict[str, list[Example]] = {}
     start = 0
     for split in SPLITS:
-        out[split] = examples[start:start + counts[split]]
+        out[split] = examples[start : start + counts[split]]
         start += counts[split]
     return out
 
@@ -96,9 +94,16 @@ def generate_task(name: str, seed: int = 0, *, sizes: Mapping[str, int] | None =
 # --------------------------------------------------------------------------- files
 
 
-def write_task(name: str, out_dir: str | Path, seed: int = 0, *, tokenizer: Any = None,
-               tokenizer_name: str | None = None, overwrite: bool = False,
-               sizes: Mapping[str, int] | None = None) -> Path:
+def write_task(
+    name: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    tokenizer: Any = None,
+    tokenizer_name: str | None = None,
+    overwrite: bool = False,
+    sizes: Mapping[str, int] | None = None,
+) -> Path:
     """Generate a task and write ``train.jsonl``, ``validation.jsonl``, ``test.jsonl`` and ``task.json``.
 
     The directory appears complete or not at all (built next to ``out_dir`` and renamed). An existing
@@ -127,8 +132,7 @@ def write_task(name: str, out_dir: str | Path, seed: int = 0, *, tokenizer: Any 
     if spec.info is not None:  # a token budget, say
         info.update(spec.info())
     if tokenizer is not None:
-        info["tokens"] = {"tokenizer": tokenizer_name, "counted": "prompt + answer, no EOS",
-                          **token_stats(tokenizer, splits)}
+        info["tokens"] = {"tokenizer": tokenizer_name, "counted": "prompt + answer, no EOS", **token_stats(tokenizer, splits)}
     _write_splits(out, splits, info, overwrite=replace)
     return out
 
@@ -154,7 +158,7 @@ def is_correct(name: str, example: Example, generated_text: str) -> bool:
     reply's JSON parses and its canonical form equals the target exactly. recall: the first 4-digit number
     of the reply's first line equals the target.
     """
-    text = generated_text[len(example.prompt):] if generated_text.startswith(example.prompt) else generated_text
+    text = generated_text[len(example.prompt) :] if generated_text.startswith(example.prompt) else generated_text
     spec = get_task(name)
     got = spec.extract(text)
     if got is None:

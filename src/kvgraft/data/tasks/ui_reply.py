@@ -80,14 +80,37 @@ _BACKGROUNDS = ("white", "light gray", "dark", "cream", "light blue")
 _PADDINGS = (8, 12, 16, 20, 24)
 _LAYOUTS = ("vertical", "horizontal", "grid")
 _INPUTS: Mapping[str, str] = {  # label -> inputType (the fixed rule the model can learn)
-    "Email": "email", "Password": "password", "Name": "text", "Full name": "text", "Username": "text",
-    "Phone": "tel", "Age": "number", "City": "text", "Address": "text", "Birthday": "date",
-    "Card number": "number", "Zip code": "text", "Company": "text", "Website": "url", "Guests": "number",
-    "Date": "date", "Time": "time", "Country code": "text", "Quantity": "number", "Start date": "date",
+    "Email": "email",
+    "Password": "password",
+    "Name": "text",
+    "Full name": "text",
+    "Username": "text",
+    "Phone": "tel",
+    "Age": "number",
+    "City": "text",
+    "Address": "text",
+    "Birthday": "date",
+    "Card number": "number",
+    "Zip code": "text",
+    "Company": "text",
+    "Website": "url",
+    "Guests": "number",
+    "Date": "date",
+    "Time": "time",
+    "Country code": "text",
+    "Quantity": "number",
+    "Start date": "date",
 }
 _TEXTAREAS = ("Message", "Comments", "Bio", "Notes", "Description", "Details", "Question")
-_CHECKBOXES = ("Remember me", "I agree to the terms", "Send me updates", "Keep me signed in", "Subscribe",
-               "Show prices", "Gift wrap")
+_CHECKBOXES = (
+    "Remember me",
+    "I agree to the terms",
+    "Send me updates",
+    "Keep me signed in",
+    "Subscribe",
+    "Show prices",
+    "Gift wrap",
+)
 _SELECTS: Mapping[str, tuple[str, ...]] = {
     "Country": ("France", "Spain", "Italy", "Kenya", "India", "Japan", "Chile"),
     "Size": ("S", "M", "L", "XL"),
@@ -105,19 +128,41 @@ _RADIOS: Mapping[str, tuple[str, ...]] = {
     "Contact by": ("Email", "Phone", "Post"),
 }
 _SLIDERS: Mapping[str, tuple[tuple[int, int], ...]] = {
-    "Volume": ((0, 10), (0, 100)), "Price": ((0, 500), (10, 200), (0, 1000)),
-    "Brightness": ((0, 100), (10, 90)), "Distance": ((1, 50), (0, 20)), "Budget": ((100, 5000), (0, 900)),
+    "Volume": ((0, 10), (0, 100)),
+    "Price": ((0, 500), (10, 200), (0, 1000)),
+    "Brightness": ((0, 100), (10, 90)),
+    "Distance": ((1, 50), (0, 20)),
+    "Budget": ((100, 5000), (0, 900)),
 }
 _SWITCHES = ("Dark mode", "Notifications", "Auto save", "Two step login", "Public profile", "Sound")
-_BUTTONS = ("Submit", "Sign up", "Log in", "Save", "Send", "Cancel", "Continue", "Pay now", "Search", "Book",
-            "Next", "Reset", "Back", "Apply")
+_BUTTONS = (
+    "Submit",
+    "Sign up",
+    "Log in",
+    "Save",
+    "Send",
+    "Cancel",
+    "Continue",
+    "Pay now",
+    "Search",
+    "Book",
+    "Next",
+    "Reset",
+    "Back",
+    "Apply",
+)
 _HEADINGS = ("Welcome", "Your details", "Almost done", "Hello there", "Account", "Step one", "Last step")
 _HEADING_SIZES = (16, 18, 20, 24, 28, 32)
 _IMAGES = ("Logo", "Avatar", "Banner", "Photo", "Map")
 _IMAGE_SIZES = ((40, 40), (64, 64), (120, 60), (200, 100), (300, 150))
 _LINKS: Mapping[str, str] = {
-    "Forgot password?": "/reset", "Terms of use": "/terms", "Privacy": "/privacy", "Help": "/help",
-    "Create an account": "/signup", "Back to home": "/", "See all": "/all",
+    "Forgot password?": "/reset",
+    "Terms of use": "/terms",
+    "Privacy": "/privacy",
+    "Help": "/help",
+    "Create an account": "/signup",
+    "Back to home": "/",
+    "See all": "/all",
 }
 
 
@@ -165,31 +210,61 @@ def _pick(r: random.Random, pool: Iterable[str], used: set[str]) -> str:
 def _button(r: random.Random, used: set[str]) -> _Component:
     label = _pick(r, _BUTTONS, used)
     color = r.choice(_COLORS)
-    return _Component(f'{_a(color)} {color} "{label}" button', f'{_a(color)} {color} "{label}" button',
-                      {"type": "button", "label": label, "style": {"color": color}}, (label,))
+    return _Component(
+        f'{_a(color)} {color} "{label}" button',
+        f'{_a(color)} {color} "{label}" button',
+        {"type": "button", "label": label, "style": {"color": color}},
+        (label,),
+    )
 
 
 def _component(r: random.Random, used: set[str]) -> _Component:
-    kind = r.choice(("input", "input", "input", "textarea", "checkbox", "select", "radio", "slider", "switch",
-                     "button", "button", "text", "image", "link", "row"))
+    kind = r.choice(
+        (
+            "input",
+            "input",
+            "input",
+            "textarea",
+            "checkbox",
+            "select",
+            "radio",
+            "slider",
+            "switch",
+            "button",
+            "button",
+            "text",
+            "image",
+            "link",
+            "row",
+        )
+    )
     if kind == "input":
         label = _pick(r, _INPUTS, used)
         required = r.random() < 0.6
         flag = "required" if required else "optional"
-        return _Component(f'{_a(flag)} {flag} "{label}" field',
-                          f'{_a(flag)} {flag} "{label}" input of type {_INPUTS[label]}',
-                          {"type": "input", "label": label,
-                           "props": {"inputType": _INPUTS[label], "required": required}},
-                          (label,))
+        return _Component(
+            f'{_a(flag)} {flag} "{label}" field',
+            f'{_a(flag)} {flag} "{label}" input of type {_INPUTS[label]}',
+            {"type": "input", "label": label, "props": {"inputType": _INPUTS[label], "required": required}},
+            (label,),
+        )
     if kind == "textarea":
         label, rows = _pick(r, _TEXTAREAS, used), r.randint(2, 8)
-        return _Component(f'a "{label}" text area with {rows} rows', f'"{label}", a text area {rows} rows high',
-                          {"type": "textarea", "label": label, "props": {"rows": rows}}, (label,))
+        return _Component(
+            f'a "{label}" text area with {rows} rows',
+            f'"{label}", a text area {rows} rows high',
+            {"type": "textarea", "label": label, "props": {"rows": rows}},
+            (label,),
+        )
     if kind == "checkbox":
         label, checked = _pick(r, _CHECKBOXES, used), r.random() < 0.5
         state = "checked" if checked else "unchecked"
-        return _Component(f'a "{label}" checkbox, {state}', f'a "{label}" checkbox that starts {state}',
-                          {"type": "checkbox", "label": label, "props": {"checked": checked}}, (label,))
+        return _Component(
+            f'a "{label}" checkbox, {state}',
+            f'a "{label}" checkbox that starts {state}',
+            {"type": "checkbox", "label": label, "props": {"checked": checked}},
+            (label,),
+        )
     if kind in ("select", "radio"):
         table = _SELECTS if kind == "select" else _RADIOS
         label = _pick(r, table, used)
@@ -197,34 +272,57 @@ def _component(r: random.Random, used: set[str]) -> _Component:
         options = sorted(r.sample(range(len(pool)), r.randint(2, min(4, len(pool)))))
         opts = [pool[i] for i in options]
         what = "dropdown" if kind == "select" else "radio group"
-        return _Component(f'a "{label}" {what} with {_quote_list(opts)}',
-                          f'a "{label}" {what} offering {_quote_list(opts)}',
-                          {"type": kind, "label": label, "props": {"options": opts}}, (label,))
+        return _Component(
+            f'a "{label}" {what} with {_quote_list(opts)}',
+            f'a "{label}" {what} offering {_quote_list(opts)}',
+            {"type": kind, "label": label, "props": {"options": opts}},
+            (label,),
+        )
     if kind == "slider":
         label = _pick(r, _SLIDERS, used)
         lo, hi = r.choice(_SLIDERS[label])
-        return _Component(f'a "{label}" slider from {lo} to {hi}', f'a "{label}" slider with range {lo} to {hi}',
-                          {"type": "slider", "label": label, "props": {"min": lo, "max": hi}}, (label,))
+        return _Component(
+            f'a "{label}" slider from {lo} to {hi}',
+            f'a "{label}" slider with range {lo} to {hi}',
+            {"type": "slider", "label": label, "props": {"min": lo, "max": hi}},
+            (label,),
+        )
     if kind == "switch":
         label, on = _pick(r, _SWITCHES, used), r.random() < 0.5
         state = "on" if on else "off"
-        return _Component(f'a "{label}" switch set {state}', f'a "{label}" switch, {state} by default',
-                          {"type": "switch", "label": label, "props": {"on": on}}, (label,))
+        return _Component(
+            f'a "{label}" switch set {state}',
+            f'a "{label}" switch, {state} by default',
+            {"type": "switch", "label": label, "props": {"on": on}},
+            (label,),
+        )
     if kind == "button":
         return _button(r, used)
     if kind == "text":
         label, size = _pick(r, _HEADINGS, used), r.choice(_HEADING_SIZES)
-        return _Component(f'a "{label}" heading in size {size}', f'the heading "{label}" at size {size}',
-                          {"type": "text", "label": label, "style": {"size": size}}, (label,))
+        return _Component(
+            f'a "{label}" heading in size {size}',
+            f'the heading "{label}" at size {size}',
+            {"type": "text", "label": label, "style": {"size": size}},
+            (label,),
+        )
     if kind == "image":
         label = _pick(r, _IMAGES, used)
         w, h = r.choice(_IMAGE_SIZES)
-        return _Component(f'a "{label}" image {w} by {h}', f'a "{label}" image of {w} by {h} pixels',
-                          {"type": "image", "label": label, "props": {"width": w, "height": h}}, (label,))
+        return _Component(
+            f'a "{label}" image {w} by {h}',
+            f'a "{label}" image of {w} by {h} pixels',
+            {"type": "image", "label": label, "props": {"width": w, "height": h}},
+            (label,),
+        )
     if kind == "link":
         label = _pick(r, _LINKS, used)
-        return _Component(f'a "{label}" link to {_LINKS[label]}', f'a "{label}" link that opens {_LINKS[label]}',
-                          {"type": "link", "label": label, "props": {"href": _LINKS[label]}}, (label,))
+        return _Component(
+            f'a "{label}" link to {_LINKS[label]}',
+            f'a "{label}" link that opens {_LINKS[label]}',
+            {"type": "link", "label": label, "props": {"href": _LINKS[label]}},
+            (label,),
+        )
     # a row of two or three buttons
     buttons: list[_Component] = []
     inner = set(used)
@@ -232,10 +330,12 @@ def _component(r: random.Random, used: set[str]) -> _Component:
         b = _button(r, inner)
         inner.add(b.labels[0])
         buttons.append(b)
-    return _Component(f"a row with {_quote_list([b.request for b in buttons])}",
-                      f"a row holding {_quote_list([b.bullet for b in buttons])}",
-                      {"type": "row", "children": [b.spec for b in buttons]},
-                      tuple(b.labels[0] for b in buttons))
+    return _Component(
+        f"a row with {_quote_list([b.request for b in buttons])}",
+        f"a row holding {_quote_list([b.bullet for b in buttons])}",
+        {"type": "row", "children": [b.spec for b in buttons]},
+        tuple(b.labels[0] for b in buttons),
+    )
 
 
 _INTROS = (
@@ -253,19 +353,31 @@ _CLOSINGS = (
 _ASKS = ("Build", "Create", "Make", "Design")
 
 
-def _render_ui(screen: str, title: str, style: dict[str, Any], comps: Sequence[_Component], ask: str,
-               intro: str, closing: str, spec_type: str) -> tuple[str, str, dict[str, Any]]:
+def _render_ui(
+    screen: str,
+    title: str,
+    style: dict[str, Any],
+    comps: Sequence[_Component],
+    ask: str,
+    intro: str,
+    closing: str,
+    spec_type: str,
+) -> tuple[str, str, dict[str, Any]]:
     spec = {"type": spec_type, "title": title, "style": style, "children": [c.spec for c in comps]}
-    prompt = (f'User: {ask} {_a(screen)} {screen} titled "{title}" with a {style["background"]} background, '
-              f'{style["padding"]} px padding and a {style["layout"]} layout. '
-              f"Include {_quote_list([c.request for c in comps], '; ')}.\nAssistant:")
+    prompt = (
+        f'User: {ask} {_a(screen)} {screen} titled "{title}" with a {style["background"]} background, '
+        f"{style['padding']} px padding and a {style['layout']} layout. "
+        f"Include {_quote_list([c.request for c in comps], '; ')}.\nAssistant:"
+    )
     bullets = "\n".join(f"- {c.bullet}" for c in comps)
     head = json.dumps({k: v for k, v in spec.items() if k != "children"})[:-1]
     children = ",\n  ".join(c.line for c in comps)
     block = f'{head}, "children": [\n  {children}\n]}}'
-    answer = (f" {intro.format(screen=screen, title=title)} It has a {style['layout']} layout, "
-              f"a {style['background']} background and {style['padding']} px padding, "
-              f"and {len(comps)} components:\n{bullets}\n```json\n{block}\n```\n{closing}")
+    answer = (
+        f" {intro.format(screen=screen, title=title)} It has a {style['layout']} layout, "
+        f"a {style['background']} background and {style['padding']} px padding, "
+        f"and {len(comps)} components:\n{bullets}\n```json\n{block}\n```\n{closing}"
+    )
     return prompt, answer, spec
 
 
@@ -349,7 +461,7 @@ def extract_ui_reply(text: str) -> str | None:
         start, end = text.find("{"), text.rfind("}")
         if start < 0 or end < start:
             return None
-        candidate = text[start:end + 1]
+        candidate = text[start : end + 1]
     try:
         return canonical_json(json.loads(candidate))
     except (json.JSONDecodeError, RecursionError):
@@ -372,12 +484,15 @@ def _ui_info() -> dict[str, Any]:
 SPEC = TaskSpec(
     name="ui-reply",
     summary="an assistant reply describing a requested screen: prose plus a JSON component tree "
-            "(about 15x longer than geometry, at most 500 tokens)",
+    "(about 15x longer than geometry, at most 500 tokens)",
     generator=_ui_generator,
-    format={"fields": ["prompt", "answer", "target", "kind"], "prompt": "User: <request>\\nAssistant:",
-            "answer": " <prose and bullets>\\n```json\\n<component tree>\\n```\\n<closing sentence>",
-            "target": "canonical JSON of the component tree (sorted keys, no spaces)",
-            "correct": "the reply's JSON block parses and equals the target exactly"},
+    format={
+        "fields": ["prompt", "answer", "target", "kind"],
+        "prompt": "User: <request>\\nAssistant:",
+        "answer": " <prose and bullets>\\n```json\\n<component tree>\\n```\\n<closing sentence>",
+        "target": "canonical JSON of the component tree (sorted keys, no spaces)",
+        "correct": "the reply's JSON block parses and equals the target exactly",
+    },
     extract=extract_ui_reply,
     info=_ui_info,
 )

@@ -44,13 +44,13 @@ from kvgraft.hf.deepseek.tensors import interleave_perm, query_bias_layers
 from kvgraft.model.transformer import Transformer
 
 
-def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_dir: str | Path,
-                               latent_norm: str = "pad") -> Path:
+def export_adapter_deepseek_v3(
+    adapter_dir: str | Path, model: Transformer, out_dir: str | Path, latent_norm: str = "pad"
+) -> Path:
     """Write the adapter at ``adapter_dir`` (trained on ``model``) for the stock DeepSeek-V3 export of ``model``.
 
     ``latent_norm``: the strategy the model's export used when it has no latent norm of its own (as
     ``export_deepseek_v3``'s argument; only the exact "pad" of ``target="transformers"`` can carry an adapter)."""
-
 
     cfg = model.config
     meta = read_meta(adapter_dir)
@@ -63,14 +63,18 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
         raise ValueError(f"latent_norm {latent_norm!r} is not one of {', '.join(LATENT_NORM_STRATEGIES)}")
     pad = not cfg.mla_latent_norm
     if pad and latent_norm != "pad":
-        raise ValueError(f"latent_norm {latent_norm!r}: the 'fit'/'scale' exports (the engine-safe default for a base "
-                         "without its own latent norm) change each layer's latent basis, which a kv_a/kv_b adapter "
-                         "would have to follow; export the base with target='transformers' (latent_norm 'pad', exact, "
-                         "transformers only) or give the base its own latent norm (mla_latent_norm, exact everywhere)")
+        raise ValueError(
+            f"latent_norm {latent_norm!r}: the 'fit'/'scale' exports (the engine-safe default for a base "
+            "without its own latent norm) change each layer's latent basis, which a kv_a/kv_b adapter "
+            "would have to follow; export the base with target='transformers' (latent_norm 'pad', exact, "
+            "transformers only) or give the base its own latent norm (mla_latent_norm, exact everywhere)"
+        )
     if cfg.qkv_bias and query_bias_layers(model) and any(".self_attn.q_proj" in m for m in meta["modules"]):
-        raise ValueError(f"adapter {adapter_dir} adapts q_proj of a base whose queries have a bias: stock DeepSeek-V3 "
-                         "takes them through its low-rank q_a_proj/q_b_proj path, which a q_proj delta cannot follow; "
-                         "train the adapter without q_proj (e.g. --modules kv_b_proj o_proj)")
+        raise ValueError(
+            f"adapter {adapter_dir} adapts q_proj of a base whose queries have a bias: stock DeepSeek-V3 "
+            "takes them through its low-rank q_a_proj/q_b_proj path, which a q_proj delta cannot follow; "
+            "train the adapter without q_proj (e.g. --modules kv_b_proj o_proj)"
+        )
     H, (dc, dr, dn, _) = cfg.num_heads, cfg.latent_dims()
     perm = interleave_perm(dr)
     q_fold = stock_rope_parameters(cfg)[1]
@@ -78,9 +82,11 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
     s = 1.0 if pad else (STOCK_LATENT_NORM_EPS / cfg.rms_norm_eps) ** 0.5
     mlp = [m for m in meta["modules"] if ".mlp." in m]
     if mlp:
-        raise ValueError(f"adapter {adapter_dir} has MLP modules ({', '.join(mlp[:3])}{' ...' if len(mlp) > 3 else ''}): "
-                         "PEFT rewrites gate/up/down targets on deepseek_v3 into MoE expert parameters and would drop "
-                         "them silently; export an attention-only adapter (--modules attention)")
+        raise ValueError(
+            f"adapter {adapter_dir} has MLP modules ({', '.join(mlp[:3])}{' ...' if len(mlp) > 3 else ''}): "
+            "PEFT rewrites gate/up/down targets on deepseek_v3 into MoE expert parameters and would drop "
+            "them silently; export an attention-only adapter (--modules attention)"
+        )
     src = Path(adapter_dir)
     tensors = load_file(str(src / "adapter_model.safetensors"))
     out: dict[str, torch.Tensor] = {}
@@ -99,8 +105,10 @@ def export_adapter_deepseek_v3(adapter_dir: str | Path, model: Transformer, out_
     config = json.loads((src / "adapter_config.json").read_text())
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        config["target_modules"] = [m.replace(".self_attn.kv_a_proj", ".self_attn.kv_a_proj_with_mqa")
-                                    if m.endswith(".self_attn.kv_a_proj") else m for m in targets]
+        config["target_modules"] = [
+            m.replace(".self_attn.kv_a_proj", ".self_attn.kv_a_proj_with_mqa") if m.endswith(".self_attn.kv_a_proj") else m
+            for m in targets
+        ]
     with atomic_dir(Path(out_dir), overwrite=True) as tmp:
         save_file(out, str(tmp / "adapter_model.safetensors"))
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -37,8 +37,9 @@ def mla_layers(model: Transformer) -> list[MLALayer]:
     for i, module in enumerate(model.layers):
         block = cast(Block, module)
         if not isinstance(block.self_attn, MLAttention):
-            raise UnsupportedModelError(f"layer {i} runs {type(block.self_attn).__name__}, not MLA; stock "
-                                        "DeepSeek-V3 needs MLA in every layer")
+            raise UnsupportedModelError(
+                f"layer {i} runs {type(block.self_attn).__name__}, not MLA; stock DeepSeek-V3 needs MLA in every layer"
+            )
         out.append(MLALayer(block, block.self_attn, block.mlp))
     return out
 
@@ -67,12 +68,15 @@ def config_problems(config: ModelConfig) -> list[str]:
         stride, prefix = stride_rope_index(config), prefix_rope_index(config)
         freq_index = known(config.rope_freq_index, "rope_freq_index")  # every layer is MLA here
         layouts = {tuple(freq_index[i]) for i in range(config.num_layers)}
-        bad = [i for i in range(config.num_layers) if freq_index[i] not in (stride, prefix)] or \
-            list(range(1, config.num_layers))  # each layer is one of the two, but not all the same one
-        fix = ("graft with --rope-selection stride or prefix (rope_selection='stride' / 'prefix')"
-               if stride is not None else
-               "graft with --rope-selection prefix, or --rope-selection stride with --rope-dim set to an even divisor "
-               f"of head_dim {config.head_dim}")
+        bad = [i for i in range(config.num_layers) if freq_index[i] not in (stride, prefix)] or list(
+            range(1, config.num_layers)
+        )  # each layer is one of the two, but not all the same one
+        fix = (
+            "graft with --rope-selection stride or prefix (rope_selection='stride' / 'prefix')"
+            if stride is not None
+            else "graft with --rope-selection prefix, or --rope-selection stride with --rope-dim set to an even divisor "
+            f"of head_dim {config.head_dim}"
+        )
         problems.append(
             f"the RoPE frequency layout of layers {bad} (rope_freq_index {freq_index[bad[0]]}"
             f"{'; not the same in every layer' if len(layouts) > 1 else ''}) is not one stock DeepSeek-V3 can "
@@ -88,12 +92,16 @@ def weight_problems(model: Transformer) -> list[str]:
     problems = []
     cfg = model.config
     if cfg.mlp_bias:
-        nonzero = [i for i, b in enumerate(model.layers)
-                   if any(has_nonzero(getattr(cast(Block, b).mlp, n).bias) for n in ("gate_proj", "up_proj", "down_proj"))]
+        nonzero = [
+            i
+            for i, b in enumerate(model.layers)
+            if any(has_nonzero(getattr(cast(Block, b).mlp, n).bias) for n in ("gate_proj", "up_proj", "down_proj"))
+        ]
         if nonzero:
             problems.append(
                 f"the MLP of layers {nonzero} has non-zero biases; stock DeepSeek-V3's MLP has none, and no flag "
-                "can fold them (the MLP's input is RMS-normalised, with no constant component to carry a bias)")
+                "can fold them (the MLP's input is RMS-normalised, with no constant component to carry a bias)"
+            )
     return problems
 
 

@@ -103,20 +103,30 @@ class ExportReport:
             what = f"exact up to {self.exact_up_to_tokens} tokens of context, approximate beyond"
         else:
             what = "approximate"
-        lines = [(f"stock DeepSeek-V3 export -> {self.path}: {what} (for {self.target}; latent norm "
-                  f"{self.latent_norm}; kv_lora_rank {self.kv_lora_rank}, q_lora_rank {self.q_lora_rank})")]
+        lines = [
+            (
+                f"stock DeepSeek-V3 export -> {self.path}: {what} (for {self.target}; latent norm "
+                f"{self.latent_norm}; kv_lora_rank {self.kv_lora_rank}, q_lora_rank {self.q_lora_rank})"
+            )
+        ]
         lines += [f"  folded: {f}" for f in self.folded]
         lines += [f"  not exact: {a}" for a in self.approximations]
         if self.max_abs_logit_diff is not None:
-            m = (f"  measured on {self.measured_on}: max |logit diff| vs the kvgraft model "
-                 f"{self.max_abs_logit_diff:.3g}, mean KL {self.mean_kl:.3g} nats")
+            m = (
+                f"  measured on {self.measured_on}: max |logit diff| vs the kvgraft model "
+                f"{self.max_abs_logit_diff:.3g}, mean KL {self.mean_kl:.3g} nats"
+            )
             if self.perplexity:
-                m += (f", perplexity {self.perplexity['kvgraft']:.4g} (kvgraft) -> "
-                      f"{self.perplexity['deepseek_v3']:.4g} (deepseek_v3)")
+                m += (
+                    f", perplexity {self.perplexity['kvgraft']:.4g} (kvgraft) -> "
+                    f"{self.perplexity['deepseek_v3']:.4g} (deepseek_v3)"
+                )
             lines.append(m)
         if self.max_abs_logit_diff_within_window is not None:
-            lines.append(f"  within the first {self.exact_up_to_tokens} tokens: max |logit diff| "
-                         f"{self.max_abs_logit_diff_within_window:.3g}")
+            lines.append(
+                f"  within the first {self.exact_up_to_tokens} tokens: max |logit diff| "
+                f"{self.max_abs_logit_diff_within_window:.3g}"
+            )
         lines += [f"  note: {w}" for w in self.warnings]
         return lines
 
@@ -171,17 +181,21 @@ def export_deepseek_v3(
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"{out_dir} already exists; pass overwrite=True to replace it")
     if target not in STOCK_TARGETS:
-        raise ValueError(f"target {target!r} is not one of {', '.join(STOCK_TARGETS)} ('engines': vLLM, SGLang and "
-                         "transformers; 'transformers': the exact bias constructions, transformers only)")
+        raise ValueError(
+            f"target {target!r} is not one of {', '.join(STOCK_TARGETS)} ('engines': vLLM, SGLang and "
+            "transformers; 'transformers': the exact bias constructions, transformers only)"
+        )
     if latent_norm is None:
         latent_norm = "fit" if target == "engines" else "pad"
     if latent_norm not in LATENT_NORM_STRATEGIES:
         raise ValueError(f"latent_norm {latent_norm!r} is not one of {', '.join(LATENT_NORM_STRATEGIES)}")
     if target == "engines" and latent_norm == "pad":
-        raise ValueError("latent_norm 'pad' holds its constant coordinate in kv_a_proj_with_mqa's bias, which vLLM "
-                         "and SGLang do not load (they would silently compute another model); use latent_norm 'fit' "
-                         "or 'scale' for target 'engines', or target='transformers' for the exact, transformers-only "
-                         "export")
+        raise ValueError(
+            "latent_norm 'pad' holds its constant coordinate in kv_a_proj_with_mqa's bias, which vLLM "
+            "and SGLang do not load (they would silently compute another model); use latent_norm 'fit' "
+            "or 'scale' for target 'engines', or target='transformers' for the exact, transformers-only "
+            "export"
+        )
     if isinstance(tail_sequences, bool) or not isinstance(tail_sequences, int) or tail_sequences < 1:
         raise ValueError(f"tail_sequences ({tail_sequences!r}) must be a positive integer")
     cfg = model.config
@@ -199,23 +213,28 @@ def export_deepseek_v3(
             raise CheckpointError(f"tokenizer directory {tokenizer_dir} has none of {', '.join(TOKENIZER_FILES)}")
 
     if target == "engines" and calibration is None:
-        biased = [i for i, b in enumerate(layers)
-                  if any(has_nonzero(getattr(b.attn, n).bias) for n in ("q_proj", "kv_a_proj", "o_proj"))
-                  or (b.attn.kv_b_proj.bias is not None and has_nonzero(
-                      b.attn.kv_b_proj.bias.view(cfg.num_heads, -1)[:, dn:]))]
+        biased = [
+            i
+            for i, b in enumerate(layers)
+            if any(has_nonzero(getattr(b.attn, n).bias) for n in ("q_proj", "kv_a_proj", "o_proj"))
+            or (b.attn.kv_b_proj.bias is not None and has_nonzero(b.attn.kv_b_proj.bias.view(cfg.num_heads, -1)[:, dn:]))
+        ]
         if biased:
             raise ValueError(
                 f"layers {biased} have attention biases: the engine-safe stock export folds them into bias-free weights "
                 "through the attention input's mean direction, measured on calibration text; pass calibration token "
-                "ids, or export with target='transformers' (exact, transformers only)")
+                "ids, or export with target='transformers' (exact, transformers only)"
+            )
     for note in rope_notes:
         if not note.endswith(": exact"):  # serving-stack caveats; an exact re-expression is only reported
             warnings.warn(note, stacklevel=2)
     notes = list(rope_notes)
     if target == "transformers":
-        msg = ("target 'transformers': the exact constructions keep constants (up to ~1e7) in attention bias tensors; "
-               "only transformers computes this checkpoint as written: vLLM and SGLang skip attention biases without "
-               "an error and would serve a different model, and fp16 overflows; use target 'engines' for them")
+        msg = (
+            "target 'transformers': the exact constructions keep constants (up to ~1e7) in attention bias tensors; "
+            "only transformers computes this checkpoint as written: vLLM and SGLang skip attention biases without "
+            "an error and would serve a different model, and fp16 overflows; use target 'engines' for them"
+        )
         warnings.warn(msg, stacklevel=2)
         notes.append(msg)
     approximations: list[str] = []
@@ -239,7 +258,7 @@ def export_deepseek_v3(
                 notes.append(
                     f"rms_norm_eps is {cfg.rms_norm_eps}: the latent is rescaled so transformers' kv_a_layernorm "
                     f"(eps {STOCK_LATENT_NORM_EPS}) matches exactly; vLLM/SGLang apply rms_norm_eps there, i.e. an "
-                    f"effective latent-norm eps of {cfg.rms_norm_eps ** 2 / STOCK_LATENT_NORM_EPS:.3g}"
+                    f"effective latent-norm eps of {cfg.rms_norm_eps**2 / STOCK_LATENT_NORM_EPS:.3g}"
                 )
         elif latent_norm == "pad":
             strategy = "pad"
@@ -252,15 +271,16 @@ def export_deepseek_v3(
         else:
             strategy = latent_norm
             if strategy == "fit" and calibration is None:
-                msg = ("latent_norm 'fit' needs calibration token ids; falling back to 'scale' with the latent rms "
-                       "estimated from the weights alone")
+                msg = (
+                    "latent_norm 'fit' needs calibration token ids; falling back to 'scale' with the latent rms "
+                    "estimated from the weights alone"
+                )
                 warnings.warn(msg, stacklevel=2)
                 notes.append(msg)
                 strategy = "scale"
             raw = collect_latents(model, calibration, max_fit_tokens) if calibration is not None else None
             latents = [
-                approx_latent(b.attn, None if raw is None else raw[i], strategy,
-                               b.block.input_layernorm.weight.detach())
+                approx_latent(b.attn, None if raw is None else raw[i], strategy, b.block.input_layernorm.weight.detach())
                 for i, b in enumerate(layers)
             ]
             for lat in latents:  # scale-free after the norm: only the engines' different eps sees this
@@ -273,8 +293,9 @@ def export_deepseek_v3(
             )
         folds = None
         if target == "engines":
-            has_bias = any(has_nonzero(getattr(b.attn, n).bias)
-                           for b in layers for n in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"))
+            has_bias = any(
+                has_nonzero(getattr(b.attn, n).bias) for b in layers for n in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")
+            )
             moments = collect_input_moments(model, calibration) if has_bias and calibration is not None else None
             folds = engine_folds(model, moments)
             if any(f is not None and f.value is not None for f in folds) and any(lat.unit is None for lat in latents):
@@ -285,19 +306,29 @@ def export_deepseek_v3(
                         lat.unit = latent_unit(lat, raw_c[i])
             biased = [i for i, f in enumerate(folds) if f is not None]
             if biased:
-                kinds = sorted({k for f in folds if f is not None for k, v in (
-                    ("query", f.q_delta), ("latent / RoPE key", f.a_delta), ("value / output", f.value)) if v is not None})
+                kinds = sorted(
+                    {
+                        k
+                        for f in folds
+                        if f is not None
+                        for k, v in (("query", f.q_delta), ("latent / RoPE key", f.a_delta), ("value / output", f.value))
+                        if v is not None
+                    }
+                )
                 cvs = [f.input_cv for f in folds if f is not None and (f.q_delta is not None or f.a_delta is not None)]
                 approximations.append(
                     f"attention biases ({', '.join(kinds)}; layers {biased}) folded into the weights for engines that "
                     "load no bias: a bias b after W becomes W + b u^T with u . x ~ 1 on calibration inputs"
                     + (f" (u . x varies by {max(cvs):.3g} relative std)" if cvs else "")
                     + "; a constant value rides on kv_b through the normalised latent (target='transformers' keeps "
-                    "them exact, transformers only)")
+                    "them exact, transformers only)"
+                )
                 if any(f is not None and f.o_residual > 1e-6 for f in folds):
                     worst = max(f.o_residual for f in folds if f is not None)
-                    approximations.append(f"o_proj bias: o_proj cannot produce all of it from the values (relative "
-                                          f"residual up to {worst:.3g}); the rest is dropped")
+                    approximations.append(
+                        f"o_proj bias: o_proj cannot produce all of it from the values (relative "
+                        f"residual up to {worst:.3g}); the rest is dropped"
+                    )
             if any(has_nonzero(b.attn.kv_b_proj.bias) for b in layers):
                 folded.append("key bias: adds the same amount to every logit of a query (softmax ignores it): dropped")
         q_bias_layers = query_bias_layers(model) if cfg.qkv_bias and target == "transformers" else []
@@ -320,8 +351,10 @@ def export_deepseek_v3(
                 f"+{cfg.num_layers * (q_rank * h + 2 * q_rank + Hq * q_rank - Hq * h):,} parameters"
             )
         if target == "transformers" and any(has_nonzero(b.attn.kv_b_proj.bias) for b in layers):
-            folded.append("key bias: adds the same amount to every logit of a query (softmax ignores it); value "
-                          "bias: through attention (weights sum to one) into o_proj's bias")
+            folded.append(
+                "key bias: adds the same amount to every logit of a query (softmax ignores it); value "
+                "bias: through attention (weights sum to one) into o_proj's bias"
+            )
         if target == "transformers" and any(has_nonzero(b.attn.kv_a_proj.bias) for b in layers):
             folded.append("latent / RoPE-key bias: kv_a_proj_with_mqa's bias (attention_bias)")
         notes = deepseek_v3_fast_path(cfg.replace(kv_lora_rank=dc_out), cfg.kv_width) + notes
@@ -336,27 +369,44 @@ def export_deepseek_v3(
                 raise UnsupportedModelError(
                     f"{len(big)} exported tensors exceed fp16's range ({FP16_MAX:.0f}), e.g. {name} up to {big[name]:.4g}: "
                     "vLLM and SGLang serve in fp16/bf16; rescale the source model's weights, or export with "
-                    "target='transformers' (transformers only)")
+                    "target='transformers' (transformers only)"
+                )
         tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
         bad = [k for k, v in tensors.items() if not bool(torch.isfinite(v).all())]
         if bad:
             raise UnsupportedModelError(
                 f"the export overflows {dtype_name} in {bad[0]} ({len(bad)} tensors); export in bfloat16 or float32 "
-                "(dtype=...), or use latent_norm='fit'")
+                "(dtype=...), or use latent_norm='fit'"
+            )
         info = {"exact": not approximations, "latent_norm": strategy, "target": target}
         if window is not None:
-            info |= {"exact_up_to_tokens": window, "sliding_window_of_the_source": window,
-                     "note": (f"the source model attends within a sliding window of {window} tokens; this stock "
-                              f"DeepSeek-V3 model uses full attention: identical for contexts up to {window} tokens, "
-                              "different beyond")}
-        config_json = deepseek_v3_config(cfg, rope_parameters, attention_bias, dtype_name, kv_lora_rank=dc_out,
-                                         q_lora_rank=q_lora_rank, export_info=info)
-        report = ExportReport(path=out_dir, latent_norm=strategy, warnings=notes,
-                              latent_rms_cv=tuple(lat.cv for lat in latents), exact=not approximations,
-                              approximations=approximations, exact_up_to_tokens=window, kv_lora_rank=dc_out,
-                              q_lora_rank=q_lora_rank, extra_parameters=extra, folded=folded, target=target)
-        write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files,
-                             {"README.md": export_card(report)}, overwrite)
+            info |= {
+                "exact_up_to_tokens": window,
+                "sliding_window_of_the_source": window,
+                "note": (
+                    f"the source model attends within a sliding window of {window} tokens; this stock "
+                    f"DeepSeek-V3 model uses full attention: identical for contexts up to {window} tokens, "
+                    "different beyond"
+                ),
+            }
+        config_json = deepseek_v3_config(
+            cfg, rope_parameters, attention_bias, dtype_name, kv_lora_rank=dc_out, q_lora_rank=q_lora_rank, export_info=info
+        )
+        report = ExportReport(
+            path=out_dir,
+            latent_norm=strategy,
+            warnings=notes,
+            latent_rms_cv=tuple(lat.cv for lat in latents),
+            exact=not approximations,
+            approximations=approximations,
+            exact_up_to_tokens=window,
+            kv_lora_rank=dc_out,
+            q_lora_rank=q_lora_rank,
+            extra_parameters=extra,
+            folded=folded,
+            target=target,
+        )
+        write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files, {"README.md": export_card(report)}, overwrite)
         if measure:
             if calibration is not None:
                 ids = calibration[-tail_sequences:]
@@ -379,13 +429,22 @@ def export_deepseek_v3(
 
 def export_card(report: ExportReport) -> str:
     """README.md of the export: what it is, what is exact, what is not, and the measured error."""
-    lines = ["# Stock DeepSeek-V3 export (kvgraft)", "",
-             ("Loads with unmodified `transformers.AutoModelForCausalLM` (`model_type: deepseek_v3`, no remote code). "
-              "Converted from a grafted kvgraft model by `kvgraft convert --format deepseek_v3`."), "",
-             "## Exactness", ""]
+    lines = [
+        "# Stock DeepSeek-V3 export (kvgraft)",
+        "",
+        (
+            "Loads with unmodified `transformers.AutoModelForCausalLM` (`model_type: deepseek_v3`, no remote code). "
+            "Converted from a grafted kvgraft model by `kvgraft convert --format deepseek_v3`."
+        ),
+        "",
+        "## Exactness",
+        "",
+    ]
     if report.exact:
-        lines.append("**Exact**: this model computes the same function as the kvgraft model it was exported from "
-                     "(up to floating-point rounding).")
+        lines.append(
+            "**Exact**: this model computes the same function as the kvgraft model it was exported from "
+            "(up to floating-point rounding)."
+        )
     elif report.exact_up_to_tokens is not None:
         lines.append(f"**Exact for contexts up to {report.exact_up_to_tokens} tokens**; approximate beyond.")
     else:
@@ -394,29 +453,44 @@ def export_card(report: ExportReport) -> str:
     lines += [f"- folded exactly: {f}" for f in report.folded]
     lines += [f"- not exact: {a}" for a in report.approximations]
     if report.max_abs_logit_diff is not None:
-        lines += ["", "## Measured", "", f"On {report.measured_on}, fp32, against the kvgraft model:", "",
-                  f"- max |logit difference|: {report.max_abs_logit_diff:.3g}",
-                  f"- mean KL(kvgraft || export): {report.mean_kl:.3g} nats per token"]
+        lines += [
+            "",
+            "## Measured",
+            "",
+            f"On {report.measured_on}, fp32, against the kvgraft model:",
+            "",
+            f"- max |logit difference|: {report.max_abs_logit_diff:.3g}",
+            f"- mean KL(kvgraft || export): {report.mean_kl:.3g} nats per token",
+        ]
         if report.perplexity:
-            lines.append(f"- perplexity: {report.perplexity['kvgraft']:.4g} (kvgraft) vs "
-                         f"{report.perplexity['deepseek_v3']:.4g} (this export)")
+            lines.append(
+                f"- perplexity: {report.perplexity['kvgraft']:.4g} (kvgraft) vs "
+                f"{report.perplexity['deepseek_v3']:.4g} (this export)"
+            )
         if report.max_abs_logit_diff_within_window is not None:
-            lines.append(f"- max |logit difference| within the first {report.exact_up_to_tokens} tokens: "
-                         f"{report.max_abs_logit_diff_within_window:.3g}")
+            lines.append(
+                f"- max |logit difference| within the first {report.exact_up_to_tokens} tokens: "
+                f"{report.max_abs_logit_diff_within_window:.3g}"
+            )
     lines += ["", "## Serving", ""]
     if report.target == "engines":
-        lines += ["Written for engines (`--stock-construction engines`): no attention bias tensor and every weight "
-                  "within fp16's range, so vLLM and SGLang (whose DeepSeek models load no attention bias) compute "
-                  "what transformers computes.", "",
-                  "vLLM on a CPU: run it in its default compiled mode, or with `--enforce-eager` add "
-                  "`--compilation-config '{\"custom_ops\": [\"-rotary_embedding\"]}'`: vLLM 0.32's CPU rotary "
-                  "kernel rotates the wrong rows of MLA's query/key views under eager mode (only position 0 comes "
-                  "out right; kvgraft's docs/vllm.md). MLA backends on vLLM's CPUs need kv_lora_rank 512 and "
-                  "qk_rope_head_dim 64 (`kvgraft convert --target vllm`)."]
+        lines += [
+            "Written for engines (`--stock-construction engines`): no attention bias tensor and every weight "
+            "within fp16's range, so vLLM and SGLang (whose DeepSeek models load no attention bias) compute "
+            "what transformers computes.",
+            "",
+            "vLLM on a CPU: run it in its default compiled mode, or with `--enforce-eager` add "
+            '`--compilation-config \'{"custom_ops": ["-rotary_embedding"]}\'`: vLLM 0.32\'s CPU rotary '
+            "kernel rotates the wrong rows of MLA's query/key views under eager mode (only position 0 comes "
+            "out right; kvgraft's docs/vllm.md). MLA backends on vLLM's CPUs need kv_lora_rank 512 and "
+            "qk_rope_head_dim 64 (`kvgraft convert --target vllm`).",
+        ]
     else:
-        lines += ["**Transformers only** (`--stock-construction transformers`): the exact constructions hold "
-                  "constants in attention bias tensors, which vLLM and SGLang skip without an error: they would "
-                  "serve a different model. Export with the default `--stock-construction engines` for them."]
+        lines += [
+            "**Transformers only** (`--stock-construction transformers`): the exact constructions hold "
+            "constants in attention bias tensors, which vLLM and SGLang skip without an error: they would "
+            "serve a different model. Export with the default `--stock-construction engines` for them."
+        ]
     if report.warnings:
         lines += ["", "## Notes", ""] + [f"- {w}" for w in report.warnings]
     return "\n".join(lines) + "\n"

@@ -76,13 +76,15 @@ def engine_folds(model: Transformer, moments: list[tuple[torch.Tensor, torch.Ten
                 raise ValueError(
                     f"layer {i} has attention biases (q_proj / kv_a_proj): the engine-safe stock export folds them "
                     "into the weights through the attention input's mean direction, measured on calibration text; "
-                    "pass calibration token ids, or export with target='transformers' (exact, transformers only)")
+                    "pass calibration token ids, or export with target='transformers' (exact, transformers only)"
+                )
             mean, second = moments[i]
             S = second + 1e-6 * float(second.diagonal().mean().clamp_min(1e-300)) * torch.eye(
-                second.shape[0], dtype=torch.float64)
+                second.shape[0], dtype=torch.float64
+            )
             u = torch.linalg.solve(S, mean)
             ux_mean = float(u @ mean)
-            ux_var = float(u @ second @ u) - ux_mean ** 2
+            ux_var = float(u @ second @ u) - ux_mean**2
             fold.input_cv = max(ux_var, 0.0) ** 0.5 / max(abs(ux_mean), 1e-300)
             if bq is not None:
                 fold.q_delta = bq.detach().to("cpu", torch.float64)[:, None] * u[None, :]
@@ -102,7 +104,8 @@ def engine_folds(model: Transformer, moments: list[tuple[torch.Tensor, torch.Ten
                 raise ValueError(
                     f"layer {i} has a value or o_proj bias: the engine-safe stock export carries it as a constant "
                     "value through kv_b, fitted on calibration text; pass calibration token ids, or export with "
-                    "target='transformers' (exact, transformers only)")
+                    "target='transformers' (exact, transformers only)"
+                )
             fold.value = value
         out.append(fold)
     return out

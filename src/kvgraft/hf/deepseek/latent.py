@@ -67,12 +67,12 @@ def _pinned_constant(weight: torch.Tensor | None, bias: torch.Tensor | None, inp
     """
     h = input_norm.numel()
     if weight is None:  # the identity: ||diag(g)||_2 = max |g|
-        bound = float(input_norm.double().abs().max()) * h ** 0.5
+        bound = float(input_norm.double().abs().max()) * h**0.5
     else:
-        bound = float(torch.linalg.matrix_norm(weight.double() * input_norm.double(), ord=2)) * h ** 0.5
+        bound = float(torch.linalg.matrix_norm(weight.double() * input_norm.double(), ord=2)) * h**0.5
     if bias is not None:
         bound += float(bias.double().norm())
-    return _pow2_above(max(bound, 1e-6) / PIN_DELTA ** 0.5)
+    return _pow2_above(max(bound, 1e-6) / PIN_DELTA**0.5)
 
 
 def pad_latent(attn, input_norm: torch.Tensor) -> Latent:
@@ -119,21 +119,28 @@ def low_rank_query(wq: torch.Tensor, bq: torch.Tensor, input_norm: torch.Tensor)
     a_bias[-1] = A0
     norm = torch.full((r,), R0, dtype=torch.float64)
     norm[-1] = R0 / A0
-    return LowRankQuery(a_weight=torch.cat([P, torch.zeros(1, h, dtype=torch.float64)]), a_bias=a_bias,
-                         norm=norm, b_weight=torch.cat([Q, bq[:, None]], dim=1))
+    return LowRankQuery(
+        a_weight=torch.cat([P, torch.zeros(1, h, dtype=torch.float64)]),
+        a_bias=a_bias,
+        norm=norm,
+        b_weight=torch.cat([Q, bq[:, None]], dim=1),
+    )
 
 
 @torch.no_grad()
-def run_with_kv_a_hooks(model: Transformer, ids: torch.Tensor,
-                        on_kv_a: Callable[[int, torch.Tensor, torch.Tensor], None], batch_size: int = 8) -> None:
+def run_with_kv_a_hooks(
+    model: Transformer, ids: torch.Tensor, on_kv_a: Callable[[int, torch.Tensor, torch.Tensor], None], batch_size: int = 8
+) -> None:
     """Run ``model`` over the calibration ids (N, T) in batches with ``on_kv_a(layer, input, output)`` called at
     every layer's kv_a_proj (its input is the attention input x, its output the latent and RoPE key)."""
-    hooks = [layer.attn.kv_a_proj.register_forward_hook(lambda _m, inp, out, i=i: on_kv_a(i, inp[0], out))
-             for i, layer in enumerate(mla_layers(model))]
+    hooks = [
+        layer.attn.kv_a_proj.register_forward_hook(lambda _m, inp, out, i=i: on_kv_a(i, inp[0], out))
+        for i, layer in enumerate(mla_layers(model))
+    ]
     device = model.embed_tokens.weight.device
     try:
         for start in range(0, ids.shape[0], batch_size):
-            model(ids[start:start + batch_size].to(device))
+            model(ids[start : start + batch_size].to(device))
     finally:
         for h in hooks:
             h.remove()
@@ -159,9 +166,7 @@ def collect_latents(model: Transformer, ids: torch.Tensor, max_tokens: int, batc
     return out
 
 
-def fit_latent_metric(
-    c: torch.Tensor, ridge: float | None = None, max_iter: int = 150, min_eig: float = 1e-3
-) -> torch.Tensor:
+def fit_latent_metric(c: torch.Tensor, ridge: float | None = None, max_iter: int = 150, min_eig: float = 1e-3) -> torch.Tensor:
     """PSD G (d x d) making c_t^T G c_t / d as close to 1 as possible over the rows c_t of ``c`` (N x d).
 
     Least squares over PSD G:  (1/N) sum_t (c_t^T G c_t / d - 1)^2 + (ridge / d) ||G - G0||_F^2, with G0 the
@@ -190,7 +195,7 @@ def fit_latent_metric(
         return (evecs * evals.clamp_min(0)) @ evecs.T
 
     # step 1/L, L the largest Hessian eigenvalue (power iteration from I, its dominant direction)
-    v = eye / d ** 0.5
+    v = eye / d**0.5
     for _ in range(10):
         w = hess(v)
         L = float((w * w).sum().sqrt())
@@ -232,8 +237,10 @@ def approx_latent(attn, latents: torch.Tensor | None, strategy: str, input_norm:
     W_b = attn.kv_b_proj.weight.detach().to("cpu", torch.float64)
     eye = torch.eye(dc, dtype=torch.float64)
     if latents is None:  # weights only: E[x x^T] ~ diag(w^2) for x = w * (unit-rms vector)
-        ms = ((W_a * input_norm.to("cpu", torch.float64)).pow(2).sum() / W_a.shape[1]
-              + (0.0 if b_c is None else float(b_c.pow(2).sum()))) / dc
+        ms = (
+            (W_a * input_norm.to("cpu", torch.float64)).pow(2).sum() / W_a.shape[1]
+            + (0.0 if b_c is None else float(b_c.pow(2).sum()))
+        ) / dc
         rho = float(ms) ** 0.5
         rho = rho if rho > 0 else 1.0
         return Latent(M=eye / rho, B=eye, g=torch.full((dc,), rho, dtype=torch.float64), cv=float("nan"))

@@ -60,8 +60,11 @@ def measure_export(model: Transformer, export_dir: str | Path, ids: torch.Tensor
     also the max |logit diff| over the first ``window`` positions (where a windowed model is exactly exported)."""
     stock = load_stock(export_dir)
     a, b = _logits_pair(model, stock, ids)
-    out = {"max_abs_logit_diff": float((a - b).abs().max()), "mean_kl": _kl(a, b),
-           "perplexity": {"kvgraft": perplexity(a, ids), "deepseek_v3": perplexity(b, ids)}}
+    out = {
+        "max_abs_logit_diff": float((a - b).abs().max()),
+        "mean_kl": _kl(a, b),
+        "perplexity": {"kvgraft": perplexity(a, ids), "deepseek_v3": perplexity(b, ids)},
+    }
     if window is not None:
         w = min(window, ids.shape[1])
         a_w, b_w = _logits_pair(model, stock, ids[:, :w])

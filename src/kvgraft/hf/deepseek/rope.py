@@ -54,7 +54,7 @@ STOCK_ROPE_LAYOUTS = ("stride", "prefix")
 
 
 def stock_rope_layout(config: ModelConfig) -> str | None:
-    """"stride" or "prefix" when every MLA layer of ``config`` has that RoPE frequency layout (both are stock
+    """ "stride" or "prefix" when every MLA layer of ``config`` has that RoPE frequency layout (both are stock
     DeepSeek-V3's pair j at theta'^(-2j/d_rope), for theta' = theta resp. theta^(d_rope/head_dim)); "stride" when
     they coincide (d_rope = head_dim); None otherwise (per-layer or repeated frequencies: kvgraft's own)."""
     mla = [i for i, k in enumerate(config.attention_kinds) if k == "mla"]
@@ -72,8 +72,9 @@ def stock_rope_layout(config: ModelConfig) -> str | None:
     return None
 
 
-def _yarn_range_for_stock(rope: RopeConfig, d: int, dr: int, max_pos: int, stride: int | None = None,
-                          stock_theta: float | None = None) -> tuple[float, float, bool] | None:
+def _yarn_range_for_stock(
+    rope: RopeConfig, d: int, dr: int, max_pos: int, stride: int | None = None, stock_theta: float | None = None
+) -> tuple[float, float, bool] | None:
     """(beta_fast, beta_slow, truncate) making stock's yarn at dim = d_rope ramp exactly as kvgraft's at dim =
     head_dim over the stride frequencies, or None when no setting does. ``stride`` 1 and ``stock_theta`` =
     theta^(d_rope/head_dim): the same for the prefix layout (pair j = frequency j).
@@ -145,8 +146,7 @@ def stock_rope_parameters(config: ModelConfig, layout: str | None = None) -> tup
             f"dim = {dr} where kvgraft uses {d}, so the frequencies would differ (whatever the rope selection); "
             f"graft with --rope-dim {d} (qk_rope_head_dim = head_dim), or use --format kvgraft"
         )
-    idx = list(known(stride_rope_index(config) if layout == "stride" else prefix_rope_index(config),
-                     f"{layout} RoPE layout"))
+    idx = list(known(stride_rope_index(config) if layout == "stride" else prefix_rope_index(config), f"{layout} RoPE layout"))
     ours, our_scale = rope_frequencies(rope, d, max_pos)
     stock_theta = float(rope.theta) if layout == "stride" else float(rope.theta) ** (dr / d)
     stock_rope = dataclasses.replace(rope, theta=stock_theta)
@@ -157,19 +157,26 @@ def stock_rope_parameters(config: ModelConfig, layout: str | None = None) -> tup
             solved = _yarn_range_for_stock(rope, d, dr, max_pos)
         else:  # the same betas give the same correction dims; re-solved only where fp32 rounding tips a floor/ceil
             same, _ = rope_frequencies(stock_rope, dr, max_pos)
-            solved = None if torch.allclose(ours[idx].double(), same.double(), rtol=2e-6, atol=0) else \
-                _yarn_range_for_stock(rope, d, dr, max_pos, stride=1, stock_theta=stock_theta)
+            solved = (
+                None
+                if torch.allclose(ours[idx].double(), same.double(), rtol=2e-6, atol=0)
+                else _yarn_range_for_stock(rope, d, dr, max_pos, stride=1, stock_theta=stock_theta)
+            )
         if solved is not None:
             beta_fast, beta_slow, truncate = solved
             stock_rope = dataclasses.replace(stock_rope, beta_fast=beta_fast, beta_slow=beta_slow, truncate=truncate)
     stock, stock_scale = rope_frequencies(stock_rope, dr, max_pos)
     if not torch.allclose(ours[idx].double(), stock.double(), rtol=2e-6, atol=0) or abs(our_scale - stock_scale) > 1e-9:
         if layout == "stride":
-            fix = (f"graft with --rope-selection prefix (rope_theta' = rope_theta^(d_rope/head_dim)) if it fits, "
-                   f"--rope-dim {d} (qk_rope_head_dim = head_dim), or use --format kvgraft")
+            fix = (
+                f"graft with --rope-selection prefix (rope_theta' = rope_theta^(d_rope/head_dim)) if it fits, "
+                f"--rope-dim {d} (qk_rope_head_dim = head_dim), or use --format kvgraft"
+            )
         else:
-            fix = (f"graft with --rope-selection stride (an even --rope-dim dividing head_dim {d}), --rope-dim {d} "
-                   "(qk_rope_head_dim = head_dim), or use --format kvgraft")
+            fix = (
+                f"graft with --rope-selection stride (an even --rope-dim dividing head_dim {d}), --rope-dim {d} "
+                "(qk_rope_head_dim = head_dim), or use --format kvgraft"
+            )
         raise UnsupportedModelError(
             f"rope_type {kind!r} with these parameters cannot be exported exactly to stock DeepSeek-V3 at "
             f"qk_rope_head_dim {dr} with the {layout} layout: stock computes its frequencies for dim = {dr}, kvgraft "
@@ -179,16 +186,21 @@ def stock_rope_parameters(config: ModelConfig, layout: str | None = None) -> tup
         )
     params: dict = {"rope_type": kind, "rope_theta": stock_theta}
     if layout == "prefix":
-        notes.append(f"prefix RoPE layout: rope_theta {rope.theta:g} -> {stock_theta:.9g} (= rope_theta^(d_rope/head_dim) "
-                     f"= rope_theta^({dr}/{d})), so stock's pair j rotates at kvgraft's frequency j: exact")
+        notes.append(
+            f"prefix RoPE layout: rope_theta {rope.theta:g} -> {stock_theta:.9g} (= rope_theta^(d_rope/head_dim) "
+            f"= rope_theta^({dr}/{d})), so stock's pair j rotates at kvgraft's frequency j: exact"
+        )
     if kind in ("linear", "dynamic"):
         params["factor"] = float(known(rope.factor, "rope factor"))
     elif kind == "llama3":  # RopeConfig requires these for llama3
-        params |= {"factor": float(known(rope.factor, "rope factor")),
-                   "low_freq_factor": float(known(rope.low_freq_factor, "rope low_freq_factor")),
-                   "high_freq_factor": float(known(rope.high_freq_factor, "rope high_freq_factor")),
-                   "original_max_position_embeddings": int(known(rope.original_max_position_embeddings,
-                                                                 "rope original_max_position_embeddings"))}
+        params |= {
+            "factor": float(known(rope.factor, "rope factor")),
+            "low_freq_factor": float(known(rope.low_freq_factor, "rope low_freq_factor")),
+            "high_freq_factor": float(known(rope.high_freq_factor, "rope high_freq_factor")),
+            "original_max_position_embeddings": int(
+                known(rope.original_max_position_embeddings, "rope original_max_position_embeddings")
+            ),
+        }
     elif kind == "yarn":
         original = rope.original_max_position_embeddings or max_pos
         params["original_max_position_embeddings"] = int(original)

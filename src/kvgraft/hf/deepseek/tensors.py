@@ -26,7 +26,11 @@ def interleave_perm(dr: int) -> torch.Tensor:
 
 
 def stock_tensors(
-    model: Transformer, latents: list[Latent], q_fold: float, attention_bias: bool, low_rank_q: bool,
+    model: Transformer,
+    latents: list[Latent],
+    q_fold: float,
+    attention_bias: bool,
+    low_rank_q: bool,
     folds: list[EngineFold | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """fp64 CPU tensors under DeepSeek-V3's names (``low_rank_q``: queries through q_a/q_a_layernorm/q_b;
@@ -43,9 +47,11 @@ def stock_tensors(
         x = x.reshape(H, dn + dr, -1) * q_fold
         return torch.cat([x[:, :dn], x[:, dn:][:, perm]], dim=1).reshape(H * (dn + dr), -1)
 
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": t(model.embed_tokens.weight),
-                                    "model.norm.weight": t(model.norm.weight),
-                                    "lm_head.weight": t(model.lm_head.weight).clone()}  # untied even if tied
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": t(model.embed_tokens.weight),
+        "model.norm.weight": t(model.norm.weight),
+        "lm_head.weight": t(model.lm_head.weight).clone(),
+    }  # untied even if tied
     for i, (block, attn, mlp) in enumerate(mla_layers(model)):
         p = f"model.layers.{i}."
         lat = latents[i]
@@ -109,8 +115,14 @@ def query_bias_layers(model: Transformer) -> list[int]:
 
 
 def deepseek_v3_config(
-    config: ModelConfig, rope_parameters: dict, attention_bias: bool, dtype: str, *,
-    kv_lora_rank: int | None = None, q_lora_rank: int | None = None, export_info: dict | None = None,
+    config: ModelConfig,
+    rope_parameters: dict,
+    attention_bias: bool,
+    dtype: str,
+    *,
+    kv_lora_rank: int | None = None,
+    q_lora_rank: int | None = None,
+    export_info: dict | None = None,
 ) -> dict:
     """config.json of the stock checkpoint (DeepSeek's field names; MoE fields present but unused).
 
