@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvgraft.hf.load import load_tokenizer_dir
+
 CALIBRATION = Path("eval") / "calibration.npy"  # a model directory's shipped calibration slice
 
 
@@ -119,8 +121,6 @@ def calibration_ids(model_dir: Path, plan: CalibrationPlan, vocab_size: int) -> 
     if ids is None:
         tokenizer = None
         if plan.path.suffix != ".npy":
-            from kvgraft.hf.load import load_tokenizer_dir
-
             tokenizer = load_tokenizer_dir(model_dir)
         ids = load_calibration(model_dir, plan.path, plan.tokens, plan.seq_len, tokenizer, vocab_size)
     if ids.shape != (plan.sequences, plan.seq_len):

@@ -14,10 +14,14 @@ from typing import Any, cast
 
 import torch
 
+from kvgraft.eval import kv_memory, perplexity
+from kvgraft.eval.speed import decode_speed
+from kvgraft.hf import load_pretrained
 from kvgraft.model import Transformer
 from kvgraft.model.fields import known
 from kvgraft.model.mla import MLAttention
 from kvgraft.model.transformer import Block
+from kvgraft.reference import resolve_model
 
 PPL_BAR = 1.3  # one-shot perplexity at most 1.3x the original (the TransMLA article)
 LATENCY_BAR = 1.15  # decode latency at most 1.15x the original (the TransMLA article)
@@ -67,10 +71,6 @@ def _rope_not_mixed(model: Transformer) -> Check:
 def checklist(after: str | Path, original: str | Path, max_tokens: int = 32768) -> list[Check]:
     """Run the checks on the converted (or healed) model ``after`` against ``original`` (directories or
     shipped names; perplexity on at most ``max_tokens`` held-out tokens)."""
-    from kvgraft.eval import kv_memory, perplexity
-    from kvgraft.eval.speed import decode_speed
-    from kvgraft.hf import load_pretrained
-    from kvgraft.reference import resolve_model
 
     after_dir, orig_dir = resolve_model(after), resolve_model(original)
     model = load_pretrained(after_dir, dtype=torch.float32)

@@ -27,13 +27,18 @@ from typing import Any
 import torch
 
 from kvgraft.atomic import atomic_dir
+from kvgraft.errors import UnsupportedModelError
 from kvgraft.graft.calibration import CALIBRATION, calibration_ids, load_calibration
+from kvgraft.graft.ced import graft_ced
 from kvgraft.graft.layerwise import execute_layerwise
 from kvgraft.graft.mla import graft_mla
 from kvgraft.graft.options import FORMATS, SERVE_TARGETS, STOCK_CONSTRUCTIONS, TARGETS
 from kvgraft.graft.plan import ConvertPlan, plan_conversion
 from kvgraft.graft.ranks import default_ranks
 from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output, tail_figures
+from kvgraft.hf import load_pretrained, save_pretrained
+from kvgraft.hf.deepseek import export_deepseek_v3, weight_problems
+from kvgraft.hf.engines import engine_support
 from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.fields import known
 
@@ -201,13 +206,9 @@ def _parameters(model: torch.nn.Module) -> int:
 def load_source(plan: ConvertPlan) -> Transformer:
     """The source model in fp32 on ``plan.device``; refuses NaN/Inf weights (naming the tensor) and, for a
     stock export, weights stock DeepSeek-V3 cannot hold."""
-    from kvgraft.hf import load_pretrained
 
     original = load_pretrained(plan.source, dtype=torch.float32, device=plan.device)
     if plan.stock:
-        from kvgraft.errors import UnsupportedModelError
-        from kvgraft.hf.deepseek import weight_problems
-
         problems = weight_problems(original)
         if problems:
             raise UnsupportedModelError(
@@ -226,7 +227,6 @@ def graft(plan: ConvertPlan, original: Transformer, calib: torch.Tensor | None) 
     converted = original if plan.mla is None else graft_mla(original, plan.mla, calib, progress=plan.progress)
     if plan.ced is None:
         return converted, None
-    from kvgraft.graft.ced import graft_ced
 
     if calib is None:  # ConvertPlan refuses this; said again for the type checker
         raise ValueError("the share graft needs calibration tokens")
@@ -238,7 +238,6 @@ def graft(plan: ConvertPlan, original: Transformer, calib: torch.Tensor | None) 
 def write_outputs(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor | None, record: dict[str, Any]) -> None:
     """Write ``plan.out`` atomically: the kvgraft-format model and/or the stock DeepSeek-V3 export (whose
     report is added to ``record`` and printed with ``plan.progress``), the eval slices, conversion.json."""
-    from kvgraft.hf import save_pretrained
 
     with atomic_dir(plan.out, overwrite=plan.overwrite) as tmp:
         tok_dir = plan.source if plan.has_tokenizer else None
@@ -254,8 +253,6 @@ def _write_stock(
     plan: ConvertPlan, converted: Transformer, calib: torch.Tensor | None, record: dict[str, Any], tmp: Path, tok_dir: Path | None
 ) -> None:
     """The stock DeepSeek-V3 export into ``tmp/deepseek_v3``, its report into ``record["deepseek_v3"]``."""
-    from kvgraft.hf.deepseek import export_deepseek_v3
-    from kvgraft.hf.engines import engine_support
 
     report = export_deepseek_v3(
         converted,

@@ -21,9 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvgraft.graft.mla import GraftConfig, mla_model_config
+from kvgraft.graft.ranks import default_ranks
+from kvgraft.hf.engines import EngineSupport, engine_support, format_engine_table
+from kvgraft.hf.load import CONFIG, load_config
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.fields import known
 from kvgraft.model.shapes import num_parameters
+from kvgraft.reference import resolve_model
 
 VERDICTS = ("convertible", "convertible with notes", "blocked")
 DEFAULT_CONTEXTS = (1024, 4096, 8192, 32768)
@@ -244,8 +249,6 @@ class DoctorReport:
             format_kv_cache_table(self.kv_cache, "  "),
         ]
         if self.engines:
-            from kvgraft.hf.engines import EngineSupport, format_engine_table
-
             out += [
                 "",
                 f"engines for a stock DeepSeek-V3 export of these ranks (d_c + d_rope = "
@@ -323,7 +326,6 @@ def attention_kind(num_heads: int, num_kv_heads: int) -> str:
 
 def default_kv_lora_rank(config: ModelConfig) -> int:
     """The default d_c of ``doctor`` and ``convert`` (``kvgraft.graft.ranks.default_ranks`` at 4x)."""
-    from kvgraft.graft.ranks import default_ranks
 
     return default_ranks(config).kv_lora_rank
 
@@ -331,8 +333,6 @@ def default_kv_lora_rank(config: ModelConfig) -> int:
 def _load(model: str | os.PathLike[str] | ModelConfig | None) -> tuple[ModelConfig, str | None, str | None]:
     if isinstance(model, ModelConfig):
         return model, None, None
-    from kvgraft.hf.load import CONFIG, load_config
-    from kvgraft.reference import resolve_model
 
     path = resolve_model(model)
     config = load_config(path)  # CheckpointError for a missing directory or config.json, bad JSON, ...
@@ -357,8 +357,6 @@ _CHECK_CODES = (
 
 
 def _blockers(config: ModelConfig, d_c: int, d_rope: int) -> list[Blocker]:
-    from kvgraft.graft.mla import GraftConfig
-
     K, hd, L = config.num_kv_heads, known(config.head_dim, "head_dim"), config.num_layers
     out: list[Blocker] = []
     mla = [i for i, k in enumerate(known(config.attention_kinds, "attention_kinds")) if k == "mla"]
@@ -437,7 +435,6 @@ def doctor(
     ``UnsupportedModelError`` for a model kvgraft cannot load), ``ValueError`` for a non-positive rank or
     ``dtype_bytes``. Problems with the conversion itself are reported as blockers, not raised.
     """
-    from kvgraft.graft.ranks import default_ranks
 
     formats = ("kvgraft", "deepseek_v3", "both")  # kvgraft.graft.convert.FORMATS (not imported: it needs torch)
     if output_format not in formats:
@@ -529,13 +526,10 @@ def doctor(
         )
 
     blockers = _blockers(config, d_c, d_rope)
-    from kvgraft.hf.engines import engine_support
 
     engines = [e.to_dict() for e in engine_support(d_c, d_rope, hd)]  # the graft keeps qk_nope = head_dim
     params_after = None
     if not blockers:
-        from kvgraft.graft.mla import GraftConfig, mla_model_config
-
         half = hd // 2
         index = {layer: tuple(i % half for i in range(d_rope // 2)) for layer in range(L)}
         try:

@@ -36,7 +36,7 @@ from kvgraft.model.batch import DenseContext
 from kvgraft.model.fields import known
 from kvgraft.model.mla import MLAttention
 from kvgraft.model.norm import RMSNorm
-from kvgraft.model.rope import RotaryEmbedding
+from kvgraft.model.rope import RotaryEmbedding, apply_rope
 from kvgraft.model.transformer import Block, GQAttention
 
 OBJECTIVES = ("weights", "activations", "attention")
@@ -545,7 +545,6 @@ def _distance_profile(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: tor
     the (B, H/K x T, T) probabilities are summed over batch and heads in fp32 into a (T, T) fp64 total, and
     the total's diagonals are read off once at the end.
     """
-    from kvgraft.model.rope import apply_rope
 
     attn = _gqa(block)
     H, K, d = attn.num_heads, attn.num_kv_heads, known(attn.head_dim, "head_dim")

@@ -205,6 +205,7 @@ class ConvertOptions:
                     f"target {target!r} needs stock_construction 'engines': vLLM loads no attention "
                     "bias, so the 'transformers' construction would silently serve another model"
                 )
+            # lazy: the CLI parser imports this module, and kvgraft.hf imports transformers
             from kvgraft.hf.engines import VLLM_PREFERRED
 
             want_c, want_r = VLLM_PREFERRED

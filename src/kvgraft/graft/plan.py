@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvgraft.checks import check_device, check_writable
+from kvgraft.errors import UnsupportedModelError
 from kvgraft.graft.calibration import CalibrationPlan, plan_calibration
 from kvgraft.graft.ced import CEDGraftConfig, default_kv_sources
 from kvgraft.graft.mla import GraftConfig, mla_model_config
@@ -26,8 +28,12 @@ from kvgraft.graft.ranks import (
     STOCK_ROPE_SELECTION,
     default_ranks,
 )
+from kvgraft.hf.deepseek import config_problems, stock_rope_parameters
+from kvgraft.hf.engines import VLLM_PREFERRED, vllm_rope_problem, vllm_shape_problem
+from kvgraft.hf.load import load_config, load_tokenizer_dir
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.fields import known
+from kvgraft.reference import resolve_model
 
 _STOCK_HEAD_NOTE = (
     "(stock DeepSeek-V3 rotates each frequency once in its one shared RoPE key, so the RoPE parts "
@@ -82,8 +88,6 @@ class ConvertPlan:
                 raise ValueError(f"rope selection {self.mla.rope_selection!r} cannot be exported to stock DeepSeek-V3")
             self.mla.check_against(config)
         if o.target is not None:
-            from kvgraft.hf.engines import VLLM_PREFERRED
-
             if (self.kv_lora_rank, self.qk_rope_head_dim) != VLLM_PREFERRED:
                 raise ValueError(f"target {o.target!r} needs d_c + d_rope = {VLLM_PREFERRED[0]} + {VLLM_PREFERRED[1]}")
         if (self.calibration is None) != (o.objective == "weights"):
@@ -171,9 +175,6 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
     TypeError). Reads the source's ``config.json``, its tokenizer (when it has one) and the calibration
     tokens (``kvgraft.graft.calibration``), probes ``out`` for writing and checks the device. Raises what
     ``convert`` raises for a bad argument, before any work."""
-    from kvgraft.checks import check_device, check_writable
-    from kvgraft.hf.load import load_config, load_tokenizer_dir
-    from kvgraft.reference import resolve_model
 
     o = ConvertOptions(**options)  # the checks that need no model
     output_format, stock, to = o.resolved_format, o.stock, o.to
@@ -187,8 +188,6 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
     hd = known(config.head_dim, "head_dim")
     kv_lora_rank, qk_rope_head_dim = o.kv_lora_rank, o.qk_rope_head_dim
     if o.target is not None:
-        from kvgraft.hf.engines import VLLM_PREFERRED, vllm_rope_problem, vllm_shape_problem
-
         problem = vllm_shape_problem(config.kv_width, hd)
         if problem:
             raise ValueError(f"--target {o.target}: {problem}")
@@ -279,9 +278,6 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
         ced = CEDGraftConfig(kv_source_layers=sources, sliding_window=o.sliding_window, compress_rate=o.compress_rate)
         ced.check_against(predicted)
     if stock:
-        from kvgraft.errors import UnsupportedModelError
-        from kvgraft.hf.deepseek import config_problems, stock_rope_parameters
-
         problems = config_problems(predicted)
         if problems:
             raise UnsupportedModelError(

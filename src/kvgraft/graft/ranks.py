@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvgraft.errors import UnsupportedModelError
+from kvgraft.hf.deepseek import stock_rope_parameters
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.fields import known
 
@@ -83,8 +85,6 @@ def stock_rope_problem(config: ModelConfig, d_rope: int, layout: str = STOCK_ROP
         return f"the stock DeepSeek-V3 layout (rope selection 'prefix') needs an even d_rope <= head_dim ({hd}), got {d_rope}"
     if config.rope.rope_type in ("default", "linear") or (layout == "stride" and config.rope.rope_type == "llama3"):
         return None  # functions of each base frequency alone, which both layouts reproduce exactly
-    from kvgraft.errors import UnsupportedModelError
-    from kvgraft.hf.deepseek import stock_rope_parameters
 
     try:
         stock_rope_parameters(config.replace(qk_rope_head_dim=d_rope), layout=layout)
