@@ -8,8 +8,10 @@ decoder layer in memory at a time, the output written as layers finish); ``--to 
 DeepSeek-V3 export (``--format deepseek_v3``/``both``) still load the whole model (``execute_whole``, in small
 steps: ``load_source``, ``graft``, ``tail_figures``, ``conversion_record``, ``write_outputs``).
 
-The output directory is written atomically (an interrupted conversion leaves nothing). It is itself the
-converted model in kvgraft's own format (``model_type: kvgraft``; ``kvgraft eval OUT`` works), plus
+The output directory is written atomically: it appears complete or not at all. The layer-by-layer executor
+stages it in ``.<out>.partial`` with a checkpoint after each layer, which a conversion interrupted after its
+first layer leaves behind for ``--resume`` (``kvgraft.graft.resume``); the whole-model executor leaves nothing.
+The output is itself the converted model in kvgraft's own format (``model_type: kvgraft``; ``kvgraft eval OUT`` works), plus
 ``conversion.json`` (what was done, with timings, and the plan), the tokenizer and the eval slices of the input
 when it has them, and, with ``--format deepseek_v3`` or ``both``, a stock DeepSeek-V3 export in ``deepseek_v3/``
 (``kvgraft.hf.deepseek``; what is exact for each family: ``docs/export.md``). For that format the graft keeps
@@ -66,6 +68,7 @@ def convert(
     calibration_seq_len: int = 512,
     output_format: str | None = None,
     overwrite: bool = False,
+    resume: bool = False,
     progress: bool = True,
     device: str = "cpu",
     to: str = "mla",
@@ -127,6 +130,7 @@ def convert(
             calibration_seq_len=calibration_seq_len,
             output_format=output_format,
             overwrite=overwrite,
+            resume=resume,
             progress=progress,
             device=device,
             to=to,

@@ -18,16 +18,18 @@ None of it grows with depth.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
-from kvgraft.atomic import atomic_dir
-from kvgraft.graft.mla import LayerGraft, _run_block, _shared_pairs, layer_postfix, layer_progress, rope_tables
+from kvgraft.graft.mla import GraftConfig, LayerGraft, _run_block, _shared_pairs, layer_postfix, rope_tables
 from kvgraft.graft.plan import ConvertPlan
 from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output
+from kvgraft.graft.resume import Checkpoint, fingerprint, staging_dir
 from kvgraft.hf.config_map import hf_config_from_model
 from kvgraft.hf.keys import hf_to_kvgraft
 from kvgraft.hf.load import WEIGHTS, WEIGHTS_INDEX, check_finite
@@ -60,12 +62,12 @@ class SourceLayers:
         self.reader, self.config, self.device = reader, config, device
         self.seconds = 0.0
 
-    def check(self, source: str) -> None:
+    def check(self, source: str, progress: bool = False) -> None:
         """What ``load_pretrained`` refuses, refused the same way and in its order, before any work: every
-        tensor finite (read one at a time, in file order), then names and shapes against the config (from
-        the headers)."""
+        tensor finite (read one at a time, in file order; with ``progress`` a bar once it takes over 2 s), then names and shapes
+        against the config (from the headers)."""
         r = self.reader
-        for name in r.keys():
+        for name in tqdm(r.keys(), desc="check weights", unit="tensor", disable=not progress, leave=False, delay=2.0):
             check_finite({name: r.get(name)}, source)
             r.release()  # unmapped as read: the file's pages would count in the resident memory
         state = {k: torch.empty(r.shape(k), device="meta") for k in r.keys()}
@@ -102,29 +104,31 @@ def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str
     """Convert ``plan`` (``to == "mla"``, ``output_format == "kvgraft"``) one layer at a time and write
     ``plan.out`` atomically; returns the ``conversion.json`` record (what ``execute_whole`` returns). Its
     "seconds", counted as ``execute_whole`` counts them: "load" is the time spent reading (and checking) the
-    source, "convert" the graft, without the calibration-tail figures and the writing."""
+    source, "convert" the graft, without the calibration-tail figures and the writing (summed over the runs
+    of a resumed conversion).
+
+    The output is staged in ``.<out>.partial`` with a checkpoint after each layer (``kvgraft.graft.resume``):
+    with ``plan.options.resume`` a conversion interrupted after layer k continues at layer k + 1."""
     g, config = plan.mla, plan.source_config
     if g is None or plan.to != "mla" or plan.output_format != "kvgraft":
         raise ValueError("the layer-by-layer executor converts --to mla with --format kvgraft only")
 
     weights_file = plan.source / (WEIGHTS if (plan.source / WEIGHTS).is_file() else WEIGHTS_INDEX)
-    t_start = time.perf_counter()
-    with CheckpointReader(plan.source) as reader:
-        src = SourceLayers(reader, config, plan.device)
-        t0 = time.perf_counter()
-        src.check(str(weights_file))
-        src.seconds += time.perf_counter() - t0
-        with atomic_dir(plan.out, overwrite=plan.overwrite) as tmp:
+    times = {"start": time.perf_counter(), "before": 0.0, "tail": 0.0}  # "before": seconds of earlier runs
+    with staging_dir(plan.out, plan.overwrite, plan.options.resume, fingerprint(plan, calib)) as checkpoint:
+        with CheckpointReader(plan.source) as reader:
+            src = SourceLayers(reader, config, plan.device)
+            t0 = time.perf_counter()
+            src.check(str(weights_file), plan.progress)
+            src.seconds += time.perf_counter() - t0
+            tmp = checkpoint.directory
             writer = ShardWriter(tmp, max_shard_bytes=shard_bytes(plan.predicted_config()))
-            tail_seconds = [0.0]
-            run, tail = _graft_layers(plan, src, calib, writer, tail_seconds)
+            run, tail = _graft_layers(plan, src, calib, writer, checkpoint, times)
             new_config = run.model_config()
             _check_written(writer.close(), new_config)
             # as the whole-model executor counts: "convert" is the graft, without the tail figures and the writing
-            seconds = {
-                "load": src.seconds,
-                "convert": time.perf_counter() - t_start - src.seconds - tail_seconds[0] - writer.seconds,
-            }
+            elapsed = times["before"] + time.perf_counter() - times["start"]
+            seconds = {"load": src.seconds, "convert": elapsed - src.seconds - times["tail"] - writer.seconds}
             parameters = {"original": num_parameters(config), "converted": num_parameters(new_config)}
             record = conversion_record(plan, new_config, share_report=None, tail=tail, seconds=seconds, parameters=parameters)
             hf_config = hf_config_from_model(new_config, "kvgraft", dtype=str(DTYPE).removeprefix("torch."))
@@ -135,32 +139,47 @@ def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str
 
 
 def _graft_layers(
-    plan: ConvertPlan, src: SourceLayers, calib: torch.Tensor | None, writer: ShardWriter, tail_seconds: list[float]
+    plan: ConvertPlan,
+    src: SourceLayers,
+    calib: torch.Tensor | None,
+    writer: ShardWriter,
+    checkpoint: Checkpoint,
+    times: dict[str, float],
 ) -> tuple[LayerGraft, dict[str, Any] | None]:
-    """The walk up the layers: graft, write, and run the tail through both stacks; then the head.
-    ``tail_seconds[0]`` receives the seconds spent on the tail."""
+    """The walk up the layers: graft, write, run the tail through both stacks and checkpoint each layer;
+    then the head. Starts after the checkpoint's last layer when it has one. ``times["tail"]`` receives the
+    seconds spent on the tail."""
     g, config, device = plan.mla, plan.source_config, torch.device(plan.device)
     assert g is not None
     rotary = RotaryEmbedding(config).to(device)
-    embed = src.tensor(EMBED)
-    writer.add(EMBED, embed)
-    hidden = None if calib is None else F.embedding(calib.to(device), embed)
     tail_ids = None if calib is None else calib[-TAIL_SEQUENCES:].to(device)
-    run = LayerGraft(config, g, rotary, hidden, clock={})
-    del hidden
-    if g.rope_selection == "shared":  # scores every chosen layer on the original stack first: a first pass
-        t0 = time.perf_counter()
-        run.shared_pairs = _shared_pairs(config, src.block, embed, rotary, g, sorted(run.layers), calib, 8, plan.progress)
-        run.clock["statistics"] += time.perf_counter() - t0
     tails: list[torch.Tensor] = []  # the tail's hidden states: [original stack, converted stack]
+    embed: torch.Tensor | None = None
+    if checkpoint.state is None:
+        start = 0
+        embed = src.tensor(EMBED)
+        writer.add(EMBED, embed)
+        hidden = None if calib is None else F.embedding(calib.to(device), embed)
+        run = LayerGraft(config, g, rotary, hidden, clock={})
+        del hidden
+        if g.rope_selection == "shared":  # scores every chosen layer on the original stack first: a first pass
+            t0 = time.perf_counter()
+            run.shared_pairs = _shared_pairs(config, src.block, embed, rotary, g, sorted(run.layers), calib, 8, plan.progress)
+            run.clock["statistics"] += time.perf_counter() - t0
+        if tail_ids is not None:
+            x = F.embedding(tail_ids, embed)
+            tails = [x, x]
+        if not config.tie_word_embeddings:
+            embed = None  # read again for the head only when it is the head
+    else:
+        start = int(checkpoint.state["next_layer"])
+        run, tails = _restore(checkpoint, config, g, rotary, writer, src, times)
+        if plan.progress:
+            print(f"resuming at layer {start} of {config.num_layers} from {checkpoint.directory}", file=sys.stderr, flush=True)
     if tail_ids is not None:
-        x = F.embedding(tail_ids, embed)
-        tails = [x, x]
         tail_cos, tail_sin = rope_tables(rotary, tail_ids.shape[0], tail_ids.shape[1])
-    if not config.tie_word_embeddings:
-        del embed  # read again for the head only when it is the head
-    bar = layer_progress(config.num_layers, plan.progress)
-    for layer in bar:
+    bar = tqdm(total=config.num_layers, initial=start, desc="convert", unit="layer", disable=not plan.progress)
+    for layer in range(start, config.num_layers):
         t = time.perf_counter()
         block = src.block(layer)
         built = run.step(layer, block) if layer <= run.last else None
@@ -170,19 +189,24 @@ def _graft_layers(
         if tails:  # one sequence at a time, as tail_figures runs the whole model on each
             t_tail = time.perf_counter()
             tails = [_run_block(block, tails[0], tail_cos, tail_sin, 1), _run_block(new, tails[1], tail_cos, tail_sin, 1)]
-            tail_seconds[0] += time.perf_counter() - t_tail
+            times["tail"] += time.perf_counter() - t_tail
         prefix = f"{HF_PREFIX}layers.{layer}."
         for key, tensor in new.state_dict().items():
             writer.add(prefix + key, tensor)
         run.converted.pop(layer, None)  # written: its factors (fp64) would add up over the layers
         del block, built, new
+        _save(checkpoint, layer + 1, run, tails, writer, src, times)
+        bar.update(1)
         if plan.progress:
             layer_postfix(bar, time.perf_counter() - t, run.clock)
+    bar.close()
     norm = RMSNorm(config.hidden_size, config.rms_norm_eps).to(device)
     norm.weight.copy_(src.tensor(NORM))
     writer.add(NORM, norm.weight)
-    head = embed if config.tie_word_embeddings else src.tensor(LM_HEAD)
-    if not config.tie_word_embeddings:
+    if config.tie_word_embeddings:
+        head = embed if embed is not None else src.tensor(EMBED)
+    else:
+        head = src.tensor(LM_HEAD)
         writer.add(LM_HEAD, head)
     if tail_ids is None:
         return run, None
@@ -190,8 +214,63 @@ def _graft_layers(
     tail = TailFigures(tail_ids)
     for i in range(tail_ids.shape[0]):  # the head as Transformer.forward applies it, one sequence at a time
         tail.add(i, *(F.linear(norm(x[i : i + 1]), head) for x in tails))
-    tail_seconds[0] += time.perf_counter() - t_tail
+    times["tail"] += time.perf_counter() - t_tail
     return run, tail.record()
+
+
+def _save(
+    checkpoint: Checkpoint,
+    next_layer: int,
+    run: LayerGraft,
+    tails: list[torch.Tensor],
+    writer: ShardWriter,
+    src: SourceLayers,
+    times: dict[str, float],
+) -> None:
+    """Checkpoint the walk after layer ``next_layer - 1``: what ``_restore`` reads back."""
+    tensors = {f"pending/{k}": v for k, v in writer.pending.items()}
+    for name, x in (("x_new", run.x_new), ("x_orig", run.x_orig)):
+        if x is not None:
+            tensors[f"stream/{name}"] = x
+    for i, x in enumerate(tails):
+        tensors[f"tail/{i}"] = x
+    elapsed = times["before"] + time.perf_counter() - times["start"]
+    state = {
+        "writer": writer.state(),
+        "rope_index": {str(k): [int(f) for f in v] for k, v in run.rope_index.items()},
+        "shared_pairs": {str(k): [[int(a), int(b)] for a, b in v] for k, v in run.shared_pairs.items()},
+        "clock": dict(run.clock),
+        "seconds": {"elapsed": elapsed, "load": src.seconds, "tail": times["tail"]},
+    }
+    checkpoint.write(next_layer, tensors, state)
+
+
+def _restore(
+    checkpoint: Checkpoint,
+    config: ModelConfig,
+    g: GraftConfig,
+    rotary: RotaryEmbedding,
+    writer: ShardWriter,
+    src: SourceLayers,
+    times: dict[str, float],
+) -> tuple[LayerGraft, list[torch.Tensor]]:
+    """The walk as ``_save`` left it: the graft's streams, layouts and clocks, the tail's states, the writer."""
+    state = checkpoint.state
+    assert state is not None
+    tensors = checkpoint.tensors()
+    x_new = tensors.get("stream/x_new")
+    # built on a stand-in of the stream's shape (meta: no copy), then given the saved streams
+    run = LayerGraft(
+        config, g, rotary, None if x_new is None else torch.empty(x_new.shape, device="meta"), clock=dict(state["clock"])
+    )
+    run.x_new, run.x_orig = x_new, tensors.get("stream/x_orig")
+    run.rope_index = {int(k): tuple(v) for k, v in state["rope_index"].items()}
+    run.shared_pairs = {int(k): [(a, b) for a, b in v] for k, v in state["shared_pairs"].items()}
+    tails = [tensors[f"tail/{i}"] for i in range(2) if f"tail/{i}" in tensors]
+    writer.restore(state["writer"], {k.removeprefix("pending/"): v for k, v in tensors.items() if k.startswith("pending/")})
+    src.seconds += float(state["seconds"]["load"])
+    times["before"], times["tail"] = float(state["seconds"]["elapsed"]), float(state["seconds"]["tail"])
+    return run, tails
 
 
 def _check_written(weight_map: dict[str, str], config: ModelConfig) -> None:

@@ -26,6 +26,7 @@ STOCK_CONSTRUCTIONS = ("engines", "transformers")  # kvgraft.hf.deepseek.STOCK_T
 OBJECTIVE_CHOICES = ("weights", "activations", "attention")  # kvgraft.graft.mla.OBJECTIVES
 ROPE_SELECTION_CHOICES = ("auto", "stride", "prefix", "norm", "shared")  # "auto" + kvgraft.graft.mla.ROPE_SELECTIONS
 ROPE_ROTATION_CHOICES = ("real", "complex")  # kvgraft.graft.mla_math.ROPE_ROTATIONS
+NOT_RECORDED = ("resume",)  # options left out of to_dict (and so out of conversion.json)
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,14 @@ class ConvertOptions:
     )
     device: str = _opt("cpu", "--device", "where the model and calibration run, e.g. cuda")
     overwrite: bool = _opt(False, "--overwrite", kind="switch")
+    resume: bool = _opt(
+        False,
+        "--resume",
+        "continue an interrupted conversion from its last finished layer (kept in the output's staging "
+        "directory, .OUT.partial), if it was started from the same source with the same options; refused, "
+        "naming the differences, otherwise",
+        kind="switch",
+    )
     # Python only
     calibration_seq_len: int = _opt(512)
     progress: bool = _opt(True)
@@ -242,6 +251,11 @@ class ConvertOptions:
                 _check_positive_int(name, getattr(self, name))
         for name in ("calibration_tokens", "calibration_seq_len"):
             _check_positive_int(name, getattr(self, name))
+        if self.resume and (to != "mla" or output_format != "kvgraft"):
+            raise ValueError(
+                "--resume continues the layer-by-layer conversion, which runs for --to mla --format kvgraft "
+                f"only; --to {to} --format {output_format} loads the whole model and cannot be resumed"
+            )
 
     @property
     def resolved_format(self) -> str:
@@ -256,9 +270,13 @@ class ConvertOptions:
         return self.resolved_format in ("deepseek_v3", "both")
 
     def to_dict(self) -> dict[str, Any]:
-        """The options as given, JSON-ready (tuples as lists, paths as strings)."""
+        """The options as given, JSON-ready (tuples as lists, paths as strings); without ``resume``, which
+        says how the conversion is carried out, not what it writes (a resumed conversion records what an
+        uninterrupted one does)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
+            if f.name in NOT_RECORDED:
+                continue
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else str(value) if isinstance(value, Path) else value
         return out

@@ -28,6 +28,7 @@ from kvgraft.graft.ranks import (
     STOCK_ROPE_SELECTION,
     default_ranks,
 )
+from kvgraft.graft.resume import check_staging
 from kvgraft.hf.deepseek import config_problems, stock_rope_parameters
 from kvgraft.hf.engines import VLLM_PREFERRED, vllm_rope_problem, vllm_shape_problem
 from kvgraft.hf.load import load_config, load_tokenizer_dir
@@ -183,6 +184,7 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
     out = Path(out)
     if out.exists() and not o.overwrite:
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+    check_staging(out, o.resume, o.overwrite)  # an interrupted conversion's finished layers are not discarded silently
     check_writable(out, what="output directory")
     config = load_config(src)  # config.json only
     hd = known(config.head_dim, "head_dim")

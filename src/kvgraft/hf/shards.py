@@ -167,6 +167,41 @@ class ShardWriter:
         self._written.append((path, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 
+    def state(self) -> dict[str, Any]:
+        """What ``restore`` needs to continue this writer in another process (JSON-ready): the shards written
+        (file names in ``directory``, tensor names) and the counters. The pending tensors are ``pending``."""
+        return {
+            "written": [[path.name, names] for path, names in self._written],
+            "pending": list(self._pending),
+            "total_bytes": self.total_bytes,
+            "peak_pending_bytes": self.peak_pending_bytes,
+            "seconds": self.seconds,
+        }
+
+    @property
+    def pending(self) -> dict[str, torch.Tensor]:
+        """The tensors added since the last shard was written (in order; not copies)."""
+        return dict(self._pending)
+
+    def restore(self, state: dict[str, Any], pending: dict[str, torch.Tensor]) -> None:
+        """Continue the writer whose ``state()`` was ``state`` and whose pending tensors were ``pending``: its
+        shards must still be in ``directory``. Only a fresh writer (nothing added) can be restored."""
+        if self._names or self._written or self._closed:
+            raise RuntimeError("only a fresh ShardWriter can be restored")
+        written = [(self.directory / name, list(names)) for name, names in state["written"]]
+        missing = [str(path) for path, _ in written if not path.is_file()]
+        if missing:
+            raise CheckpointError(f"cannot continue writing: shards {missing} are gone")
+        if list(pending) != list(state["pending"]):
+            raise CheckpointError("cannot continue writing: the pending tensors are not the ones recorded")
+        self._written = written
+        self._pending = {k: v.contiguous() for k, v in pending.items()}
+        self._pending_bytes = sum(t.numel() * t.element_size() for t in self._pending.values())
+        self._names = {n for _, names in written for n in names} | set(self._pending)
+        self.total_bytes = int(state["total_bytes"])
+        self.peak_pending_bytes = int(state["peak_pending_bytes"])
+        self.seconds = float(state["seconds"])
+
     def close(self) -> dict[str, str]:
         """Write what is pending, give the shards their final names, write the index; the weight map."""
         if self._closed:
