@@ -31,7 +31,9 @@ def test_sequences_that_expect_their_length_grow_in_consecutive_blocks():
             cache.commit(s, 1)
     for s in seqs:
         assert consecutive(cache.block_table(s)), cache.block_table(s)
-    claimed = {b for s in seqs for b in range(cache.block_table(s)[0], cache.block_table(s)[0] + 10)}
+    claimed = {
+        b for s, n in zip(seqs, (30, 17, 40)) for b in range(cache.block_table(s)[0], cache.block_table(s)[0] + -(-n // 4))
+    }
     assert not claimed & set(cache.block_table(loose))
 
 
@@ -97,14 +99,17 @@ def test_decode_over_views_equals_the_gathered_batch(changes, monkeypatch):
                     ctx = BatchContext(cache, seqs, [1] * len(seqs))
                     with torch.set_grad_enabled(grad):  # with grad, MLA takes its expanded path over the views
                         logits.append(model(t, ctx=ctx)[0].detach())
-                    runs.append(ctx.groups[0].row_pieces)
+                    # a static cache's rows sit in their slots' home runs: GQA layers read one strided view of
+                    # each pool (home), other paged layers per-row pieces
+                    runs.append((ctx.groups[0].home is not None, ctx.groups[0].row_pieces is not None))
             return torch.stack(logits), runs
         finally:
             BatchContext.views = old
 
     viewed, runs = run(True)
     gathered, none = run(False)
-    assert all(r is not None for r in runs) and all(r is None for r in none)  # both paths really ran
+    expect = ("gqa" in cfg.attention_kinds, "mla" in cfg.attention_kinds)
+    assert all(r == expect for r in runs) and all(r == (False, False) for r in none)  # both paths really ran
     torch.testing.assert_close(viewed, gathered, atol=1e-5, rtol=0)
     torch.testing.assert_close(run(True, grad=True)[0], gathered, atol=1e-5, rtol=0)
 
@@ -117,7 +122,11 @@ def test_short_rows_are_gathered_long_ones_viewed():
     cfg = get_preset("llama-tiny")
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4
     long = -(-ROW_VIEW_MIN_BYTES // per_token)
-    cache, seqs = static_cache(cfg, 2, long + 8, torch.float32, "cpu", block_size=16)
+    per_seq = -(-(long + 8) // 16)
+    # four slots but blocks for two sequences: no slot has a home run long enough (home views need one),
+    # so the sequences get consecutive runs elsewhere and decode chooses between per-row pieces and a gather
+    cache = PagedKVCache(cfg, num_blocks=2 * per_seq + 2, block_size=16, max_seqs=4, max_seq_len=long + 8)
+    seqs = [cache.add_sequence(expect_tokens=long + 8) for _ in range(2)]
     runs = {}
     for n in (8, long):
         for s in seqs:
@@ -169,4 +178,79 @@ def test_decode_over_pieces_of_interleaved_blocks_equals_the_gather(changes, mon
     viewed, pieces = run(True)
     gathered, _ = run(False)
     assert max(len(p) for step in pieces for p in step) >= 3  # the rows really were in several pieces
+    torch.testing.assert_close(viewed, gathered, atol=1e-5, rtol=0)
+
+
+def test_sequences_that_expect_their_length_start_at_their_slots_home():
+    """Each state slot has a home run of num_blocks // max_seqs blocks; a sequence that expects to fit
+    there starts there and grows in it, else it takes the first free run; a batch with a row away from
+    home is gathered."""
+    cfg = get_preset("llama-tiny")
+    cache = PagedKVCache(cfg, num_blocks=24, block_size=4, max_seqs=3, max_seq_len=32)
+    assert cache.home_stride == 8
+    seqs = [cache.add_sequence(expect_tokens=n) for n in (32, 9, 20)]
+    for _ in range(14):
+        for s in seqs:
+            if cache.length(s) < 9:
+                cache.extend(s, 1)
+                cache.commit(s, 1)
+    assert [cache.block_table(s) for s in seqs] == [[0, 1, 2], [8, 9, 10], [16, 17, 18]]
+    assert BatchContext(cache, seqs, [1, 1, 1]).groups[0].home == (0, 3, None)
+
+    cache = PagedKVCache(cfg, num_blocks=8, block_size=4, max_seqs=2, max_seq_len=16)
+    x = cache.add_sequence(expect_tokens=4)  # slot 0, home block 0, claims nothing more
+    cache.extend(x, 4)
+    loose = cache.add_sequence()  # says nothing: the oldest free unclaimed ids, 1 and 2 (slot 0's home run)
+    cache.extend(loose, 8)
+    cache.commit(loose, 8)
+    assert cache.block_table(loose) == [1, 2]
+    cache.free(x)
+    y = cache.add_sequence(expect_tokens=16)  # slot 0 again; its home run is not free: the first free run
+    cache.extend(y, 5)
+    cache.commit(y, 5)
+    assert cache.slot(y) == 0 and cache.block_table(y) == [3, 4]
+    assert BatchContext(cache, [y, loose], [1, 1]).groups[0].home is None
+
+
+@pytest.mark.parametrize("order", ["in-order", "permuted-with-a-gap"])
+def test_rows_at_home_read_one_strided_view_with_the_gather_logits(order):
+    """Decode rows whose blocks are their slots' home runs attend over one strided view of each GQA pool
+    (a range of slots; a slot of the range outside the group is attended and dropped): the same logits as
+    the gathered batch, and a batch with a row away from home is gathered."""
+    cfg = get_preset("llama-tiny")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights(0)
+    model.eval()
+    g = torch.Generator().manual_seed(3)
+    lengths = (7, 30, 2, 19)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    steps = torch.randint(0, cfg.vocab_size, (5, 3), generator=g)
+
+    def run(views: bool):
+        old = BatchContext.views
+        BatchContext.views = views
+        try:
+            cache = PagedKVCache(cfg, num_blocks=4 * 10, block_size=4, max_seqs=4, max_seq_len=40)
+            seqs = [cache.add_sequence(expect_tokens=40) for _ in prompts]
+            with torch.no_grad():
+                for s, p in zip(seqs, prompts):
+                    model(p, ctx=BatchContext(cache, [s], [len(p)]))
+                rows = seqs[:3] if order == "in-order" else [seqs[3], seqs[0], seqs[2]]  # slot 1 idle in the range
+                logits, homes = [], []
+                for t in steps:
+                    ctx = BatchContext(cache, rows, [1, 1, 1])
+                    logits.append(model(t, ctx=ctx)[0])
+                    homes.append(ctx.groups[0].home)
+            return torch.stack(logits), homes
+        finally:
+            BatchContext.views = old
+
+    viewed, homes = run(True)
+    gathered, none = run(False)
+    assert all(h is not None for h in homes) and all(h is None for h in none)
+    if order == "in-order":
+        assert all(h[:2] == (0, 3) and h[2] is None for h in homes)
+    else:
+        assert all(h[:2] == (0, 4) and h[2].tolist() == [3, 0, 2] for h in homes)
     torch.testing.assert_close(viewed, gathered, atol=1e-5, rtol=0)

@@ -61,6 +61,31 @@ def grouped_attention_head_major(
     return y.transpose(0, 1).reshape(G, K, R, T, -1).reshape(G, H, T, -1)
 
 
+def grouped_attention_strided(
+    q: torch.Tensor,  # (G, H, T, D)
+    k: torch.Tensor,  # (K, G, S, D): head-major, any stride between rows (views of the pools' home runs)
+    v: torch.Tensor,  # (K, G, S, Dv)
+    mask: torch.Tensor,  # (G, T, S) bool, True = attend
+    scale: float,
+) -> torch.Tensor:
+    """``grouped_attention_head_major`` over keys/values whose rows are strided views rather than one
+    contiguous batch: one batched matmul per key head (a batch of rows at a fixed stride is what a batched
+    matmul reads in place; the 4-d matmul would copy the keys to flatten heads and rows). Returns
+    (G, H, T, Dv); fp32 softmax."""
+    G, H, T, D = q.shape
+    K = k.shape[0]
+    R = H // K
+    qk = (q * scale).reshape(G, K, R * T, D)
+    blocked = (~mask)[:, None]  # (G, 1, T, S): broadcast over a key head's R query heads
+    y = []
+    for h in range(K):  # a loop over key heads (few), not rows
+        scores = torch.bmm(qk[:, h], k[h].transpose(1, 2)).float()  # (G, R*T, S)
+        scores.view(G, R, T, -1).masked_fill_(blocked, float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(v.dtype)
+        y.append(torch.bmm(p, v[h]))  # (G, R*T, Dv)
+    return torch.stack(y, dim=1).view(G, K, R, T, -1).reshape(G, H, T, -1)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` that keeps the CPU's fused kernel when the value width differs from
     the query/key width (latent attention: d_nope + d_rope vs d_v). That kernel needs equal widths; otherwise

@@ -40,8 +40,9 @@ from typing import Any, Protocol
 
 import torch
 
+from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS
 from kvgraft.model.cache import CacheFullError, PagedKVCache
-from kvgraft.model.views import Entries, HeadMajorKV, KVView, RowPieces
+from kvgraft.model.views import Entries, HeadMajorKV, HomeRows, KVView, RowPieces
 
 _FAR = -(10**9)  # position of a ring slot never written: outside every window
 _local = threading.local()
@@ -118,6 +119,9 @@ class Group:
     # (first block id, blocks, tokens); paged layers (GQA, MLA) attend each row over its pieces instead of
     # gathering the batch's blocks
     row_pieces: tuple[list[tuple[int, int, int]], ...] | None = None
+    # decode rows whose blocks are their slots' home runs: (first slot, end slot, each row's place in that
+    # range or None: the rows are the range in order); GQA layers read the pools as one strided view
+    home: tuple[int, int, torch.Tensor | None] | None = None
 
     def paged_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(starts (G,), state slots (G,)) of a group of cache rows; ValueError for the dense batch."""
@@ -420,8 +424,11 @@ class BatchContext(StepContext):
                 if self.views and len(cuts) == 1 and len(rows) == 1 and len(tb) == nb and len(_pieces(tb, nb * bs, bs)) == 1
                 else None
             )
+            slots = torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev)
+            home = self._home(cache, table, slots, ends, t) if run is None and len(cuts) == 1 else None
             row_pieces: list[list[tuple[int, int, int]]] | None = None
-            if self.views and t == 1 and len(cuts) == 1 and run is None and self._row_views_pay(cache, ends):
+            home_all = home is not None and len(cache.head_major) == len(cache.paged)  # every paged layer reads it
+            if self.views and t == 1 and not home_all and len(cuts) == 1 and run is None and self._row_views_pay(cache, ends):
                 row_pieces = []
                 for r, e in zip(rows, ends):
                     pieces = _pieces(cache.block_table(seqs[r])[: -(-e // bs)], e, bs)
@@ -443,7 +450,7 @@ class BatchContext(StepContext):
                     tok,
                     torch.tensor(starts, device=dev),
                     table,
-                    torch.tensor([cache.slot(seqs[r]) for r in rows], device=dev),
+                    slots,
                     max(ends),
                     adapter,
                     adapter_rows,
@@ -451,8 +458,36 @@ class BatchContext(StepContext):
                     rings,
                     unit_tables,
                     None if row_pieces is None else tuple(row_pieces),
+                    home,
                 )
             )
+
+    def _home(
+        self, cache: PagedKVCache, table: torch.Tensor, slots: torch.Tensor, ends: list[int], t: int
+    ) -> tuple[int, int, torch.Tensor | None] | None:
+        """(first slot, end slot, each row's place in that range or None when the rows are the range in
+        order) when every row of a decode group of several rows holds its blocks in its slot's home run, in
+        order (``PagedKVCache.home_view``): the group then reads the paged pools as strided views. Tensor
+        ops over the group's (G, blocks) table, no loop over rows."""
+        nb = table.shape[1]
+        if (
+            not self.views
+            or not cache.head_major
+            or t > DECODE_MAX_NEW_TOKENS
+            or len(ends) < 2
+            or not cache.home_stride
+            or nb > cache.home_stride
+        ):
+            return None
+        ar = torch.arange(nb, device=table.device)
+        used = ar[None] < -(-torch.tensor(ends, device=table.device)[:, None] // cache.block_size)
+        at_home = (table == slots[:, None] * cache.home_stride + ar[None]) | ~used
+        if not bool(at_home.all()):
+            return None
+        lo, hi = int(slots.min()), int(slots.max()) + 1
+        index = slots - lo
+        in_order = hi - lo == len(ends) and bool((index == torch.arange(len(ends), device=index.device)).all())
+        return lo, hi, None if in_order else index
 
     @staticmethod
     def _row_views_pay(cache: PagedKVCache, ends: list[int]) -> bool:
@@ -520,6 +555,12 @@ class BatchContext(StepContext):
                 flat = (table.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
                 src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
                 pool.view(H2, -1, d).index_copy_(1, flat, src)
+            if g.home is not None:  # rows at home: one strided view of the pool over their slots, no copy
+                lo, hi, index = g.home
+                keys = c.home_view(pool, lo, hi, g.max_end, dim=1)  # (2K, hi - lo, S, d)
+                out = HomeRows(keys, index, torch.arange(g.max_end, device=keys.device).expand(g.G, -1))
+                self.scratch[key] = out
+                return out
             if g.row_pieces is not None:  # decode rows read as views: per row, its pieces (2K, 1, S_i, d), no copy
                 out = RowPieces(
                     [[pool[:, b : b + n].reshape(H2, 1, n * bs, d)[:, :, :e] for b, n, e in pieces] for pieces in g.row_pieces]

@@ -96,10 +96,11 @@ class BlockAllocator:
         self._free_units[b] -= hi - lo
         return b
 
-    def allocate_next(self, owner: int, table: list[int], expect_blocks: int) -> int:
+    def allocate_next(self, owner: int, table: list[int], expect_blocks: int, home: int | None = None) -> int:
         """The next id of ``owner``'s (all-unit) ``table``: the id after its last one when free and not
-        claimed by another owner; for its first id, the start of the first free run of ``expect_blocks``
-        unclaimed ids (the rest of the run claimed for ``owner``); else any id, unclaimed ones first."""
+        claimed by another owner; for its first id, ``home`` when the run of ``expect_blocks`` ids from there
+        is free and unclaimed, else the start of the first such run (the rest of the run claimed for
+        ``owner``); else any id, unclaimed ones first."""
         U = self.num_units
         if table:
             b = table[-1] + 1
@@ -108,6 +109,9 @@ class BlockAllocator:
         else:
             free = (self._free_units == U) & (self._claim < 0)
             n = min(expect_blocks, self.num_blocks)
+            if home is not None and 0 <= home and home + max(n, 1) <= self.num_blocks and free[home : home + max(n, 1)].all():
+                self._claim[home + 1 : home + n] = owner
+                return self._take(home)
             if n > 1:
                 # run starts: free ids with n free ids from there (a sliding window sum over the free mask)
                 c = np.concatenate([[0], np.cumsum(free, dtype=np.int64)])

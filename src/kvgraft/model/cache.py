@@ -186,6 +186,10 @@ class PagedKVCache:
         # token blocks (a sequence that says how long it will get claims a run of consecutive ids and grows
         # into it, so decode reads its blocks as views of the pools)
         self.blocks = BlockAllocator(len(self.units), num_blocks, tuple(x for _, x in self.units))
+        # each state slot's *home*: blocks [slot * home_stride, (slot + 1) * home_stride). A sequence that says
+        # how long it will get (at most home_stride blocks) starts its run there, so a batch of sequences at
+        # home reads every paged pool as one strided view, (slots, home_stride * block_size, ...), no gather
+        self.home_stride = num_blocks // max_seqs
         self._free_slots: deque[int] = deque(range(max_seqs))
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
@@ -332,6 +336,16 @@ class PagedKVCache:
     def slot(self, seq: int) -> int:
         return self._get(seq).slot
 
+    def home_view(self, pool: torch.Tensor, lo: int, hi: int, tokens: int, dim: int = 0) -> torch.Tensor:
+        """The home runs of slots [lo, hi) of a paged pool whose block axis is ``dim`` (0, or 1 for the
+        head-major GQA pools), their first ``tokens`` positions: a view, (.., hi - lo, tokens, ..). A batch context reads a group this way when every row's blocks are
+        its home run, in order (``kvgraft.model.batch``)."""
+        per = self.home_stride * self.block_size
+        flat = pool.narrow(dim, 0, self.max_seqs * self.home_stride)
+        shape = list(flat.shape)
+        shape[dim : dim + 2] = [self.max_seqs, per]
+        return flat.view(shape).narrow(dim, lo, hi - lo).narrow(dim + 1, 0, tokens)
+
     def refcount(self, block: int, unit: int = 0) -> int:
         return self.blocks.refcount(block, unit) if self.units else 0
 
@@ -422,7 +436,8 @@ class PagedKVCache:
                 table[first] = new
             while len(table) * self.block_size < end:
                 if lo == 0 and hi == len(self.units) and s.expect_blocks:
-                    table.append(self.blocks.allocate_next(seq, table, s.expect_blocks))
+                    home = s.slot * self.home_stride if s.expect_blocks <= self.home_stride else None
+                    table.append(self.blocks.allocate_next(seq, table, s.expect_blocks, home))
                 else:
                     table.append(self.blocks.allocate(lo, hi))
 

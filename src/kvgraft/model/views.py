@@ -29,6 +29,7 @@ from kvgraft.model.attention_ops import (
     attention_over_pieces,
     grouped_attention,
     grouped_attention_head_major,
+    grouped_attention_strided,
     last_positions,
 )
 
@@ -108,6 +109,31 @@ class HeadMajorKV(KVView):
         return F.scaled_dot_product_attention(
             q, k_hm.transpose(0, 1), v_hm.transpose(0, 1), attn_mask=m[:, None], enable_gqa=K != H
         )
+
+
+class HomeRows(KVView):
+    """Decode rows that hold their blocks in their slots' home runs (``PagedKVCache.home_view``): a GQA
+    layer's keys and values as one strided view of the pool over a range of slots, (2K, n, S, d), no copy.
+    ``index`` (G,) places each row of the group in the range (None: the rows are the range, in order);
+    slots of the range outside the group are attended with every key visible and dropped (zero queries)."""
+
+    __slots__ = ("data", "index", "kpos")
+
+    def __init__(self, data: torch.Tensor, index: torch.Tensor | None, kpos: torch.Tensor) -> None:
+        self.data, self.index, self.kpos = data, index, kpos
+
+    def attend_heads(
+        self, q: torch.Tensor, num_kv_heads: int, window: int | None, mask: MaskOf, causal: bool, decode: bool
+    ) -> torch.Tensor:
+        K, d = num_kv_heads, q.shape[-1]
+        m = mask(self.kpos)  # (G, T, S)
+        if self.index is None:
+            return grouped_attention_strided(q, self.data[:K], self.data[K:], m, d**-0.5)
+        n = self.data.shape[1]
+        qr = q.new_zeros(n, *q.shape[1:]).index_copy_(0, self.index, q)
+        mr = torch.ones(n, *m.shape[1:], dtype=m.dtype, device=m.device).index_copy_(0, self.index, m)
+        y = grouped_attention_strided(qr, self.data[:K], self.data[K:], mr, d**-0.5)
+        return y.index_select(0, self.index)
 
 
 class RowPieces(KVView):
