@@ -139,7 +139,8 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         cfg = config.model_config
         self._init_std = cfg.initializer_range
         self.model = Transformer(cfg)
-        self.model.lm_head = nn.Identity()  # the backbone returns normed hidden states; the head is ours
+        # the backbone returns normed hidden states; the head is ours (Transformer declares lm_head a Linear)
+        self.model.lm_head = nn.Identity()  # type: ignore[assignment]
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.post_init()
 
