@@ -28,6 +28,20 @@ def _add_train_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
             p.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
 
 
+def _add_frozen_cache_args(p: argparse.ArgumentParser) -> None:
+    """``--frozen-cache`` and ``--frozen-cache-mb`` (kvgraft.train.frozen_prefix), for adapt and experiment."""
+    p.add_argument(
+        "--frozen-cache",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="cache the frozen layers' outputs (the hidden state entering the first adapted layer and the "
+        "shared KV it reads) per example across epochs, so a step runs only the adapted layers (the same "
+        "losses): auto (default) where layer 0 is frozen, with a note where not; on: refuse a placement "
+        "that adapts layer 0; off",
+    )
+    p.add_argument("--frozen-cache-mb", type=int, default=1024, help="most MiB the frozen-prefix cache holds (LRU; default 1024)")
+
+
 def _preset_name(name: str) -> str:
     """argparse type of ``pretrain --model``: checked when parsed, so that building the parser (and
     ``kvgraft --help``) does not import the model package, which imports torch."""
@@ -268,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy-examples", type=int, default=200, help="test problems answered greedily (0: skip)")
     p.add_argument("--val-examples", type=int, default=None, help="validation problems scored (default: all)")
     p.add_argument("--test-examples", type=int, default=None, help="test problems scored for the test loss (default: all)")
+    _add_frozen_cache_args(p)
     p.add_argument("--dry-run", action="store_true", help="list every matched module and the trainable count, then stop")
     p.set_defaults(func="adapters:adapt")
 
@@ -288,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sweep-first-layer", action="store_true", help="the placement curve: adapters on layers k..L-1 for every k (needs --lr)"
     )
     p.add_argument("--rank", type=int, default=16, help="rank for --sweep-first-layer")
+    _add_frozen_cache_args(p)
     p.set_defaults(func="adapters:experiment")
 
     p = sub.add_parser("probe", help="which adapter modules matter: gradient energy (rho_c) and zeroing ablation")

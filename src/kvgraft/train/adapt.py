@@ -47,6 +47,7 @@ from kvgraft.reference import resolve_model
 from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
 from kvgraft.train.config import TrainConfig
+from kvgraft.train.frozen_prefix import DEFAULT_MAX_MB, MODES, CachedLMLoss, cache_obstacle, planned_boundary, shared_cache
 from kvgraft.train.loop import evaluate, lm_loss, train
 
 RESULT_FILE = "result.json"
@@ -60,7 +61,11 @@ class AdaptConfig:
     ``decoder-half-r16`` with the pivot's KV writers frozen, the cache-sharing placement; elsewhere
     ``decoder-half-r16``). ``freeze_kv_writers`` None: frozen in that default on a causal encoder-decoder,
     not otherwise. ``require_sharing``: refuse, before training, an adapter that could not share the base's
-    cache (or a base without a shared cache); a check, not part of the run's configuration."""
+    cache (or a base without a shared cache); a check, not part of the run's configuration.
+    ``frozen_cache``: cache the frozen layers' outputs per example across epochs
+    (``kvgraft.train.frozen_prefix``; the same losses, bit for bit): ``auto`` where the placement leaves
+    layer 0 frozen (a note where not), ``on`` (refused where it cannot), ``off``; at most
+    ``frozen_cache_mb`` MiB held. Not part of the run's configuration either (it does not change a number)."""
 
     preset: str | None = None
     placement: Placement | None = None
@@ -85,8 +90,15 @@ class AdaptConfig:
     max_time_s: float | None = None
     progress: bool = True
     require_sharing: bool = False
+    frozen_cache: str = "auto"
+    frozen_cache_mb: int = DEFAULT_MAX_MB
 
     def __post_init__(self) -> None:
+        if self.frozen_cache not in MODES:
+            raise ValueError(f"frozen_cache {self.frozen_cache!r} is not one of {', '.join(MODES)}")
+        mb = self.frozen_cache_mb
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+            raise ValueError(f"frozen_cache_mb ({mb!r}) must be a positive integer (MiB)")
         if self.preset is not None:
             get_preset(self.preset)  # raises with the known names
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
@@ -141,10 +153,11 @@ class AdaptConfig:
         return tuple(sorted({max(1, round(self.steps * f)) for f in (0.5, 0.7, 1.0)}))
 
     def to_dict(self) -> dict[str, Any]:
-        """The run's configuration (what a finished run is compared with); ``require_sharing`` is a check,
-        not part of it."""
+        """The run's configuration (what a finished run is compared with); ``require_sharing`` is a check
+        and the frozen-prefix cache a speed-up, neither part of it."""
         d = asdict(self)
-        del d["require_sharing"]
+        for name in ("require_sharing", "frozen_cache", "frozen_cache_mb"):
+            del d[name]
         d["placement"] = None if self.is_default_placement else self.resolved_placement().to_dict()
         return d
 
@@ -220,6 +233,23 @@ def sharing(config, modules: list[str], base_name: str | None = None) -> dict[st
     }
 
 
+def frozen_prefix_loss(peft_model, cfg: AdaptConfig, log: Callable[[str], None] | None) -> tuple[Any, CachedLMLoss | None]:
+    """The loop's loss: through the frozen-prefix cache where ``cfg.frozen_cache`` and the model allow it
+    (the process's one cache, :func:`kvgraft.train.frozen_prefix.shared_cache`), else ``lm_loss``;
+    ``frozen_cache`` 'on' where it cannot apply is an error, 'auto' a note to ``log``."""
+    if cfg.frozen_cache == "off":
+        return lm_loss, None
+    why = cache_obstacle(peft_model)
+    if why is not None:
+        if cfg.frozen_cache == "on":
+            raise ValueError(f"the frozen-prefix cache was required (frozen_cache 'on'), but it does not apply: {why}")
+        if log is not None:
+            log(f"note: no frozen-prefix cache ({why}): every step runs the whole model")
+        return lm_loss, None
+    prefix = CachedLMLoss(peft_model, shared_cache(cfg.frozen_cache_mb << 20), cfg.precision)
+    return prefix, prefix
+
+
 def adapt(
     base: str | Path | None,
     task: str | Path,
@@ -248,6 +278,14 @@ def adapt(
     if cfg.require_sharing and not share["shares_cache"]:
         raise ValueError(f"sharing the cache was required, but this placement cannot share it: {share['why_not']}")
     report["sharing"] = share
+    first = planned_boundary(modules)  # the first adapted layer (a --freeze glob can only move it later)
+    if cfg.frozen_cache == "on" and first == 0 and not cfg.freeze:
+        raise ValueError(
+            "the frozen-prefix cache was required (frozen_cache 'on'), but this placement adapts layer 0 "
+            f"({next(m for m in modules if m.startswith('layers.0.'))}, ...): no frozen layer before it to cache; "
+            "adapt from a later layer (e.g. --layers decoder-half) or turn the cache off"
+        )
+    report["frozen_prefix_boundary"] = first
     if dry_run:
         return report
     if share["why_not"] and log is not None:
@@ -275,6 +313,7 @@ def adapt(
     if cfg.freeze:
         freeze(peft_model, cfg.freeze)
     model.gradient_checkpointing = cfg.gradient_checkpointing
+    loss_fn, prefix = frozen_prefix_loss(peft_model, cfg, log)
     groups = adapter_param_groups(peft_model, 0.0, dict(cfg.lr_multipliers), cfg.loraplus_ratio)
     val_batches = math.ceil(len(data["validation"]) / cfg.micro_batch_size)
     tcfg = TrainConfig(
@@ -302,7 +341,7 @@ def adapt(
         tcfg,
         out,
         val_data=data["validation"],
-        loss_fn=lm_loss,
+        loss_fn=loss_fn,
         param_groups=groups,
         checkpoint_trainable_only=True,
         eval_steps=sorted({max(1, round(cfg.steps * f)) for f in (0.1, 0.3)} | set(cfg.eval_steps())),
@@ -350,6 +389,7 @@ def adapt(
         "certificate": certificate_of(peft_model).to_dict(),
         "sharing": share,
         "seq_len": seq_len,
+        "frozen_prefix": prefix.summary() if prefix is not None else None,
     }
     save_adapter(
         peft_model,

@@ -32,6 +32,7 @@ from kvgraft.atomic import atomic_write_text
 from kvgraft.hf import load_config
 from kvgraft.reference import resolve_model
 from kvgraft.train.adapt import AdaptConfig, adapt
+from kvgraft.train.frozen_prefix import DEFAULT_MAX_MB
 
 FROZEN = "+frozen-kv-writers"
 DEFAULT_CONFIGS = (
@@ -58,6 +59,11 @@ def parse_config(name: str) -> tuple[str, bool]:
     return preset, frozen
 
 
+def _check_frozen_cache(mode: str, mb: int) -> None:
+    """Refuse a bad frozen-prefix cache setting before any run (naming the value and what is accepted)."""
+    AdaptConfig(frozen_cache=mode, frozen_cache_mb=mb)
+
+
 def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="run", disable=not enabled, dynamic_ncols=True)
 
@@ -79,6 +85,8 @@ def lr_sweep(
     micro_batch_size: int = 16,
     progress: bool = True,
     val_examples: int | None = None,
+    frozen_cache: str = "auto",
+    frozen_cache_mb: int = DEFAULT_MAX_MB,
 ) -> dict[str, Any]:
     """Short runs at each LR; the pick is the lowest plateau (mean training loss over the last third). The
     runs score ``val_examples`` validation problems (None: all) and one test problem (the pick never
@@ -100,6 +108,8 @@ def lr_sweep(
                 progress=False,
                 val_examples=val_examples,
                 test_examples=1,
+                frozen_cache=frozen_cache,
+                frozen_cache_mb=frozen_cache_mb,
             ),
         )
         losses = [loss for _, loss in r["train_curve"]]
@@ -140,10 +150,15 @@ def placement_study(
     precision: str = "bf16",
     val_examples: int | None = None,
     test_examples: int | None = None,
+    frozen_cache: str = "auto",
+    frozen_cache_mb: int = DEFAULT_MAX_MB,
 ) -> dict[str, Any]:
-    """Run (or continue) the study; writes ``study.json``, ``study.md`` and ``curves.png`` to ``out_dir``."""
+    """Run (or continue) the study; writes ``study.json``, ``study.md`` and ``curves.png`` to ``out_dir``.
+    ``frozen_cache``/``frozen_cache_mb``: each run's frozen-prefix cache (``AdaptConfig``; 'auto' uses it
+    for the configurations that leave layer 0 frozen; one cache for the process, so seeds share it)."""
 
     parsed = [parse_config(c) for c in configs]  # validate everything before any work
+    _check_frozen_cache(frozen_cache, frozen_cache_mb)
     if seeds < 1 or steps < 10 or steps % 10:
         raise ValueError(f"seeds ({seeds}) must be >= 1 and steps ({steps}) a multiple of 10 (evaluations every 10)")
     if lr is not None and not lr > 0:
@@ -161,6 +176,8 @@ def placement_study(
             micro_batch_size=micro_batch_size,
             progress=progress,
             val_examples=val_examples,
+            frozen_cache=frozen_cache,
+            frozen_cache_mb=frozen_cache_mb,
         )
         lr = sweep["lr"]
     runs: dict[str, list[dict]] = {c: [] for c in configs}
@@ -183,6 +200,8 @@ def placement_study(
                     val_examples=val_examples,
                     test_examples=test_examples,
                     progress=False,
+                    frozen_cache=frozen_cache,
+                    frozen_cache_mb=frozen_cache_mb,
                 ),
             )
             runs[name].append(r)
@@ -307,9 +326,13 @@ def placement_curve(
     micro_batch_size: int = 16,
     progress: bool = True,
     precision: str = "bf16",
+    frozen_cache: str = "auto",
+    frozen_cache_mb: int = DEFAULT_MAX_MB,
 ) -> dict[str, Any]:
-    """Adapters on layers k..L-1 for every k (all linear projections, the pivot's KV writers frozen)."""
+    """Adapters on layers k..L-1 for every k (all linear projections, the pivot's KV writers frozen); the
+    runs with k >= 1 use the frozen-prefix cache unless ``frozen_cache`` is 'off' ('on': k = 0 is refused)."""
 
+    _check_frozen_cache(frozen_cache, frozen_cache_mb)
     config = load_config(resolve_model(base))
     if lr is None:
         sweep_file = Path(out_dir).parent / "study" / "study.json"
@@ -338,6 +361,8 @@ def placement_curve(
                         precision=precision,
                         accuracy_examples=0,
                         progress=False,
+                        frozen_cache=frozen_cache,
+                        frozen_cache_mb=frozen_cache_mb,
                     ),
                 )
             )

@@ -80,6 +80,15 @@ def boundary(model: nn.Module) -> int:
     return transformer_in(model).first_trainable_layer()
 
 
+def planned_boundary(modules: list[str]) -> int | None:
+    """The first layer an adapter on ``modules`` (names like ``layers.4.self_attn.q_proj``) trains: the
+    boundary before the model is built (0 for the embedding; None when no layer is adapted)."""
+    layers = [
+        0 if m.startswith("embed_tokens") else int(m.split(".")[1]) for m in modules if m.startswith(("layers.", "embed_tokens"))
+    ]
+    return min(layers) if layers else None
+
+
 def read_keys(config, k: int) -> list[tuple[str, int]]:
     """The cross-layer KV that layers ``k``.. read and a layer before ``k`` writes (besides the hidden state)."""
     sources = sorted({s for lay in range(k, config.num_layers) if (s := config.kv_source_of(lay)) is not None and s < k})
@@ -233,6 +242,7 @@ class CachedLMLoss:
                 h.update(name.encode())
                 h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         self.prefix_digest = h.digest()
+        self.hits = self.misses = 0  # this loss's rows (the cache's own counters may span several runs)
 
     def key(self, ids: torch.Tensor) -> bytes:
         """One example's key: the prefix digest and its token ids (T,)."""
@@ -244,6 +254,8 @@ class CachedLMLoss:
         keys = [self.key(r) for r in input_ids]
         entries = [self.cache.get(key) for key in keys]
         missing = [i for i, e in enumerate(entries) if e is None]
+        self.misses += len(missing)
+        self.hits += len(entries) - len(missing)
         names = [("x", self.k)] + read_keys(self.tf.config, self.k)
         if missing:  # the whole batch: its rows come out as in a step without the cache (the same shapes)
             x, kv = run_prefix(self.tf, input_ids, self.k)
@@ -263,8 +275,9 @@ class CachedLMLoss:
         return loss, {}
 
     def summary(self) -> dict[str, Any]:
-        """What a run records: the boundary and the cache's counters (bytes held, peak, bound)."""
-        return {"boundary": self.k, **asdict(self.cache.stats)}
+        """What a run records: the boundary, this run's hits and misses (rows), the cache's bytes held, peak
+        and bound (its evictions and entries over its whole life: one cache serves a process's runs)."""
+        return {**asdict(self.cache.stats), "boundary": self.k, "hits": self.hits, "misses": self.misses}
 
 
 __all__ = [
@@ -275,6 +288,7 @@ __all__ = [
     "FrozenPrefixCache",
     "boundary",
     "cache_obstacle",
+    "planned_boundary",
     "read_keys",
     "run_prefix",
     "run_suffix",

@@ -61,6 +61,8 @@ def adapt_config(args: argparse.Namespace) -> AdaptConfig:
         val_examples=args.val_examples,
         test_examples=args.test_examples,
         require_sharing=args.share_cache,
+        frozen_cache=args.frozen_cache,
+        frozen_cache_mb=args.frozen_cache_mb,
     )
 
 
@@ -85,6 +87,12 @@ def adapt(args: argparse.Namespace) -> int:
         print(f"  touched cache groups:   {', '.join(cert['touched']) or '-'}")
         return 0
     keys = ("task", "steps", "val_loss_protocol", "test_loss", "test_accuracy", "step_time_s", "trainable_parameters")
+    fp = result.get("frozen_prefix")
+    if fp:
+        print(
+            f"frozen-prefix cache: layers 0-{fp['boundary'] - 1} run once per example ({fp['hits']:,} rows "
+            f"from the cache, {fp['misses']:,} computed; {fp['bytes'] / 2**20:.1f} MiB held, bound {fp['max_bytes'] / 2**20:.0f})"
+        )
     print(json.dumps({k: result.get(k) for k in keys} | {"adapter": str(Path(args.out) / "adapter")}))
     if share is not None:
         print(f"sharing certificate: {share['verdict']}")  # the run's last line
@@ -102,6 +110,8 @@ def experiment(args: argparse.Namespace) -> int:
             rank=args.rank,
             lr=args.lr,
             micro_batch_size=args.micro_batch_size,
+            frozen_cache=args.frozen_cache,
+            frozen_cache_mb=args.frozen_cache_mb,
         )
         print((Path(args.out) / "curve.md").read_text())
         print(f"plot: {Path(args.out) / 'curve.png'}; pivot layer {curve['pivot']}")
@@ -116,6 +126,8 @@ def experiment(args: argparse.Namespace) -> int:
         lr=args.lr,
         micro_batch_size=args.micro_batch_size,
         accuracy_examples=args.accuracy_examples,
+        frozen_cache=args.frozen_cache,
+        frozen_cache_mb=args.frozen_cache_mb,
     )
     print((Path(args.out) / "study.md").read_text())
     print(f"curves: {Path(args.out) / 'curves.png'}")
