@@ -303,6 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--sweep-first-layer", action="store_true", help="the placement curve: adapters on layers k..L-1 for every k (needs --lr)"
     )
     p.add_argument("--rank", type=int, default=16, help="rank for --sweep-first-layer")
+    p.add_argument(
+        "--sweep-lrs",
+        type=float,
+        nargs="+",
+        default=None,
+        help="the LR sweep's grid (default 3e-4 1e-3 3e-3 1e-2; extended past an edge that holds the pick)",
+    )
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="the study's runs (the sweep is fp32)")
+    p.add_argument("--val-examples", type=int, default=None, help="validation problems scored per run (default: all)")
+    p.add_argument("--test-examples", type=int, default=None, help="test problems scored per run (default: all)")
     _add_frozen_cache_args(p)
     p.set_defaults(func="adapters:experiment")
 

@@ -82,6 +82,7 @@ def lr_sweep(
     lrs=SWEEP_LRS,
     steps: int = 30,
     preset: str = "all-linear-r16",
+    max_extensions: int = 2,
     micro_batch_size: int = 16,
     progress: bool = True,
     val_examples: int | None = None,
@@ -90,10 +91,18 @@ def lr_sweep(
 ) -> dict[str, Any]:
     """Short runs at each LR; the pick is the lowest plateau (mean training loss over the last third). The
     runs score ``val_examples`` validation problems (None: all) and one test problem (the pick never
-    reads the test split)."""
-    rows = []
+    reads the test split). A pick at an edge of the grid is not an optimum: the grid is extended past that
+    edge by its own outer ratio and swept again, at most ``max_extensions`` times per edge (the result's
+    ``at_edge`` says whether the final pick is still at one)."""
+    lrs = _check_lrs(lrs)
+    if max_extensions < 0:
+        raise ValueError(f"max_extensions ({max_extensions}) must be >= 0")
+    rows: list[dict[str, Any]] = []
     bar = _progress(len(lrs), "lr sweep", progress)
-    for lr in lrs:
+    extended = {"low": 0, "high": 0}
+    pending = list(lrs)
+    while pending:
+        lr = pending.pop(0)
         r = adapt(
             base,
             task,
@@ -123,15 +132,41 @@ def lr_sweep(
             }
         )
         bar.update(1)
+        if not pending:  # the grid is done: extend it past an edge that holds the pick
+            grid = sorted(row["lr"] for row in rows)
+            best_lr = min(rows, key=lambda row: row["plateau"])["lr"]
+            if best_lr == grid[-1] and extended["high"] < max_extensions:
+                extended["high"] += 1
+                pending.append(_round_lr(grid[-1] * grid[-1] / grid[-2]))
+            elif best_lr == grid[0] and extended["low"] < max_extensions:
+                extended["low"] += 1
+                pending.append(_round_lr(grid[0] * grid[0] / grid[1]))
+            if pending:
+                bar.total = (bar.total or 0) + 1
     bar.close()
+    rows.sort(key=lambda row: row["lr"])
     best = min(rows, key=lambda row: row["plateau"])
     return {
         "rows": rows,
         "lr": best["lr"],
         "rule": "lowest plateau (mean training loss over the last third)",
+        "at_edge": best["lr"] in (rows[0]["lr"], rows[-1]["lr"]),
+        "extensions": extended,
         "steps": steps,
         "preset": preset,
     }
+
+
+def _check_lrs(lrs) -> list[float]:
+    grid = sorted(float(x) for x in lrs)
+    if len(grid) < 2 or grid[0] <= 0 or len(set(grid)) != len(grid):
+        raise ValueError(f"lrs ({grid}) must be at least two distinct positive learning rates")
+    return grid
+
+
+def _round_lr(lr: float) -> float:
+    """Three significant digits (3e-2, not 0.030000000000000006): the LR names its run directory."""
+    return float(f"{lr:.3g}")
 
 
 def placement_study(
@@ -163,6 +198,8 @@ def placement_study(
         raise ValueError(f"seeds ({seeds}) must be >= 1 and steps ({steps}) a multiple of 10 (evaluations every 10)")
     if lr is not None and not lr > 0:
         raise ValueError(f"lr ({lr}) must be > 0")
+    if lr is None:
+        _check_lrs(sweep_lrs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sweep = None
@@ -272,7 +309,8 @@ def study_markdown(study: dict[str, Any]) -> str:
             "",
             f"LR sweep ({sw['preset']}, {sw['steps']} steps, {sw['rule']}): "
             + ", ".join(f"{r['lr']:g}: plateau {r['plateau']:.3f} (early {r['early']:.3f})" for r in sw["rows"])
-            + f" -> {sw['lr']:g}",
+            + f" -> {sw['lr']:g}"
+            + (" (still at the grid's edge after extending it)" if sw.get("at_edge") else ""),
         ]
     return "\n".join(lines) + "\n"
 

@@ -10,7 +10,7 @@ from kvgraft.adapters.placement import Placement
 from kvgraft.atomic import atomic_write_text
 from kvgraft.train.adapt import DEFAULT_PRESET, AdaptConfig
 from kvgraft.train.adapt import adapt as run_adapt
-from kvgraft.train.experiment import DEFAULT_CONFIGS, placement_curve, placement_study
+from kvgraft.train.experiment import DEFAULT_CONFIGS, SWEEP_LRS, placement_curve, placement_study
 from kvgraft.train.probe import probe as run_probe
 from kvgraft.train.probe import probe_markdown
 
@@ -126,8 +126,12 @@ def experiment(args: argparse.Namespace) -> int:
         lr=args.lr,
         micro_batch_size=args.micro_batch_size,
         accuracy_examples=args.accuracy_examples,
+        precision=args.precision,
+        val_examples=args.val_examples,
+        test_examples=args.test_examples,
         frozen_cache=args.frozen_cache,
         frozen_cache_mb=args.frozen_cache_mb,
+        sweep_lrs=tuple(args.sweep_lrs) if args.sweep_lrs else SWEEP_LRS,
     )
     print((Path(args.out) / "study.md").read_text())
     print(f"curves: {Path(args.out) / 'curves.png'}")
