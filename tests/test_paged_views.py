@@ -212,11 +212,18 @@ def test_sequences_that_expect_their_length_start_at_their_slots_home():
     assert BatchContext(cache, [y, loose], [1, 1]).groups[0].home is None
 
 
-@pytest.mark.parametrize("order", ["in-order", "permuted-with-a-gap"])
-def test_rows_at_home_read_one_strided_view_with_the_gather_logits(order):
+@pytest.mark.parametrize(
+    "slots, order, expect",
+    [
+        (8, "in-order", ((0, 3), None)),  # fewer than half the slots: the rows' range, one matmul per key head
+        (8, "permuted-with-a-gap", ((0, 4), [3, 0, 2])),  # slot 1 in the range is idle: attended and dropped
+        (4, "permuted-with-a-gap", ((0, 4), [3, 0, 2])),  # half the slots or more: all of them, one matmul
+    ],
+)
+def test_rows_at_home_read_one_strided_view_with_the_gather_logits(slots, order, expect):
     """Decode rows whose blocks are their slots' home runs attend over one strided view of each GQA pool
     (a range of slots; a slot of the range outside the group is attended and dropped): the same logits as
-    the gathered batch, and a batch with a row away from home is gathered."""
+    the gathered batch."""
     cfg = get_preset("llama-tiny")
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -231,12 +238,12 @@ def test_rows_at_home_read_one_strided_view_with_the_gather_logits(order):
         old = BatchContext.views
         BatchContext.views = views
         try:
-            cache = PagedKVCache(cfg, num_blocks=4 * 10, block_size=4, max_seqs=4, max_seq_len=40)
+            cache = PagedKVCache(cfg, num_blocks=slots * 10, block_size=4, max_seqs=slots, max_seq_len=40)
             seqs = [cache.add_sequence(expect_tokens=40) for _ in prompts]
             with torch.no_grad():
                 for s, p in zip(seqs, prompts):
                     model(p, ctx=BatchContext(cache, [s], [len(p)]))
-                rows = seqs[:3] if order == "in-order" else [seqs[3], seqs[0], seqs[2]]  # slot 1 idle in the range
+                rows = seqs[:3] if order == "in-order" else [seqs[3], seqs[0], seqs[2]]
                 logits, homes = [], []
                 for t in steps:
                     ctx = BatchContext(cache, rows, [1, 1, 1])
@@ -249,8 +256,6 @@ def test_rows_at_home_read_one_strided_view_with_the_gather_logits(order):
     viewed, homes = run(True)
     gathered, none = run(False)
     assert all(h is not None for h in homes) and all(h is None for h in none)
-    if order == "in-order":
-        assert all(h[:2] == (0, 3) and h[2] is None for h in homes)
-    else:
-        assert all(h[:2] == (0, 4) and h[2].tolist() == [3, 0, 2] for h in homes)
+    for h in homes:
+        assert h[:2] == expect[0] and (h[2] is None if expect[1] is None else h[2].tolist() == expect[1])
     torch.testing.assert_close(viewed, gathered, atol=1e-5, rtol=0)

@@ -485,6 +485,8 @@ class BatchContext(StepContext):
         if not bool(at_home.all()):
             return None
         lo, hi = int(slots.min()), int(slots.max()) + 1
+        if 2 * len(ends) >= cache.max_seqs:  # at least half the slots: read all of them (one matmul, no gap)
+            lo, hi = 0, cache.max_seqs
         index = slots - lo
         in_order = hi - lo == len(ends) and bool((index == torch.arange(len(ends), device=index.device)).all())
         return lo, hi, None if in_order else index

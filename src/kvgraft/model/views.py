@@ -127,13 +127,19 @@ class HomeRows(KVView):
     ) -> torch.Tensor:
         K, d = num_kv_heads, q.shape[-1]
         m = mask(self.kpos)  # (G, T, S)
+        # every slot of the pool: heads and slots are one batch axis of fixed stride, so one 4-d matmul reads
+        # the view in place; a narrower range has a gap between heads: one batched matmul per key head
+        attend = (
+            grouped_attention_head_major
+            if self.data.stride(0) == self.data.shape[1] * self.data.stride(1)
+            else grouped_attention_strided
+        )
         if self.index is None:
-            return grouped_attention_strided(q, self.data[:K], self.data[K:], m, d**-0.5)
+            return attend(q, self.data[:K], self.data[K:], m, d**-0.5)
         n = self.data.shape[1]
         qr = q.new_zeros(n, *q.shape[1:]).index_copy_(0, self.index, q)
         mr = torch.ones(n, *m.shape[1:], dtype=m.dtype, device=m.device).index_copy_(0, self.index, m)
-        y = grouped_attention_strided(qr, self.data[:K], self.data[K:], mr, d**-0.5)
-        return y.index_select(0, self.index)
+        return attend(qr, self.data[:K], self.data[K:], mr, d**-0.5).index_select(0, self.index)
 
 
 class RowPieces(KVView):

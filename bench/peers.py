@@ -1,0 +1,326 @@
+"""kvgraft's engine against its peers, side by side in one run: the same requests, the same greedy tokens.
+
+    .venv/bin/python bench/peers.py                                   # both reference models, 1 and 2 threads
+    .venv/bin/python bench/peers.py --models llama --threads 1 --requests 8 --new-tokens 8 --repeats 1  # smoke
+
+The requests are bench/engine.py's: ``--requests`` prompts of lengths uniform in [16, 400] (seed 0), random
+token ids, ``--new-tokens`` greedy tokens each, fp32, EOS ignored. Per model and thread count (``--threads``:
+torch's intra-op threads here, OpenMP threads in vLLM's process), every system runs the whole workload,
+interleaved over ``--repeats`` rounds; the fastest round of each counts (the first pays one-time kernel set-up).
+A timed run includes building its engine and cache (kvgraft's, transformers'); vLLM's start-up is not timed.
+
+- kvgraft, one at a time: an engine of one sequence, each request to the end before the next;
+- kvgraft, static batches: ``--static-batch`` requests admitted together, the next batch when all finished;
+- **kvgraft engine**: every request queued at once, ``--max-seqs`` running, ``--max-batch-tokens`` a step;
+- transformers continuous batching: ``generate_batch`` (its manager, timed end to end: manager start and
+  stop included), sdpa, ``--cb-num-blocks`` pages of ``--cb-page-size`` tokens (bounded), ``--max-batch-tokens``
+  a step, no switch to flash attention, no block sharing. The Llama reference loads as a stock
+  ``LlamaForCausalLM`` (transformers' own attention and paged cache); the causal encoder-decoder through
+  kvgraft's Auto classes (docs/transformers.md: transformers schedules, each step runs over kvgraft's cache);
+- transformers static ``model.generate``: left-padded batches of ``--static-batch`` (the causal
+  encoder-decoder's ``KvgraftForCausalLM.generate`` decodes through kvgraft's engine);
+- vLLM on the CPU (the Llama only: vLLM cannot load the causal encoder-decoder), in its own process from the
+  vLLM environment (``--vllm-python``, default ``.venv-vllm/bin/python``; ``make vllm-env`` builds it), fed
+  the same token ids (bench/peers_vllm.py), ``--max-seqs`` sequences and ``--max-batch-tokens`` a step, as
+  the engine. Skipped, and said so, when that environment is missing.
+
+Every system's tokens are compared with kvgraft one-at-a-time's (the count of equal requests is printed); the
+run fails after printing if any differ. Prints a markdown table per model and thread count with tok/s and the
+ratio to the kvgraft engine, and writes JSON to ``--out`` (kvgraft.atomic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
+import kvgraft.hf  # noqa: F401  (registers kvgraft's format with transformers' Auto classes)
+from kvgraft.atomic import atomic_write_json
+from kvgraft.hf import load_pretrained
+from kvgraft.reference import resolve_model
+from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.sampling import SamplingParams
+
+MODELS = {"llama": "kvgraft-llama-8m", "ced": "kvgraft-ced-8m"}
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "PEERS_VLLM "  # bench/peers_vllm.py's answers start with this (vLLM logs to stdout too)
+
+Run = Callable[[], tuple[list[list[int]], float]]
+
+
+def kv_one(model, prompts, params) -> tuple[list[list[int]], float]:
+    t0 = time.perf_counter()
+    outs = [Engine(model, max_seqs=1, max_batch_tokens=512).generate([p], params)[0] for p in prompts]
+    return outs, time.perf_counter() - t0
+
+
+def kv_static(model, prompts, params, batch: int) -> tuple[list[list[int]], float]:
+    t0 = time.perf_counter()
+    engine = Engine(model, max_seqs=batch, max_batch_tokens=100_000)
+    outs: list[list[int]] = []
+    for i in range(0, len(prompts), batch):
+        outs += engine.generate(prompts[i : i + batch], params)
+    return outs, time.perf_counter() - t0
+
+
+def kv_engine(model, prompts, params, max_seqs: int, max_batch_tokens: int) -> tuple[list[list[int]], float]:
+    t0 = time.perf_counter()
+    outs = Engine(model, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens).generate(prompts, params)
+    return outs, time.perf_counter() - t0
+
+
+def greedy_config(new_tokens: int, eos: int | None) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+
+
+def hf_cb(hf, prompts, new_tokens: int, cb: dict[str, Any]) -> tuple[list[list[int]], float]:
+    t0 = time.perf_counter()
+    out = hf.generate_batch(
+        prompts,
+        generation_config=greedy_config(new_tokens, -1),  # -1: no token stops a request
+        continuous_batching_config=ContinuousBatchingConfig(**cb),
+        warmup=False,
+        progress_bar=False,
+    )
+    wall = time.perf_counter() - t0
+    errors = [r.error for r in out.values() if r.error is not None]
+    if errors or len(out) != len(prompts):
+        raise RuntimeError(f"transformers continuous batching: {len(out)} results for {len(prompts)}, errors {errors[:3]}")
+    by_id = sorted(out.items(), key=lambda kv: int(str(kv[0]).rsplit("_", 1)[-1]))  # request ids req_0, req_1, ...
+    return [list(r.generated_tokens) for _, r in by_id], wall
+
+
+def hf_static(hf, prompts, new_tokens: int, batch: int) -> tuple[list[list[int]], float]:
+    gc = greedy_config(new_tokens, None)
+    outs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        T = max(len(p) for p in chunk)
+        ids = torch.zeros(len(chunk), T, dtype=torch.long)
+        mask = torch.zeros(len(chunk), T, dtype=torch.long)
+        for r, p in enumerate(chunk):  # left padding
+            ids[r, T - len(p) :] = torch.tensor(p)
+            mask[r, T - len(p) :] = 1
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+        outs += out[:, T:].tolist()
+    return outs, time.perf_counter() - t0
+
+
+class VllmPeer:
+    """bench/peers_vllm.py in the vLLM environment: started once per model and thread count, one
+    ``round`` per call (the same prompts each time)."""
+
+    def __init__(
+        self, python: Path, model_dir: Path, prompts, new_tokens: int, threads: int, max_seqs: int, max_batch_tokens: int
+    ) -> None:
+        self._cfg = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump(
+            {
+                "model": str(model_dir),
+                "prompts": prompts,
+                "new_tokens": new_tokens,
+                "threads": threads,
+                "max_num_seqs": max_seqs,
+                "max_num_batched_tokens": max_batch_tokens,
+                "max_model_len": 512,
+            },
+            self._cfg,
+        )
+        self._cfg.close()
+        self.proc = subprocess.Popen(
+            [str(python), str(ROOT / "bench" / "peers_vllm.py"), self._cfg.name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.version = self._answer()["version"]
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                answer: dict[str, Any] = json.loads(line[len(MARK) :])
+                return answer
+        raise RuntimeError(f"the vLLM process ended (exit code {self.proc.wait()}) without an answer")
+
+    def round(self) -> tuple[list[list[int]], float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        a = self._answer()
+        return a["tokens"], a["seconds"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        Path(self._cfg.name).unlink(missing_ok=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=400)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--static-batch", type=int, default=8)
+    p.add_argument("--max-seqs", type=int, default=32)
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--cb-num-blocks", type=int, default=64)
+    p.add_argument("--cb-page-size", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--no-vllm", action="store_true", help="leave vLLM out even when its environment exists")
+    p.add_argument("--out", default="runs/bench/peers.json")
+    args = p.parse_args()
+    for name in (
+        "requests",
+        "min_prompt",
+        "max_prompt",
+        "new_tokens",
+        "static_batch",
+        "max_seqs",
+        "max_batch_tokens",
+        "cb_num_blocks",
+        "cb_page_size",
+        "repeats",
+    ):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.min_prompt > args.max_prompt:
+        p.error(f"--min-prompt ({args.min_prompt}) must be <= --max-prompt ({args.max_prompt})")
+    if args.max_prompt + args.new_tokens > 512:
+        p.error(f"--max-prompt + --new-tokens ({args.max_prompt + args.new_tokens}) exceed the models' 512 positions")
+    bad = [t for t in args.threads if t < 1]
+    if bad:
+        p.error(f"--threads must be >= 1, got {bad}")
+    if args.cb_num_blocks * args.cb_page_size < args.max_seqs * (args.max_prompt + args.new_tokens) // 4:
+        p.error("--cb-num-blocks x --cb-page-size is too small to hold a quarter of the running requests")
+    vllm_python = Path(args.vllm_python)
+    vllm_ready = (
+        (ROOT / ".venv-vllm" / ".installed").exists()
+        if args.vllm_python == p.get_default("vllm_python")
+        else vllm_python.exists()
+    )
+    use_vllm = not args.no_vllm and vllm_ready and vllm_python.exists()
+    if not args.no_vllm and not use_vllm:
+        print(f"vLLM rows skipped: no vLLM environment at {vllm_python} (make vllm-env builds it)", flush=True)
+
+    # the requests of bench/engine.py: lengths first, then each model's prompts in MODELS order
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.requests,), generator=g).tolist()
+    vocab = {name: load_pretrained(resolve_model(m)).config.vocab_size for name, m in MODELS.items()}
+    all_prompts = {name: [torch.randint(0, vocab[name], (n,), generator=g).tolist() for n in lengths] for name in MODELS}
+    params = SamplingParams(max_new_tokens=args.new_tokens)
+    cb = {
+        "num_blocks": args.cb_num_blocks,
+        "page_size": args.cb_page_size,
+        "max_batch_tokens": args.max_batch_tokens,
+        "auto_switch_to_flash": False,
+        "allow_block_sharing": False,
+    }
+    results: dict[str, Any] = {"config": vars(args), "prompt_lengths": lengths, "runs": []}
+    tables = []
+    mismatched = []
+    for name in args.models:
+        path = resolve_model(MODELS[name])
+        prompts = all_prompts[name]
+        model = load_pretrained(path).eval()
+        hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).eval()
+        hf_kind = type(hf).__name__
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            systems: dict[str, Run] = {
+                "kvgraft, one at a time": partial(kv_one, model, prompts, params),
+                f"kvgraft, static batches of {args.static_batch}": partial(kv_static, model, prompts, params, args.static_batch),
+                f"kvgraft engine ({args.max_seqs} sequences, {args.max_batch_tokens} tokens/step)": partial(
+                    kv_engine, model, prompts, params, args.max_seqs, args.max_batch_tokens
+                ),
+                f"transformers {hf_kind} continuous batching (generate_batch, sdpa, {args.cb_num_blocks} x "
+                f"{args.cb_page_size}-token pages)": partial(hf_cb, hf, prompts, args.new_tokens, cb),
+                f"transformers {hf_kind} static generate, left-padded batches of {args.static_batch}": partial(
+                    hf_static, hf, prompts, args.new_tokens, args.static_batch
+                ),
+            }
+            peer = None
+            if use_vllm and name == "llama":
+                print(f"{name}, {threads} threads: starting vLLM", flush=True)
+                peer = VllmPeer(vllm_python, path, prompts, args.new_tokens, threads, args.max_seqs, args.max_batch_tokens)
+                systems[f"vLLM {peer.version} CPU ({args.max_seqs} sequences, {args.max_batch_tokens} tokens/step)"] = peer.round
+            best = {s: float("inf") for s in systems}
+            tokens: dict[str, list[list[int]]] = {}
+            try:
+                for r in range(args.repeats):
+                    for s, fn in systems.items():
+                        outs, t = fn()
+                        best[s] = min(best[s], t)
+                        tokens[s] = outs
+                        print(f"{name}, {threads} threads, round {r + 1}: {s}: {t:.2f} s", flush=True)
+            finally:
+                if peer is not None:
+                    peer.close()
+            ref = tokens["kvgraft, one at a time"]
+            generated = sum(len(o) for o in ref)
+            engine_key = next(s for s in systems if s.startswith("kvgraft engine"))
+            rows = []
+            for s in systems:
+                equal = sum(a == b for a, b in zip(tokens[s], ref))
+                if equal != len(ref):
+                    mismatched.append(f"{name}, {threads} threads, {s}: {equal}/{len(ref)}")
+                rows.append(
+                    {
+                        "system": s,
+                        "seconds": best[s],
+                        "tokens_per_s": generated / best[s],
+                        "vs_engine": best[engine_key] / best[s],
+                        "equal_requests": equal,
+                    }
+                )
+            results["runs"].append({"model": name, "threads": threads, "generated_tokens": generated, "systems": rows})
+            lines = [
+                f"\n{name} ({MODELS[name]}), {threads} thread{'s' if threads > 1 else ''}: {args.requests} requests, prompts "
+                f"{args.min_prompt}-{args.max_prompt}, {args.new_tokens} greedy new tokens, fp32, fastest of {args.repeats} rounds\n",
+                "| system | tok/s | vs kvgraft engine | tokens equal |",
+                "|---|---|---|---|",
+            ]
+            for row in rows:
+                bold = "**" if row["system"] == engine_key else ""
+                lines.append(
+                    f"| {bold}{row['system']}{bold} | {row['tokens_per_s']:.1f} | {row['vs_engine']:.2f}x | "
+                    f"{row['equal_requests']}/{len(ref)} |"
+                )
+            if name == "ced" and use_vllm:
+                lines.append("| vLLM | - | - | cannot load the causal encoder-decoder |")
+            tables.append("\n".join(lines))
+            print(tables[-1], flush=True)
+    print("\n" + "\n".join(tables))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, results, indent=2)
+    print(f"\nJSON: {out}")
+    if mismatched:
+        raise SystemExit("tokens differ from kvgraft one-at-a-time: " + "; ".join(mismatched))
+
+
+if __name__ == "__main__":
+    main()
