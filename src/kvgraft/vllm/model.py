@@ -1,0 +1,131 @@
+"""``KvgraftCEDForCausalLM``: kvgraft's causal encoder-decoder as a vLLM model (registered by ``kvgraft.vllm``).
+
+The model is kvgraft's own ``Transformer`` (same modules, same parameter names as the checkpoint's
+``model.*``), run layer by layer over vLLM's packed token axis with a :class:`VllmStepContext`, plus one
+cache module per storage kind (``kvgraft.vllm.cache``) that vLLM allocates. vLLM schedules, batches,
+samples and manages blocks; the attention, the compressor's pooling and the masks are kvgraft's code.
+
+Runs eager (``enforce_eager=True``; the step context is Python per request). Without attention metadata
+(vLLM's profiling and warm-up runs) the layers run cache-free over the dummy batch, which touches no cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import get_forward_context
+except ImportError as exc:  # the optional extra is missing
+    from kvgraft.vllm import EXTRA_HINT
+
+    raise ImportError(EXTRA_HINT) from exc
+
+from kvgraft.hf.config_map import model_config_from_hf
+from kvgraft.hf.keys import hf_to_kvgraft
+from kvgraft.model.batch import DenseContext, StepContext, active_context
+from kvgraft.model.ced import rope_tables
+from kvgraft.model.transformer import Transformer
+from kvgraft.vllm.cache import PENDING, STREAM, WINDOW, CEDCacheLayer
+from kvgraft.vllm.context import VllmStepContext
+from kvgraft.vllm.geometry import page_geometry
+
+
+class KvgraftCEDForCausalLM(nn.Module):
+    """vLLM's model interface (``forward``, ``compute_logits``, ``load_weights``) over kvgraft's Transformer."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        hf = vllm_config.model_config.hf_config
+        self.config = model_config_from_hf(hf.to_dict(), "vLLM's hf_config")
+        if not self.config.is_ced:
+            raise ValueError(
+                "kvgraft's vLLM model serves causal encoder-decoders (kv_source_layers set); "
+                f"this checkpoint has attention kinds {sorted(set(self.config.attention_kinds))}"
+            )
+        dtype = vllm_config.model_config.dtype
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if cache_dtype not in ("auto", str(dtype).removeprefix("torch.")):
+            raise ValueError(f"kv cache dtype {cache_dtype!r}: kvgraft's CED caches store the model dtype ('auto')")
+        self.model = Transformer(self.config)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.geometry = page_geometry(self.config, itemsize)
+        self.caches = nn.ModuleDict()
+        self.cache_layers: dict[tuple[int, str], CEDCacheLayer] = {}
+        kinds = [(layer, WINDOW) for layer in range(self.config.num_layers)]
+        for s in self.config.kv_source_layers or ():
+            kinds.append((s, STREAM))
+            if self.config.compress_rate > 1:
+                kinds.append((s, PENDING))
+        for layer, kind in sorted(kinds):
+            name = f"model.layers.{layer}.self_attn.{kind}"
+            cache = CEDCacheLayer(kind, self.geometry, dtype, name)
+            self.caches[f"{layer}_{kind}"] = cache
+            self.cache_layers[(layer, kind)] = cache
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.model.embed_tokens(input_ids)
+        return out
+
+    def _context(self, positions: torch.Tensor) -> StepContext:
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, list):  # micro-batches: one dict each (not used on the CPU)
+            raise NotImplementedError("kvgraft's CED model runs without micro-batching (ubatching)")
+        names = [c.layer_name for c in self.cache_layers.values()]
+        if not metadata or any(n not in metadata for n in names):  # profiling / warm-up: no cache
+            return DenseContext(positions[None], False, self.config.compress_rate)
+        window = self.config.sliding_window
+        if window is None:
+            raise ValueError("a causal encoder-decoder config has sliding_window")
+        return VllmStepContext(self.cache_layers, metadata, positions, window, self.config.compress_rate)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """(N,) token ids at (N,) positions -> (N, hidden) final-normed hidden states."""
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("give input_ids or inputs_embeds")
+            inputs_embeds = self.embed_input_ids(input_ids)
+        x = inputs_embeds[None]
+        pos = positions.long()
+        cos, sin = self.model.rotary(pos[None], x.dtype)
+        cos, sin = rope_tables(self.config, cos, sin)
+        ctx = self._context(pos)
+        with active_context(ctx):
+            for block in self.model.layers:
+                x = block(x, cos, sin, ctx)
+        out: torch.Tensor = self.model.norm(x[0])
+        return out
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.model.lm_head(hidden_states)
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The checkpoint's tensors (transformers names), checked name by name and shape by shape
+        (``kvgraft.hf.keys``), copied into the Transformer; returns every parameter's name."""
+        state = hf_to_kvgraft(dict(weights), self.config, source="the checkpoint vLLM read")
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in state.items():
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no parameter in kvgraft's model")
+                params[name].copy_(tensor.to(params[name].dtype))
+        loaded = {f"model.{n}" for n in state}
+        if self.config.tie_word_embeddings:
+            loaded.add("model.lm_head.weight")
+        missing = {f"model.{n}" for n in params} - loaded
+        if missing:
+            raise KeyError(f"the checkpoint has no tensor for {sorted(missing)}")
+        return {n for n, _ in self.named_parameters()}

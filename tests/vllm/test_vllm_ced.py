@@ -1,0 +1,110 @@
+"""kvgraft's causal encoder-decoder served by vLLM through the plugin (``kvgraft.vllm``, docs/vllm.md): the same
+greedy tokens as kvgraft's own engine, CPU, fp32.
+
+- ``models/kvgraft-ced-8m`` (W = 64, m = 2, kv_source layers 1, 3, 4): 10 prompts of held-out text, 1 to 400
+  tokens (both sides of W, of m and of vLLM's block edges; 400 is 6 windows, so most of what a query reads
+  comes through the pooled shared stream), 32 greedy tokens each, in one vLLM batch, and again with
+  ``max_num_batched_tokens`` small enough that long prompts are prefilled in chunks that split blocks
+  and pooling blocks (a chunk ending mid-block leaves a pending token for the next chunk);
+- the share graft: ``kvgraft convert models/kvgraft-llama-8m --to ced`` (m = 1 by default), same prompts.
+
+The logprob check is kvgraft's cache-free forward teacher-forced on vLLM's own sequence (top-5, < 1e-4).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engines import VllmRunner, kvgraft_parity, load_kvgraft
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+CED = ROOT / "models" / "kvgraft-ced-8m"
+LLAMA = ROOT / "models" / "kvgraft-llama-8m"
+# (offset, length) slices of the held-out token stream
+SLICES = [(0, 1), (500, 2), (1000, 7), (3000, 63), (5000, 64), (7000, 65), (9000, 130), (11000, 200), (13000, 257), (20000, 400)]
+N_NEW = 32
+MAX_LEN = 512
+
+
+def _prompts(model_dir: Path) -> list[list[int]]:
+    ids = np.load(model_dir / "eval" / "heldout.npy").astype(np.int64)
+    return [ids[o : o + n].tolist() for o, n in SLICES]
+
+
+def _check(report, what: str) -> None:
+    print(f"\n{what}: vLLM (kvgraft.vllm plugin) vs kvgraft's engine, {N_NEW} greedy tokens:\n{report}")
+    assert report.same_tokens, f"{what}: greedy tokens differ from kvgraft's engine:\n{report}"
+    assert report.max_abs_diff < 1e-4, f"{what}: top-5 logprobs differ from kvgraft's forward:\n{report}"
+
+
+@pytest.fixture(scope="module")
+def ced():
+    return load_kvgraft(CED)
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """What the plugin's step contexts saw (the engine runs in this process): per group (start, T), and per
+    shared-stream read (source layer, entries read)."""
+    from kvgraft.vllm.context import VllmStepContext
+
+    log: dict[str, list[tuple[int, int]]] = {"groups": [], "reads": []}
+    init, segment = VllmStepContext.__init__, VllmStepContext.segment
+
+    def logged_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        log["groups"] += [(end - g.T, g.T) for g, end in zip(self.groups, self.ends)]
+
+    def logged_segment(self, source, gi):
+        out = segment(self, source, gi)
+        log["reads"].append((source, out[0].shape[1]))
+        return out
+
+    monkeypatch.setattr(VllmStepContext, "__init__", logged_init)
+    monkeypatch.setattr(VllmStepContext, "segment", logged_segment)
+    return log
+
+
+def test_ced_8m_matches_kvgraft_engine(ced, steps):
+    prompts = _prompts(CED)
+    with VllmRunner(CED, max_model_len=MAX_LEN) as runner:
+        report = kvgraft_parity(runner, ced, prompts, n_new=N_NEW)
+    _check(report, "kvgraft-ced-8m")
+    # the shared stream was read, by every reading layer's source, up to the longest prompt's entries
+    m = ced.config.compress_rate
+    assert {src for src, _ in steps["reads"]} == set(ced.config.kv_source_layers)
+    assert max(n for _, n in steps["reads"]) == (400 + N_NEW - 1) // m
+    assert (0, 400) in steps["groups"] and (400 + N_NEW - 2, 1) in steps["groups"]  # prefill, last decode
+
+
+def test_ced_8m_chunked_prefill_matches_kvgraft_engine(ced, steps):
+    # 61-token chunks: prefills stop mid-window, mid-block (16), mid-stream-block and mid-pooling-block (odd)
+    prompts = [p for p in _prompts(CED) if len(p) >= 63]
+    with VllmRunner(CED, max_model_len=MAX_LEN, max_num_batched_tokens=61, max_num_seqs=4, enable_chunked_prefill=True) as runner:
+        report = kvgraft_parity(runner, ced, prompts, n_new=N_NEW)
+    _check(report, "kvgraft-ced-8m, chunked prefill (61-token steps)")
+    chunks = [(start, T) for start, T in steps["groups"] if T > 1 and start > 0]
+    assert chunks and any(start % 2 for start, _ in chunks), f"no prefill continued mid-block: {steps['groups'][:20]}"
+
+
+@pytest.fixture(scope="module")
+def share_graft(tmp_path_factory):
+    out = tmp_path_factory.mktemp("graft") / "llama-ced"
+    cmd = [sys.executable, "-m", "kvgraft", "convert", str(LLAMA), "--to", "ced", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_share_graft_matches_kvgraft_engine(share_graft):
+    model = load_kvgraft(share_graft)
+    assert model.config.is_ced
+    with VllmRunner(share_graft, max_model_len=MAX_LEN) as runner:
+        report = kvgraft_parity(runner, model, _prompts(LLAMA), n_new=N_NEW)
+    _check(report, f"share graft of kvgraft-llama-8m (m = {model.config.compress_rate}, W = {model.config.sliding_window})")
