@@ -43,3 +43,28 @@ def test_sdpa_with_unequal_widths_equals_plain_sdpa(dq, dv, masked):
         got = sdpa(q, k, v, **kw)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_strided_head_matmuls_equal_the_contiguous_ones():
+    """The decode helpers that read strided views in place (rows of a pool at a fixed stride, a window's heads
+    side by side in each row, kv_b's head slices) give what the plain matmuls give on contiguous copies."""
+    from kvgraft.model.attention_ops import grouped_attention_head_major, grouped_attention_strided, head_matmul
+    from kvgraft.model.latent import per_head
+
+    g = torch.Generator().manual_seed(0)
+    G, H, K, T, S, d = 3, 8, 4, 2, 11, 16
+    pool = torch.randn(2 * K, 5, 16, d, generator=g)  # head-major, 5 slots of 16 positions
+    view = pool[:, 1:4, :S]  # slots 1..3: rows at a stride of 16 positions, heads at a stride of 5 slots
+    q = torch.randn(G, H, T, d, generator=g)
+    mask = torch.rand(G, T, S, generator=g) > 0.3
+    mask[..., 0] = True
+    want = grouped_attention_head_major(q, view[:K].contiguous(), view[K:].contiguous(), mask, d**-0.5)
+    torch.testing.assert_close(grouped_attention_strided(q, view[:K], view[K:], mask, d**-0.5), want, atol=1e-6, rtol=0)
+
+    rows = torch.randn(G, S, K * d, generator=g)  # a window: (G, S, K d), heads side by side
+    k = rows.view(G, S, K, d).transpose(1, 2)  # (G, K, S, d), no common stride for rows and heads
+    a = torch.randn(G, K, T * H // K, d, generator=g)
+    torch.testing.assert_close(head_matmul(a, k.transpose(-1, -2)), torch.matmul(a, k.contiguous().transpose(-1, -2)))
+    w = torch.randn(H, d + 5, 7, generator=g)[:, :d]  # a slice of kv_b's rows per head
+    x = torch.randn(G, H, T, d, generator=g)
+    torch.testing.assert_close(per_head(x, w), torch.matmul(x, w), atol=1e-5, rtol=0)

@@ -86,6 +86,16 @@ def grouped_attention_strided(
     return torch.stack(y, dim=1).view(G, K, R, T, -1).reshape(G, H, T, -1)
 
 
+def head_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a (G, K, M, X) @ b (G, K, X, N)`` without copying ``b`` when its rows and heads do not share one
+    stride (a window read as (G, S, K, d) entries, whose heads sit side by side in a row): one batched
+    matmul per head then, where ``torch.matmul`` would first copy ``b`` to flatten the two batch axes."""
+    K = b.shape[1]
+    if K == 1 or b.stride(0) == K * b.stride(1):
+        return torch.matmul(a, b)
+    return torch.stack([torch.bmm(a[:, h], b[:, h]) for h in range(K)], dim=1)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` that keeps the CPU's fused kernel when the value width differs from
     the query/key width (latent attention: d_nope + d_rope vs d_v). That kernel needs equal widths; otherwise

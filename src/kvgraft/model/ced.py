@@ -168,7 +168,12 @@ class CEDAttention(LatentAttention):
                     smask = ctx.scratch[("smask", gi)] = shared_visible(first, g.qpos, self.window)
                 if self.topk:
                     smask = self._select(g.take(x), qg, shared, smask, ctx)
-                mask = torch.cat([mask, smask], dim=-1)
+                    mask = torch.cat([mask, smask], dim=-1)
+                else:  # [window ; shared] visibility: the same for every layer of the step with this window
+                    joined = ctx.scratch.get(("joined mask", gi, self.window))
+                    if joined is None:
+                        joined = ctx.scratch[("joined mask", gi, self.window)] = torch.cat([mask, smask], dim=-1)
+                    mask = joined
             absorbed = ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS and not torch.is_grad_enabled()
             kv_b: Any = getattr(self, "kv_b_proj", None)  # a linear, or an adapter wrapper around one
             loras = getattr(kv_b, "loras", {})

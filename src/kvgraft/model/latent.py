@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvgraft.model.attention_ops import sdpa
+from kvgraft.model.attention_ops import head_matmul, sdpa
 
 
 def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -83,6 +83,14 @@ def _version(t: torch.Tensor) -> tuple[int, int, torch.dtype, torch.device]:
 def _peft_key(module: Any, weight: torch.Tensor, names: list[str]) -> tuple[object, ...]:
     scaling = getattr(module, "scaling", {})
     return (tuple(names), tuple(scaling.get(n) for n in names), tuple(_version(t) for t in _peft_tensors(module, weight, names)))
+
+
+def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(G, H, T, a) x (H, a, b) per head -> (G, H, T, b), with the rows folded into each head's matmul:
+    ``torch.matmul`` would broadcast ``w`` over the G rows and copy it G times (a view of kv_b's rows)."""
+    G, H, T, _ = x.shape
+    y = torch.bmm(x.transpose(0, 1).reshape(H, G * T, -1), w)  # (H, G T, b)
+    return y.view(H, G, T, -1).transpose(0, 1)
 
 
 class LatentAttention(nn.Module):
@@ -166,11 +174,11 @@ class LatentAttention(nn.Module):
         parts = []
         if k is not None and v is not None:
             K, S = k.shape[1], k.shape[2]
-            parts.append(torch.matmul(q.reshape(G, K, H // K * T, -1), k.transpose(-1, -2)).view(G, H, T, S))
+            parts.append(head_matmul(q.reshape(G, K, H // K * T, -1), k.transpose(-1, -2)).view(G, H, T, S))
         if latents is not None:
             w_uk, w_uv, bk, bv = self.split_kv_b()
             q_nope, q_rope = torch.split(q, [self.dn, self.dr], dim=-1)
-            q_c = torch.matmul(q_nope, w_uk)  # (G, H, T, dc)
+            q_c = per_head(q_nope, w_uk)  # (G, H, T, dc)
             if kv_b_delta is not None:  # + q_nope B_k A per row: (G, H, T, dn) (G, H, dn, r) (G, 1, r, dc)
                 A, B = kv_b_delta
                 B = B.view(G, H, self.dn + self.dv, -1)
@@ -189,12 +197,12 @@ class LatentAttention(nn.Module):
         Sw = 0
         if k is not None and v is not None:
             K, Sw = k.shape[1], k.shape[2]
-            y = torch.matmul(p[..., :Sw].reshape(G, K, H // K * T, Sw), v).view(G, H, T, self.dv)
+            y = head_matmul(p[..., :Sw].reshape(G, K, H // K * T, Sw), v).view(G, H, T, self.dv)
         if latents is not None:
             p_lat = p[..., Sw:]
             c = latents[:, None, :, : self.dc]
             y_lat = torch.matmul(p_lat.reshape(G, 1, H * T, -1), c).view(G, H, T, self.dc)
-            y_l = torch.matmul(y_lat, w_uv.transpose(-1, -2))
+            y_l = per_head(y_lat, w_uv.transpose(-1, -2))
             if kv_b_delta is not None:  # + y_lat A^T B_v^T per row
                 y_r = torch.matmul(y_lat, A[:, None].transpose(-1, -2).to(y_lat.dtype))  # (G, H, T, r)
                 y_l = y_l + torch.matmul(y_r, b_v.transpose(-1, -2).to(y_lat.dtype))

@@ -634,7 +634,7 @@ def build_server(
     adapters: dict[str, str | Path] | None = None,
     *,
     model_name: str | None = None,
-    max_seqs: int = 16,
+    max_seqs: int = 32,
     max_batch_tokens: int = 512,
     max_seq_len: int | None = None,
     num_blocks: int | None = None,
