@@ -123,10 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--max-shard-gb", type=float, default=2.0)
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="fewer (or more) layers than the shape's (per-layer profiles on a few layers)",
+    )
     args = p.parse_args(argv)
     if not args.max_shard_gb > 0:
         p.error(f"--max-shard-gb ({args.max_shard_gb}) must be > 0")
-    config = ModelConfig(**SHAPES[args.shape])
+    if args.num_layers is not None and args.num_layers < 1:
+        p.error(f"--num-layers ({args.num_layers}) must be a positive integer")
+    config = ModelConfig(**(SHAPES[args.shape] | ({} if args.num_layers is None else {"num_layers": args.num_layers})))
     result = write_random_checkpoint(config, args.out, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30), args.overwrite)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(

@@ -121,7 +121,7 @@ def test_layerwise_reads_sharded_tied_sources_and_writes_shards(tmp_path, monkey
         assert torch.equal(load_pretrained(a)(ids), load_pretrained(b)(ids))
 
 
-def test_default_executor_is_layerwise_for_mla_in_kvgraft_format_only(tmp_path, monkeypatch):
+def test_default_executor_is_layerwise_for_mla_in_every_format(tmp_path, monkeypatch):
     import kvgraft.graft.convert as conv
 
     path = _checkpoint(tmp_path, "llama")
@@ -131,16 +131,71 @@ def test_default_executor_is_layerwise_for_mla_in_kvgraft_format_only(tmp_path, 
 
     monkeypatch.setattr(conv, "load_source", tripwire)
     execute(plan_conversion(path, tmp_path / "default", progress=False, calibration_tokens=1024))
-    with pytest.raises(AssertionError, match="whole model"):  # the stock export still loads the whole model
-        execute(plan_conversion(path, tmp_path / "stock", progress=False, calibration_tokens=1024, output_format="both"))
-    assert not (tmp_path / "stock").exists()
-    with pytest.raises(ValueError, match="--format kvgraft only"):
-        execute(
-            plan_conversion(path, tmp_path / "stock", progress=False, calibration_tokens=1024, output_format="both"),
-            executor="layerwise",
-        )
+    execute(plan_conversion(path, tmp_path / "stock", progress=False, calibration_tokens=1024, output_format="both"))
+    with pytest.raises(AssertionError, match="whole model"):  # the share graft still loads the whole model
+        execute(plan_conversion(path, tmp_path / "ced", progress=False, calibration_tokens=1024, to="ced"))
+    assert not (tmp_path / "ced").exists()
+    with pytest.raises(ValueError, match="--to mla only"):
+        execute(plan_conversion(path, tmp_path / "ced", progress=False, calibration_tokens=1024, to="ced"), executor="layerwise")
     with pytest.raises(ValueError, match="executor 'banana'"):
         execute(plan_conversion(path, tmp_path / "x", progress=False, calibration_tokens=1024), executor="banana")
+
+
+def _assert_same_files(a, b):
+    """Every file under ``a`` is under ``b`` with the same bytes (conversion.json aside: timings and paths)."""
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for rel in files:
+        if rel.name != "conversion.json":
+            text_a, text_b = (a / rel).read_bytes(), (b / rel).read_bytes()
+            if rel.name == "README.md":  # the export's card names its own path
+                text_a, text_b = text_a.replace(bytes(a), b""), text_b.replace(bytes(b), b"")
+            assert text_a == text_b, rel
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_layerwise_stock_export_equals_whole_model_on_each_family(tmp_path, family):
+    """--format deepseek_v3: the graft layer by layer, the export from the converted model read back; the
+    same export (every file, byte for byte) and record as the whole-model executor's."""
+    whole, layer, a, b = _both(tmp_path, _checkpoint(tmp_path, family), output_format="deepseek_v3")
+    _assert_same_files(a, b)
+    assert not (b / ".kvgraft").exists() and not (b / "model.safetensors").exists()
+    assert _stock_stripped(whole) == _stock_stripped(layer) and layer["formats"] == ["deepseek_v3"]
+    assert _stock_stripped(json.loads((b / "conversion.json").read_text())) == _stock_stripped(layer)
+
+
+def _stock_stripped(record):
+    """A record without timings, the plan (its output path) and the export's path."""
+    out = {k: v for k, v in record.items() if k not in TIMINGS | {"plan"}}
+    out["deepseek_v3"] = {k: v for k, v in record["deepseek_v3"].items() if k != "path"}
+    return out
+
+
+def test_layerwise_both_formats_equal_whole_model(tmp_path):
+    whole, layer, a, b = _both(tmp_path, _checkpoint(tmp_path, "qwen2"), output_format="both", stock_construction="transformers")
+    _assert_same_files(a, b)
+    sa, sb = read_state(a), read_state(b)
+    assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert _stock_stripped(whole) == _stock_stripped(layer) and layer["formats"] == ["kvgraft", "deepseek_v3"]
+
+
+def test_layerwise_stock_export_refuses_mlp_biases_before_work(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from kvgraft.errors import UnsupportedModelError
+
+    path = _checkpoint(tmp_path, "llama", mlp_bias=True)
+    state = load_file(str(path / "model.safetensors"))
+    state["model.layers.1.mlp.up_proj.bias"][3] = 0.5
+    for name in state:
+        if name.endswith("bias") and "mlp" in name and "layers.1.mlp.up_proj" not in name:
+            state[name].zero_()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    for executor in ("whole", "layerwise"):
+        plan = plan_conversion(path, tmp_path / executor, progress=False, calibration_tokens=1024, output_format="deepseek_v3")
+        with pytest.raises(UnsupportedModelError, match=r"the MLP of layers \[1\] has non-zero biases"):
+            execute(plan, executor=executor)
+        assert not (tmp_path / executor).exists()
 
 
 def test_reader_release_unmaps_and_reads_again(tmp_path):
@@ -167,3 +222,18 @@ def test_layerwise_refuses_non_finite_weights_before_writing(tmp_path):
     with pytest.raises(CheckpointError, match="model.layers.2.mlp.up_proj.weight .* holds 0 NaN and 1 Inf"):
         execute(plan)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_all_finite_agrees_with_isfinite_on_every_16_bit_value(dtype):
+    """The converter's bit-level finiteness check (it reads every source tensor before any work) against
+    torch.isfinite, value by value over all 65,536 bit patterns, and on fp32 around its limits."""
+    from kvgraft.hf.load import all_finite
+
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    ok = torch.isfinite(values)
+    got = torch.tensor([all_finite(v.reshape(1)) for v in values])
+    assert torch.equal(got, ok) and not all_finite(values) and all_finite(values[ok])
+    big = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 1e-45])
+    assert all_finite(big) and not all_finite(torch.cat([big, torch.tensor([float("nan")])]))
+    assert all_finite(values[ok].reshape(-1, 2)[:, 0])  # a strided view

@@ -81,6 +81,18 @@ def test_resume_restores_every_walk(tmp_path, monkeypatch, options):
     _assert_same(reference, resumed, a, b)
 
 
+def test_resume_of_a_stock_export(tmp_path, monkeypatch):
+    """--format deepseek_v3: the graft's finished layers kept (in the staging directory's .kvgraft/), the
+    export made once the walk is done: the same files as an uninterrupted conversion."""
+    from test_convert_layerwise import _assert_same_files, _stock_stripped
+
+    reference, resumed, a, b = _interrupted_then_resumed(
+        tmp_path, monkeypatch, _checkpoint(tmp_path, "qwen3"), 1, output_format="deepseek_v3"
+    )
+    _assert_same_files(a, b)
+    assert _stock_stripped(reference) == _stock_stripped(resumed)
+
+
 def test_resume_continues_a_sharded_output(tmp_path, monkeypatch):
     """Output shards of about one layer: some written before the interruption, some tensors pending."""
     monkeypatch.setattr(lw, "SHARD_FLOOR", 1)
@@ -150,8 +162,7 @@ def test_failure_before_the_first_layer_leaves_nothing(tmp_path, monkeypatch):
 def test_resume_is_refused_where_the_whole_model_is_loaded():
     with pytest.raises(ValueError, match="--resume continues the layer-by-layer conversion"):
         ConvertOptions(resume=True, to="ced")
-    with pytest.raises(ValueError, match="--format deepseek_v3 loads the whole model"):
-        ConvertOptions(resume=True, output_format="deepseek_v3")
+    assert ConvertOptions(resume=True, output_format="deepseek_v3").resume  # the stock export's graft is layer by layer
     args = build_parser().parse_args(["convert", "m", "--out", "o", "--resume"])
     assert options_from_cli(args)["resume"] is True
 

@@ -3,10 +3,11 @@
 
 ``convert(model, out, **options)`` is ``execute(plan_conversion(model, out, **options))``: the plan
 (``kvgraft.graft.plan``) checks and decides everything before the weights load; ``execute`` does the work.
-``--to mla`` written in kvgraft's format (the default) runs layer by layer (``kvgraft.graft.layerwise``: one
-decoder layer in memory at a time, the output written as layers finish); ``--to ced`` and the stock
-DeepSeek-V3 export (``--format deepseek_v3``/``both``) still load the whole model (``execute_whole``, in small
-steps: ``load_source``, ``graft``, ``tail_figures``, ``conversion_record``, ``write_outputs``).
+``--to mla`` (the default) runs layer by layer (``kvgraft.graft.layerwise``: one decoder layer in memory at a
+time, the output written as layers finish); the stock DeepSeek-V3 export (``--format deepseek_v3``/``both``)
+then reads the converted model back whole (fp32) for the exporter. ``--to ced`` still loads the whole source
+model (``execute_whole``, in small steps: ``load_source``, ``graft``, ``tail_figures``, ``conversion_record``,
+``write_outputs``).
 
 The output directory is written atomically: it appears complete or not at all. The layer-by-layer executor
 stages it in ``.<out>.partial`` with a checkpoint after each layer, which a conversion interrupted after its
@@ -29,7 +30,6 @@ from typing import Any
 import torch
 
 from kvgraft.atomic import atomic_dir
-from kvgraft.errors import UnsupportedModelError
 from kvgraft.graft.calibration import CALIBRATION, calibration_ids, load_calibration
 from kvgraft.graft.ced import graft_ced
 from kvgraft.graft.layerwise import execute_layerwise
@@ -38,11 +38,10 @@ from kvgraft.graft.options import FORMATS, SERVE_TARGETS, STOCK_CONSTRUCTIONS, T
 from kvgraft.graft.plan import ConvertPlan, plan_conversion
 from kvgraft.graft.ranks import default_ranks
 from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output, tail_figures
+from kvgraft.graft.stock import refuse_stock_weights, write_stock
 from kvgraft.hf import load_pretrained, save_pretrained
-from kvgraft.hf.deepseek import export_deepseek_v3, weight_problems
-from kvgraft.hf.engines import engine_support
+from kvgraft.hf.deepseek import weight_problems
 from kvgraft.model import ModelConfig, Transformer
-from kvgraft.model.fields import known
 
 
 def ranks_for_compression(config: ModelConfig, compression: float, qk_rope_head_dim: int) -> int:
@@ -156,16 +155,15 @@ def execute(plan: ConvertPlan, executor: str = "auto") -> dict[str, Any]:
     ``executor``: "layerwise" (``kvgraft.graft.layerwise.execute_layerwise``: the source read one decoder
     layer at a time, memory that does not grow with depth) or "whole" (``execute_whole``: the whole source
     model loaded in fp32 and grafted in memory, the converted model built beside it). "auto" (default) is
-    "layerwise" for ``to == "mla"`` written in kvgraft's format only (``--format kvgraft``, the default), and
-    "whole" for everything else, which still loads the whole model: ``--to ced`` (the share graft fits its
-    readers over the whole grafted stack) and a stock DeepSeek-V3 export (``--format deepseek_v3`` or
-    ``both``: the exporter takes a model in memory). Both executors write the same tensors (bit for bit)
-    and the same record apart from timings."""
+    "layerwise" for ``to == "mla"`` in every format (a stock DeepSeek-V3 export, ``--format deepseek_v3`` or
+    ``both``, then holds the converted model whole while the exporter runs: it takes a model in memory), and
+    "whole" for ``--to ced`` (the share graft fits its readers over the whole grafted stack). Both
+    executors write the same files (tensors bit for bit) and the same record apart from timings."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}")
     streamable = layerwise_applies(plan)
     if executor == "layerwise" and not streamable:
-        raise ValueError("the layer-by-layer executor converts --to mla with --format kvgraft only")
+        raise ValueError("the layer-by-layer executor converts --to mla only (--to ced loads the whole model)")
     calib = None if plan.calibration is None else calibration_ids(plan.source, plan.calibration, plan.source_config.vocab_size)
     if executor != "whole" and streamable:
         return execute_layerwise(plan, calib)
@@ -173,8 +171,8 @@ def execute(plan: ConvertPlan, executor: str = "auto") -> dict[str, Any]:
 
 
 def layerwise_applies(plan: ConvertPlan) -> bool:
-    """Whether the layer-by-layer executor can do ``plan``: an MLA graft written in kvgraft's format only."""
-    return plan.to == "mla" and plan.mla is not None and plan.output_format == "kvgraft"
+    """Whether the layer-by-layer executor can do ``plan``: an MLA graft (``--to mla``, any format)."""
+    return plan.to == "mla" and plan.mla is not None
 
 
 def execute_whole(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str, Any]:
@@ -213,15 +211,7 @@ def load_source(plan: ConvertPlan) -> Transformer:
 
     original = load_pretrained(plan.source, dtype=torch.float32, device=plan.device)
     if plan.stock:
-        problems = weight_problems(original)
-        if problems:
-            raise UnsupportedModelError(
-                "cannot export to stock DeepSeek-V3 (--format "
-                + plan.output_format
-                + "): "
-                + "; ".join(problems)
-                + "; use --format kvgraft"
-            )
+        refuse_stock_weights(plan, weight_problems(original))
     return original
 
 
@@ -249,49 +239,8 @@ def write_outputs(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor
             save_pretrained(converted, tmp, tokenizer_dir=tok_dir, model_type="kvgraft", overwrite=True)
             record["formats"].append("kvgraft")
         if plan.stock:
-            _write_stock(plan, converted, calib, record, tmp, tok_dir)
+            write_stock(plan, converted, calib, record, tmp, tok_dir)
         finish_output(plan, tmp, record)
-
-
-def _write_stock(
-    plan: ConvertPlan, converted: Transformer, calib: torch.Tensor | None, record: dict[str, Any], tmp: Path, tok_dir: Path | None
-) -> None:
-    """The stock DeepSeek-V3 export into ``tmp/deepseek_v3``, its report into ``record["deepseek_v3"]``."""
-
-    report = export_deepseek_v3(
-        converted,
-        tmp / "deepseek_v3",
-        tokenizer_dir=tok_dir,
-        calibration=calib,
-        tail_sequences=TAIL_SEQUENCES,
-        verbose=False,
-        target=plan.stock_construction,
-    )
-    report.path = plan.out / "deepseek_v3"  # where it ends up, not the temporary directory
-    record["formats"].append("deepseek_v3")
-    stock = record["deepseek_v3"] = report.to_dict()
-    cfg = converted.config
-    d_c, d_rope = known(report.kv_lora_rank, "kv_lora_rank"), known(cfg.qk_rope_head_dim, "qk_rope_head_dim")
-    stock_bytes = cfg.num_layers * (d_c + d_rope) * 2
-    stock["kv_bytes_per_token_bf16"] = stock_bytes
-    stock["compression"] = plan.source_config.kv_bytes_per_token(2) / stock_bytes
-    stock["engines"] = [e.to_dict() for e in engine_support(d_c, d_rope, known(cfg.qk_nope_head_dim, "qk_nope_head_dim"))]
-    if plan.progress:
-        print("\n".join(report.summary()), flush=True)
-        tail = record["calibration_tail"]
-        if tail is not None:
-            print(
-                f"  calibration tail, against the original: perplexity {tail['original_perplexity']:.4g} "
-                f"(original) -> {tail['converted_perplexity']:.4g} (converted; the export adds the error "
-                f"above), max |logit diff| {tail['converted_max_abs_logit_diff_vs_original']:.3g}"
-                + (
-                    "; Qwen3's per-head q/k norms are replaced by their least-squares linear fits (stock "
-                    "DeepSeek-V3 has no place for them)"
-                    if plan.source_config.qk_norm
-                    else ""
-                ),
-                flush=True,
-            )
 
 
 __all__ = [

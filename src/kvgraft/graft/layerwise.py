@@ -1,4 +1,4 @@
-"""The layer-by-layer executor of ``kvgraft convert --to mla`` (kvgraft format): one decoder layer in memory.
+"""The layer-by-layer executor of ``kvgraft convert --to mla`` (every format): one decoder layer in memory.
 
 The source is read lazily (``kvgraft.hf.shards.CheckpointReader``, memory-mapped safetensors); for each
 layer in order the original block is read (fp32, on the plan's device), grafted by the same per-layer code
@@ -8,6 +8,10 @@ hidden states stream through the layers in memory, and so do the calibration tai
 ``TAIL_SEQUENCES`` sequences) through both the original and the converted stack; after the last layer the
 final norm and the head give the tail figures. The tensors written, the config and ``conversion.json``
 (apart from timings) are those of the whole-model executor, bit for bit (``tests/test_convert_layerwise.py``).
+With ``--format deepseek_v3``/``both`` the converted model is then read back whole (fp32) from the shards
+just written and handed to the stock exporter, which takes a model in memory: that step holds the converted
+model (4 bytes per parameter) plus the exporter's tensors and its transformers check, so the stock export's
+peak still grows with the model; the graft before it does not. Its files are the whole-model executor's too.
 
 Peak memory, roughly: the embedding (fp32; the head too at the end) + one layer's original and converted
 weights (fp32) + the calibration states (2-3 x N x T x hidden fp32 while a layer runs: the stream, the
@@ -18,6 +22,7 @@ None of it grows with depth.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from typing import Any
@@ -30,7 +35,10 @@ from kvgraft.graft.mla import GraftConfig, LayerGraft, _run_block, _shared_pairs
 from kvgraft.graft.plan import ConvertPlan
 from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output
 from kvgraft.graft.resume import Checkpoint, fingerprint, staging_dir
+from kvgraft.graft.stock import refuse_stock_weights, write_stock
+from kvgraft.hf import load_pretrained
 from kvgraft.hf.config_map import hf_config_from_model
+from kvgraft.hf.deepseek.checks import MLP_PROJECTIONS, has_nonzero, mlp_bias_problems
 from kvgraft.hf.keys import hf_to_kvgraft
 from kvgraft.hf.load import WEIGHTS, WEIGHTS_INDEX, check_finite
 from kvgraft.hf.save import tokenizer_files_of, write_side_files
@@ -45,6 +53,7 @@ HF_PREFIX = "model."
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers old transformers versions saved (as kvgraft.hf.keys)
 SHARD_FLOOR = 256 * 2**20  # output shards of at least this many bytes (tiny models: one model.safetensors)
+CONVERTED = ".kvgraft"  # the converted model's shards with --format deepseek_v3 (removed after the export)
 DTYPE = torch.float32  # the output's dtype, the whole-model executor's (it grafts an fp32 model)
 
 
@@ -74,6 +83,17 @@ class SourceLayers:
         if self.config.tie_word_embeddings and LM_HEAD in state and EMBED in state:  # compared by value
             state[LM_HEAD], state[EMBED] = r.get(LM_HEAD), r.get(EMBED)
         hf_to_kvgraft(state, self.config, source=source)
+
+    def nonzero_mlp_bias_layers(self) -> list[int]:
+        """The layers whose MLP has a non-zero bias (read one tensor at a time; none without ``mlp_bias``)."""
+        if not self.config.mlp_bias:
+            return []
+        out = []
+        for layer in range(self.config.num_layers):
+            names = [f"{HF_PREFIX}layers.{layer}.mlp.{n}.bias" for n in MLP_PROJECTIONS]
+            if any(name in self.reader and has_nonzero(self.tensor(name)) for name in names):
+                out.append(layer)
+        return out
 
     def tensor(self, name: str, release: bool = True) -> torch.Tensor:
         """``name`` in fp32 on the device; ``release``: unmap the file after (see ``CheckpointReader.release``)."""
@@ -110,8 +130,8 @@ def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str
     The output is staged in ``.<out>.partial`` with a checkpoint after each layer (``kvgraft.graft.resume``):
     with ``plan.options.resume`` a conversion interrupted after layer k continues at layer k + 1."""
     g, config = plan.mla, plan.source_config
-    if g is None or plan.to != "mla" or plan.output_format != "kvgraft":
-        raise ValueError("the layer-by-layer executor converts --to mla with --format kvgraft only")
+    if g is None or plan.to != "mla":
+        raise ValueError("the layer-by-layer executor converts --to mla only")
 
     weights_file = plan.source / (WEIGHTS if (plan.source / WEIGHTS).is_file() else WEIGHTS_INDEX)
     times = {"start": time.perf_counter(), "before": 0.0, "tail": 0.0}  # "before": seconds of earlier runs
@@ -120,20 +140,34 @@ def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str
             src = SourceLayers(reader, config, plan.device)
             t0 = time.perf_counter()
             src.check(str(weights_file), plan.progress)
+            if plan.stock:  # what stock DeepSeek-V3 cannot hold, refused before any work (as load_source does)
+                refuse_stock_weights(plan, mlp_bias_problems(src.nonzero_mlp_bias_layers()))
             src.seconds += time.perf_counter() - t0
             tmp = checkpoint.directory
-            writer = ShardWriter(tmp, max_shard_bytes=shard_bytes(plan.predicted_config()))
+            kvgraft_format = plan.output_format in ("kvgraft", "both")
+            model_dir = tmp if kvgraft_format else tmp / CONVERTED  # the export reads the converted model back
+            model_dir.mkdir(exist_ok=True)
+            writer = ShardWriter(model_dir, max_shard_bytes=shard_bytes(plan.predicted_config()))
             run, tail = _graft_layers(plan, src, calib, writer, checkpoint, times)
             new_config = run.model_config()
             _check_written(writer.close(), new_config)
+            checkpoint.discard()  # the shards have their final names: an interruption from here starts over
             # as the whole-model executor counts: "convert" is the graft, without the tail figures and the writing
             elapsed = times["before"] + time.perf_counter() - times["start"]
             seconds = {"load": src.seconds, "convert": elapsed - src.seconds - times["tail"] - writer.seconds}
             parameters = {"original": num_parameters(config), "converted": num_parameters(new_config)}
             record = conversion_record(plan, new_config, share_report=None, tail=tail, seconds=seconds, parameters=parameters)
             hf_config = hf_config_from_model(new_config, "kvgraft", dtype=str(DTYPE).removeprefix("torch."))
-            write_side_files(tmp, hf_config, new_config, tokenizer_files_of(plan.source if plan.has_tokenizer else None))
-            record["formats"].append("kvgraft")
+            tok_dir = plan.source if plan.has_tokenizer else None
+            write_side_files(model_dir, hf_config, new_config, tokenizer_files_of(tok_dir if kvgraft_format else None))
+            if kvgraft_format:
+                record["formats"].append("kvgraft")
+            if plan.stock:  # the export takes the converted model in memory: read back (fp32, exact) from its shards
+                converted = load_pretrained(model_dir, dtype=DTYPE, device=plan.device, check_weights=False)
+                write_stock(plan, converted, calib, record, tmp, tok_dir)
+                del converted
+                if not kvgraft_format:
+                    shutil.rmtree(model_dir)
             finish_output(plan, tmp, record)
     return record
 

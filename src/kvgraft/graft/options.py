@@ -251,10 +251,10 @@ class ConvertOptions:
                 _check_positive_int(name, getattr(self, name))
         for name in ("calibration_tokens", "calibration_seq_len"):
             _check_positive_int(name, getattr(self, name))
-        if self.resume and (to != "mla" or output_format != "kvgraft"):
+        if self.resume and to != "mla":
             raise ValueError(
-                "--resume continues the layer-by-layer conversion, which runs for --to mla --format kvgraft "
-                f"only; --to {to} --format {output_format} loads the whole model and cannot be resumed"
+                f"--resume continues the layer-by-layer conversion, which runs for --to mla only; --to {to} "
+                "loads the whole model and cannot be resumed"
             )
 
     @property

@@ -169,6 +169,11 @@ class Checkpoint:
         if previous is not None and previous != name:
             (self.directory / previous).unlink(missing_ok=True)
 
+    def discard(self) -> None:
+        """Remove the checkpoint's files and forget it: an interruption from now on leaves nothing."""
+        self.remove()
+        self.state = None
+
     def remove(self) -> None:
         """Remove the checkpoint's own files (the output is complete)."""
         for path in self.directory.glob("state-*.pt"):

@@ -88,21 +88,28 @@ def config_problems(config: ModelConfig) -> list[str]:
     return problems
 
 
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 def weight_problems(model: Transformer) -> list[str]:
-    problems = []
-    cfg = model.config
-    if cfg.mlp_bias:
-        nonzero = [
-            i
-            for i, b in enumerate(model.layers)
-            if any(has_nonzero(getattr(cast(Block, b).mlp, n).bias) for n in ("gate_proj", "up_proj", "down_proj"))
-        ]
-        if nonzero:
-            problems.append(
-                f"the MLP of layers {nonzero} has non-zero biases; stock DeepSeek-V3's MLP has none, and no flag "
-                "can fold them (the MLP's input is RMS-normalised, with no constant component to carry a bias)"
-            )
-    return problems
+    """What stock DeepSeek-V3 cannot hold in ``model``'s weights (``mlp_bias_problems`` of its MLPs)."""
+    if not model.config.mlp_bias:
+        return []
+    nonzero = [
+        i for i, b in enumerate(model.layers) if any(has_nonzero(getattr(cast(Block, b).mlp, n).bias) for n in MLP_PROJECTIONS)
+    ]
+    return mlp_bias_problems(nonzero)
+
+
+def mlp_bias_problems(nonzero_layers: list[int]) -> list[str]:
+    """The problem of MLPs with non-zero biases (layers ``nonzero_layers``; none: no problem). The layer-by-layer
+    converter checks the biases read from the checkpoint with it, ``weight_problems`` a model's."""
+    if not nonzero_layers:
+        return []
+    return [
+        f"the MLP of layers {nonzero_layers} has non-zero biases; stock DeepSeek-V3's MLP has none, and no flag "
+        "can fold them (the MLP's input is RMS-normalised, with no constant component to carry a bias)"
+    ]
 
 
 def has_nonzero(t: torch.Tensor | None) -> bool:
@@ -144,6 +151,8 @@ __all__ = [
     "config_problems",
     "deepseek_v3_fast_path",
     "has_nonzero",
+    "MLP_PROJECTIONS",
     "mla_layers",
+    "mlp_bias_problems",
     "weight_problems",
 ]
