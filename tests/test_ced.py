@@ -3,13 +3,17 @@ gradients, the shared KV really being shared, and config errors."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from kvgraft.hf import load_config
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.presets import get_preset
 from kvgraft.model.shapes import num_parameters
 from kvgraft.model.transformer import Transformer
+from kvgraft.reference import reference_model_dir
 
 
 def tiny(**changes) -> ModelConfig:
@@ -137,6 +141,17 @@ def test_cache_is_much_smaller_than_llama_at_long_context():
     ced, llama = get_preset("ced-8m"), get_preset("llama-8m")
     assert ced.kv_cache_bytes(4096) * 10 < llama.kv_cache_bytes(4096)
     assert ced.kv_cache_bytes(512) * 5 < llama.kv_cache_bytes(512)
+
+
+@pytest.mark.parametrize("name, preset", [("kvgraft-ced-8m", "ced-8m"), ("kvgraft-ced-8m-deep", "ced-8m-deep")])
+def test_the_shipped_encoder_decoders_are_their_presets_as_carded(name, preset):
+    """The shipped models' config is the preset they were trained from, and the card's figures are theirs."""
+    directory = reference_model_dir(name)
+    card = json.loads((directory / "training.json").read_text())
+    cfg = load_config(directory)
+    assert cfg == get_preset(preset)
+    assert num_parameters(cfg) == card["parameters"] and card["steps"] == 1100
+    assert card["kv_cache_bytes_bf16"] == {str(n): cfg.kv_cache_bytes(n) for n in (512, 4096)}
 
 
 def test_cache_overflow_is_a_clear_error():

@@ -169,7 +169,7 @@ def test_generate_leaves_a_training_model_in_training_mode(tmp_path_factory):
     assert all(m.training for m in pm.modules())
 
 
-@pytest.mark.parametrize("name", ["kvgraft-ced-8m", "kvgraft-llama-8m"])
+@pytest.mark.parametrize("name", ["kvgraft-ced-8m", "kvgraft-ced-8m-deep", "kvgraft-llama-8m"])
 def test_the_shipped_references_with_an_adapter(name, tmp_path):
     """The shipped models (the CED in kvgraft's format, the Llama a stock LlamaForCausalLM) with a kvgraft adapter
     made on them: PEFT's generate equals the engine's tokens."""
