@@ -12,8 +12,10 @@ PYTHONPATH=src python bench/mla_decode.py --random-1b --device cuda --dtype bflo
 # greedy tokens and top-5 logprobs against transformers (docs/vllm.md); needs vLLM installed there
 if python -c "import vllm" 2>/dev/null; then
   PYTHONPATH=src python bench/gpu_check_vllm_parity.py
+  # kvgraft's causal encoder-decoder through the kvgraft.vllm plugin: tokens vs kvgraft's engine, KV bytes
+  PYTHONPATH=src python bench/gpu_check_vllm_ced.py
 else
-  echo "vllm is not installed on this machine: skipping bench/gpu_check_vllm_parity.py"
+  echo "vllm is not installed on this machine: skipping bench/gpu_check_vllm_parity.py and bench/gpu_check_vllm_ced.py"
 fi
 # Conversion at scale (issue 26): an 8B-shape random bf16 checkpoint (16 GB, written tensor by tensor)
 # converted to MLA on the GPU, time per layer and peak memory (host and GPU)
