@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engines import VllmRunner, kvgraft_parity, load_kvgraft
+from engines import VllmRunner, kvgraft_engine_greedy, kvgraft_parity, load_kvgraft
 
 pytestmark = pytest.mark.vllm
 
@@ -108,3 +108,23 @@ def test_share_graft_matches_kvgraft_engine(share_graft):
     with VllmRunner(share_graft, max_model_len=MAX_LEN) as runner:
         report = kvgraft_parity(runner, model, _prompts(LLAMA), n_new=N_NEW)
     _check(report, f"share graft of kvgraft-llama-8m (m = {model.config.compress_rate}, W = {model.config.sliding_window})")
+
+
+def test_ced_8m_with_prefix_caching_matches_kvgraft_engine(ced, monkeypatch):
+    """vLLM's prefix caching on (``vllm serve``'s default), prompts past the scheduler block (816 tokens, the
+    lcm of the groups' block sizes 16, 25, 102), one sent twice and one sharing its first 1,650 tokens. The
+    8m was trained on 512 positions; beyond them it is still one deterministic function for both engines
+    (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``, kvgraft's ``max_seq_len``). Measured: vLLM 0.32 reuses nothing here
+    (``num_cached_tokens`` 0, printed), so this checks that caching on changes no token."""
+    from vllm import SamplingParams
+
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    ids = np.load(CED / "eval" / "heldout.npy").astype(np.int64)
+    p = ids[30000:31700].tolist()
+    prompts = [p, p, p[:1650] + ids[40000:40040].tolist()]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+    with VllmRunner(CED, max_model_len=2048, enable_prefix_caching=True, max_num_seqs=4) as runner:
+        outs = [runner.llm.generate([{"prompt_token_ids": q}], sp, use_tqdm=False)[0] for q in prompts]
+    ours = kvgraft_engine_greedy(ced, prompts, 16, max_seq_len=2048)
+    print("\nprefix caching on: num_cached_tokens per request", [o.num_cached_tokens for o in outs])
+    assert [list(o.outputs[0].token_ids) for o in outs] == ours

@@ -46,6 +46,8 @@ def test_ced_cache_groups_are_as_designed(ced_runner):
     layout = cache_layout(config)
     geometry = page_geometry(config, 4)
     groups, per_block = cache_groups(ced_runner.llm)
+    # not an MLA model to vLLM (the CPU platform would switch chunked prefill and prefix caching off)
+    assert ced_runner.llm.llm_engine.vllm_config.model_config.use_mla is False
     owners: dict[str, set[int]] = {"window_cache": set(), "stream_cache": set(), "pending_cache": set()}
     for g in groups:
         kinds = {name.rsplit(".", 1)[1] for name in g.layers}
