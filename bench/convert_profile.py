@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 import tempfile
@@ -43,6 +44,7 @@ import kvgraft.graft.layerwise as lw
 import kvgraft.graft.mla as mla
 import kvgraft.graft.mla_math as mla_math
 import kvgraft.graft.resume as resume
+import kvgraft.hf.load as hf_load
 import kvgraft.hf.shards as shards
 import kvgraft.model.mla as model_mla
 import kvgraft.model.transformer as model_tf
@@ -96,8 +98,9 @@ class Profile:
         lw.SourceLayers.block = block  # type: ignore[method-assign]
 
 
-def install(profile: Profile) -> None:
-    p = profile
+def install() -> None:
+    """Wrap every timed step once; the wrappers record into the current ``PROFILE[0]``."""
+    p = Proxy()
     p.wrap_block_read()
     p.wrap(mla, "_second_moment", "statistics: second moment")
     p.wrap(mla, "_distance_profile", "statistics: distance profile")
@@ -116,22 +119,41 @@ def install(profile: Profile) -> None:
     p.wrap(lw.TailFigures, "add", "tail: head and figures")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", type=Path)
-    ap.add_argument("--calibration-tokens", type=int, default=4096)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--out", type=Path, default=None, help="where the converted model goes (default: a temporary directory)")
-    args = ap.parse_args(argv)
-    for name in ("calibration_tokens", "seq_len", "threads"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be a positive integer")
-    torch.set_num_threads(args.threads)
-    config = load_config(args.checkpoint)
-    profile = Profile()
-    install(profile)
+class Proxy:
+    """``Profile``'s wrappers bound to whichever profile is current (one per run)."""
+
+    def wrap(self, *args: Any, **kwargs: Any) -> None:
+        Profile.wrap(_Current(), *args, **kwargs)  # type: ignore[arg-type]
+
+    def wrap_block_read(self) -> None:
+        Profile.wrap_block_read(_Current())  # type: ignore[arg-type]
+
+
+class _Current:
+    """Attribute access forwarded to ``PROFILE[0]`` at call time."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(PROFILE[0], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(PROFILE[0], name, value)
+
+
+VARIANTS = ("current", "before")
+
+
+def set_variant(variant: str) -> None:
+    """ "current": the code as it is; "before": this issue's speed-ups undone (the calibration tail run again
+    for both stacks, the stream all in batches, the source's finiteness check by ``torch.isfinite``)."""
+    current = variant == "current"
+    lw.REUSE_TAIL = current
+    mla.TAIL_ROWS = 8 if current else 0
+    hf_load.all_finite = ALL_FINITE if current else (lambda t: bool(torch.isfinite(t).all()))
+
+
+def run_once(args: argparse.Namespace, config: Any, variant: str) -> dict[str, Any]:
+    set_variant(variant)
+    profile = PROFILE[0] = Profile()
     with tempfile.TemporaryDirectory(dir=args.out.parent if args.out else None) as tmp:
         calib = Path(tmp) / "calibration.npy"
         np.save(calib, np.random.default_rng(0).integers(0, config.vocab_size, args.calibration_tokens))
@@ -153,33 +175,77 @@ def main(argv: list[str] | None = None) -> int:
     table = {}
     for i, layer in enumerate(layers):
         row = dict(profile.seconds[layer])
-        row["layer (wall)"] = starts[i + 1] - starts[i] if i + 1 < len(layers) else float("nan")
+        row["layer (wall)"] = starts[i + 1] - starts[i]  # the last: up to the end (head, figures, writing)
         table[str(layer)] = row
     steps = sorted({s for row in table.values() for s in row}, key=lambda s: (s != "layer (wall)", s))
     print(
-        f"{args.checkpoint} ({config.num_layers} layers, hidden {config.hidden_size}), {args.calibration_tokens} "
-        f"calibration tokens, {args.threads} thread(s): {wall:.1f} s in all; load {record['seconds']['load']:.1f} s"
+        f"[{variant}] {args.checkpoint} ({config.num_layers} layers, hidden {config.hidden_size}), "
+        f"{args.calibration_tokens} calibration tokens, {args.threads} thread(s): {wall:.1f} s in all; load "
+        f"{record['seconds']['load']:.1f} s; load average {os.getloadavg()[0]:.1f}",
+        flush=True,
     )
-    print(f"  before the first layer: {dict(profile.seconds['pre'])}")
     print("| step | " + " | ".join(f"layer {k}" for k in table) + " |")
     print("|---|" + "---|" * len(table))
     for s in steps:
-        print(f"| {s} | " + " | ".join(f"{table[k].get(s, 0.0):.2f}" for k in table) + " |")
-    result = {
-        "checkpoint": str(args.checkpoint),
-        "num_layers": config.num_layers,
-        "hidden_size": config.hidden_size,
-        "calibration_tokens": args.calibration_tokens,
-        "seq_len": args.seq_len,
-        "threads": args.threads,
+        print(f"| {s} | " + " | ".join(f"{table[k].get(s, 0.0):.2f}" for k in table) + " |", flush=True)
+    return {
+        "variant": variant,
         "wall_seconds": wall,
         "record_seconds": record["seconds"],
+        "calibration_tail": record["calibration_tail"],
         "before_first_layer": dict(profile.seconds["pre"]),
         "layers": table,
         "load_average": os.getloadavg(),
     }
+
+
+PROFILE: list[Profile] = []
+ALL_FINITE = hf_load.all_finite
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--calibration-tokens", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--variants", nargs="+", default=["current"], choices=VARIANTS, help="run each in turn (e.g. current before current)"
+    )
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="where the converted model goes (default: a temporary directory)")
+    args = ap.parse_args(argv)
+    for name in ("calibration_tokens", "seq_len", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be a positive integer")
+    torch.set_num_threads(args.threads)
+    config = load_config(args.checkpoint)
+    PROFILE.append(Profile())
+    install()
+    runs = [run_once(args, config, v) for v in args.variants]
+    walls: dict[str, list[float]] = defaultdict(list)
+    for r in runs:
+        walls[r["variant"]].append(r["wall_seconds"])
+    if len(walls) == 2:
+        best = {v: min(w) for v, w in walls.items()}
+        print(
+            f"before / current (best of each): {best['before']:.1f} s / {best['current']:.1f} s = {best['before'] / best['current']:.2f}x"
+        )
+        tails = {json.dumps(r["calibration_tail"], sort_keys=True) for r in runs}
+        print(f"calibration-tail figures identical across runs: {len(tails) == 1}")
     if args.json:
-        atomic_write_json(args.json, result)
+        atomic_write_json(
+            args.json,
+            {
+                "checkpoint": str(args.checkpoint),
+                "num_layers": config.num_layers,
+                "hidden_size": config.hidden_size,
+                "calibration_tokens": args.calibration_tokens,
+                "seq_len": args.seq_len,
+                "threads": args.threads,
+                "runs": runs,
+            },
+        )
     return 0
 
 

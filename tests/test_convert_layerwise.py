@@ -237,3 +237,25 @@ def test_all_finite_agrees_with_isfinite_on_every_16_bit_value(dtype):
     big = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 1e-45])
     assert all_finite(big) and not all_finite(torch.cat([big, torch.tensor([float("nan")])]))
     assert all_finite(values[ok].reshape(-1, 2)[:, 0])  # a strided view
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_tail_states_read_off_the_stream_are_the_ones_run_again(tmp_path, monkeypatch, layerwise):
+    """The calibration tail's states of the stack the stream runs (converted when layer-wise, else original)
+    are read off the stream below the last converted layer: the tail is run only where the stream is not,
+    and the record (its tail figures) is the same bit for bit as running every tail state again."""
+    import kvgraft.graft.layerwise as lw
+
+    path = _checkpoint(tmp_path, "llama")
+    calls = []
+    run_block = lw._run_block
+    monkeypatch.setattr(lw, "_run_block", lambda *a, **k: calls.append(1) or run_block(*a, **k))
+    options = dict(progress=False, calibration_tokens=1024, calibration_seq_len=32, layerwise=layerwise)
+    read = execute(plan_conversion(path, tmp_path / "read", **options))
+    assert len(calls) == 3 + 1  # one stack every layer, the other only at the last layer (2: not propagated)
+    monkeypatch.setattr(lw, "REUSE_TAIL", False)
+    again = execute(plan_conversion(path, tmp_path / "again", **options))
+    assert len(calls) == 4 + 6
+    assert read["calibration_tail"] == again["calibration_tail"]
+    sa, sb = read_state(tmp_path / "read"), read_state(tmp_path / "again")
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)

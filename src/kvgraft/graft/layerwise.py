@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from kvgraft.graft.mla import GraftConfig, LayerGraft, _run_block, _shared_pairs, layer_postfix, rope_tables
+from kvgraft.graft.mla import TAIL_ROWS, GraftConfig, LayerGraft, _run_block, _shared_pairs, layer_postfix, rope_tables
 from kvgraft.graft.plan import ConvertPlan
 from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output
 from kvgraft.graft.resume import Checkpoint, fingerprint, staging_dir
@@ -53,6 +53,7 @@ HF_PREFIX = "model."
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers old transformers versions saved (as kvgraft.hf.keys)
 SHARD_FLOOR = 256 * 2**20  # output shards of at least this many bytes (tiny models: one model.safetensors)
+REUSE_TAIL = True  # the tail's states read off the calibration stream where it has them (False: run again)
 CONVERTED = ".kvgraft"  # the converted model's shards with --format deepseek_v3 (removed after the export)
 DTYPE = torch.float32  # the output's dtype, the whole-model executor's (it grafts an fp32 model)
 
@@ -222,7 +223,10 @@ def _graft_layers(
         new = built if built is not None else block
         if tails:  # one sequence at a time, as tail_figures runs the whole model on each
             t_tail = time.perf_counter()
-            tails = [_run_block(block, tails[0], tail_cos, tail_sin, 1), _run_block(new, tails[1], tail_cos, tail_sin, 1)]
+            tails = [
+                _tail_state(run, layer, 0, block, tails, tail_cos, tail_sin),
+                _tail_state(run, layer, 1, new, tails, tail_cos, tail_sin),
+            ]
             times["tail"] += time.perf_counter() - t_tail
         prefix = f"{HF_PREFIX}layers.{layer}."
         for key, tensor in new.state_dict().items():
@@ -250,6 +254,21 @@ def _graft_layers(
         tail.add(i, *(F.linear(norm(x[i : i + 1]), head) for x in tails))
     times["tail"] += time.perf_counter() - t_tail
     return run, tail.record()
+
+
+def _tail_state(
+    run: LayerGraft, layer: int, stack: int, block: Block, tails: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The tail's hidden states after ``layer`` in ``stack`` (0: original, 1: converted): read off the
+    calibration stream when it has just run them through ``block`` (its last ``TAIL_ROWS`` sequences, which
+    are the tail's, are run one at a time as here: the same values bit for bit, ``tests/test_convert_layerwise``),
+    else ``block`` run on them one sequence at a time."""
+    n = tails[stack].shape[0]
+    advanced = layer < run.last and n <= TAIL_ROWS
+    stream = (run.x_new if run.g.layerwise else None) if stack == 1 else (None if run.g.layerwise else run.x_orig)
+    if REUSE_TAIL and advanced and stream is not None and stream.shape[0] >= n:
+        return stream[-n:].clone()  # a copy: the stream is replaced after the next layer
+    return _run_block(block, tails[stack], cos, sin, 1)
 
 
 def _save(

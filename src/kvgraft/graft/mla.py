@@ -42,6 +42,11 @@ from kvgraft.model.transformer import Block, GQAttention
 OBJECTIVES = ("weights", "activations", "attention")
 ROPE_SELECTIONS = ("stride", "norm", "shared", "prefix")
 QK_NORMS = ("keep", "linearise")
+# The calibration stream's last sequences are run one at a time (the rest in batches): exactly as
+# ``kvgraft convert`` runs its calibration tail (``kvgraft.graft.record.TAIL_SEQUENCES``, the same number), so
+# the layer-by-layer executor reads the tail's converted-stack states off the stream instead of running them
+# again. 0: every sequence in batches (what the graft did before; for side-by-side timings).
+TAIL_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -298,12 +303,13 @@ class LayerGraft:
         if self.x_new is not None and layer < self.last:
             assert g.layerwise or self.x_orig is not None
             x_orig = self.x_orig
-            x_orig_next = None if x_orig is None or g.layerwise else _run_block(block, x_orig, self.cos, self.sin, bs)
+            tail = TAIL_ROWS
+            x_orig_next = None if x_orig is None or g.layerwise else _run_block(block, x_orig, self.cos, self.sin, bs, tail)
             if g.layerwise and layer in self.layers:
                 built = self.converted_block(layer, block)
-                self.x_new = _run_block(built, self.x_new, self.cos, self.sin, bs)
+                self.x_new = _run_block(built, self.x_new, self.cos, self.sin, bs, tail)
             elif g.layerwise:
-                self.x_new = _run_block(block, self.x_new, self.cos, self.sin, bs)
+                self.x_new = _run_block(block, self.x_new, self.cos, self.sin, bs, tail)
             else:
                 self.x_new = x_orig_next
             self.x_orig = x_orig_next
@@ -584,12 +590,17 @@ def rope_expectation(profile: torch.Tensor, inv_freq: torch.Tensor) -> torch.Ten
     return torch.stack([(profile[:, None] * angles.cos()).sum(0), (profile[:, None] * angles.sin()).sum(0)], dim=-1)
 
 
-def _run_block(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_size: int) -> torch.Tensor:
+def _run_block(
+    block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_size: int, single_rows: int = 0
+) -> torch.Tensor:
     """``block``'s output for hidden states ``x`` (positions 0..T-1; RoPE ``cos``/``sin``), ``batch_size``
-    sequences at a time."""
+    sequences at a time; the last ``single_rows`` sequences one at a time (``TAIL_ROWS``)."""
+    n = x.shape[0]
+    split = n - min(single_rows, n)
+    bounds = [(s, min(s + batch_size, split)) for s in range(0, split, batch_size)] + [(s, s + 1) for s in range(split, n)]
     out = []
-    for start in range(0, x.shape[0], batch_size):
-        sl = slice(start, start + batch_size)
+    for start, end in bounds:
+        sl = slice(start, end)
         xs = x[sl]
         positions = torch.arange(xs.shape[1], device=xs.device).expand(xs.shape[0], -1)
         out.append(block(xs, cos[sl], sin[sl], DenseContext(positions, default_positions=True)))
