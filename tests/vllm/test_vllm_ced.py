@@ -111,11 +111,11 @@ def test_share_graft_matches_kvgraft_engine(share_graft):
 
 
 def test_ced_8m_with_prefix_caching_matches_kvgraft_engine(ced, monkeypatch):
-    """vLLM's prefix caching on (``vllm serve``'s default), prompts past the scheduler block (816 tokens, the
-    lcm of the groups' block sizes 16, 25, 102), one sent twice and one sharing its first 1,650 tokens. The
-    8m was trained on 512 positions; beyond them it is still one deterministic function for both engines
-    (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``, kvgraft's ``max_seq_len``). Measured: vLLM 0.32 reuses nothing here
-    (``num_cached_tokens`` 0, printed), so this checks that caching on changes no token."""
+    """vLLM's prefix caching on (``vllm serve``'s default), 1,700-token prompts: one sent twice, one sharing its
+    first 1,650 tokens. Hits land on vLLM's scheduler block, the lcm of the groups' block sizes (16, 16, 96:
+    96 tokens), and every group must hit: the windows' last W - 1 tokens, the pending rows and the stream's
+    entries, all kept in vLLM's blocks. The 8m was trained on 512 positions; beyond them it is still one
+    deterministic function for both engines (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``, kvgraft's ``max_seq_len``)."""
     from vllm import SamplingParams
 
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
@@ -126,5 +126,7 @@ def test_ced_8m_with_prefix_caching_matches_kvgraft_engine(ced, monkeypatch):
     with VllmRunner(CED, max_model_len=2048, enable_prefix_caching=True, max_num_seqs=4) as runner:
         outs = [runner.llm.generate([{"prompt_token_ids": q}], sp, use_tqdm=False)[0] for q in prompts]
     ours = kvgraft_engine_greedy(ced, prompts, 16, max_seq_len=2048)
-    print("\nprefix caching on: num_cached_tokens per request", [o.num_cached_tokens for o in outs])
+    cached = [o.num_cached_tokens for o in outs]
+    print("\nprefix caching on: num_cached_tokens per request", cached)
     assert [list(o.outputs[0].token_ids) for o in outs] == ours
+    assert cached[0] == 0 and cached[1] == cached[2] == 1650 // 96 * 96, cached  # 1,632: 17 whole scheduler blocks

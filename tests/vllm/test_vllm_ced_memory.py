@@ -95,7 +95,7 @@ def test_ced_bytes_per_token_next_to_kvgraft_formula(ced_runner):
         rows.append((ctx, usage.bytes, formula))
         # slack: each window group rounds W up to whole blocks plus one, the stream to its block, one pending
         # block per group, and every block id spans the largest group's layer count
-        assert formula <= usage.bytes <= 1.6 * formula, (ctx, usage.bytes, formula, by_kind)
+        assert formula <= usage.bytes <= 1.65 * formula, (ctx, usage.bytes, formula, by_kind)
     print("\ncontext  vLLM B/token  kvgraft formula B/token  ratio")
     for ctx, got, formula in rows:
         print(f"{ctx:7d}  {got / ctx:12.1f}  {formula / ctx:23.1f}  {got / formula:5.2f}")

@@ -9,12 +9,16 @@ in ``vllm/v1/core/kv_cache_utils.py``). Per layer the CED stores three kinds of 
 - with m > 1, a pending row per token, entry + gate scores, of which a layer needs the last m - 1 tokens.
 
 The window's block (``WINDOW_BLOCK`` tokens) fixes the page; a stream block holds as many whole entries
-as fit in that page (so ``stream_entries * m`` tokens) and a pending block as many rows. The few bytes
-that do not fill a page are padding (``page_size_padded``), reported by :func:`padding_bytes`.
+as fit in that page (so ``stream_entries * m`` tokens) and a pending block as many rows, both rounded down
+so that their block sizes are multiples of the window's: vLLM's scheduler block, the granularity of its
+prefix-cache hits, is the lcm of the groups' block sizes (with 51 entries and 25 pending rows, the 8m's
+would be lcm(16, 25, 102) = 20,400 tokens; rounded, 16). The bytes that do not fill a page are padding
+(``page_size_padded``), reported by :func:`padding_bytes`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvgraft.model.config import ModelConfig, cache_layout
@@ -69,6 +73,14 @@ def page_geometry(config: ModelConfig, itemsize: int, window_block: int = WINDOW
     while block * row < max(entry, pending):  # a page holds at least one entry and one pending row
         block *= 2
     page = block * row * itemsize
+    # whole entries per stream block, and pending rows per block, chosen so that every group's block size is a
+    # multiple of the window's: vLLM's scheduler block (and prefix-cache hit granularity) is their lcm
+    per_entry = page // (entry * itemsize)
+    step = block // math.gcd(block, config.compress_rate)  # entries whose m tokens make whole window blocks
+    entries = per_entry // step * step or per_entry
+    pend_rows = page // (pending * itemsize) if pending else 0
+    if pending and pend_rows >= block:
+        pend_rows = pend_rows // block * block
     return PageGeometry(
         itemsize=itemsize,
         page_bytes=page,
@@ -77,7 +89,7 @@ def page_geometry(config: ModelConfig, itemsize: int, window_block: int = WINDOW
         window=config.sliding_window,
         compress_rate=config.compress_rate,
         entry_width=entry,
-        stream_entries=page // (entry * itemsize),
+        stream_entries=entries,
         pending_width=pending,
-        pending_block=page // (pending * itemsize) if pending else 0,
+        pending_block=pend_rows,
     )
