@@ -259,3 +259,37 @@ def test_rows_at_home_read_one_strided_view_with_the_gather_logits(slots, order,
     for h in homes:
         assert h[:2] == expect[0] and (h[2] is None if expect[1] is None else h[2].tolist() == expect[1])
     torch.testing.assert_close(viewed, gathered, atol=1e-5, rtol=0)
+
+
+def test_prefix_cache_keeps_decode_rows_at_home_with_the_same_tokens(monkeypatch):
+    """With the prefix cache on, a kept prompt's partial last block is the entry's own copy (the request
+    writes on at home), and a new request's home run is cleared of kept prompts (relocated, else dropped):
+    decode rows stay at home; a prompt kept, relocated and hit again gives the tokens it gives alone."""
+    import kvgraft.runtime.engine as engine_module
+    from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.sampling import SamplingParams
+
+    cfg = get_preset("llama-tiny")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights(0)
+    model.eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (21, 7, 30, 13, 26, 9)]
+    prompts.append(list(prompts[0]))  # kept in the first wave, relocated in the second, hit in the third
+    params = SamplingParams(max_new_tokens=6)
+    alone = [Engine(model, max_seqs=1).generate([p], params)[0] for p in prompts]
+
+    contexts: list[BatchContext] = []
+
+    def recording(*args, **kwargs):
+        contexts.append(BatchContext(*args, **kwargs))
+        return contexts[-1]
+
+    monkeypatch.setattr(engine_module, "BatchContext", recording)
+    engine = Engine(model, max_seqs=3, max_seq_len=64, prefix_cache=True)
+    outs = [engine.generate(prompts[i : i + 3], params) for i in (0, 3, 6)]
+    assert [o for wave in outs for o in wave] == alone
+    assert engine.prefix_stats["hits"] >= 1
+    decode = [gr for c in contexts for gr in c.groups if gr.T == 1 and gr.G > 1]
+    assert decode and all(gr.home is not None for gr in decode)

@@ -398,7 +398,8 @@ class BatchContext(StepContext):
         for r, t in enumerate(new_tokens):
             by_t.setdefault((t, self.adapter_ids[r] if split else None), []).append(r)
         self.groups = []
-        for (t, _), rows in by_t.items():
+        buckets = [(t, part) for (t, _), rows in by_t.items() for part in self._home_split(cache, seqs, rows, t)]
+        for t, rows in buckets:
             names = [self.adapter_ids[r] for r in rows]
             adapter: object = names[0]
             adapter_rows: tuple[tuple[object, torch.Tensor], ...] = ()
@@ -462,34 +463,22 @@ class BatchContext(StepContext):
                 )
             )
 
+    def _home_split(self, cache: PagedKVCache, seqs: list[int], rows: list[int], t: int) -> list[list[int]]:
+        """Decode rows split into those whose blocks are their slots' home runs and the rest (each part its
+        own group: the first reads views of the pools, the rest is gathered); other rows as they are."""
+        if not self.views or not cache.head_major or not cache.home_stride or t > DECODE_MAX_NEW_TOKENS or len(rows) < 3:
+            return [rows]
+        at = cache.at_home([seqs[r] for r in rows])
+        parts = [[r for r, a in zip(rows, at) if a], [r for r, a in zip(rows, at) if not a]]
+        return [p for p in parts if p] if len(parts[0]) >= 2 else [rows]
+
     def _home(
         self, cache: PagedKVCache, table: torch.Tensor, slots: torch.Tensor, ends: list[int], t: int
     ) -> tuple[int, int, torch.Tensor | None] | None:
-        """(first slot, end slot, each row's place in that range or None when the rows are the range in
-        order) when every row of a decode group of several rows holds its blocks in its slot's home run, in
-        order (``PagedKVCache.home_view``): the group then reads the paged pools as strided views. Tensor
-        ops over the group's (G, blocks) table, no loop over rows."""
-        nb = table.shape[1]
-        if (
-            not self.views
-            or not cache.head_major
-            or t > DECODE_MAX_NEW_TOKENS
-            or len(ends) < 2
-            or not cache.home_stride
-            or nb > cache.home_stride
-        ):
+        """``PagedKVCache.home_range`` of a decode group of several rows (None: not read from home)."""
+        if not self.views or not cache.head_major or t > DECODE_MAX_NEW_TOKENS or len(ends) < 2:
             return None
-        ar = torch.arange(nb, device=table.device)
-        used = ar[None] < -(-torch.tensor(ends, device=table.device)[:, None] // cache.block_size)
-        at_home = (table == slots[:, None] * cache.home_stride + ar[None]) | ~used
-        if not bool(at_home.all()):
-            return None
-        lo, hi = int(slots.min()), int(slots.max()) + 1
-        if 2 * len(ends) >= cache.max_seqs:  # at least half the slots: read all of them (one matmul, no gap)
-            lo, hi = 0, cache.max_seqs
-        index = slots - lo
-        in_order = hi - lo == len(ends) and bool((index == torch.arange(len(ends), device=index.device)).all())
-        return lo, hi, None if in_order else index
+        return cache.home_range(table, slots, ends)
 
     @staticmethod
     def _row_views_pay(cache: PagedKVCache, ends: list[int]) -> bool:

@@ -122,6 +122,16 @@ class BlockAllocator:
                     return self._take(b)
         return self.allocate()
 
+    def take_outside(self, lo: int, hi: int, stride: int) -> int | None:
+        """A free unclaimed id outside [lo, hi), now held in every unit: the one furthest into its run of
+        ``stride`` ids (a slot's home run: the end of a run is the last a sequence grows into); None if none."""
+        free = (self._free_units == self.num_units) & (self._claim < 0)
+        free[lo:hi] = False
+        idx = np.flatnonzero(free)
+        if not idx.size:
+            return None
+        return self._take(int(idx[np.argmax(idx % stride)]) if stride else int(idx[0]))
+
     def _take(self, b: int) -> int:
         """Hold free id ``b`` in every unit (its stale entry in the free queue is skipped later)."""
         self.rc[:, b] = 1

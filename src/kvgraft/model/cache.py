@@ -336,6 +336,75 @@ class PagedKVCache:
     def slot(self, seq: int) -> int:
         return self._get(seq).slot
 
+    def at_home(self, seqs: list[int]) -> list[bool]:
+        """Whether each sequence's blocks are its slot's home run, in order (one layer span, at most
+        ``home_stride`` blocks): one tensor comparison over the padded tables."""
+        tables = [self._get(q).spans[0][1] if len(self._get(q).spans) == 1 else None for q in seqs]
+        nb = max((len(tb) for tb in tables if tb is not None), default=0)
+        if not nb or nb > self.home_stride:
+            return [False] * len(seqs)
+        table = torch.tensor([tb + [-1] * (nb - len(tb)) if tb is not None else [-2] * nb for tb in tables])
+        want = torch.tensor([self._get(q).slot for q in seqs])[:, None] * self.home_stride + torch.arange(nb)
+        ok: list[bool] = ((table == want) | (table == -1)).all(1).tolist()
+        return ok
+
+    def home_range(
+        self, table: torch.Tensor, slots: torch.Tensor, ends: list[int]
+    ) -> tuple[int, int, torch.Tensor | None] | None:
+        """For rows with block tables ``table`` (G, blocks; padding past each row's blocks), state ``slots``
+        (G,) and lengths ``ends`` after the step: (first slot, end slot, each row's place in that range, or
+        None when the rows are the range in order) when every row's blocks are its home run, so the rows
+        read each pool as ``home_view(pool, first, end, ...)``; else None. A range of at least half the
+        slots is widened to all of them (heads and slots then share one stride: one matmul reads it)."""
+        nb = table.shape[1]
+        if not self.home_stride or nb > self.home_stride:
+            return None
+        ar = torch.arange(nb, device=table.device)
+        used = ar[None] < -(-torch.tensor(ends, device=table.device)[:, None] // self.block_size)
+        if not bool(((table == slots[:, None] * self.home_stride + ar[None]) | ~used).all()):
+            return None
+        lo, hi = int(slots.min()), int(slots.max()) + 1
+        if 2 * len(ends) >= self.max_seqs:
+            lo, hi = 0, self.max_seqs
+        index = slots - lo
+        in_order = hi - lo == len(ends) and bool((index == torch.arange(len(ends), device=index.device)).all())
+        return lo, hi, None if in_order else index
+
+    def home_run(self, seq: int) -> tuple[int, int]:
+        """The block ids [lo, hi) ``seq`` expects to fill in its slot's home run (empty when it said no length
+        or expects more than a home run holds)."""
+        s = self._get(seq)
+        lo = s.slot * self.home_stride
+        return lo, lo + (s.expect_blocks if 0 < s.expect_blocks <= self.home_stride else 0)
+
+    def relocate(self, snap: CacheSnapshot, lo: int, hi: int) -> CacheSnapshot | None:
+        """The snapshot with its blocks in [lo, hi) copied to free unclaimed ids outside that run (the ends of
+        home runs first), as a new snapshot that takes over the old one's holds (the old is released); None,
+        changing nothing, when the snapshot's layers are split into spans or too few such ids are free."""
+        if snap.released or len(snap.spans) != 1 or snap.spans[0][0] != 0:
+            return None
+        ids = list(snap.spans[0][1])
+        moved: list[tuple[int, int]] = []
+        for i, b in enumerate(ids):
+            if lo <= b < hi:
+                new = self.blocks.take_outside(lo, hi, self.home_stride)
+                if new is None:
+                    self.blocks.release(0, len(self.units), [n for _, n in moved])
+                    return None
+                moved.append((b, new))
+                ids[i] = new
+        for old, new in moved:  # every unit of the one span: paged layers and segments
+            for kind, x in self.units:
+                t = self.paged[x] if kind == "paged" else self.segments[x]
+                if kind == "paged" and x in self.head_major:
+                    t[:, new] = t[:, old]
+                else:
+                    t[new] = t[old]
+        self.blocks.release(0, len(self.units), [old for old, _ in moved])
+        out = CacheSnapshot(((0, tuple(ids)),), snap.length, snap.state, snap.rings)
+        snap.rings, snap.released = (), True  # its holds are the new snapshot's now
+        return out
+
     def home_view(self, pool: torch.Tensor, lo: int, hi: int, tokens: int, dim: int = 0) -> torch.Tensor:
         """The home runs of slots [lo, hi) of a paged pool whose block axis is ``dim`` (0, or 1 for the
         head-major GQA pools), their first ``tokens`` positions: a view, (.., hi - lo, tokens, ..). A batch context reads a group this way when every row's blocks are

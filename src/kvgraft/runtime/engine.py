@@ -51,7 +51,7 @@ class Engine:
 
     ``num_blocks`` blocks of ``block_size`` tokens (default 16, rounded up to a multiple of an encoder-decoder's
     compression rate; ``num_blocks`` default: room for ``max_seqs`` full-length
-    sequences); ``max_batch_tokens`` new tokens per step at most; ``max_seq_len`` (default: the model's
+    sequences, and with ``prefix_cache`` a quarter more for kept prompts); ``max_batch_tokens`` new tokens per step at most; ``max_seq_len`` (default: the model's
     ``max_position_embeddings``) bounds prompt + new tokens; ``detokenize`` turns ids into text for
     stop strings. ``prefix_cache``: keep prompts' caches for later requests and certified adapters
     (``kvgraft.runtime.prefix``), at most ``prefix_entries`` entries and ``prefix_max_bytes`` of kept state
@@ -89,8 +89,10 @@ class Engine:
             isinstance(prefix_max_bytes, bool) or not isinstance(prefix_max_bytes, int) or prefix_max_bytes < 0
         ):
             raise ValueError(f"prefix_max_bytes ({prefix_max_bytes!r}) must be a non-negative integer or None")
-        if num_blocks is None:
-            num_blocks = max_seqs * math.ceil(seq_len / block_size)
+        if num_blocks is None:  # room for max_seqs full sequences; with the prefix cache a quarter more, where
+            # kept prompts are moved out of the home runs of new requests (PrefixCache.clear_run)
+            per_seq = math.ceil(seq_len / block_size)
+            num_blocks = max_seqs * (per_seq + (max(1, per_seq // 4) if prefix_cache else 0))
         param = next(model.parameters())
         self.model = model
         # with the prefix cache, kept prompts hold window-ring blocks too: a quarter more ring blocks than the

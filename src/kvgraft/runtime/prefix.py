@@ -246,6 +246,21 @@ class PrefixCache:
         for key in [k for k, e in self._entries.items() if e.owner == owner and not e.shares]:
             self._drop(self._entries.pop(key))
 
+    def clear_run(self, lo: int, hi: int) -> None:
+        """Move kept blocks out of the block ids [lo, hi) (a new sequence's home run, which it then reads as
+        a view of the pools): each entry holding some is relocated (its blocks copied elsewhere), or dropped
+        when no room is left for the copy."""
+        if hi <= lo:
+            return
+        for key, e in list(self._entries.items()):
+            if not any(lo <= b < hi for _, ids in e.snap.spans for b in ids):
+                continue
+            moved = self.cache.relocate(e.snap, lo, hi)
+            if moved is None:
+                self._drop(self._entries.pop(key))
+            else:
+                e.snap = moved
+
     def clear(self) -> None:
         while self.evict_one():
             pass

@@ -90,6 +90,11 @@ class PrefixPolicy:
             if entry.hidden is not None and req.keep_at:
                 req.hidden = [(entry.length - entry.hidden.shape[0], entry.hidden)]
 
+    def clear_home(self, seq: int) -> None:
+        """Kept prompts out of the home run of a new sequence (relocated, else dropped): there it reads its
+        blocks as a view of the pools rather than a gather (``PagedKVCache.home_view``)."""
+        self.store.clear_run(*self.cache.home_run(seq))
+
     def evict_one(self) -> bool:
         """Evict the least recently used entry; False if there is none."""
         return self.store.evict_one()
@@ -170,7 +175,13 @@ class PrefixPolicy:
                     break
             if pos >= T:
                 hidden = torch.cat(parts)
-        self.store.insert(req.prompt[:T], self.cache.snapshot(req.cache_seq), req.owner, req.shares, hidden, req.same_below)
+        snap = self.cache.snapshot(req.cache_seq)
+        if self.cache.head_major and snap.length % self.cache.block_size and snap.blocks:
+            # the request writes on into its partial last block: the kept copy gets its own (else the request's
+            # next write would copy it away from its home run, which decode reads as a view)
+            last = snap.blocks[-1]
+            snap = self.cache.relocate(snap, last, last + 1) or snap
+        self.store.insert(req.prompt[:T], snap, req.owner, req.shares, hidden, req.same_below)
         if req.keep_at:  # drop what the next keep point's span does not need
             first = req.keep_at[0] - span if span else 0
             req.hidden = [(st, h) for st, h in req.hidden if st + h.shape[0] > first]

@@ -78,6 +78,8 @@ class Scheduler:
                     hit = None
             if seq is None:  # it may grow to prompt + max new tokens: its blocks then come consecutive
                 seq = self.cache.add_sequence(expect_tokens=len(req.prompt) + req.sampling.max_new_tokens)
+                if self.prefix is not None and self.cache.head_major:  # its home run free of kept prompts
+                    self.prefix.clear_home(seq)
             computed = hit[0].length if hit else 0
             n = self.chunk(req, computed, budget)
             while not self.cache.can_extend(seq, n) and self.prefix is not None and self.prefix.evict_one():
