@@ -48,6 +48,7 @@ import math
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -461,6 +462,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--out", default=None, help="JSON (default runs/bench/peers.json, or peers_servers.json)")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers and vLLM's process on the way out
     if args.out is None:
         args.out = "runs/bench/peers_servers.json" if args.servers else "runs/bench/peers.json"
     for name in (
