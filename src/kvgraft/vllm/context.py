@@ -24,18 +24,21 @@ from typing import Any
 
 import torch
 
-from kvgraft.model.batch import EntryWriter, Group, StepContext
+from kvgraft.model.batch import BatchContext, EntryWriter, Group
 from kvgraft.model.views import Entries, KVView
 from kvgraft.vllm.cache import PENDING, STREAM, WINDOW, CEDCacheLayer, CEDCacheMetadata
 
 _CACHED = object()  # stands for "the step reads a cache" where kvgraft's layers ask
 
 
-class VllmStepContext(StepContext):
+class VllmStepContext(BatchContext):
     """One vLLM forward step over the CED caches ``layers[(layer, kind)]`` (``kvgraft.vllm.cache`` names).
 
     ``metadata`` maps each cache layer's vLLM name to its group's :class:`CEDCacheMetadata`;
-    ``positions`` (N,) are vLLM's token positions on the packed axis."""
+    ``positions`` (N,) are vLLM's token positions on the packed axis; ``adapters`` (per request of the step,
+    vLLM's order) names each request's adapter in kvgraft's registry (None: the base). A ``BatchContext`` to
+    kvgraft's adapter layers (``MultiLoraLinear`` applies deltas inside one), but none of its paged-cache
+    state: its constructor is not run, and every storage call is answered here."""
 
     def __init__(
         self,
@@ -44,6 +47,7 @@ class VllmStepContext(StepContext):
         positions: torch.Tensor,
         window: int,
         compress_rate: int,
+        adapters: list[str | None] | None = None,
     ) -> None:
         self.layers, self.window, self.m = layers, window, compress_rate
         self.md: dict[tuple[int, str], CEDCacheMetadata] = {key: metadata[c.layer_name] for key, c in layers.items()}
@@ -63,11 +67,35 @@ class VllmStepContext(StepContext):
             start = lens[r] - T
             if int(qpos[0, 0]) != start or int(qpos[0, -1]) != lens[r] - 1:
                 raise ValueError(f"request {r}: positions {qpos[0, 0]}..{qpos[0, -1]} do not end at its length {lens[r]}")
-            self.groups.append(Group([len(self.groups)], T, qpos, tok=tok))
+            adapter = adapters[r] if adapters is not None else None
+            self.groups.append(Group([len(self.groups)], T, qpos, tok=tok, adapter=adapter))
             self.ends.append(lens[r])
             self.requests.append(r)
-        self.adapter_ids = [None] * len(self.groups)
+        self.adapter_ids = [g.adapter for g in self.groups]
         self.new_tokens = [g.T for g in self.groups]
+        self.has_adapters = any(a is not None for a in self.adapter_ids)
+        self.num_tokens = int(positions.shape[0])  # the packed axis (padding included) the layers see
+        self.replay = False
+
+    def adapter_tokens(self) -> dict[object, torch.Tensor]:
+        """Adapter -> indices (on the packed token axis) of its requests' tokens; the base is left out."""
+        by: dict[object, list[torch.Tensor]] = {}
+        for g in self.groups:
+            if g.adapter is not None and g.tok is not None:
+                by.setdefault(g.adapter, []).append(g.tok)
+        return {a: torch.cat(ix) for a, ix in by.items()}
+
+    def token_adapters(self) -> list[object]:
+        """The adapter of each token of the packed axis (None for the base and for padding)."""
+        out: list[object] = [None] * self.num_tokens
+        for g in self.groups:
+            if g.adapter is not None and g.tok is not None:
+                for t in g.tok.tolist():
+                    out[t] = g.adapter
+        return out
+
+    def commit(self) -> None:
+        """Nothing to record: vLLM's scheduler owns the sequences."""
 
     # ---- addressing ---------------------------------------------------------------------------
     def _slots(self, layer: int, kind: str, gi: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

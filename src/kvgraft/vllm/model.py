@@ -12,6 +12,7 @@ Runs eager (``enforce_eager=True``; the step context is Python per request). Wit
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 try:
     from vllm.config import VllmConfig
     from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.models.interfaces import SupportsLoRA
 except ImportError as exc:  # the optional extra is missing
     from kvgraft.vllm import EXTRA_HINT
 
@@ -30,13 +33,27 @@ from kvgraft.hf.keys import hf_to_kvgraft
 from kvgraft.model.batch import DenseContext, StepContext, active_context
 from kvgraft.model.ced import rope_tables
 from kvgraft.model.transformer import Transformer
+from kvgraft.runtime.adapters import AdapterRegistry
 from kvgraft.vllm.cache import PENDING, STREAM, WINDOW, CEDCacheLayer
 from kvgraft.vllm.context import VllmStepContext
 from kvgraft.vllm.geometry import page_geometry
+from kvgraft.vllm.lora import install as install_lora_bridge
+from kvgraft.vllm.lora import step_adapters
+
+# the linears a kvgraft adapter may target, by their last name: vLLM's LoRA loader accepts an adapter's target
+# modules only when the model has vLLM linears so named (the stand-ins below; kvgraft applies the deltas)
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "kv_b_proj", "kv_a_proj", "gate_proj", "up_proj", "down_proj")
 
 
-class KvgraftCEDForCausalLM(nn.Module):
-    """vLLM's model interface (``forward``, ``compute_logits``, ``load_weights``) over kvgraft's Transformer."""
+class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
+    """vLLM's model interface (``forward``, ``compute_logits``, ``load_weights``) over kvgraft's Transformer.
+
+    With ``enable_lora``, each request's adapter (vLLM's ``LoRARequest``: its name and directory, a
+    ``kvgraft adapt`` output) is loaded into kvgraft's ``AdapterRegistry`` on first use, checked against this
+    base, and applied by kvgraft's layers per request (``kvgraft.vllm.lora``)."""
+
+    packed_modules_mapping: dict[str, list[str]] = {}
+    embedding_modules: dict[str, str] = {}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -66,6 +83,15 @@ class KvgraftCEDForCausalLM(nn.Module):
             cache = CEDCacheLayer(kind, self.geometry, dtype, name)
             self.caches[f"{layer}_{kind}"] = cache
             self.cache_layers[(layer, kind)] = cache
+        self.lora_enabled = vllm_config.lora_config is not None
+        self.adapters = AdapterRegistry(self.model)
+        self.adapter_paths: dict[str, Path] = {}
+        if self.lora_enabled:
+            install_lora_bridge()
+            # stand-ins (1 x 1, never run) that make vLLM's LoRA manager accept kvgraft's module names
+            self.lora_stand_ins = nn.ModuleDict(
+                {n: ReplicatedLinear(1, 1, bias=False, prefix=f"lora_stand_ins.{n}") for n in ADAPTER_TARGETS}
+            )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.model.embed_tokens(input_ids)
@@ -81,7 +107,28 @@ class KvgraftCEDForCausalLM(nn.Module):
         window = self.config.sliding_window
         if window is None:
             raise ValueError("a causal encoder-decoder config has sliding_window")
-        return VllmStepContext(self.cache_layers, metadata, positions, window, self.config.compress_rate)
+        adapters = None
+        if self.lora_enabled:
+            first = metadata[names[0]]
+            adapters = [self._adapter(a) for a in step_adapters(first.query_start)]
+        return VllmStepContext(self.cache_layers, metadata, positions, window, self.config.compress_rate, adapters)
+
+    def _adapter(self, request: tuple[str, Path] | None) -> str | None:
+        """The registry name of a request's adapter, loading it on first use (None: the base, or one of vLLM's
+        warm-up adapters, whose directories do not exist)."""
+        if request is None:
+            return None
+        name, path = request
+        if not path.exists():
+            return None
+        if not (path / "kvgraft_adapter.json").is_file():
+            raise ValueError(f"adapter {name!r} at {path}: not a kvgraft adapter directory (no kvgraft_adapter.json)")
+        if self.adapter_paths.get(name) != path:
+            if name in self.adapters:
+                self.adapters.unload(name)
+            self.adapters.load(name, path)
+            self.adapter_paths[name] = path
+        return name
 
     @torch.no_grad()
     def forward(
