@@ -7,11 +7,15 @@ adapters loaded by name (``Engine.load_adapter``, as ``kvgraft serve`` runs them
   modules, same certificate), prompts of 5-300 held-out tokens (past the window: kv_b reads the stream);
 - prefix caching on: vLLM 0.32 salts every block of a LoRA request with the adapter's name and path, so a prompt
   already cached for the base or another adapter is recomputed (0 tokens reused) and only the same adapter's
-  repeat hits; both asserted, with the tokens.
+  repeat hits; both asserted, with the tokens;
+- what the plugin changes there (``kvgraft.vllm.lora.install_hash_keys``): adapters whose recomputed certificate
+  touches no cache group (made here from the geometry adapter's last-layer q/o/kv_b/MLP modules) get the base's
+  key, so they reuse the base's cached prompt and each other's; the tokens stay kvgraft's engine's.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -27,15 +31,49 @@ GEO = ROOT / "models" / "adapters" / "kvgraft-ced-8m-geometry"
 N_NEW = 24
 
 
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
+def _negated(src: Path, out: Path) -> Path:
+    """A copy of the adapter at ``src`` with its B factors negated: the same modules, another function."""
     from safetensors.torch import load_file, save_file
 
-    other = tmp_path_factory.mktemp("adapters") / "geometry-negated"
-    shutil.copytree(GEO, other)
-    weights = load_file(str(GEO / "adapter_model.safetensors"))
-    save_file({k: (-v if "lora_B" in k else v) for k, v in weights.items()}, str(other / "adapter_model.safetensors"))
-    return {"geo": GEO, "neg": other}
+    shutil.copytree(src, out)
+    weights = load_file(str(src / "adapter_model.safetensors"))
+    save_file({k: (-v if "lora_B" in k else v) for k, v in weights.items()}, str(out / "adapter_model.safetensors"))
+    return out
+
+
+def _kv_neutral(src: Path, out: Path, layer: int) -> Path:
+    """The adapter at ``src`` cut down to ``layer``'s modules that write no cache (all but k/v), with its
+    certificate recomputed: it changes no cached row of the base."""
+    from safetensors.torch import load_file, save_file
+
+    from kvgraft.adapters.certificate import certify
+    from kvgraft.model.config import ModelConfig
+
+    shutil.copytree(src, out)
+    meta = json.loads((src / "kvgraft_adapter.json").read_text())
+    modules = [m for m in meta["modules"] if m.startswith(f"layers.{layer}.") and not m.endswith(("k_proj", "v_proj"))]
+    meta["modules"] = modules
+    meta["certificate"] = certify(ModelConfig.from_dict(meta["base_config"]), modules).to_dict()
+    assert modules and meta["certificate"]["touched"] == []
+    (out / "kvgraft_adapter.json").write_text(json.dumps(meta))
+    peft = json.loads((src / "adapter_config.json").read_text())
+    peft["target_modules"] = ["model." + m for m in modules]
+    (out / "adapter_config.json").write_text(json.dumps(peft))
+    weights = load_file(str(src / "adapter_model.safetensors"))
+    save_file({k: v for k, v in weights.items() if any(f".{m}." in k for m in modules)}, str(out / "adapter_model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    last = _kv_neutral(GEO, root / "last-layer", 7)
+    return {
+        "geo": GEO,
+        "neg": _negated(GEO, root / "geometry-negated"),
+        "last": last,
+        "last-neg": _negated(last, root / "last-neg"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +121,19 @@ def test_prefix_cache_is_salted_per_adapter(adapters, monkeypatch):
     ours = kvgraft_engine_greedy(load_kvgraft(CED), [p] * 4, 8, adapters=adapters, use=use, max_seq_len=1024)
     assert tokens == ours
     assert cached[:3] == [0, 0, 0] and cached[3] == 499 // 96 * 96, cached
+
+
+def test_kv_neutral_adapters_share_the_base_prefix_cache(adapters, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    ids = np.load(CED / "eval" / "heldout.npy").astype(np.int64)
+    p = ids[30000:30500].tolist()
+    use = [None, "last", "last-neg", "geo"]
+    with VllmRunner(CED, max_model_len=1024, enable_prefix_caching=True, enable_lora=True, max_lora_rank=16, max_loras=2) as r:
+        runs = [_generate(r, [p], _requests(adapters, [u]), 8) for u in use]
+    tokens, cached = [t[0] for t, _ in runs], [c[0] for _, c in runs]
+    print("\nnum_cached_tokens: base, last, last-neg (KV-neutral), geo (decoder-side):", cached)
+    ours = kvgraft_engine_greedy(load_kvgraft(CED), [p] * 4, 8, adapters=adapters, use=use, max_seq_len=1024)
+    assert tokens == ours
+    assert tokens[1] != tokens[0] and tokens[2] != tokens[1], "the KV-neutral adapters must change the output"
+    hit = 499 // 96 * 96
+    assert cached == [0, hit, hit, 0], cached

@@ -9,6 +9,8 @@ transformers' AutoConfig and the model class with vLLM's ``ModelRegistry``. Then
 
 serves a kvgraft causal encoder-decoder checkpoint (docs/vllm.md). ``import kvgraft`` never imports this
 package, and this module imports neither vLLM nor torch: only :func:`register` does, when vLLM calls it.
+``register`` also gives adapters that provably change no cached row the base's prefix-cache key
+(``kvgraft.vllm.lora.install_hash_keys``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ def register() -> None:
     except ImportError as exc:  # pragma: no cover - vLLM calls this hook, so vLLM is present
         raise ImportError(EXTRA_HINT) from exc
     import kvgraft.hf  # noqa: F401  (registers model_type "kvgraft" with transformers' AutoConfig)
+    from kvgraft.vllm.lora import install_hash_keys
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    install_hash_keys()  # KV-neutral kvgraft adapters share the base's prefix cache (kvgraft.vllm.lora)
 
 
 __all__ = ["ARCHITECTURE", "MODEL_CLASS", "register"]

@@ -8,18 +8,35 @@ does not hand a model is which request carries which adapter: only its LoRA laye
 :func:`install` wraps ``WorkerLoRAManager.set_active_adapters``, which the model runner calls before every
 forward with the step's ``LoRARequest`` set and its per-token mapping, and keeps both for the model's forward
 (:func:`step_adapters`). vLLM still loads each adapter with its own loader (the model offers it stand-in
-linears named like kvgraft's projections, so vLLM's name check passes) and still salts prefix-cache hashes with
-the adapter's name and path.
+linears named like kvgraft's projections, so vLLM's name check passes).
+
+**Prefix-cache keys** (:func:`install_hash_keys`, called by ``kvgraft.vllm.register`` in every vLLM process,
+the scheduler's included). vLLM 0.32 salts every block of a LoRA request with ``("lora", name, path)``
+(``vllm.v1.core.kv_cache_utils._gen_lora_extra_hash_keys``), one key for all cache groups of the request. A
+plugin can replace that function (a module global looked up at call time), not give groups different keys.
+So the one sound change: a kvgraft adapter whose sharing certificate, recomputed here from its modules and
+base config, leaves *every* cache group untouched (``touched`` empty: e.g. an adapter on the last layer's
+q/o/kv_b/MLP only) computes the base's KV exactly and gets the base's key, sharing every cached block with the
+base and with every such adapter. Any other adapter keeps vLLM's salt: a certified decoder-side adapter shares
+the encoder's windows and the stream with the base in kvgraft's engine, but its decoder windows differ, and one
+key per request cannot say "share these groups, not those" (docs/vllm.md).
 """
 
 from __future__ import annotations
 
+import json
 import threading
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvgraft.adapters.certificate import certify
+from kvgraft.model.config import ModelConfig
+
 _local = threading.local()
 _installed = False
+_hash_installed = False
+META = "kvgraft_adapter.json"
 
 
 def install() -> None:
@@ -52,3 +69,37 @@ def step_adapters(query_start: list[int]) -> list[tuple[str, Path] | None]:
         req = by_id.get(lora_id) if lora_id > 0 else None
         out.append(None if req is None else (str(req.lora_name), Path(req.lora_path)))
     return out
+
+
+@lru_cache(maxsize=256)
+def kv_neutral(path: str) -> bool:
+    """Whether the kvgraft adapter at ``path`` provably changes no cached row of its base (its certificate,
+    recomputed from its modules and base config, touches no cache group); False for anything else."""
+    meta_file = Path(path) / META
+    if not meta_file.is_file():
+        return False
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        return not certify(ModelConfig.from_dict(meta["base_config"]), list(meta["modules"])).touched
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # not readable as a kvgraft adapter: keep vLLM's salt
+
+
+def install_hash_keys() -> None:
+    """Give KV-neutral kvgraft adapters the base's prefix-cache key (idempotent; see the module docstring)."""
+    global _hash_installed
+    if _hash_installed:
+        return
+    from vllm.v1.core import kv_cache_utils  # deliberately lazy: called from register(), inside vLLM
+
+    original = kv_cache_utils._gen_lora_extra_hash_keys
+
+    def lora_extra_hash_keys(request: Any) -> list[Any]:
+        lora = request.lora_request
+        if lora is not None and kv_neutral(str(lora.lora_path)):
+            return []  # the base's key: this adapter computes the base's KV for every group
+        keys: list[Any] = original(request)
+        return keys
+
+    kv_cache_utils._gen_lora_extra_hash_keys = lora_extra_hash_keys
+    _hash_installed = True
