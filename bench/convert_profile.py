@@ -30,6 +30,7 @@ import argparse
 import functools
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         tails = {json.dumps(r["calibration_tail"], sort_keys=True) for r in runs}
         print(f"calibration-tail figures identical across runs: {len(tails) == 1}")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"peak RSS of this process (all runs): {peak / 2**30:.2f} GiB")
     if args.json:
         atomic_write_json(
             args.json,
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seq_len": args.seq_len,
                 "threads": args.threads,
                 "runs": runs,
+                "peak_rss_bytes": peak,
             },
         )
     return 0

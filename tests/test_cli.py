@@ -101,7 +101,7 @@ def test_interrupted_convert_leaves_no_directory(tiny_dir, tmp_path, monkeypatch
         raise KeyboardInterrupt
 
     monkeypatch.setattr(save, "save_file", boom)
-    monkeypatch.setattr(shards, "save_file", boom)  # the layer-by-layer executor writes through ShardWriter
+    monkeypatch.setattr(shards, "write_safetensors", boom)  # the layer-by-layer executor writes through ShardWriter
     out = tmp_path / "mla"
     with pytest.raises(KeyboardInterrupt):
         main(

@@ -259,3 +259,23 @@ def test_tail_states_read_off_the_stream_are_the_ones_run_again(tmp_path, monkey
     assert read["calibration_tail"] == again["calibration_tail"]
     sa, sb = read_state(tmp_path / "read"), read_state(tmp_path / "again")
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_shard_files_are_save_files_byte_for_byte(tmp_path):
+    """ShardWriter's own safetensors writer (no in-memory copy of the shard) writes what safetensors'
+    save_file writes, byte for byte: every dtype, empty and 0-d tensors, with and without metadata."""
+    from safetensors.torch import load_file, save_file
+
+    from kvgraft.hf.shards import _ST_DTYPES, write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{(7 * i) % 5}.{i}": (torch.randn(3, 4, generator=g) * 10).to(dt) for i, dt in enumerate(_ST_DTYPES)}
+    tensors |= {"empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5), "model.layers.0.w": torch.randn(64, 32, generator=g)}
+    for metadata in ({"format": "pt"}, None):
+        save_file(tensors, str(tmp_path / "a.safetensors"), metadata=metadata)
+        write_safetensors(tmp_path / "b.safetensors", tensors, metadata)
+        assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    back = load_file(str(tmp_path / "b.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    with pytest.raises(ValueError, match="contiguous"):
+        write_safetensors(tmp_path / "c.safetensors", {"x": torch.randn(4, 4).T})
