@@ -13,7 +13,7 @@ from kvgraft.cli import main
 from kvgraft.cli.parser import build_parser
 from kvgraft.data.tasks import write_task
 from kvgraft.train.adapt import AdaptConfig, adapt
-from kvgraft.train.experiment import placement_curve
+from kvgraft.train.experiment import placement_curve, placement_study
 from kvgraft.train.frozen_prefix import DEFAULT_MAX_MB, shared_cache
 
 # 3 epochs of a 16-example training split (micro-batches of 8, 6 steps), so later epochs read the cache
@@ -91,3 +91,20 @@ def test_cli_run_says_what_the_cache_did(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-3].startswith("frozen-prefix cache: layers 0-3 run once per example (")
     assert json.loads(lines[-2])["steps"] == 2 and lines[-1].startswith("sharing certificate: ")
+
+
+def test_the_placement_study_with_the_cache_gives_the_same_table(tmp_path, small_task):
+    """The study's default (bf16 autocast) with its runs through the cache and without: the same numbers;
+    the cache used by the runs that leave layer 0 frozen, not by all-linear."""
+    configs = ("decoder-half-r16+frozen-kv-writers", "all-linear-r16")
+    kw = dict(seeds=1, steps=10, configs=configs, lr=2e-3, micro_batch_size=8, accuracy_examples=0, progress=False)
+    studies = {
+        mode: placement_study("kvgraft-ced-8m", small_task, tmp_path / mode, frozen_cache=mode, **kw) for mode in ("off", "auto")
+    }
+    assert studies["off"]["table"] == {
+        name: {**row, "step_time_s": studies["off"]["table"][name]["step_time_s"]}
+        for name, row in studies["auto"]["table"].items()
+    }
+    runs = tmp_path / "auto" / "runs"
+    used = {c: json.loads((runs / c / "seed0" / "result.json").read_text())["frozen_prefix"] for c in configs}
+    assert used["all-linear-r16"] is None and used[configs[0]]["boundary"] == 4 and used[configs[0]]["hits"] > 0
