@@ -154,7 +154,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
         for name in names:
             t = tensors[name]
             if t.numel():
-                handle.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                handle.write(t.reshape(-1).view(torch.uint8).numpy().data)  # a view of the tensor, no copy
 
 
 class ShardWriter:
