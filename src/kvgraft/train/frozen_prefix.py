@@ -12,10 +12,16 @@ an example has been seen. Layers ``k``.. recompute their own windows and, at the
 recently used first out, in at most ``max_bytes``; each entry is keyed by a digest of the base's weights
 fingerprint (``kvgraft.adapters.fingerprint``), the boundary, the autocast precision, the dtype, any
 frozen adapter weights in the prefix, and the example's token ids. :class:`CachedLMLoss` is the training
-loop's ``loss_fn`` (``kvgraft.train.loop.lm_loss``'s loss, the same numbers): it looks each row up, runs
-the prefix for the rows it misses (one batch, under ``torch.no_grad`` as ``Transformer.forward`` does for
-the layers below the first trainable one), then layers ``k``.., the final norm and the LM head, with
-activation checkpointing and the indexers' ``aux_loss`` as ``Transformer.forward`` has them.
+loop's ``loss_fn`` (``kvgraft.train.loop.lm_loss``'s loss, the same numbers): it looks each row up; when
+one is missing it runs the prefix over the whole batch (under ``torch.no_grad``, as ``Transformer.forward``
+does for the layers below the first trainable one) and keeps the missing rows; then layers ``k``.., the
+final norm and the LM head, with activation checkpointing and the indexers' ``aux_loss`` as
+``Transformer.forward`` has them. :func:`run_prefix` and :func:`run_suffix` rebuild that forward's
+cache-free path from the model's public modules (embedding, rotary tables, blocks, step context); the
+tests compare them with ``Transformer.forward`` bit for bit, so a change there that they miss fails.
+
+The cache of :func:`shared_cache` lives as long as the process (a study's runs share it) and holds at most
+its bound; ``shared_cache(n).clear()`` frees it.
 
 Exactness: every training item of a task has the same length (``kvgraft.train.adapt.encode_split``), so a
 batch's shapes never change; the cached rows were computed in a batch of the same shape, and no
