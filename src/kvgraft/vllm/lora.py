@@ -36,6 +36,7 @@ from kvgraft.model.config import ModelConfig
 _local = threading.local()
 _installed = False
 _hash_installed = False
+_vllm_hash_keys: Any = None  # vLLM's own _gen_lora_extra_hash_keys, once replaced
 META = "kvgraft_adapter.json"
 
 
@@ -87,12 +88,12 @@ def kv_neutral(path: str) -> bool:
 
 def install_hash_keys() -> None:
     """Give KV-neutral kvgraft adapters the base's prefix-cache key (idempotent; see the module docstring)."""
-    global _hash_installed
+    global _hash_installed, _vllm_hash_keys
     if _hash_installed:
         return
     from vllm.v1.core import kv_cache_utils  # deliberately lazy: called from register(), inside vLLM
 
-    original = kv_cache_utils._gen_lora_extra_hash_keys
+    original = _vllm_hash_keys = kv_cache_utils._gen_lora_extra_hash_keys
 
     def lora_extra_hash_keys(request: Any) -> list[Any]:
         lora = request.lora_request
@@ -103,3 +104,10 @@ def install_hash_keys() -> None:
 
     kv_cache_utils._gen_lora_extra_hash_keys = lora_extra_hash_keys
     _hash_installed = True
+
+
+def vllm_hash_keys() -> Any:
+    """vLLM's own LoRA hash-key function (what :func:`install_hash_keys` replaced), for comparisons."""
+    if _vllm_hash_keys is None:
+        raise RuntimeError("install_hash_keys() has not run in this process")
+    return _vllm_hash_keys
