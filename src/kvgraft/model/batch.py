@@ -595,29 +595,21 @@ class BatchContext(StepContext):
                 raise ValueError(f"layer {layer} has a ring but the cache no window")
             rg = c.ring_group_of[layer]
             rtab = g.rings[rg]  # (G, R / rb)
-            # a decode row's new token takes the ring slot of the one position its window drops: write it
-            # first and the ring itself is every key the token sees (no concatenation)
-            decode = g.T == 1 and not self.replay
             place = self.scratch.get(("ring", gi, rg))  # the same for every layer of the ring group
             if place is None:
                 n = min(g.T, R)
                 idx = g.qpos[:, g.T - n :] % W  # (G, n) ring slots
                 flat = (rtab.gather(1, idx // rb) * rb + idx % rb).reshape(-1)
-                last = g.paged_rows()[0][:, None] - (0 if decode else 1)  # the latest position the ring holds
+                last = (g.paged_rows()[0] - 1)[:, None]  # the latest position the ring holds
                 slot = torch.arange(R, device=rtab.device)[None]
                 ring_pos = last - torch.remainder(last - slot, W)
                 ring_pos = torch.where((ring_pos >= 0) & (not self.replay), ring_pos, torch.full_like(ring_pos, _FAR))
-                kpos = ring_pos if decode else torch.cat([ring_pos, g.qpos], dim=1)
-                place = self.scratch[("ring", gi, rg)] = (n, flat, kpos)
+                place = self.scratch[("ring", gi, rg)] = (n, flat, torch.cat([ring_pos, g.qpos], dim=1))
             n, flat, kpos = place
+            ring = ring_pool.index_select(0, rtab.reshape(-1)).view(g.G, R, -1)  # (G, R, E) copy, by ring slot
+            keys = torch.cat([ring, entries.to(ring.dtype)], dim=1)
             new = entries[:, g.T - n :].reshape(-1, entries.shape[-1]).to(ring_pool.dtype)
-            if decode:
-                ring_pool.view(-1, ring_pool.shape[-1]).index_copy_(0, flat, new)
-                keys = ring_pool.index_select(0, rtab.reshape(-1)).view(g.G, R, -1)  # (G, R, E) copy, by ring slot
-            else:
-                ring = ring_pool.index_select(0, rtab.reshape(-1)).view(g.G, R, -1)
-                keys = torch.cat([ring, entries.to(ring.dtype)], dim=1)
-                ring_pool.view(-1, ring_pool.shape[-1]).index_copy_(0, flat, new)
+            ring_pool.view(-1, ring_pool.shape[-1]).index_copy_(0, flat, new)
             out = Entries(keys, kpos)
         self.scratch[key] = out
         return out
