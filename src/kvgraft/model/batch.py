@@ -595,21 +595,32 @@ class BatchContext(StepContext):
                 raise ValueError(f"layer {layer} has a ring but the cache no window")
             rg = c.ring_group_of[layer]
             rtab = g.rings[rg]  # (G, R / rb)
+            # decode (one new token a row): write the token into its ring slot first, then one gather reads the
+            # ring's R slots and that slot again as the (R+1)-th key: the slot's own place in the ring keeps the
+            # position it held (p - W, outside the window: masked), so the keys, their positions and the math
+            # are those of [ring as it was ; new token], without the concatenation's second copy
+            decode = g.T == 1 and not self.replay
             place = self.scratch.get(("ring", gi, rg))  # the same for every layer of the ring group
             if place is None:
                 n = min(g.T, R)
                 idx = g.qpos[:, g.T - n :] % W  # (G, n) ring slots
-                flat = (rtab.gather(1, idx // rb) * rb + idx % rb).reshape(-1)
+                flat = rtab.gather(1, idx // rb) * rb + idx % rb  # (G, n)
                 last = (g.paged_rows()[0] - 1)[:, None]  # the latest position the ring holds
                 slot = torch.arange(R, device=rtab.device)[None]
                 ring_pos = last - torch.remainder(last - slot, W)
                 ring_pos = torch.where((ring_pos >= 0) & (not self.replay), ring_pos, torch.full_like(ring_pos, _FAR))
-                place = self.scratch[("ring", gi, rg)] = (n, flat, torch.cat([ring_pos, g.qpos], dim=1))
-            n, flat, kpos = place
-            ring = ring_pool.index_select(0, rtab.reshape(-1)).view(g.G, R, -1)  # (G, R, E) copy, by ring slot
-            keys = torch.cat([ring, entries.to(ring.dtype)], dim=1)
+                read = torch.cat([rtab.gather(1, slot.expand(g.G, -1) // rb) * rb + slot % rb, flat], 1) if decode else None
+                place = self.scratch[("ring", gi, rg)] = (n, flat.reshape(-1), torch.cat([ring_pos, g.qpos], dim=1), read)
+            n, flat, kpos, read = place
             new = entries[:, g.T - n :].reshape(-1, entries.shape[-1]).to(ring_pool.dtype)
-            ring_pool.view(-1, ring_pool.shape[-1]).index_copy_(0, flat, new)
+            rows = ring_pool.view(-1, ring_pool.shape[-1])
+            if read is not None:
+                rows.index_copy_(0, flat, new)
+                keys = rows.index_select(0, read.reshape(-1)).view(g.G, R + 1, -1)
+            else:
+                ring = ring_pool.index_select(0, rtab.reshape(-1)).view(g.G, R, -1)  # (G, R, E) copy, by ring slot
+                keys = torch.cat([ring, entries.to(ring.dtype)], dim=1)
+                rows.index_copy_(0, flat, new)
             out = Entries(keys, kpos)
         self.scratch[key] = out
         return out
