@@ -6,7 +6,7 @@
 The requests are bench/engine.py's: ``--requests`` prompts of lengths uniform in [16, 400] (seed 0), random
 token ids, ``--new-tokens`` greedy tokens each, fp32, EOS ignored. Per model and thread count (``--threads``:
 torch's intra-op threads here, OpenMP threads in vLLM's process), every system runs the whole workload,
-interleaved over ``--repeats`` rounds; the fastest round of each counts (the first pays one-time kernel set-up).
+interleaved over ``--repeats`` rounds (every other round in reversed order); the fastest round of each counts (the first pays one-time kernel set-up).
 A timed run includes building its engine and cache (kvgraft's, transformers'); vLLM's start-up is not timed.
 
 - kvgraft, one at a time: an engine of one sequence, each request to the end before the next;
@@ -547,8 +547,8 @@ def main() -> None:
             best = {s: float("inf") for s in systems}
             tokens: dict[str, list[list[int]]] = {}
             try:
-                for r in range(args.repeats):
-                    for s, fn in systems.items():
+                for r in range(args.repeats):  # every other round in reversed order: a drifting load favours no one
+                    for s, fn in list(systems.items())[:: -1 if r % 2 else 1]:
                         outs, t = fn()
                         best[s] = min(best[s], t)
                         tokens[s] = outs
