@@ -279,3 +279,20 @@ def test_shard_files_are_save_files_byte_for_byte(tmp_path):
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
     with pytest.raises(ValueError, match="contiguous"):
         write_safetensors(tmp_path / "c.safetensors", {"x": torch.randn(4, 4).T})
+
+
+def test_reader_casts_large_tensors_in_chunks_to_the_same_values(tmp_path, monkeypatch):
+    """A cast tensor larger than CHUNK_BYTES is read a few rows at a time (pages unmapped after each chunk):
+    the values are the whole read's, bit for bit, for bf16 and fp32 files and rows that do not divide."""
+    import kvgraft.hf.shards as shards
+
+    path = _checkpoint(tmp_path, "llama", max_shard_size="60KB", torch_dtype=torch.bfloat16)
+    with shards.CheckpointReader(path) as reader:
+        whole = {k: reader.get(k, dtype=torch.float64) for k in reader.keys()}
+        monkeypatch.setattr(shards, "CHUNK_BYTES", 1000)  # 96 x 64 bf16 rows: 7 rows a chunk
+        chunked = {k: reader.get(k, dtype=torch.float64) for k in reader.keys()}
+        same = {k: reader.get(k) for k in reader.keys()}  # no cast: read whole, the file's dtype
+    assert all(torch.equal(whole[k], chunked[k]) and chunked[k].dtype == torch.float64 for k in whole)
+    assert all(torch.equal(same[k].double(), whole[k]) for k in whole)
+    assert any(t.numel() * t.element_size() > 1000 and t.dim() == 2 for t in same.values())  # the chunked path ran
+    assert {t.dtype for t in same.values()} == {torch.bfloat16}
