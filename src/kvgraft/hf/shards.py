@@ -222,6 +222,8 @@ class ShardWriter:
         self._pending_bytes += size
         self.total_bytes += size
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)
+        if self._pending_bytes >= self.max_shard_bytes and size:  # full: written now, not at the next add
+            self._flush()  # (the same shards: the next tensor would not have fit) e.g. a 2 GB embedding freed at once
 
     def add_all(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
