@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, nargs=2, default=(16, 32), metavar=("LO", "HI"))
-    ap.add_argument("--max-seqs", type=int, default=16)
+    ap.add_argument("--max-seqs", type=int, default=32)
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--max-queue", type=int, default=64)
     ap.add_argument("--no-prefix-cache", action="store_true")

@@ -346,7 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="the base's name in requests (default: its directory name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-seqs", type=int, default=16, help="requests running at once")
+    p.add_argument(
+        "--max-seqs", type=int, default=32, help="requests running at once (default 32: a 32-client load runs without waiting)"
+    )
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --max-seqs; more get 429")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="the most max_tokens a request may ask")
