@@ -28,7 +28,7 @@ from kvgraft.graft.ranks import (
     STOCK_ROPE_SELECTION,
     default_ranks,
 )
-from kvgraft.graft.resume import check_staging
+from kvgraft.graft.staging import check_staging
 from kvgraft.hf.deepseek import config_problems, stock_rope_parameters
 from kvgraft.hf.engines import VLLM_PREFERRED, vllm_rope_problem, vllm_shape_problem
 from kvgraft.hf.load import load_config, load_tokenizer_dir

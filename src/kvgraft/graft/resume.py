@@ -29,17 +29,16 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvgraft import __version__
 from kvgraft.atomic import atomic_write_json
+from kvgraft.graft.plan import ConvertPlan
+from kvgraft.graft.staging import check_staging, staging_path
 from kvgraft.hf.load import _shard_files
-
-if TYPE_CHECKING:  # the plan module imports this one (check_staging)
-    from kvgraft.graft.plan import ConvertPlan
 
 STATE = "state.json"
 FORMAT = 1  # of state.json; a different one is not resumed
@@ -48,12 +47,6 @@ NOT_COMPARED = ("out", "progress", "overwrite")  # plan fields that do not chang
 
 class ResumeError(ValueError):
     """A staging directory that cannot be continued (another source, other options, damaged state)."""
-
-
-def staging_path(out: str | Path) -> Path:
-    """Where the layer-by-layer executor stages ``out``: ``.<name>.partial`` beside it."""
-    out = Path(out)
-    return out.with_name(f".{out.name}.partial")
 
 
 def fingerprint(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str, Any]:
@@ -179,17 +172,6 @@ class Checkpoint:
         for path in self.directory.glob("state-*.pt"):
             path.unlink()
         (self.directory / STATE).unlink(missing_ok=True)
-
-
-def check_staging(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse, before any work, a staging directory left by an interrupted conversion unless it is to be
-    resumed (``resume``) or discarded (``overwrite``)."""
-    staging = staging_path(out)
-    if staging.exists() and not resume and not overwrite:
-        raise FileExistsError(
-            f"{staging} holds an interrupted conversion to {out}: pass --resume to continue it (with the same "
-            "options), or --overwrite to discard it and start over"
-        )
 
 
 def _umask() -> int:
