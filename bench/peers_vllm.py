@@ -7,7 +7,8 @@ CONFIG.json: ``model`` (a model directory), ``prompts`` (lists of token ids), ``
 no prefix caching, eager, the engine core in this process, ``threads`` OpenMP threads unbound); then each
 line ``round`` on stdin runs every prompt through one ``LLM.generate`` call and answers one JSON line on
 stdout after ``MARK``, ``{"seconds": wall time of the call, "tokens": [generated ids per prompt]}``; ``quit`` ends it.
-Imports nothing of kvgraft (the vLLM environment need not hold it).
+Imports nothing of kvgraft itself; vLLM loads kvgraft's plugin (its ``vllm.general_plugins`` entry point) for
+the causal encoder-decoder.
 """
 
 from __future__ import annotations
