@@ -304,6 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rank", type=int, default=16, help="rank for --sweep-first-layer")
     p.add_argument(
+        "--first-layers",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="K",
+        help="with --sweep-first-layer: the first adapted layers k to run (default: every layer)",
+    )
+    p.add_argument(
         "--sweep-lrs",
         type=float,
         nargs="+",

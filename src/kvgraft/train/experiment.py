@@ -366,21 +366,35 @@ def placement_curve(
     precision: str = "bf16",
     frozen_cache: str = "auto",
     frozen_cache_mb: int = DEFAULT_MAX_MB,
+    first_layers: tuple[int, ...] | None = None,
+    val_examples: int | None = None,
+    test_examples: int | None = None,
 ) -> dict[str, Any]:
     """Adapters on layers k..L-1 for every k (all linear projections, the pivot's KV writers frozen); the
-    runs with k >= 1 use the frozen-prefix cache unless ``frozen_cache`` is 'off' ('on': k = 0 is refused)."""
+    runs with k >= 1 use the frozen-prefix cache unless ``frozen_cache`` is 'off' ('on': k = 0 is refused).
+    ``first_layers``: the k to run (default every layer, 0..L-1; a subset makes a deep model's curve
+    affordable). ``val_examples``/``test_examples``: problems scored per run (default: all), as in the study."""
 
     _check_frozen_cache(frozen_cache, frozen_cache_mb)
     config = load_config(resolve_model(base))
     if lr is None:
         sweep_file = Path(out_dir).parent / "study" / "study.json"
         raise ValueError(f"give lr (e.g. the placement study's pick, in {sweep_file})")
+    if seeds < 1 or steps < 10 or steps % 10:
+        raise ValueError(f"seeds ({seeds}) must be >= 1 and steps ({steps}) a multiple of 10 (evaluations every 10)")
+    L = config.num_layers
+    ks = tuple(range(L)) if first_layers is None else tuple(first_layers)
+    bad = [k for k in ks if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < L]
+    if bad or not ks or len(set(ks)) != len(ks):
+        raise ValueError(f"first_layers {list(ks)}: each must be a distinct layer index in 0..{L - 1} (the model has {L} layers)")
+    ks = tuple(sorted(ks))
+    if frozen_cache == "on" and 0 in ks:
+        raise ValueError("frozen_cache 'on' refuses k = 0 (layer 0 adapted); drop 0 from first_layers or use 'auto'")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    L = config.num_layers
     rows = []
-    bar = _progress(L * seeds, "placement curve", progress)
-    for k in range(L):
+    bar = _progress(len(ks) * seeds, "placement curve", progress)
+    for k in ks:
         rs = []
         for seed in range(seeds):
             rs.append(
@@ -398,6 +412,8 @@ def placement_curve(
                         micro_batch_size=micro_batch_size,
                         precision=precision,
                         accuracy_examples=0,
+                        val_examples=val_examples,
+                        test_examples=test_examples,
                         progress=False,
                         frozen_cache=frozen_cache,
                         frozen_cache_mb=frozen_cache_mb,

@@ -100,6 +100,8 @@ def adapt(args: argparse.Namespace) -> int:
 
 
 def experiment(args: argparse.Namespace) -> int:
+    if args.first_layers and not args.sweep_first_layer:
+        raise ValueError("--first-layers needs --sweep-first-layer (it chooses the placement curve's k)")
     if args.sweep_first_layer:
         curve = placement_curve(
             args.base,
@@ -110,8 +112,12 @@ def experiment(args: argparse.Namespace) -> int:
             rank=args.rank,
             lr=args.lr,
             micro_batch_size=args.micro_batch_size,
+            precision=args.precision,
             frozen_cache=args.frozen_cache,
             frozen_cache_mb=args.frozen_cache_mb,
+            first_layers=tuple(args.first_layers) if args.first_layers else None,
+            val_examples=args.val_examples,
+            test_examples=args.test_examples,
         )
         print((Path(args.out) / "curve.md").read_text())
         print(f"plot: {Path(args.out) / 'curve.png'}; pivot layer {curve['pivot']}")
