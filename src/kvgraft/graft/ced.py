@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
+from kvgraft.graft.mla import TAIL_ROWS, _run_block, rope_tables
 from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.ced import CEDAttention
 from kvgraft.model.fields import known
@@ -112,78 +112,104 @@ def _pool(c: torch.Tensor, m: int) -> torch.Tensor:
     return c[:, : n * m].reshape(B, n, m, d).mean(dim=2).reshape(B * n, d)
 
 
-@torch.no_grad()
-def graft_ced(
-    mla: Transformer,
-    g: CEDGraftConfig,
-    calibration: torch.Tensor,  # (N, T) token ids
-    batch_size: int = 8,
-    progress: bool = True,
-) -> tuple[Transformer, dict[str, Any]]:
-    """Return (causal encoder-decoder, report) built from the all-MLA model ``mla`` (left untouched)."""
-    cfg = mla.config
-    g.check_against(cfg)
-    new_cfg = ced_config(cfg, g)
-    device = mla.embed_tokens.weight.device
-    dc, m = known(cfg.kv_lora_rank, "kv_lora_rank"), g.compress_rate
-    sources = {l: new_cfg.kv_source_of(l) for l in range(cfg.num_layers)}
-    readers = {l: s for l, s in sources.items() if s is not None}  # layer -> the kv_source layer it reads
-    fitted = [l for l, s in readers.items() if s != l or m > 1]
+class ShareGraft:
+    """The share graft as a walk up the MLA stack, one layer at a time: the one implementation of its
+    per-layer work, run by ``graft_ced`` (an MLA model in memory) and by the layer-by-layer executor of
+    ``kvgraft convert --to ced`` (``kvgraft.graft.ced_layerwise``: the MLA layers grafted as the source's
+    blocks are read).
 
-    # second moments of the (pooled, intercept-augmented) source latents and their cross moments with
-    # each fitted reader's latent, accumulated over calibration batches of the MLA model's own forward
-    aug = dc + 1
-    xx = {s: torch.zeros(aug, aug, dtype=torch.float64) for s in set(readers[l] for l in fitted)}
-    xy = {l: torch.zeros(aug, dc, dtype=torch.float64) for l in fitted}
-    yy = {l: torch.zeros((), dtype=torch.float64) for l in fitted}
-    latents: dict[int, torch.Tensor] = {}
-    hooks = []
-    for layer in range(cfg.num_layers):
+    For each layer in order the caller gives the calibration hidden states entering that layer of the MLA
+    stack (``x``: (N, T, h) fp32, the stream of the MLA model itself, run with ``kvgraft.graft.mla._run_block``
+    in batches of ``batch_size`` and its last ``TAIL_ROWS`` sequences one at a time, as ``LayerGraft``
+    streams it): ``observe(layer, block, x)`` takes the layer's latents ``c_l = W_a,l x`` (where a fit reads
+    them) and fits the layer's map ``A = argmin ||c_l - A c_s||`` when it reads another layer's latent (or its
+    own, pooled), then ``fill(layer, mla_attention, ced_attention)`` writes the CED attention. What it holds
+    across layers: the current kv_source layer's latents (N x T x d_c fp32, on the CPU) and their
+    (pooled, intercept-augmented) second moment ((d_c + 1)^2 fp64), one source at a time. Accumulated
+    over calibration batches of ``batch_size`` sequences in order, in fp64, as the fits always were."""
 
-        def keep(module: nn.Module, args: Any, out: torch.Tensor, layer: int = layer) -> None:
-            latents[layer] = out[..., :dc].double().cpu()
+    def __init__(self, mla: ModelConfig, g: CEDGraftConfig, batch_size: int = 8) -> None:
+        self.g, self.batch_size = g, batch_size
+        self.config = ced_config(mla, g)  # validates layers, window and rate
+        self.dc, self.m = known(mla.kv_lora_rank, "kv_lora_rank"), g.compress_rate
+        sources = {l: self.config.kv_source_of(l) for l in range(mla.num_layers)}
+        self.readers = {l: s for l, s in sources.items() if s is not None}  # layer -> the kv_source layer it reads
+        self.fitted = [l for l, s in self.readers.items() if s != l or self.m > 1]
+        self.read_sources = {self.readers[l] for l in self.fitted}  # kv_source layers whose latents a fit reads
+        self.needed = self.read_sources | set(self.fitted)  # layers whose latents are taken
+        self.source: int | None = None  # the kv_source layer whose latents are held
+        self.source_latents: torch.Tensor | None = None  # (N, T, d_c) fp32
+        self.xx: torch.Tensor | None = None  # (d_c + 1)^2 fp64: its pooled latents' second moment
+        self.fits: dict[int, tuple[torch.Tensor, float]] = {}  # layer -> (solution, relative residual), until filled
+        self.report: dict[str, Any] = {
+            "kv_source_layers": list(g.kv_source_layers),
+            "pivot": self.config.pivot_layer,
+            "sliding_window": g.sliding_window,
+            "compress_rate": self.m,
+            "readers": {},
+        }
 
-        hooks.append(_mla_attention(mla, layer).kv_a_proj.register_forward_hook(keep))
-    try:
-        batches = range(0, calibration.shape[0], batch_size)
-        for start in tqdm(batches, desc="share graft: calibrate", unit="batch", disable=not progress):
-            latents.clear()
-            mla(calibration[start : start + batch_size].to(device))
-            pooled = {l: _pool(c, m) for l, c in latents.items()}
-            ones = torch.ones(next(iter(pooled.values())).shape[0], 1, dtype=torch.float64)
-            for s in xx:
-                xs = torch.cat([pooled[s], ones], dim=1)
-                xx[s] += xs.T @ xs
-            for l in fitted:
-                xs = torch.cat([pooled[readers[l]], ones], dim=1)
-                xy[l] += xs.T @ pooled[l]
-                yy[l] += (pooled[l] ** 2).sum()
-    finally:
-        for h in hooks:
-            h.remove()
+    def streams_past(self, layer: int) -> bool:
+        """Whether a layer above ``layer`` takes latents (the stream must be run past ``layer``)."""
+        return any(l > layer for l in self.needed)
 
-    new = Transformer(new_cfg).to(device)
-    state = {k: v for k, v in mla.state_dict().items() if ".self_attn." not in k}
-    result = new.load_state_dict(state, strict=False)  # everything outside attention carries over as is
-    outside = [k for k in result.missing_keys + result.unexpected_keys if ".self_attn." not in k]
-    if outside:
-        raise RuntimeError(f"share graft: tensors outside attention do not carry over: {outside}")
-    H, dn, dr, dv = (
-        cfg.num_heads,
-        known(cfg.qk_nope_head_dim, "qk_nope_head_dim"),
-        known(cfg.qk_rope_head_dim, "qk_rope_head_dim"),
-        known(cfg.v_head_dim, "v_head_dim"),
-    )
-    report: dict[str, Any] = {
-        "kv_source_layers": list(g.kv_source_layers),
-        "pivot": new_cfg.pivot_layer,
-        "sliding_window": g.sliding_window,
-        "compress_rate": m,
-        "readers": {},
-    }
-    for layer in range(cfg.num_layers):
-        old = _mla_attention(mla, layer)
-        attn = cast(CEDAttention, cast(Block, new.layers[layer]).self_attn)
+    def _batches(self, n: int) -> range:
+        return range(0, n, self.batch_size)
+
+    def latents(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        """(N, T, d_c) fp32 on the CPU: the latents the MLA ``block`` computes for its input ``x``, a
+        calibration batch at a time (its attention's ``kv_a_proj`` of the normalised input)."""
+        attn = cast(MLAttention, block.self_attn)
+        out = [
+            attn.kv_a_proj(block.input_layernorm(x[s : s + self.batch_size]))[..., : self.dc].cpu()
+            for s in self._batches(x.shape[0])
+        ]
+        return torch.cat(out)
+
+    def observe(self, layer: int, block: Block, x: torch.Tensor) -> None:
+        """Take ``layer``'s latents where a fit needs them (``x``: the MLA stack's hidden states entering
+        ``layer``); a kv_source layer's replace the held source's; a fitted reader's map is solved now."""
+        if layer not in self.needed:
+            return
+        c = self.latents(block, x)
+        m, bs = self.m, self.batch_size
+        if layer in self.read_sources:
+            self.source, self.source_latents = layer, c
+            xx = torch.zeros(self.dc + 1, self.dc + 1, dtype=torch.float64)
+            for s in self._batches(c.shape[0]):
+                xs = _augmented(_pool(c[s : s + bs].double(), m))
+                xx += xs.T @ xs
+            self.xx = xx
+        if layer not in self.fitted:
+            return
+        if self.source != self.readers[layer] or self.source_latents is None or self.xx is None:
+            raise RuntimeError(f"share graft: layer {layer} reads layer {self.readers[layer]}, whose latents are not held")
+        xy = torch.zeros(self.dc + 1, self.dc, dtype=torch.float64)
+        yy = torch.zeros((), dtype=torch.float64)
+        for s in self._batches(c.shape[0]):
+            xs = _augmented(_pool(self.source_latents[s : s + bs].double(), m))
+            y = _pool(c[s : s + bs].double(), m)
+            xy += xs.T @ y
+            yy += (y**2).sum()
+        k = self.dc + 1 if self.config.qkv_bias else self.dc  # an intercept only where kv_b's bias can hold it
+        reg = self.xx[:k, :k].clone()
+        reg.diagonal()[: self.dc] += self.g.ridge * reg.diagonal()[: self.dc].mean()
+        sol = torch.linalg.solve(reg, xy[:k])  # (k, dc): c_l ~ sol[:dc]^T c_s (+ sol[dc])
+        resid = (yy - (sol * xy[:k]).sum()) / yy  # relative residual of the fit
+        self.fits[layer] = (sol, float(resid))
+
+    def fill(self, layer: int, old: MLAttention, attn: CEDAttention) -> None:
+        """Write ``layer``'s CED attention ``attn`` (every parameter) from the MLA attention ``old`` and the
+        layer's fit (``observe`` first); its reader entry goes to ``report``."""
+        cfg, dc, m = self.config, self.dc, self.m
+        for name, p in attn.named_parameters():  # every parameter is written below; zero first all the same
+            p.detach().fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        H, dn, dr, dv = (
+            cfg.num_heads,
+            known(cfg.qk_nope_head_dim, "qk_nope_head_dim"),
+            known(cfg.qk_rope_head_dim, "qk_rope_head_dim"),
+            known(cfg.v_head_dim, "v_head_dim"),
+        )
         dtype = attn.q_proj.weight.dtype
         w_a = old.kv_a_proj.weight.double()  # (dc + dr, h)
         b_a = old.kv_a_proj.bias.double() if old.kv_a_proj.bias is not None else None
@@ -209,23 +235,82 @@ def graft_ced(
             if m > 1:  # zero gates: each block starts as the plain mean of its tokens' entries
                 attn.compressor.gate_proj.weight.zero_()
                 attn.compressor.gate_bias.zero_()
-        source = readers.get(layer)
+        source = self.readers.get(layer)
         if source is None:  # attn.source: a layer before the first kv_source layer keeps only its window
-            continue
-        if layer not in fitted:  # a kv_source layer reading its own latent (m == 1): unchanged
+            return
+        if layer not in self.fitted:  # a kv_source layer reading its own latent (m == 1): unchanged
             attn.kv_b_proj.load_state_dict(old.kv_b_proj.state_dict())
-            continue
-        k = dc + 1 if attn.kv_b_proj.bias is not None else dc  # an intercept only where a bias can hold it
-        reg = xx[source][:k, :k].clone()
-        reg.diagonal()[:dc] += g.ridge * reg.diagonal()[:dc].mean()
-        sol = torch.linalg.solve(reg, xy[layer][:k])  # (k, dc): c_l ~ sol[:dc]^T c_s (+ sol[dc])
-        resid = (yy[layer] - (sol * xy[layer][:k]).sum()) / yy[layer]  # relative residual of the fit
+            return
+        sol, resid = self.fits.pop(layer)
         w_b2 = w_b.reshape(H * (dn + dv), dc)
         attn.kv_b_proj.weight.copy_((w_b2 @ sol[:dc].T).to(dtype))
-        if k > dc:
+        if sol.shape[0] > dc:
             bias = attn.kv_b_proj.bias
             if bias is None or b_b is None:  # k > dc only where kv_b has a bias, here as in the MLA model
                 raise RuntimeError(f"share graft: layer {layer}'s up-projection bias is missing")
             bias.copy_((w_b2 @ sol[dc] + b_b.reshape(-1)).to(dtype))
-        report["readers"][layer] = {"source": source, "relative_residual": float(resid)}
-    return new, report
+        self.report["readers"][layer] = {"source": source, "relative_residual": resid}
+
+    def ced_block(self, layer: int, mla_block: Block) -> Block:
+        """``layer`` of the causal encoder-decoder: its CED attention (``fill``) between ``mla_block``'s own
+        norms and MLP (shared, not copied), built without random initialisation."""
+        with torch.device("meta"):
+            blk = Block(self.config, layer)
+        blk.input_layernorm = mla_block.input_layernorm
+        blk.post_attention_layernorm = mla_block.post_attention_layernorm
+        blk.mlp = mla_block.mlp
+        device = mla_block.input_layernorm.weight.device
+        blk.self_attn = blk.self_attn.to_empty(device=device)
+        self.fill(layer, cast(MLAttention, mla_block.self_attn), cast(CEDAttention, blk.self_attn))
+        return blk.eval()
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What the walk holds across layers (for a checkpoint): tensors and a JSON-ready state."""
+        tensors = {}
+        if self.source_latents is not None and self.xx is not None:
+            tensors = {"share/source_latents": self.source_latents, "share/xx": self.xx}
+        return tensors, {"source": self.source, "readers": {str(k): v for k, v in self.report["readers"].items()}}
+
+    def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+        """The walk as ``state()`` left it."""
+        self.source = state["source"]
+        self.source_latents, self.xx = tensors.get("share/source_latents"), tensors.get("share/xx")
+        self.report["readers"] = {int(k): v for k, v in state["readers"].items()}
+
+
+def _augmented(x: torch.Tensor) -> torch.Tensor:
+    """(n, d) -> (n, d + 1): a column of ones appended (the intercept)."""
+    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
+
+
+@torch.no_grad()
+def graft_ced(
+    mla: Transformer,
+    g: CEDGraftConfig,
+    calibration: torch.Tensor,  # (N, T) token ids
+    batch_size: int = 8,
+    progress: bool = True,
+) -> tuple[Transformer, dict[str, Any]]:
+    """Return (causal encoder-decoder, report) built from the all-MLA model ``mla`` (left untouched): the
+    calibration stream run up the MLA model's layers, each layer's latents fitted and its CED attention
+    written as the stream passes (``ShareGraft``)."""
+    cfg = mla.config
+    g.check_against(cfg)
+    walk = ShareGraft(cfg, g, batch_size)
+    device = mla.embed_tokens.weight.device
+    new = Transformer(walk.config).to(device)
+    state = {k: v for k, v in mla.state_dict().items() if ".self_attn." not in k}
+    result = new.load_state_dict(state, strict=False)  # everything outside attention carries over as is
+    outside = [k for k in result.missing_keys + result.unexpected_keys if ".self_attn." not in k]
+    if outside:
+        raise RuntimeError(f"share graft: tensors outside attention do not carry over: {outside}")
+    calibration = calibration.to(device)
+    x = mla.embed_tokens(calibration).float()
+    cos, sin = rope_tables(mla.rotary, calibration.shape[0], calibration.shape[1])
+    for layer in tqdm(range(cfg.num_layers), desc="share graft", unit="layer", disable=not progress):
+        block = cast(Block, mla.layers[layer])
+        walk.observe(layer, block, x)
+        walk.fill(layer, _mla_attention(mla, layer), cast(CEDAttention, cast(Block, new.layers[layer]).self_attn))
+        if walk.streams_past(layer):
+            x = _run_block(block, x, cos, sin, batch_size, TAIL_ROWS)
+    return new, walk.report

@@ -27,6 +27,7 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,19 +123,28 @@ class SourceLayers:
         return block.eval()
 
 
+# a walk up the layers: (plan, source, calibration, writer, checkpoint, times) -> (the converted model's config,
+# the calibration-tail figures or None, the share graft's report or None); it writes every tensor but the
+# side files and checkpoints after each layer
+Walk = Callable[..., tuple[ModelConfig, dict[str, Any] | None, dict[str, Any] | None]]
+
+
 @torch.no_grad()
-def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str, Any]:
-    """Convert ``plan`` (``to == "mla"``, ``output_format == "kvgraft"``) one layer at a time and write
-    ``plan.out`` atomically; returns the ``conversion.json`` record (what ``execute_whole`` returns). Its
+def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None, walk: Walk | None = None) -> dict[str, Any]:
+    """Convert ``plan`` one layer at a time and write ``plan.out`` atomically; returns the ``conversion.json``
+    record (what ``execute_whole`` returns). ``walk``: the walk up the layers (default the MLA graft's, for
+    ``to == "mla"``; ``kvgraft.graft.ced_layerwise`` passes the share graft's for ``--to ced``). Its
     "seconds", counted as ``execute_whole`` counts them: "load" is the time spent reading (and checking) the
     source, "convert" the graft, without the calibration-tail figures and the writing (summed over the runs
     of a resumed conversion).
 
     The output is staged in ``.<out>.partial`` with a checkpoint after each layer (``kvgraft.graft.resume``):
     with ``plan.options.resume`` a conversion interrupted after layer k continues at layer k + 1."""
-    g, config = plan.mla, plan.source_config
-    if g is None or plan.to != "mla":
-        raise ValueError("the layer-by-layer executor converts --to mla only")
+    config = plan.source_config
+    if walk is None:
+        if plan.mla is None or plan.to != "mla":
+            raise ValueError("the MLA graft's walk converts --to mla only (--to ced: kvgraft.graft.ced_layerwise)")
+        walk = _mla_walk
 
     weights_file = plan.source / (WEIGHTS if (plan.source / WEIGHTS).is_file() else WEIGHTS_INDEX)
     times = {"start": time.perf_counter(), "before": 0.0, "tail": 0.0}  # "before": seconds of earlier runs
@@ -151,15 +161,16 @@ def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str
             model_dir = tmp if kvgraft_format else tmp / CONVERTED  # the export reads the converted model back
             model_dir.mkdir(exist_ok=True)
             writer = ShardWriter(model_dir, max_shard_bytes=shard_bytes(plan.predicted_config()))
-            run, tail = _graft_layers(plan, src, calib, writer, checkpoint, times)
-            new_config = run.model_config()
+            new_config, tail, share_report = walk(plan, src, calib, writer, checkpoint, times)
             _check_written(writer.close(), new_config)
             checkpoint.discard()  # the shards have their final names: an interruption from here starts over
             # as the whole-model executor counts: "convert" is the graft, without the tail figures and the writing
             elapsed = times["before"] + time.perf_counter() - times["start"]
             seconds = {"load": src.seconds, "convert": elapsed - src.seconds - times["tail"] - writer.seconds}
             parameters = {"original": num_parameters(config), "converted": num_parameters(new_config)}
-            record = conversion_record(plan, new_config, share_report=None, tail=tail, seconds=seconds, parameters=parameters)
+            record = conversion_record(
+                plan, new_config, share_report=share_report, tail=tail, seconds=seconds, parameters=parameters
+            )
             hf_config = hf_config_from_model(new_config, "kvgraft", dtype=str(DTYPE).removeprefix("torch."))
             tok_dir = plan.source if plan.has_tokenizer else None
             write_side_files(model_dir, hf_config, new_config, tokenizer_files_of(tok_dir if kvgraft_format else None))
@@ -173,6 +184,19 @@ def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str
                     shutil.rmtree(model_dir)
             finish_output(plan, tmp, record)
     return record
+
+
+def _mla_walk(
+    plan: ConvertPlan,
+    src: SourceLayers,
+    calib: torch.Tensor | None,
+    writer: ShardWriter,
+    checkpoint: Checkpoint,
+    times: dict[str, float],
+) -> tuple[ModelConfig, dict[str, Any] | None, None]:
+    """The MLA graft's walk (``_graft_layers``) as a ``Walk``."""
+    run, tail = _graft_layers(plan, src, calib, writer, checkpoint, times)
+    return run.model_config(), tail, None
 
 
 def _graft_layers(
@@ -283,21 +307,30 @@ def _save(
     times: dict[str, float],
 ) -> None:
     """Checkpoint the walk after layer ``next_layer - 1``: what ``_restore`` reads back."""
+    checkpoint.write(next_layer, *walk_state(run, tails, writer, src, times))
+
+
+def walk_state(
+    run: LayerGraft | None, tails: list[torch.Tensor], writer: ShardWriter, src: SourceLayers, times: dict[str, float]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, JSON-ready state) of a walk to checkpoint: the writer's, the tail's states, the seconds so
+    far, and the MLA graft's streams, layouts and clocks when it has one (``run``)."""
     tensors = {f"pending/{k}": v for k, v in writer.pending.items()}
-    for name, x in (("x_new", run.x_new), ("x_orig", run.x_orig)):
-        if x is not None:
-            tensors[f"stream/{name}"] = x
     for i, x in enumerate(tails):
         tensors[f"tail/{i}"] = x
     elapsed = times["before"] + time.perf_counter() - times["start"]
-    state = {
+    state: dict[str, Any] = {
         "writer": writer.state(),
-        "rope_index": {str(k): [int(f) for f in v] for k, v in run.rope_index.items()},
-        "shared_pairs": {str(k): [[int(a), int(b)] for a, b in v] for k, v in run.shared_pairs.items()},
-        "clock": dict(run.clock),
         "seconds": {"elapsed": elapsed, "load": src.seconds, "tail": times["tail"]},
     }
-    checkpoint.write(next_layer, tensors, state)
+    if run is not None:
+        for name, stream in (("x_new", run.x_new), ("x_orig", run.x_orig)):
+            if stream is not None:
+                tensors[f"stream/{name}"] = stream
+        state["rope_index"] = {str(k): [int(f) for f in v] for k, v in run.rope_index.items()}
+        state["shared_pairs"] = {str(k): [[int(a), int(b)] for a, b in v] for k, v in run.shared_pairs.items()}
+        state["clock"] = dict(run.clock)
+    return tensors, state
 
 
 def _restore(
@@ -310,9 +343,31 @@ def _restore(
     times: dict[str, float],
 ) -> tuple[LayerGraft, list[torch.Tensor]]:
     """The walk as ``_save`` left it: the graft's streams, layouts and clocks, the tail's states, the writer."""
+    run, tails, _ = restore_walk(checkpoint, config, g, rotary, writer, src, times)
+    assert run is not None
+    return run, tails
+
+
+def restore_walk(
+    checkpoint: Checkpoint,
+    config: ModelConfig,
+    g: GraftConfig | None,
+    rotary: RotaryEmbedding,
+    writer: ShardWriter,
+    src: SourceLayers,
+    times: dict[str, float],
+) -> tuple[LayerGraft | None, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """A walk as ``walk_state`` left it: (the MLA graft with ``g``, else None; the tail's states; every
+    tensor of the checkpoint, for what the caller added); the writer, seconds and times restored."""
     state = checkpoint.state
     assert state is not None
     tensors = checkpoint.tensors()
+    tails = [tensors[f"tail/{i}"] for i in range(2) if f"tail/{i}" in tensors]
+    writer.restore(state["writer"], {k.removeprefix("pending/"): v for k, v in tensors.items() if k.startswith("pending/")})
+    src.seconds += float(state["seconds"]["load"])
+    times["before"], times["tail"] = float(state["seconds"]["elapsed"]), float(state["seconds"]["tail"])
+    if g is None:
+        return None, tails, tensors
     x_new = tensors.get("stream/x_new")
     # built on a stand-in of the stream's shape (meta: no copy), then given the saved streams
     run = LayerGraft(
@@ -321,11 +376,7 @@ def _restore(
     run.x_new, run.x_orig = x_new, tensors.get("stream/x_orig")
     run.rope_index = {int(k): tuple(v) for k, v in state["rope_index"].items()}
     run.shared_pairs = {int(k): [(a, b) for a, b in v] for k, v in state["shared_pairs"].items()}
-    tails = [tensors[f"tail/{i}"] for i in range(2) if f"tail/{i}" in tensors]
-    writer.restore(state["writer"], {k.removeprefix("pending/"): v for k, v in tensors.items() if k.startswith("pending/")})
-    src.seconds += float(state["seconds"]["load"])
-    times["before"], times["tail"] = float(state["seconds"]["elapsed"]), float(state["seconds"]["tail"])
-    return run, tails
+    return run, tails, tensors
 
 
 def _check_written(weight_map: dict[str, str], config: ModelConfig) -> None:
@@ -338,4 +389,4 @@ def _check_written(weight_map: dict[str, str], config: ModelConfig) -> None:
         )
 
 
-__all__ = ["SHARD_FLOOR", "SourceLayers", "execute_layerwise", "shard_bytes"]
+__all__ = ["SHARD_FLOOR", "SourceLayers", "Walk", "execute_layerwise", "restore_walk", "shard_bytes", "walk_state"]
