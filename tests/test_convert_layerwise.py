@@ -121,7 +121,7 @@ def test_layerwise_reads_sharded_tied_sources_and_writes_shards(tmp_path, monkey
         assert torch.equal(load_pretrained(a)(ids), load_pretrained(b)(ids))
 
 
-def test_default_executor_is_layerwise_for_mla_in_every_format(tmp_path, monkeypatch):
+def test_default_executor_is_layerwise_in_every_format_and_target(tmp_path, monkeypatch):
     import kvgraft.graft.convert as conv
 
     path = _checkpoint(tmp_path, "llama")
@@ -132,11 +132,10 @@ def test_default_executor_is_layerwise_for_mla_in_every_format(tmp_path, monkeyp
     monkeypatch.setattr(conv, "load_source", tripwire)
     execute(plan_conversion(path, tmp_path / "default", progress=False, calibration_tokens=1024))
     execute(plan_conversion(path, tmp_path / "stock", progress=False, calibration_tokens=1024, output_format="both"))
-    with pytest.raises(AssertionError, match="whole model"):  # the share graft still loads the whole model
-        execute(plan_conversion(path, tmp_path / "ced", progress=False, calibration_tokens=1024, to="ced"))
-    assert not (tmp_path / "ced").exists()
-    with pytest.raises(ValueError, match="--to mla only"):
-        execute(plan_conversion(path, tmp_path / "ced", progress=False, calibration_tokens=1024, to="ced"), executor="layerwise")
+    execute(
+        plan_conversion(path, tmp_path / "ced", progress=False, calibration_tokens=1024, to="ced")
+    )  # tests/test_ced_layerwise.py
+    assert (tmp_path / "ced" / "model.safetensors").is_file()
     with pytest.raises(ValueError, match="executor 'banana'"):
         execute(plan_conversion(path, tmp_path / "x", progress=False, calibration_tokens=1024), executor="banana")
 

@@ -159,9 +159,8 @@ def test_failure_before_the_first_layer_leaves_nothing(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-src"]
 
 
-def test_resume_is_refused_where_the_whole_model_is_loaded():
-    with pytest.raises(ValueError, match="--resume continues the layer-by-layer conversion"):
-        ConvertOptions(resume=True, to="ced")
+def test_resume_is_an_option_of_every_target_and_format():
+    assert ConvertOptions(resume=True, to="ced").resume  # tests/test_ced_layerwise.py resumes it
     assert ConvertOptions(resume=True, output_format="deepseek_v3").resume  # the stock export's graft is layer by layer
     args = build_parser().parse_args(["convert", "m", "--out", "o", "--resume"])
     assert options_from_cli(args)["resume"] is True

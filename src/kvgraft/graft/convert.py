@@ -3,11 +3,12 @@
 
 ``convert(model, out, **options)`` is ``execute(plan_conversion(model, out, **options))``: the plan
 (``kvgraft.graft.plan``) checks and decides everything before the weights load; ``execute`` does the work.
-``--to mla`` (the default) runs layer by layer (``kvgraft.graft.layerwise``: one decoder layer in memory at a
-time, the output written as layers finish); the stock DeepSeek-V3 export (``--format deepseek_v3``/``both``)
-then reads the converted model back whole (fp32) for the exporter. ``--to ced`` still loads the whole source
-model (``execute_whole``, in small steps: ``load_source``, ``graft``, ``tail_figures``, ``conversion_record``,
-``write_outputs``).
+Both targets run layer by layer (``kvgraft.graft.layerwise``: one decoder layer in memory at a time, the
+output written as layers finish; ``--to ced`` with the share graft's walk of ``kvgraft.graft.ced_layerwise``);
+the stock DeepSeek-V3 export (``--format deepseek_v3``/``both``) then reads the converted model back whole
+(fp32) for the exporter. The whole-model executor (``execute_whole``, in small steps: ``load_source``,
+``graft``, ``tail_figures``, ``conversion_record``, ``write_outputs``) loads the whole source model; it is the
+reference the layer-by-layer one is tested against.
 
 The output directory is written atomically: it appears complete or not at all. The layer-by-layer executor
 stages it in ``.<out>.partial`` with a checkpoint after each layer, which a conversion interrupted after its
@@ -32,6 +33,7 @@ import torch
 from kvgraft.atomic import atomic_dir
 from kvgraft.graft.calibration import CALIBRATION, calibration_ids, load_calibration
 from kvgraft.graft.ced import graft_ced
+from kvgraft.graft.ced_layerwise import execute_layerwise_ced
 from kvgraft.graft.layerwise import execute_layerwise
 from kvgraft.graft.mla import graft_mla
 from kvgraft.graft.options import FORMATS, SERVE_TARGETS, STOCK_CONSTRUCTIONS, TARGETS
@@ -155,24 +157,24 @@ def execute(plan: ConvertPlan, executor: str = "auto") -> dict[str, Any]:
     ``executor``: "layerwise" (``kvgraft.graft.layerwise.execute_layerwise``: the source read one decoder
     layer at a time, memory that does not grow with depth) or "whole" (``execute_whole``: the whole source
     model loaded in fp32 and grafted in memory, the converted model built beside it). "auto" (default) is
-    "layerwise" for ``to == "mla"`` in every format (a stock DeepSeek-V3 export, ``--format deepseek_v3`` or
-    ``both``, then holds the converted model whole while the exporter runs: it takes a model in memory), and
-    "whole" for ``--to ced`` (the share graft fits its readers over the whole grafted stack). Both
-    executors write the same files (tensors bit for bit) and the same record apart from timings."""
+    "layerwise" for every plan: ``--to mla`` in every format (a stock DeepSeek-V3 export, ``--format
+    deepseek_v3`` or ``both``, then holds the converted model whole while the exporter runs: it takes a
+    model in memory) and ``--to ced`` (``kvgraft.graft.ced_layerwise``: the MLA graft and the share graft in
+    one walk, one kv_source layer's calibration latents held at a time). Both executors write the same
+    files (tensors bit for bit) and the same record apart from timings."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}")
-    streamable = layerwise_applies(plan)
-    if executor == "layerwise" and not streamable:
-        raise ValueError("the layer-by-layer executor converts --to mla only (--to ced loads the whole model)")
     calib = None if plan.calibration is None else calibration_ids(plan.source, plan.calibration, plan.source_config.vocab_size)
-    if executor != "whole" and streamable:
-        return execute_layerwise(plan, calib)
-    return execute_whole(plan, calib)
+    if executor == "whole":
+        return execute_whole(plan, calib)
+    if plan.to == "ced":
+        return execute_layerwise_ced(plan, calib)
+    return execute_layerwise(plan, calib)
 
 
 def layerwise_applies(plan: ConvertPlan) -> bool:
-    """Whether the layer-by-layer executor can do ``plan``: an MLA graft (``--to mla``, any format)."""
-    return plan.to == "mla" and plan.mla is not None
+    """Whether the layer-by-layer executor can do ``plan``: every plan (``--to mla`` in any format, ``--to ced``)."""
+    return plan.to in ("mla", "ced")
 
 
 def execute_whole(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str, Any]:

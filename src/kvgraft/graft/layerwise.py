@@ -1,4 +1,7 @@
-"""The layer-by-layer executor of ``kvgraft convert --to mla`` (every format): one decoder layer in memory.
+"""The layer-by-layer executor of ``kvgraft convert`` (every target and format): one decoder layer in memory.
+
+This module runs a walk up the layers (``Walk``): the MLA graft's here (``--to mla``), the MLA graft's with
+the share graft's in ``kvgraft.graft.ced_layerwise`` (``--to ced``, which documents its own memory and state).
 
 The source is read lazily (``kvgraft.hf.shards.CheckpointReader``, memory-mapped safetensors); for each
 layer in order the original block is read (fp32, on the plan's device), grafted by the same per-layer code

@@ -251,11 +251,6 @@ class ConvertOptions:
                 _check_positive_int(name, getattr(self, name))
         for name in ("calibration_tokens", "calibration_seq_len"):
             _check_positive_int(name, getattr(self, name))
-        if self.resume and to != "mla":
-            raise ValueError(
-                f"--resume continues the layer-by-layer conversion, which runs for --to mla only; --to {to} "
-                "loads the whole model and cannot be resumed"
-            )
 
     @property
     def resolved_format(self) -> str:
