@@ -5,8 +5,8 @@
 (``kvgraft.graft.plan``) checks and decides everything before the weights load; ``execute`` does the work.
 Both targets run layer by layer (``kvgraft.graft.layerwise``: one decoder layer in memory at a time, the
 output written as layers finish; ``--to ced`` with the share graft's walk of ``kvgraft.graft.ced_layerwise``);
-the stock DeepSeek-V3 export (``--format deepseek_v3``/``both``) then reads the converted model back whole
-(fp32) for the exporter. The whole-model executor (``execute_whole``, in small steps: ``load_source``,
+the stock DeepSeek-V3 export (``--format deepseek_v3``/``both``) then reads the converted model's shards one
+layer at a time too (``kvgraft.hf.deepseek.stream``). The whole-model executor (``execute_whole``, in small steps: ``load_source``,
 ``graft``, ``tail_figures``, ``conversion_record``, ``write_outputs``) loads the whole source model; it is the
 reference the layer-by-layer one is tested against.
 
@@ -158,8 +158,7 @@ def execute(plan: ConvertPlan, executor: str = "auto") -> dict[str, Any]:
     layer at a time, memory that does not grow with depth) or "whole" (``execute_whole``: the whole source
     model loaded in fp32 and grafted in memory, the converted model built beside it). "auto" (default) is
     "layerwise" for every plan: ``--to mla`` in every format (a stock DeepSeek-V3 export, ``--format
-    deepseek_v3`` or ``both``, then holds the converted model whole while the exporter runs: it takes a
-    model in memory) and ``--to ced`` (``kvgraft.graft.ced_layerwise``: the MLA graft and the share graft in
+    deepseek_v3`` or ``both``, then streamed from the converted model's shards one layer at a time) and ``--to ced`` (``kvgraft.graft.ced_layerwise``: the MLA graft and the share graft in
     one walk, one kv_source layer's calibration latents held at a time). Both executors write the same
     files (tensors bit for bit) and the same record apart from timings."""
     if executor not in EXECUTORS:

@@ -11,10 +11,10 @@ hidden states stream through the layers in memory, and so do the calibration tai
 ``TAIL_SEQUENCES`` sequences) through both the original and the converted stack; after the last layer the
 final norm and the head give the tail figures. The tensors written, the config and ``conversion.json``
 (apart from timings) are those of the whole-model executor, bit for bit (``tests/test_convert_layerwise.py``).
-With ``--format deepseek_v3``/``both`` the converted model is then read back whole (fp32) from the shards
-just written and handed to the stock exporter, which takes a model in memory: that step holds the converted
-model (4 bytes per parameter) plus the exporter's tensors and its transformers check, so the stock export's
-peak still grows with the model; the graft before it does not. Its files are the whole-model executor's too.
+With ``--format deepseek_v3``/``both`` the stock export then reads the converted model from the shards just
+written one layer at a time (``kvgraft.hf.deepseek.stream``: its calibration statistics streamed through the
+converted layers, its tensors written shard by shard, its error measured by transformers' own decoder
+layers one at a time), so it does not grow with depth either. Its files are the whole-model executor's too.
 
 Peak memory, roughly, the larger of two moments. During the walk: one layer's original and converted weights
 (fp32) + the calibration states (2-3 x N x T x hidden fp32 while a layer runs: the stream, the layer's output
@@ -41,8 +41,7 @@ from kvgraft.graft.mla import TAIL_ROWS, GraftConfig, LayerGraft, _run_block, _s
 from kvgraft.graft.plan import ConvertPlan
 from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output
 from kvgraft.graft.resume import Checkpoint, fingerprint, staging_dir
-from kvgraft.graft.stock import refuse_stock_weights, write_stock
-from kvgraft.hf import load_pretrained
+from kvgraft.graft.stock import refuse_stock_weights, write_stock_streamed
 from kvgraft.hf.config_map import hf_config_from_model
 from kvgraft.hf.deepseek.checks import MLP_PROJECTIONS, has_nonzero, mlp_bias_problems
 from kvgraft.hf.keys import hf_to_kvgraft
@@ -179,10 +178,8 @@ def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None, walk: Walk 
             write_side_files(model_dir, hf_config, new_config, tokenizer_files_of(tok_dir if kvgraft_format else None))
             if kvgraft_format:
                 record["formats"].append("kvgraft")
-            if plan.stock:  # the export takes the converted model in memory: read back (fp32, exact) from its shards
-                converted = load_pretrained(model_dir, dtype=DTYPE, device=plan.device, check_weights=False)
-                write_stock(plan, converted, calib, record, tmp, tok_dir)
-                del converted
+            if plan.stock:  # the export reads the converted model from its shards, one layer at a time
+                write_stock_streamed(plan, model_dir, new_config, calib, record, tmp, tok_dir)
                 if not kvgraft_format:
                     shutil.rmtree(model_dir)
             finish_output(plan, tmp, record)

@@ -1,5 +1,8 @@
 """The stock DeepSeek-V3 export inside ``kvgraft convert`` (``--format deepseek_v3``/``both``), for both executors:
-the weights it refuses (``refuse_stock_weights``) and the export with its report (``write_stock``)."""
+the weights it refuses (``refuse_stock_weights``) and the export with its report: ``write_stock`` from the
+converted model in memory (the whole-model executor), ``write_stock_streamed`` from the converted model's
+files one layer at a time (the layer-by-layer executor; ``kvgraft.hf.deepseek.stream``). Both write the same
+files and report."""
 
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ import torch
 from kvgraft.errors import UnsupportedModelError
 from kvgraft.graft.plan import ConvertPlan
 from kvgraft.graft.record import TAIL_SEQUENCES
-from kvgraft.hf.deepseek import export_deepseek_v3
+from kvgraft.hf.deepseek import ExportReport, export_deepseek_v3
+from kvgraft.hf.deepseek.stream import export_deepseek_v3_streamed
 from kvgraft.hf.engines import engine_support
-from kvgraft.model import Transformer
+from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.fields import known
 
 
@@ -41,10 +45,40 @@ def write_stock(
         verbose=False,
         target=plan.stock_construction,
     )
+    _record(plan, converted.config, report, record)
+
+
+def write_stock_streamed(
+    plan: ConvertPlan,
+    model_dir: Path,
+    config: ModelConfig,
+    calib: torch.Tensor | None,
+    record: dict[str, Any],
+    tmp: Path,
+    tok_dir: Path | None,
+) -> None:
+    """``write_stock`` for the converted model written at ``model_dir`` (its ``config``), read one layer at a
+    time: the same files and report, in memory that does not grow with depth."""
+    report = export_deepseek_v3_streamed(
+        model_dir,
+        config,
+        tmp / "deepseek_v3",
+        tokenizer_dir=tok_dir,
+        calibration=calib,
+        tail_sequences=TAIL_SEQUENCES,
+        verbose=False,
+        target=plan.stock_construction,
+        device=plan.device,
+        progress=plan.progress,
+    )
+    _record(plan, config, report, record)
+
+
+def _record(plan: ConvertPlan, cfg: ModelConfig, report: ExportReport, record: dict[str, Any]) -> None:
+    """The export's report into ``record["deepseek_v3"]`` (printed with ``plan.progress``)."""
     report.path = plan.out / "deepseek_v3"  # where it ends up, not the temporary directory
     record["formats"].append("deepseek_v3")
     stock = record["deepseek_v3"] = report.to_dict()
-    cfg = converted.config
     d_c, d_rope = known(report.kv_lora_rank, "kv_lora_rank"), known(cfg.qk_rope_head_dim, "qk_rope_head_dim")
     stock_bytes = cfg.num_layers * (d_c + d_rope) * 2
     stock["kv_bytes_per_token_bf16"] = stock_bytes
@@ -68,4 +102,4 @@ def write_stock(
             )
 
 
-__all__ = ["refuse_stock_weights", "write_stock"]
+__all__ = ["refuse_stock_weights", "write_stock", "write_stock_streamed"]

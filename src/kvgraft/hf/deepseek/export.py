@@ -12,6 +12,7 @@ import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -23,12 +24,13 @@ from kvgraft.hf.deepseek.checks import (
     mla_layers,
     weight_problems,
 )
-from kvgraft.hf.deepseek.folds import collect_input_moments, engine_folds
+from kvgraft.hf.deepseek.folds import EngineFold, collect_input_moments, engine_folds
 from kvgraft.hf.deepseek.latent import (
     ENGINE_LATENT_RMS,
     LATENT_NORM_STRATEGIES,
     PIN_DELTA,
     STOCK_LATENT_NORM_EPS,
+    Latent,
     approx_latent,
     collect_latents,
     exact_latent,
@@ -39,7 +41,9 @@ from kvgraft.hf.deepseek.measure import measure_export
 from kvgraft.hf.deepseek.rope import stock_rope_parameters
 from kvgraft.hf.deepseek.tensors import attention_bias_needed, deepseek_v3_config, query_bias_layers, stock_tensors
 from kvgraft.hf.save import TOKENIZER_FILES, OutputExistsError, write_checkpoint_dir
-from kvgraft.model.transformer import Transformer
+from kvgraft.model.config import ModelConfig
+from kvgraft.model.mla import MLAttention
+from kvgraft.model.transformer import Block, Transformer
 
 # Who must compute the export's function. "engines" (the default): vLLM and SGLang as well as transformers.
 # Their DeepSeek-V2/V3 models build every attention projection with bias=False and skip bias tensors they
@@ -178,6 +182,100 @@ def export_deepseek_v3(
     Raises UnsupportedModelError naming what stock DeepSeek-V3 cannot express and what would make it possible.
     """
     out_dir = Path(out_dir)
+    latent_norm = check_arguments(out_dir, overwrite, target, latent_norm, tail_sequences)
+    cfg = model.config
+    refuse_problems(config_problems(cfg) + weight_problems(model))
+    layers = mla_layers(model)  # every layer is MLA (config_problems)
+    rope_parameters, q_fold, rope_notes, tokenizer_files = check_inputs(cfg, calibration, tokenizer_dir)
+    if target == "engines" and calibration is None:
+        refuse_unfolded_biases(
+            [
+                i
+                for i, b in enumerate(layers)
+                if any(has_nonzero(getattr(b.attn, n).bias) for n in ("q_proj", "kv_a_proj", "o_proj"))
+                or (
+                    b.attn.kv_b_proj.bias is not None
+                    and has_nonzero(b.attn.kv_b_proj.bias.view(cfg.num_heads, -1)[:, cfg.latent_dims()[2] :])
+                )
+            ]
+        )
+    notes, approximations, window = opening_notes(cfg, target, rope_notes)
+    folded: list[str] = []
+    was_training = model.training
+    model.eval()
+    try:
+        strategy = latent_strategy(cfg, latent_norm, calibration, notes, approximations, folded)
+        raw = (
+            collect_latents(model, calibration, max_fit_tokens)
+            if strategy in ("fit", "scale") and calibration is not None
+            else None
+        )
+        latents = [layer_latent(strategy, b.block, cfg, None if raw is None else raw[i]) for i, b in enumerate(layers)]
+        folds = None
+        if target == "engines":
+            has_bias = any(
+                has_nonzero(getattr(b.attn, n).bias) for b in layers for n in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")
+            )
+            moments = collect_input_moments(model, calibration) if has_bias and calibration is not None else None
+            folds = engine_folds(model, moments)
+            if any(f is not None and f.value is not None for f in folds) and any(lat.unit is None for lat in latents):
+                assert calibration is not None  # engine_folds refuses a value fold without it
+                raw_c = collect_latents(model, calibration, max_fit_tokens)
+                for i, lat in enumerate(latents):
+                    if lat.unit is None:
+                        lat.unit = latent_unit(lat, raw_c[i])
+            fold_messages(folds, any(has_nonzero(b.attn.kv_b_proj.bias) for b in layers), approximations, folded)
+        q_bias_layers = query_bias_layers(model) if cfg.qkv_bias and target == "transformers" else []
+        kv_a_bias = any(has_nonzero(b.attn.kv_a_proj.bias) for b in layers)
+        kv_b_bias = any(has_nonzero(b.attn.kv_b_proj.bias) for b in layers)
+        low_rank_q, q_lora_rank, extra = bias_messages(cfg, target, strategy, q_bias_layers, kv_a_bias, kv_b_bias, folded)
+        dc_out = latents[0].M.shape[0]
+        notes = deepseek_v3_fast_path(cfg.replace(kv_lora_rank=dc_out), cfg.kv_width) + notes
+        attention_bias = target == "transformers" and attention_bias_needed(model, latents, low_rank_q)
+        dtype = dtype or model.embed_tokens.weight.dtype
+        tensors = stock_tensors(model, latents, q_fold, attention_bias, low_rank_q, folds)
+        if target == "engines":
+            refuse_fp16_overflow({k: e for k, v in tensors.items() if (e := fp16_excess(v)) is not None})
+        tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+        refuse_overflow([k for k, v in tensors.items() if not bool(torch.isfinite(v).all())], dtype)
+        config_json, report = config_and_report(
+            cfg,
+            out_dir,
+            rope_parameters,
+            attention_bias,
+            dtype,
+            strategy=strategy,
+            target=target,
+            notes=notes,
+            approximations=approximations,
+            folded=folded,
+            window=window,
+            latent_rms_cv=tuple(lat.cv for lat in latents),
+            kv_lora_rank=dc_out,
+            q_lora_rank=q_lora_rank,
+            extra=extra,
+        )
+        write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files, {"README.md": export_card(report)}, overwrite)
+        if measure:
+            ids = measured_ids(report, cfg, calibration, tail_sequences)
+            m = measure_export(model, out_dir, ids, window=window)
+            report.max_abs_logit_diff, report.mean_kl = m["max_abs_logit_diff"], m["mean_kl"]
+            report.perplexity = m["perplexity"]
+            report.max_abs_logit_diff_within_window = m.get("max_abs_logit_diff_within_window")
+            (out_dir / "README.md").write_text(export_card(report), encoding="utf-8")
+    finally:
+        model.train(was_training)
+    if verbose:
+        print("\n".join(report.summary()), flush=True)
+    return report
+
+
+# The steps of the export that the whole-model ``export_deepseek_v3`` and the streamed one
+# (``kvgraft.hf.deepseek.stream``) share: the same checks, messages and report in the same order.
+
+
+def check_arguments(out_dir: Path, overwrite: bool, target: str, latent_norm: str | None, tail_sequences: int) -> str:
+    """The export's arguments checked (before any work); the latent-norm strategy asked for (None resolved)."""
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"{out_dir} already exists; pass overwrite=True to replace it")
     if target not in STOCK_TARGETS:
@@ -198,11 +296,19 @@ def export_deepseek_v3(
         )
     if isinstance(tail_sequences, bool) or not isinstance(tail_sequences, int) or tail_sequences < 1:
         raise ValueError(f"tail_sequences ({tail_sequences!r}) must be a positive integer")
-    cfg = model.config
-    problems = config_problems(cfg) + weight_problems(model)
+    return latent_norm
+
+
+def refuse_problems(problems: list[str]) -> None:
     if problems:
         raise UnsupportedModelError("cannot export to stock DeepSeek-V3: " + "; ".join(problems))
-    layers, (dc, dr, dn, dv) = mla_layers(model), cfg.latent_dims()  # every layer is MLA (config_problems)
+
+
+def check_inputs(
+    cfg: ModelConfig, calibration: torch.Tensor | None, tokenizer_dir: str | Path | None
+) -> tuple[dict, float, list[str], list[Path]]:
+    """(rope_parameters, q fold, RoPE notes, tokenizer files): the RoPE re-expressed for stock (refused when it
+    cannot be), the calibration's shape and the tokenizer directory checked."""
     rope_parameters, q_fold, rope_notes = stock_rope_parameters(cfg)
     if calibration is not None and (calibration.dim() != 2 or calibration.numel() == 0):
         raise ValueError(f"calibration must be token ids of shape (N, T), got shape {tuple(calibration.shape)}")
@@ -211,23 +317,25 @@ def export_deepseek_v3(
         tokenizer_files = [Path(tokenizer_dir) / n for n in TOKENIZER_FILES if (Path(tokenizer_dir) / n).is_file()]
         if not tokenizer_files:
             raise CheckpointError(f"tokenizer directory {tokenizer_dir} has none of {', '.join(TOKENIZER_FILES)}")
+    return rope_parameters, q_fold, rope_notes, tokenizer_files
 
-    if target == "engines" and calibration is None:
-        biased = [
-            i
-            for i, b in enumerate(layers)
-            if any(has_nonzero(getattr(b.attn, n).bias) for n in ("q_proj", "kv_a_proj", "o_proj"))
-            or (b.attn.kv_b_proj.bias is not None and has_nonzero(b.attn.kv_b_proj.bias.view(cfg.num_heads, -1)[:, dn:]))
-        ]
-        if biased:
-            raise ValueError(
-                f"layers {biased} have attention biases: the engine-safe stock export folds them into bias-free weights "
-                "through the attention input's mean direction, measured on calibration text; pass calibration token "
-                "ids, or export with target='transformers' (exact, transformers only)"
-            )
+
+def refuse_unfolded_biases(biased: list[int]) -> None:
+    """``target="engines"`` without calibration: layers ``biased`` have attention biases it cannot fold."""
+    if biased:
+        raise ValueError(
+            f"layers {biased} have attention biases: the engine-safe stock export folds them into bias-free weights "
+            "through the attention input's mean direction, measured on calibration text; pass calibration token "
+            "ids, or export with target='transformers' (exact, transformers only)"
+        )
+
+
+def opening_notes(cfg: ModelConfig, target: str, rope_notes: list[str]) -> tuple[list[str], list[str], int | None]:
+    """(notes, approximations, sliding window or None) before the latents: the RoPE's serving caveats (warned),
+    the "transformers" construction's warning, a sliding window exported as full attention."""
     for note in rope_notes:
         if not note.endswith(": exact"):  # serving-stack caveats; an exact re-expression is only reported
-            warnings.warn(note, stacklevel=2)
+            warnings.warn(note, stacklevel=3)
     notes = list(rope_notes)
     if target == "transformers":
         msg = (
@@ -235,10 +343,9 @@ def export_deepseek_v3(
             "only transformers computes this checkpoint as written: vLLM and SGLang skip attention biases without "
             "an error and would serve a different model, and fp16 overflows; use target 'engines' for them"
         )
-        warnings.warn(msg, stacklevel=2)
+        warnings.warn(msg, stacklevel=3)
         notes.append(msg)
     approximations: list[str] = []
-    folded: list[str] = []
     window = None
     if "sliding_attention" in cfg.layer_types:
         window = cfg.sliding_window
@@ -248,183 +355,231 @@ def export_deepseek_v3(
             f"window, so they are exported with full attention (the closest stock model): exact for contexts up to "
             f"{window} tokens, different beyond"
         )
-    was_training = model.training
-    model.eval()
-    try:
-        if cfg.mla_latent_norm:
-            strategy = "exact"
-            latents = [exact_latent(b.attn, cfg.rms_norm_eps) for b in layers]
-            if cfg.rms_norm_eps != STOCK_LATENT_NORM_EPS:
-                notes.append(
-                    f"rms_norm_eps is {cfg.rms_norm_eps}: the latent is rescaled so transformers' kv_a_layernorm "
-                    f"(eps {STOCK_LATENT_NORM_EPS}) matches exactly; vLLM/SGLang apply rms_norm_eps there, i.e. an "
-                    f"effective latent-norm eps of {cfg.rms_norm_eps**2 / STOCK_LATENT_NORM_EPS:.3g}"
-                )
-        elif latent_norm == "pad":
-            strategy = "pad"
-            latents = [pad_latent(b.attn, b.block.input_layernorm.weight) for b in layers]
-            folded.append(
-                f"latent RMSNorm: one constant latent coordinate (kv_lora_rank {dc} -> "
-                f"{dc + 1}) pins stock's kv_a_layernorm to a constant rms (relative error <= "
-                f"{PIN_DELTA / 2:.0e} for any input), undone by its weight; +1 cached value per token and layer"
+    return notes, approximations, window
+
+
+def latent_strategy(
+    cfg: ModelConfig,
+    latent_norm: str,
+    calibration: torch.Tensor | None,
+    notes: list[str],
+    approximations: list[str],
+    folded: list[str],
+) -> str:
+    """How the latent norm is exported ("exact", "pad", "fit" or "scale"; "fit" without calibration falls back
+    to "scale"), its notes, approximation or fold appended."""
+    dc = cfg.latent_dims()[0]
+    if cfg.mla_latent_norm:
+        if cfg.rms_norm_eps != STOCK_LATENT_NORM_EPS:
+            notes.append(
+                f"rms_norm_eps is {cfg.rms_norm_eps}: the latent is rescaled so transformers' kv_a_layernorm "
+                f"(eps {STOCK_LATENT_NORM_EPS}) matches exactly; vLLM/SGLang apply rms_norm_eps there, i.e. an "
+                f"effective latent-norm eps of {cfg.rms_norm_eps**2 / STOCK_LATENT_NORM_EPS:.3g}"
             )
-        else:
-            strategy = latent_norm
-            if strategy == "fit" and calibration is None:
-                msg = (
-                    "latent_norm 'fit' needs calibration token ids; falling back to 'scale' with the latent rms "
-                    "estimated from the weights alone"
-                )
-                warnings.warn(msg, stacklevel=2)
-                notes.append(msg)
-                strategy = "scale"
-            raw = collect_latents(model, calibration, max_fit_tokens) if calibration is not None else None
-            latents = [
-                approx_latent(b.attn, None if raw is None else raw[i], strategy, b.block.input_layernorm.weight.detach())
-                for i, b in enumerate(layers)
-            ]
-            for lat in latents:  # scale-free after the norm: only the engines' different eps sees this
-                lat.M = lat.M * ENGINE_LATENT_RMS
-            approximations.append(
-                f"latent RMSNorm approximated ('{strategy}'): stock always normalises the latent and this model "
-                "has no latent norm (target='transformers' with latent_norm='pad' makes it exact at one more cached "
-                "value per token, in transformers only; a graft with its own latent norm, mla_latent_norm, exports "
-                "exactly everywhere)"
-            )
-        folds = None
-        if target == "engines":
-            has_bias = any(
-                has_nonzero(getattr(b.attn, n).bias) for b in layers for n in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")
-            )
-            moments = collect_input_moments(model, calibration) if has_bias and calibration is not None else None
-            folds = engine_folds(model, moments)
-            if any(f is not None and f.value is not None for f in folds) and any(lat.unit is None for lat in latents):
-                assert calibration is not None  # engine_folds refuses a value fold without it
-                raw_c = collect_latents(model, calibration, max_fit_tokens)
-                for i, lat in enumerate(latents):
-                    if lat.unit is None:
-                        lat.unit = latent_unit(lat, raw_c[i])
-            biased = [i for i, f in enumerate(folds) if f is not None]
-            if biased:
-                kinds = sorted(
-                    {
-                        k
-                        for f in folds
-                        if f is not None
-                        for k, v in (("query", f.q_delta), ("latent / RoPE key", f.a_delta), ("value / output", f.value))
-                        if v is not None
-                    }
-                )
-                cvs = [f.input_cv for f in folds if f is not None and (f.q_delta is not None or f.a_delta is not None)]
-                approximations.append(
-                    f"attention biases ({', '.join(kinds)}; layers {biased}) folded into the weights for engines that "
-                    "load no bias: a bias b after W becomes W + b u^T with u . x ~ 1 on calibration inputs"
-                    + (f" (u . x varies by {max(cvs):.3g} relative std)" if cvs else "")
-                    + "; a constant value rides on kv_b through the normalised latent (target='transformers' keeps "
-                    "them exact, transformers only)"
-                )
-                if any(f is not None and f.o_residual > 1e-6 for f in folds):
-                    worst = max(f.o_residual for f in folds if f is not None)
-                    approximations.append(
-                        f"o_proj bias: o_proj cannot produce all of it from the values (relative "
-                        f"residual up to {worst:.3g}); the rest is dropped"
-                    )
-            if any(has_nonzero(b.attn.kv_b_proj.bias) for b in layers):
-                folded.append("key bias: adds the same amount to every logit of a query (softmax ignores it): dropped")
-        q_bias_layers = query_bias_layers(model) if cfg.qkv_bias and target == "transformers" else []
-        low_rank_q = bool(q_bias_layers)
-        H, h = cfg.num_heads, cfg.hidden_size
-        Hq = H * (dn + dr)
-        q_rank = min(h, Hq) + 1  # the low-rank query path's width, when a query bias needs it
-        q_lora_rank = q_rank if low_rank_q else None
-        dc_out = latents[0].M.shape[0]
-        extra = 0
-        if strategy == "pad":
-            extra += cfg.num_layers * (h + 2 + H * (dn + dv))
-        if low_rank_q:
-            extra += cfg.num_layers * (q_rank * h + 2 * q_rank + Hq * q_rank - Hq * h)
-            folded.append(
-                f"query bias (layers {q_bias_layers}): stock's q_proj has no bias, so the queries go through its "
-                f"low-rank path q_a_proj (with bias) -> q_a_layernorm -> q_b_proj with q_lora_rank {q_rank} "
-                f"(min(hidden {h}, heads x qk_head_dim {Hq}) + 1): a constant coordinate pins the norm's rms "
-                f"(relative error <= {PIN_DELTA / 2:.0e}) and carries the bias; "
-                f"+{cfg.num_layers * (q_rank * h + 2 * q_rank + Hq * q_rank - Hq * h):,} parameters"
-            )
-        if target == "transformers" and any(has_nonzero(b.attn.kv_b_proj.bias) for b in layers):
-            folded.append(
-                "key bias: adds the same amount to every logit of a query (softmax ignores it); value "
-                "bias: through attention (weights sum to one) into o_proj's bias"
-            )
-        if target == "transformers" and any(has_nonzero(b.attn.kv_a_proj.bias) for b in layers):
-            folded.append("latent / RoPE-key bias: kv_a_proj_with_mqa's bias (attention_bias)")
-        notes = deepseek_v3_fast_path(cfg.replace(kv_lora_rank=dc_out), cfg.kv_width) + notes
-        attention_bias = target == "transformers" and attention_bias_needed(model, latents, low_rank_q)
-        dtype = dtype or model.embed_tokens.weight.dtype
-        dtype_name = str(dtype).removeprefix("torch.")
-        tensors = stock_tensors(model, latents, q_fold, attention_bias, low_rank_q, folds)
-        if target == "engines":
-            big = {k: float(v.abs().max()) for k, v in tensors.items() if v.numel() and float(v.abs().max()) > FP16_MAX}
-            if big:
-                name = max(big, key=lambda k: big[k])
-                raise UnsupportedModelError(
-                    f"{len(big)} exported tensors exceed fp16's range ({FP16_MAX:.0f}), e.g. {name} up to {big[name]:.4g}: "
-                    "vLLM and SGLang serve in fp16/bf16; rescale the source model's weights, or export with "
-                    "target='transformers' (transformers only)"
-                )
-        tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
-        bad = [k for k, v in tensors.items() if not bool(torch.isfinite(v).all())]
-        if bad:
-            raise UnsupportedModelError(
-                f"the export overflows {dtype_name} in {bad[0]} ({len(bad)} tensors); export in bfloat16 or float32 "
-                "(dtype=...), or use latent_norm='fit'"
-            )
-        info = {"exact": not approximations, "latent_norm": strategy, "target": target}
-        if window is not None:
-            info |= {
-                "exact_up_to_tokens": window,
-                "sliding_window_of_the_source": window,
-                "note": (
-                    f"the source model attends within a sliding window of {window} tokens; this stock "
-                    f"DeepSeek-V3 model uses full attention: identical for contexts up to {window} tokens, "
-                    "different beyond"
-                ),
+        return "exact"
+    if latent_norm == "pad":
+        folded.append(
+            f"latent RMSNorm: one constant latent coordinate (kv_lora_rank {dc} -> "
+            f"{dc + 1}) pins stock's kv_a_layernorm to a constant rms (relative error <= "
+            f"{PIN_DELTA / 2:.0e} for any input), undone by its weight; +1 cached value per token and layer"
+        )
+        return "pad"
+    strategy = latent_norm
+    if strategy == "fit" and calibration is None:
+        msg = (
+            "latent_norm 'fit' needs calibration token ids; falling back to 'scale' with the latent rms "
+            "estimated from the weights alone"
+        )
+        warnings.warn(msg, stacklevel=3)
+        notes.append(msg)
+        strategy = "scale"
+    approximations.append(
+        f"latent RMSNorm approximated ('{strategy}'): stock always normalises the latent and this model "
+        "has no latent norm (target='transformers' with latent_norm='pad' makes it exact at one more cached "
+        "value per token, in transformers only; a graft with its own latent norm, mla_latent_norm, exports "
+        "exactly everywhere)"
+    )
+    return strategy
+
+
+def layer_latent(strategy: str, block: Block, cfg: ModelConfig, raw: torch.Tensor | None) -> Latent:
+    """One layer's ``Latent`` for ``strategy`` (``raw``: its raw calibration latents for "fit"/"scale", or None)."""
+    attn = cast(MLAttention, block.self_attn)
+    if strategy == "exact":
+        return exact_latent(attn, cfg.rms_norm_eps)
+    if strategy == "pad":
+        return pad_latent(attn, block.input_layernorm.weight)
+    lat = approx_latent(attn, raw, strategy, block.input_layernorm.weight.detach())
+    lat.M = lat.M * ENGINE_LATENT_RMS  # scale-free after the norm: only the engines' different eps sees this
+    return lat
+
+
+def fold_messages(folds: list[EngineFold | None], kv_b_bias: bool, approximations: list[str], folded: list[str]) -> None:
+    """The engine-safe bias folds' approximations and folds (``folds``: per layer; only which parts are set,
+    ``input_cv`` and ``o_residual`` are read). ``kv_b_bias``: some layer has a non-zero kv_b bias."""
+    biased = [i for i, f in enumerate(folds) if f is not None]
+    if biased:
+        kinds = sorted(
+            {
+                k
+                for f in folds
+                if f is not None
+                for k, v in (("query", f.q_delta), ("latent / RoPE key", f.a_delta), ("value / output", f.value))
+                if v is not None
             }
-        config_json = deepseek_v3_config(
-            cfg, rope_parameters, attention_bias, dtype_name, kv_lora_rank=dc_out, q_lora_rank=q_lora_rank, export_info=info
         )
-        report = ExportReport(
-            path=out_dir,
-            latent_norm=strategy,
-            warnings=notes,
-            latent_rms_cv=tuple(lat.cv for lat in latents),
-            exact=not approximations,
-            approximations=approximations,
-            exact_up_to_tokens=window,
-            kv_lora_rank=dc_out,
-            q_lora_rank=q_lora_rank,
-            extra_parameters=extra,
-            folded=folded,
-            target=target,
+        cvs = [f.input_cv for f in folds if f is not None and (f.q_delta is not None or f.a_delta is not None)]
+        approximations.append(
+            f"attention biases ({', '.join(kinds)}; layers {biased}) folded into the weights for engines that "
+            "load no bias: a bias b after W becomes W + b u^T with u . x ~ 1 on calibration inputs"
+            + (f" (u . x varies by {max(cvs):.3g} relative std)" if cvs else "")
+            + "; a constant value rides on kv_b through the normalised latent (target='transformers' keeps "
+            "them exact, transformers only)"
         )
-        write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files, {"README.md": export_card(report)}, overwrite)
-        if measure:
-            if calibration is not None:
-                ids = calibration[-tail_sequences:]
-                report.measured_on = f"the calibration tail ({ids.shape[0]} x {ids.shape[1]} tokens)"
-            else:
-                t = min(64, cfg.max_position_embeddings)
-                ids = torch.randint(0, cfg.vocab_size, (4, t), generator=torch.Generator().manual_seed(0))
-                report.measured_on = f"random ids ({ids.shape[0]} x {ids.shape[1]} tokens)"
-            m = measure_export(model, out_dir, ids, window=window)
-            report.max_abs_logit_diff, report.mean_kl = m["max_abs_logit_diff"], m["mean_kl"]
-            report.perplexity = m["perplexity"]
-            report.max_abs_logit_diff_within_window = m.get("max_abs_logit_diff_within_window")
-            (out_dir / "README.md").write_text(export_card(report), encoding="utf-8")
-    finally:
-        model.train(was_training)
-    if verbose:
-        print("\n".join(report.summary()), flush=True)
-    return report
+        if any(f is not None and f.o_residual > 1e-6 for f in folds):
+            worst = max(f.o_residual for f in folds if f is not None)
+            approximations.append(
+                f"o_proj bias: o_proj cannot produce all of it from the values (relative "
+                f"residual up to {worst:.3g}); the rest is dropped"
+            )
+    if kv_b_bias:
+        folded.append("key bias: adds the same amount to every logit of a query (softmax ignores it): dropped")
+
+
+def bias_messages(
+    cfg: ModelConfig,
+    target: str,
+    strategy: str,
+    q_bias_layers: list[int],
+    kv_a_bias: bool,
+    kv_b_bias: bool,
+    folded: list[str],
+) -> tuple[bool, int | None, int]:
+    """(low-rank query path, q_lora_rank, extra parameters): a query bias's low-rank path ("transformers";
+    ``q_bias_layers``), the "pad" coordinate's parameters, and the exact bias folds' messages."""
+    low_rank_q = bool(q_bias_layers)
+    _, dr, dn, dv = cfg.latent_dims()
+    H, h = cfg.num_heads, cfg.hidden_size
+    Hq = H * (dn + dr)
+    q_rank = min(h, Hq) + 1  # the low-rank query path's width, when a query bias needs it
+    q_lora_rank = q_rank if low_rank_q else None
+    extra = 0
+    if strategy == "pad":
+        extra += cfg.num_layers * (h + 2 + H * (dn + dv))
+    if low_rank_q:
+        extra += cfg.num_layers * (q_rank * h + 2 * q_rank + Hq * q_rank - Hq * h)
+        folded.append(
+            f"query bias (layers {q_bias_layers}): stock's q_proj has no bias, so the queries go through its "
+            f"low-rank path q_a_proj (with bias) -> q_a_layernorm -> q_b_proj with q_lora_rank {q_rank} "
+            f"(min(hidden {h}, heads x qk_head_dim {Hq}) + 1): a constant coordinate pins the norm's rms "
+            f"(relative error <= {PIN_DELTA / 2:.0e}) and carries the bias; "
+            f"+{cfg.num_layers * (q_rank * h + 2 * q_rank + Hq * q_rank - Hq * h):,} parameters"
+        )
+    if target == "transformers" and kv_b_bias:
+        folded.append(
+            "key bias: adds the same amount to every logit of a query (softmax ignores it); value "
+            "bias: through attention (weights sum to one) into o_proj's bias"
+        )
+    if target == "transformers" and kv_a_bias:
+        folded.append("latent / RoPE-key bias: kv_a_proj_with_mqa's bias (attention_bias)")
+    return low_rank_q, q_lora_rank, extra
+
+
+def fp16_excess(tensor: torch.Tensor) -> float | None:
+    """max |tensor| when it exceeds fp16's range (``target="engines"`` refuses it), else None."""
+    if not tensor.numel():
+        return None
+    m = float(tensor.abs().max())
+    return m if m > FP16_MAX else None
+
+
+def refuse_fp16_overflow(big: dict[str, float]) -> None:
+    """``target="engines"``: ``big`` (name -> max |value|) exceed fp16's range."""
+    if big:
+        name = max(big, key=lambda k: big[k])
+        raise UnsupportedModelError(
+            f"{len(big)} exported tensors exceed fp16's range ({FP16_MAX:.0f}), e.g. {name} up to {big[name]:.4g}: "
+            "vLLM and SGLang serve in fp16/bf16; rescale the source model's weights, or export with "
+            "target='transformers' (transformers only)"
+        )
+
+
+def refuse_overflow(bad: list[str], dtype: torch.dtype) -> None:
+    """The tensors ``bad`` are not finite in the written ``dtype``."""
+    if bad:
+        raise UnsupportedModelError(
+            f"the export overflows {str(dtype).removeprefix('torch.')} in {bad[0]} ({len(bad)} tensors); export in "
+            "bfloat16 or float32 (dtype=...), or use latent_norm='fit'"
+        )
+
+
+def config_and_report(
+    cfg: ModelConfig,
+    out_dir: Path,
+    rope_parameters: dict,
+    attention_bias: bool,
+    dtype: torch.dtype,
+    *,
+    strategy: str,
+    target: str,
+    notes: list[str],
+    approximations: list[str],
+    folded: list[str],
+    window: int | None,
+    latent_rms_cv: tuple[float, ...],
+    kv_lora_rank: int,
+    q_lora_rank: int | None,
+    extra: int,
+) -> tuple[dict, ExportReport]:
+    """config.json of the export and its ``ExportReport`` (not yet measured)."""
+    info = {"exact": not approximations, "latent_norm": strategy, "target": target}
+    if window is not None:
+        info |= {
+            "exact_up_to_tokens": window,
+            "sliding_window_of_the_source": window,
+            "note": (
+                f"the source model attends within a sliding window of {window} tokens; this stock "
+                f"DeepSeek-V3 model uses full attention: identical for contexts up to {window} tokens, "
+                "different beyond"
+            ),
+        }
+    config_json = deepseek_v3_config(
+        cfg,
+        rope_parameters,
+        attention_bias,
+        str(dtype).removeprefix("torch."),
+        kv_lora_rank=kv_lora_rank,
+        q_lora_rank=q_lora_rank,
+        export_info=info,
+    )
+    report = ExportReport(
+        path=out_dir,
+        latent_norm=strategy,
+        warnings=notes,
+        latent_rms_cv=latent_rms_cv,
+        exact=not approximations,
+        approximations=approximations,
+        exact_up_to_tokens=window,
+        kv_lora_rank=kv_lora_rank,
+        q_lora_rank=q_lora_rank,
+        extra_parameters=extra,
+        folded=folded,
+        target=target,
+    )
+    return config_json, report
+
+
+def measured_ids(report: ExportReport, cfg: ModelConfig, calibration: torch.Tensor | None, tail_sequences: int) -> torch.Tensor:
+    """The ids the export's error is measured on (the calibration tail, or seeded random ids), said in
+    ``report.measured_on``."""
+    if calibration is not None:
+        ids = calibration[-tail_sequences:]
+        report.measured_on = f"the calibration tail ({ids.shape[0]} x {ids.shape[1]} tokens)"
+    else:
+        t = min(64, cfg.max_position_embeddings)
+        ids = torch.randint(0, cfg.vocab_size, (4, t), generator=torch.Generator().manual_seed(0))
+        report.measured_on = f"random ids ({ids.shape[0]} x {ids.shape[1]} tokens)"
+    return ids
 
 
 def export_card(report: ExportReport) -> str:

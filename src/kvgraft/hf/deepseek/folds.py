@@ -13,29 +13,41 @@ import torch
 
 from kvgraft.hf.deepseek.checks import has_nonzero, mla_layers
 from kvgraft.hf.deepseek.latent import run_with_kv_a_hooks
+from kvgraft.model.config import ModelConfig
+from kvgraft.model.mla import MLAttention
 from kvgraft.model.transformer import Transformer
+
+
+class InputMoments:
+    """Running (E[x], E[x x^T]) of one layer's attention input: sums on ``device`` (the first moment fp64,
+    the second fp32 outer products), hidden^2 values whatever the number of tokens."""
+
+    def __init__(self, hidden: int, device: str | torch.device) -> None:
+        self.hidden, self.count = hidden, 0
+        self.first = torch.zeros(hidden, dtype=torch.float64, device=device)
+        self.second = torch.zeros(hidden, hidden, device=device)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, self.hidden).float()
+        self.count += x.shape[0]
+        self.first += x.sum(0).double()
+        self.second += x.T @ x
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E[x], E[x x^T]), fp64 CPU."""
+        return self.first.cpu() / self.count, self.second.double().cpu() / self.count
 
 
 @torch.no_grad()
 def collect_input_moments(model: Transformer, ids: torch.Tensor, batch_size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (E[x], E[x x^T]) of the attention input x (what q_proj and kv_a_proj read), fp64 CPU.
 
-    Accumulated as running sums on the model's device (fp32 outer products), so memory is hidden^2 per layer
-    whatever the number of calibration tokens."""
-    h = model.config.hidden_size
+    Accumulated as running sums on the model's device (fp32 outer products, ``InputMoments``), so memory is
+    hidden^2 per layer whatever the number of calibration tokens."""
     device = model.embed_tokens.weight.device
-    counts = [0] * len(model.layers)
-    firsts = [torch.zeros(h, dtype=torch.float64, device=device) for _ in model.layers]
-    seconds = [torch.zeros(h, h, device=device) for _ in model.layers]
-
-    def accumulate(i: int, x: torch.Tensor, _out: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, h).float()
-        counts[i] += x.shape[0]
-        firsts[i] += x.sum(0).double()
-        seconds[i] += x.T @ x
-
-    run_with_kv_a_hooks(model, ids, accumulate, batch_size)
-    return [(s.cpu() / n, o.double().cpu() / n) for n, s, o in zip(counts, firsts, seconds)]
+    moments = [InputMoments(model.config.hidden_size, device) for _ in model.layers]
+    run_with_kv_a_hooks(model, ids, lambda i, x, _out: moments[i].add(x), batch_size)
+    return [m.result() for m in moments]
 
 
 @dataclass
@@ -58,61 +70,67 @@ class EngineFold:
 
 def engine_folds(model: Transformer, moments: list[tuple[torch.Tensor, torch.Tensor]] | None) -> list[EngineFold | None]:
     """Per layer, the bias folds of ``EngineFold`` (None: the layer has no bias to fold)."""
-    cfg = model.config
+    return [
+        engine_fold(model.config, i, attn, None if moments is None else moments[i])
+        for i, (_, attn, _) in enumerate(mla_layers(model))
+    ]
+
+
+def engine_fold(
+    cfg: ModelConfig, i: int, attn: MLAttention, moments: tuple[torch.Tensor, torch.Tensor] | None
+) -> EngineFold | None:
+    """Layer ``i``'s ``EngineFold`` (None: no bias to fold); ``moments``: its attention input's (E[x], E[x x^T])
+    (None without calibration: refused when a bias needs them)."""
     H = cfg.num_heads
     _, _, dn, dv = cfg.latent_dims()
-    out: list[EngineFold | None] = []
-    for i, (_, attn, _) in enumerate(mla_layers(model)):
-        bq = attn.q_proj.bias if has_nonzero(attn.q_proj.bias) else None
-        ba = attn.kv_a_proj.bias if has_nonzero(attn.kv_a_proj.bias) else None
-        bb = attn.kv_b_proj.bias if has_nonzero(attn.kv_b_proj.bias) else None
-        bo = attn.o_proj.bias if has_nonzero(attn.o_proj.bias) else None
-        if bq is None and ba is None and bb is None and bo is None:
-            out.append(None)
-            continue
-        fold = EngineFold()
-        if bq is not None or ba is not None:
-            if moments is None:
-                raise ValueError(
-                    f"layer {i} has attention biases (q_proj / kv_a_proj): the engine-safe stock export folds them "
-                    "into the weights through the attention input's mean direction, measured on calibration text; "
-                    "pass calibration token ids, or export with target='transformers' (exact, transformers only)"
-                )
-            mean, second = moments[i]
-            S = second + 1e-6 * float(second.diagonal().mean().clamp_min(1e-300)) * torch.eye(
-                second.shape[0], dtype=torch.float64
+    bq = attn.q_proj.bias if has_nonzero(attn.q_proj.bias) else None
+    ba = attn.kv_a_proj.bias if has_nonzero(attn.kv_a_proj.bias) else None
+    bb = attn.kv_b_proj.bias if has_nonzero(attn.kv_b_proj.bias) else None
+    bo = attn.o_proj.bias if has_nonzero(attn.o_proj.bias) else None
+    if bq is None and ba is None and bb is None and bo is None:
+        return None
+    fold = EngineFold()
+    if bq is not None or ba is not None:
+        if moments is None:
+            raise ValueError(
+                f"layer {i} has attention biases (q_proj / kv_a_proj): the engine-safe stock export folds them "
+                "into the weights through the attention input's mean direction, measured on calibration text; "
+                "pass calibration token ids, or export with target='transformers' (exact, transformers only)"
             )
-            u = torch.linalg.solve(S, mean)
-            ux_mean = float(u @ mean)
-            ux_var = float(u @ second @ u) - ux_mean**2
-            fold.input_cv = max(ux_var, 0.0) ** 0.5 / max(abs(ux_mean), 1e-300)
-            if bq is not None:
-                fold.q_delta = bq.detach().to("cpu", torch.float64)[:, None] * u[None, :]
-            if ba is not None:
-                fold.a_delta = ba.detach().to("cpu", torch.float64)[:, None] * u[None, :]
-        value = torch.zeros(H * dv, dtype=torch.float64)
-        if bb is not None:
-            value += bb.detach().to("cpu", torch.float64).view(H, dn + dv)[:, dn:].reshape(-1)
-        if bo is not None:
-            W_o = attn.o_proj.weight.detach().to("cpu", torch.float64)  # (h, H dv)
-            b_o = bo.detach().to("cpu", torch.float64)
-            v = torch.linalg.lstsq(W_o, b_o[:, None]).solution[:, 0]
-            fold.o_residual = float((W_o @ v - b_o).norm() / b_o.norm())
-            value += v
-        if bool(value.abs().max() > 0):
-            if moments is None:
-                raise ValueError(
-                    f"layer {i} has a value or o_proj bias: the engine-safe stock export carries it as a constant "
-                    "value through kv_b, fitted on calibration text; pass calibration token ids, or export with "
-                    "target='transformers' (exact, transformers only)"
-                )
-            fold.value = value
-        out.append(fold)
-    return out
+        mean, second = moments
+        S = second + 1e-6 * float(second.diagonal().mean().clamp_min(1e-300)) * torch.eye(second.shape[0], dtype=torch.float64)
+        u = torch.linalg.solve(S, mean)
+        ux_mean = float(u @ mean)
+        ux_var = float(u @ second @ u) - ux_mean**2
+        fold.input_cv = max(ux_var, 0.0) ** 0.5 / max(abs(ux_mean), 1e-300)
+        if bq is not None:
+            fold.q_delta = bq.detach().to("cpu", torch.float64)[:, None] * u[None, :]
+        if ba is not None:
+            fold.a_delta = ba.detach().to("cpu", torch.float64)[:, None] * u[None, :]
+    value = torch.zeros(H * dv, dtype=torch.float64)
+    if bb is not None:
+        value += bb.detach().to("cpu", torch.float64).view(H, dn + dv)[:, dn:].reshape(-1)
+    if bo is not None:
+        W_o = attn.o_proj.weight.detach().to("cpu", torch.float64)  # (h, H dv)
+        b_o = bo.detach().to("cpu", torch.float64)
+        v = torch.linalg.lstsq(W_o, b_o[:, None]).solution[:, 0]
+        fold.o_residual = float((W_o @ v - b_o).norm() / b_o.norm())
+        value += v
+    if bool(value.abs().max() > 0):
+        if moments is None:
+            raise ValueError(
+                f"layer {i} has a value or o_proj bias: the engine-safe stock export carries it as a constant "
+                "value through kv_b, fitted on calibration text; pass calibration token ids, or export with "
+                "target='transformers' (exact, transformers only)"
+            )
+        fold.value = value
+    return fold
 
 
 __all__ = [
     "EngineFold",
+    "InputMoments",
     "collect_input_moments",
+    "engine_fold",
     "engine_folds",
 ]

@@ -156,14 +156,17 @@ def collect_latents(model: Transformer, ids: torch.Tensor, max_tokens: int, batc
         store[i].append(out[..., :dc].detach().reshape(-1, dc).to("cpu", torch.float64))
 
     run_with_kv_a_hooks(model, ids, keep, batch_size)
-    out = []
-    for chunks in store:
-        c = torch.cat(chunks)
-        if c.shape[0] > max_tokens:
-            chosen = torch.randperm(c.shape[0], generator=torch.Generator().manual_seed(0))[:max_tokens]
-            c = c[chosen.sort().values]
-        out.append(c)
-    return out
+    return [subsample_latents(chunks, max_tokens) for chunks in store]
+
+
+def subsample_latents(chunks: list[torch.Tensor], max_tokens: int) -> torch.Tensor:
+    """One layer's raw latents (``collect_latents``): the batches' ``chunks`` (tokens, d_c) joined, at most
+    ``max_tokens`` of them kept (a seeded random subset, in token order)."""
+    c = torch.cat(chunks)
+    if c.shape[0] > max_tokens:
+        chosen = torch.randperm(c.shape[0], generator=torch.Generator().manual_seed(0))[:max_tokens]
+        c = c[chosen.sort().values]
+    return c
 
 
 def fit_latent_metric(c: torch.Tensor, ridge: float | None = None, max_iter: int = 150, min_eig: float = 1e-3) -> torch.Tensor:
@@ -297,4 +300,5 @@ __all__ = [
     "latent_unit",
     "low_rank_query",
     "pad_latent",
+    "subsample_latents",
 ]
