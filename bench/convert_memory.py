@@ -1,5 +1,5 @@
-"""Peak memory of ``kvgraft convert`` (``--to mla``, kvgraft format): the whole-model executor against the
-layer-by-layer one (issue 26, "Conversion at the scale users have").
+"""Peak memory of ``kvgraft convert`` (``--to mla`` or ``--to ced``, kvgraft format): the whole-model executor
+against the layer-by-layer one (issue 26, "Conversion at the scale users have").
 
 Each conversion runs as its own process (``kvgraft.cli.main(["convert", ...])``; the whole-model run with
 ``execute(..., executor="whole")`` forced), and its peak resident set size is read from ``os.wait4``'s
@@ -9,6 +9,7 @@ kvgraft and torch gives the baseline. The two outputs are then compared tensor b
     python bench/random_checkpoint.py --shape llama-mid-4l --out runs/ckpt/mid4
     python bench/random_checkpoint.py --shape llama-mid-16l --out runs/ckpt/mid16
     python bench/convert_memory.py runs/ckpt/mid4 runs/ckpt/mid16 --calibration-tokens 2048
+    python bench/convert_memory.py runs/ckpt/mid4 runs/ckpt/mid16 --calibration-tokens 2048 --to ced
 
 Without ``--calibration`` a .npy of ``--calibration-tokens`` random ids below the vocabulary is written under
 ``--work`` (seed 0). Prints a table and writes it as JSON (``--json``).
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoints", nargs="+", type=Path)
     p.add_argument("--calibration", type=Path, default=None)
     p.add_argument("--calibration-tokens", type=int, default=2048)
+    p.add_argument("--to", choices=("mla", "ced"), default="mla", help="the conversion's target (kvgraft convert --to)")
     p.add_argument("--work", type=Path, default=Path("runs/convert-memory"))
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -87,13 +89,20 @@ def main(argv: list[str] | None = None) -> int:
             calibration = args.work / f"calibration-{config.vocab_size}-{args.calibration_tokens}.npy"
             rng = np.random.default_rng(0)
             np.save(calibration, rng.integers(0, config.vocab_size, args.calibration_tokens).astype(np.int64))
-        row: dict[str, object] = {"checkpoint": ckpt.name, "layers": config.num_layers, "parameters": num_parameters(config)}
+        row: dict[str, object] = {
+            "checkpoint": ckpt.name,
+            "to": args.to,
+            "layers": config.num_layers,
+            "parameters": num_parameters(config),
+        }
         for executor in EXECUTORS:
-            out = args.work / f"{ckpt.name}-{executor}"
+            out = args.work / f"{ckpt.name}-{args.to}-{executor}"
             rss, seconds = peak_rss(
                 executor,
                 [
                     str(ckpt),
+                    "--to",
+                    args.to,
                     "--out",
                     str(out),
                     "--calibration",
@@ -105,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             row[executor] = {"peak_rss_bytes": rss, "seconds": seconds}
         row["ratio"] = row["whole"]["peak_rss_bytes"] / row["layerwise"]["peak_rss_bytes"]  # type: ignore[index]
-        row["identical_tensors"] = _same_tensors(args.work / f"{ckpt.name}-whole", args.work / f"{ckpt.name}-layerwise")
+        row["identical_tensors"] = _same_tensors(*(args.work / f"{ckpt.name}-{args.to}-{e}" for e in EXECUTORS))
         rows.append(row)
     gib = 2**30
-    print(f"baseline (python + torch + kvgraft imported): {base / gib:.2f} GiB")
+    print(f"--to {args.to}; baseline (python + torch + kvgraft imported): {base / gib:.2f} GiB")
     print(
         f"{'checkpoint':<12} {'layers':>6} {'params':>12} {'whole GiB':>10} {'layerwise GiB':>14} {'ratio':>6} {'identical':>9}"
     )
