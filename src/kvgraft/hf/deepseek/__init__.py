@@ -26,6 +26,10 @@ is said in the module that builds it. One concept per module; imports run one wa
 - ``tensors``: the tensors under DeepSeek-V3's names and config.json.
 - ``export``: ``export_deepseek_v3``, its ``ExportReport`` and README card (a sliding window).
 - ``measure``: loading the export with stock transformers and measuring it against the kvgraft model.
+- ``stream``: ``export_deepseek_v3_streamed``, the same export from a converted checkpoint's files one layer
+  at a time (calibration statistics streamed through the layers, tensors written shard by shard, the error
+  measured by transformers' decoder layers one at a time; what ``kvgraft convert`` uses; imported by its own
+  path: stream <- export's steps, tensors, folds, latent).
 - ``adapters``: ``export_adapter_deepseek_v3``, a kvgraft LoRA adapter carried to the stock export (imported
   by its own path, not from this package).
 
