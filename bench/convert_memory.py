@@ -4,7 +4,10 @@ against the layer-by-layer one (issue 26, "Conversion at the scale users have").
 Each conversion runs as its own process (``kvgraft.cli.main(["convert", ...])``; the whole-model run with
 ``execute(..., executor="whole")`` forced), and its peak resident set size is read from ``os.wait4``'s
 ``ru_maxrss`` (what ``/usr/bin/time -v`` prints as "Maximum resident set size"). A process that only imports
-kvgraft and torch gives the baseline. The two outputs are then compared tensor by tensor (bit for bit).
+kvgraft and torch gives the baseline. The two outputs are then compared tensor by tensor (bit for bit), in a
+child process too: Linux records the parent's peak RSS in a child's ``ru_maxrss`` when the child execs (the
+spawning process's high-water mark is the floor of every child's), so the parent must never grow (it imports
+torch: its ~0.35 GiB is that floor).
 
     python bench/random_checkpoint.py --shape llama-mid-4l --out runs/ckpt/mid4
     python bench/random_checkpoint.py --shape llama-mid-16l --out runs/ckpt/mid16
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         return _child(argv[1], argv[3:])
+    if argv[:1] == ["--compare"]:
+        return 0 if _same_tensors(Path(argv[1]), Path(argv[2])) else 1
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoints", nargs="+", type=Path)
     p.add_argument("--calibration", type=Path, default=None)
@@ -114,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             row[executor] = {"peak_rss_bytes": rss, "seconds": seconds}
         row["ratio"] = row["whole"]["peak_rss_bytes"] / row["layerwise"]["peak_rss_bytes"]  # type: ignore[index]
-        row["identical_tensors"] = _same_tensors(*(args.work / f"{ckpt.name}-{args.to}-{e}" for e in EXECUTORS))
+        outs = [str(args.work / f"{ckpt.name}-{args.to}-{e}") for e in EXECUTORS]
+        row["identical_tensors"] = subprocess.run([sys.executable, __file__, "--compare", *outs]).returncode == 0
         rows.append(row)
     gib = 2**30
     print(f"--to {args.to}; baseline (python + torch + kvgraft imported): {base / gib:.2f} GiB")
