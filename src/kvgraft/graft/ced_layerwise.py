@@ -42,13 +42,12 @@ from kvgraft.graft.ced import ShareGraft
 from kvgraft.graft.layerwise import (
     EMBED,
     HF_PREFIX,
-    LM_HEAD,
-    NORM,
     SourceLayers,
     _tail_state,
     execute_layerwise,
     restore_walk,
     walk_state,
+    write_final_norm_and_head,
 )
 from kvgraft.graft.mla import (
     TAIL_ROWS,
@@ -66,7 +65,6 @@ from kvgraft.hf.shards import ShardWriter
 from kvgraft.model import ModelConfig
 from kvgraft.model.batch import DenseContext
 from kvgraft.model.ced import rope_tables as ced_rope_columns
-from kvgraft.model.norm import RMSNorm
 from kvgraft.model.rope import RotaryEmbedding
 from kvgraft.model.transformer import Block
 
@@ -239,14 +237,7 @@ def _ced_walk(
     bar.close()
     if share is None or ced_tail is None:
         raise RuntimeError("the share graft's walk ran no layer")
-    norm = RMSNorm(config.hidden_size, config.rms_norm_eps).to(device)
-    norm.weight.copy_(src.tensor(NORM))
-    writer.add(NORM, norm.weight)
-    if config.tie_word_embeddings:
-        head = src.tensor(EMBED)
-    else:
-        head = src.tensor(LM_HEAD)
-        writer.add(LM_HEAD, head)
+    norm, head = write_final_norm_and_head(src, writer, config, device)
     t_tail = time.perf_counter()
     tail = TailFigures(tail_ids)
     for i in range(tail_ids.shape[0]):  # the head as Transformer.forward applies it, one sequence at a time

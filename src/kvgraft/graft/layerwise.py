@@ -264,14 +264,7 @@ def _graft_layers(
         if plan.progress:
             layer_postfix(bar, time.perf_counter() - t, run.clock)
     bar.close()
-    norm = RMSNorm(config.hidden_size, config.rms_norm_eps).to(device)
-    norm.weight.copy_(src.tensor(NORM))
-    writer.add(NORM, norm.weight)
-    if config.tie_word_embeddings:
-        head = src.tensor(EMBED)
-    else:
-        head = src.tensor(LM_HEAD)
-        writer.add(LM_HEAD, head)
+    norm, head = write_final_norm_and_head(src, writer, config, device)
     if tail_ids is None:
         return run, None
     t_tail = time.perf_counter()
@@ -280,6 +273,21 @@ def _graft_layers(
         tail.add(i, *(F.linear(norm(x[i : i + 1]), head) for x in tails))
     times["tail"] += time.perf_counter() - t_tail
     return run, tail.record()
+
+
+def write_final_norm_and_head(
+    src: SourceLayers, writer: ShardWriter, config: ModelConfig, device: str | torch.device
+) -> tuple[RMSNorm, torch.Tensor]:
+    """After the last layer: the final norm (read, written) and the head (the embedding when tied, else read and
+    written), returned for the calibration tail's figures."""
+    norm = RMSNorm(config.hidden_size, config.rms_norm_eps).to(device)
+    norm.weight.copy_(src.tensor(NORM))
+    writer.add(NORM, norm.weight)
+    if config.tie_word_embeddings:
+        return norm, src.tensor(EMBED)
+    head = src.tensor(LM_HEAD)
+    writer.add(LM_HEAD, head)
+    return norm, head
 
 
 def _tail_state(
