@@ -41,6 +41,7 @@ hidden) and one chunk of logits of each (``HEAD_POSITIONS`` x vocab, fp32 and fp
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 from typing import Any, cast
@@ -474,8 +475,22 @@ def _check_loads(stock: torch.nn.Module, written: CheckpointReader, export_dir: 
 def _stock_inputs(config: Any, rotary: torch.nn.Module, h: torch.Tensor) -> tuple[Any, torch.Tensor, Any]:
     """(causal mask, position ids, position embeddings) as ``DeepseekV3Model.forward`` builds them for ``h``."""
     position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-    mask = create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids)
-    return mask, position_ids, rotary(h, position_ids)
+    return _causal_mask(config, h, position_ids), position_ids, rotary(h, position_ids)
+
+
+def _causal_mask(config: Any, h: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    """transformers' causal mask for ``h`` with no cache, whatever the release names its arguments: the cache is
+    ``past_key_values`` in 5.19 (vLLM's pin) and ``cache`` in 5.24; ``cache_position`` and ``input_embeds`` are
+    passed where a release asks for them."""
+    params = inspect.signature(create_causal_mask).parameters
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": None, "position_ids": position_ids}
+    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = h
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            kwargs[name] = None
+    if "cache_position" in params:
+        kwargs["cache_position"] = position_ids[0]
+    return create_causal_mask(**kwargs)
 
 
 def _head_figures(
