@@ -1,0 +1,103 @@
+"""Carry an unfinished ``kvgraft experiment placement`` study into the repository, so a later machine continues it
+where it stopped (issue 25's studies take longer than one machine lives).
+
+    python bench/carry_study.py runs/placement-recall-deep training/placement-recall-deep \\
+        --command "kvgraft experiment placement --base kvgraft-ced-8m-deep --task recall ... --out runs/placement-recall-deep"
+
+Copies each finished run's ``result.json`` and ``log.jsonl`` (the LR sweep's ``sweep/lr_*`` and the runs'
+``runs/<configuration or from<k>>/seed<k>``; a run is finished when its ``result.json`` exists, which the study
+writes last and atomically), never adapters or checkpoints, into DEST (replacing what DEST held), writes DEST's
+README with the number of finished runs and the command that continues the study, and fails if git would
+ignore any copied file (a carried run that is not committed is lost with the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CARRIED = ("result.json", "log.jsonl")
+
+README = """# Study in progress (issue 25): `{name}`
+
+{n_runs} finished runs of the study below{sweep}, carried across machines: each run's `result.json` (what the
+study reads back for a finished run: rerunning the command skips it) and `log.jsonl`. Adapters and checkpoints
+are not carried (an interrupted run restarts from its first step). Written by `bench/carry_study.py`; removed
+when the study is complete and its table, curves and JSON are in `bench/placement/`.
+
+Finished runs per configuration: {per_config}
+
+## Continue (same command, same data)
+```
+make install
+mkdir -p runs && cp -r {dest} runs/{name} && rm runs/{name}/README.md
+OMP_NUM_THREADS=1 .venv/bin/python -m {command}
+```
+The task is regenerated deterministically from its name and seed. What is finished so far is in
+bench/RESULTS.md, "Placement study with the shared cache in use".
+"""
+
+
+def finished_runs(study: Path) -> list[Path]:
+    """The directories (relative to ``study``) of the runs whose ``result.json`` exists."""
+    return sorted(f.parent.relative_to(study) for f in study.glob("**/result.json"))
+
+
+def carry(src: Path, dest: Path, command: str) -> list[Path]:
+    if not src.is_dir():
+        raise SystemExit(f"{src} is not a study directory")
+    if not command.startswith("kvgraft experiment placement") or f"--out {src.as_posix()}" not in command:
+        raise SystemExit(f"--command must be the `kvgraft experiment placement ... --out {src}` that continues it")
+    runs = finished_runs(src)
+    if not runs:
+        raise SystemExit(f"{src} holds no finished run (no result.json)")
+    staging = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    copied = []
+    for run in runs:
+        (staging / run).mkdir(parents=True)
+        for name in CARRIED:
+            if (src / run / name).is_file():
+                shutil.copy2(src / run / name, staging / run / name)
+                copied.append(run / name)
+    sweeps = [r for r in runs if r.parts[0] == "sweep"]
+    trained = [r for r in runs if r.parts[0] == "runs"]
+    per_config: dict[str, int] = {}
+    for r in trained:
+        per_config[r.parts[1]] = per_config.get(r.parts[1], 0) + 1
+    (staging / "README.md").write_text(
+        README.format(
+            name=src.name,
+            dest=dest.as_posix(),
+            n_runs=len(trained),
+            sweep=f" and its LR sweep ({len(sweeps)} runs)" if sweeps else "",
+            per_config=", ".join(f"{k} {v}" for k, v in sorted(per_config.items())) or "none",
+            command=command,
+        )
+    )
+    shutil.rmtree(dest, ignore_errors=True)
+    staging.rename(dest)
+    check = subprocess.run(["git", "check-ignore", "--no-index", *map(str, copied)], cwd=dest, capture_output=True, text=True)
+    if check.returncode not in (0, 1):  # 0: some are ignored, 1: none is; anything else: git could not tell
+        raise SystemExit(f"git check-ignore failed in {dest}: {check.stderr.strip()}")
+    ignored = check.stdout.split()
+    if ignored:
+        raise SystemExit(f"git ignores {len(ignored)} carried files (first: {ignored[0]}): fix .gitignore")
+    return trained
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("src", type=Path, help="the study's directory (the command's --out)")
+    ap.add_argument("dest", type=Path, help="where it is carried in the repository (training/<name>)")
+    ap.add_argument("--command", required=True, help="the `kvgraft experiment placement ...` that continues it")
+    args = ap.parse_args(argv)
+    trained = carry(args.src, args.dest, args.command)
+    print(f"{args.dest}: {len(trained)} finished runs carried", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

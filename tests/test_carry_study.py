@@ -1,0 +1,79 @@
+"""bench/carry_study.py: an unfinished study carried into a repository keeps exactly its finished runs, and a
+carry that git would ignore fails instead of being lost with the machine."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from carry_study import carry  # noqa: E402
+
+
+def _study(root: Path) -> Path:
+    study = root / "runs" / "placement-x"
+    for run, finished in [
+        ("sweep/lr_0.001", True),
+        ("runs/all-linear-r16/seed0", True),
+        ("runs/all-linear-r16/seed1", False),  # interrupted: a checkpoint, no result.json
+        ("runs/decoder-half-r16/seed0", True),
+    ]:
+        d = study / run
+        (d / "checkpoints").mkdir(parents=True)
+        (d / "checkpoints" / "step_10.pt").write_bytes(b"x")
+        (d / "log.jsonl").write_text("{}\n")
+        if finished:
+            (d / "result.json").write_text("{}\n")
+    return study
+
+
+def _repo(root: Path, gitignore: str) -> None:
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / ".gitignore").write_text(gitignore)
+
+
+COMMAND = "kvgraft experiment placement --task recall --out runs/placement-x"
+
+
+def test_carries_the_finished_runs_only(tmp_path, monkeypatch):
+    _repo(tmp_path, "/runs/\n")
+    monkeypatch.chdir(tmp_path)
+    study = _study(tmp_path)
+    dest = tmp_path / "training" / "placement-x"
+    (dest / "stale").mkdir(parents=True)  # what DEST held before is replaced
+    trained = carry(Path("runs/placement-x"), Path("training/placement-x"), COMMAND)
+    assert [p.as_posix() for p in trained] == ["runs/all-linear-r16/seed0", "runs/decoder-half-r16/seed0"]
+    files = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+    assert files == [
+        "README.md",
+        "runs/all-linear-r16/seed0/log.jsonl",
+        "runs/all-linear-r16/seed0/result.json",
+        "runs/decoder-half-r16/seed0/log.jsonl",
+        "runs/decoder-half-r16/seed0/result.json",
+        "sweep/lr_0.001/log.jsonl",
+        "sweep/lr_0.001/result.json",
+    ]
+    readme = (dest / "README.md").read_text()
+    assert "2 finished runs" in readme and "all-linear-r16 1, decoder-half-r16 1" in readme
+    assert f"-m {COMMAND}" in readme
+    assert study.is_dir()  # the source is left as it was
+
+
+def test_a_carry_git_would_ignore_fails(tmp_path, monkeypatch):
+    _repo(tmp_path, "runs/\n")  # unanchored: also matches training/<study>/runs/
+    monkeypatch.chdir(tmp_path)
+    _study(tmp_path)
+    with pytest.raises(SystemExit, match="git ignores 4 carried files"):
+        carry(Path("runs/placement-x"), Path("training/placement-x"), COMMAND)
+
+
+def test_bad_arguments_are_named(tmp_path, monkeypatch):
+    _repo(tmp_path, "/runs/\n")
+    monkeypatch.chdir(tmp_path)
+    _study(tmp_path)
+    with pytest.raises(SystemExit, match="--out runs/placement-x"):
+        carry(Path("runs/placement-x"), Path("training/placement-x"), "kvgraft experiment placement --out runs/y")
+    with pytest.raises(SystemExit, match="is not a study directory"):
+        carry(Path("runs/nothing"), Path("training/nothing"), COMMAND)
