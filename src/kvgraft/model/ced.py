@@ -163,9 +163,9 @@ class CEDAttention(LatentAttention):
             shared = None
             if self.source is not None:
                 shared, first = ctx.segment(self.source, gi)
-                smask = ctx.scratch.get(("smask", gi))
+                smask = ctx.scratch.get(("smask", gi, self.window))
                 if smask is None:
-                    smask = ctx.scratch[("smask", gi)] = shared_visible(first, g.qpos, self.window)
+                    smask = ctx.scratch[("smask", gi, self.window)] = shared_visible(first, g.qpos, self.window)
                 if self.topk:
                     smask = self._select(g.take(x), qg, shared, smask, ctx)
                     mask = torch.cat([mask, smask], dim=-1)
