@@ -62,6 +62,8 @@ from typing import Any
 
 import httpx
 import torch
+from engine import one_at_a_time as kv_one  # bench/engine.py (this script's folder is on sys.path)
+from engine import static_batches as kv_static
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
 import kvgraft.hf  # noqa: F401  (registers kvgraft's format with transformers' Auto classes)
@@ -76,21 +78,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MARK = "PEERS_VLLM "  # bench/peers_vllm.py's answers start with this (vLLM logs to stdout too)
 
 Run = Callable[[], tuple[list[list[int]], float]]
-
-
-def kv_one(model, prompts, params) -> tuple[list[list[int]], float]:
-    t0 = time.perf_counter()
-    outs = [Engine(model, max_seqs=1, max_batch_tokens=512).generate([p], params)[0] for p in prompts]
-    return outs, time.perf_counter() - t0
-
-
-def kv_static(model, prompts, params, batch: int) -> tuple[list[list[int]], float]:
-    t0 = time.perf_counter()
-    engine = Engine(model, max_seqs=batch, max_batch_tokens=100_000)
-    outs: list[list[int]] = []
-    for i in range(0, len(prompts), batch):
-        outs += engine.generate(prompts[i : i + batch], params)
-    return outs, time.perf_counter() - t0
 
 
 def kv_engine(model, prompts, params, max_seqs: int, max_batch_tokens: int) -> tuple[list[list[int]], float]:
