@@ -36,7 +36,9 @@ make install
 mkdir -p runs && cp -r {dest} runs/{name} && rm runs/{name}/README.md
 OMP_NUM_THREADS=1 .venv/bin/python -m {command}
 ```
-The task is regenerated deterministically from its name and seed. What is finished so far is in
+On two cores, run it twice at once with disjoint `--configs` subsets (a curve: `--first-layers` subsets), each at
+`nice -n 19` with one thread: every run has its own directory, finished runs are read back, and the full command
+run last writes the whole table. The task is regenerated deterministically from its name and seed. What is finished so far is in
 bench/RESULTS.md, "Placement study with the shared cache in use".
 """
 
