@@ -3,7 +3,8 @@ for placement studies written by ``kvgraft experiment placement`` (issue 25), re
 ``result.json``; with, for ``recall``, the loss a model reaches by knowing the answer's format and nothing of
 the ledger.
 
-    python bench/placement_gaps.py runs/placement-recall-8 runs/placement-recall-deep runs/placement-ui-deep
+    python bench/placement_gaps.py runs/placement-recall-8 runs/placement-recall-deep runs/placement-ui-deep \
+        [--json gaps.json] [--plot gaps.png]
 
 ``recall``'s answer is 4 labelled tokens (3 digit tokens of a 4-digit code, then EOS; kvgraft's reference
 tokenizer); its codes are drawn uniformly, so a model that knows the format exactly but reads nothing from the
@@ -17,6 +18,8 @@ import argparse
 import json
 import math
 from pathlib import Path
+
+from kvgraft.atomic import atomic_savefig, atomic_write_json
 
 PAIR = ("encoder-half-r16", "decoder-half-r16")
 RECALL_FORMAT_ONLY = math.log(10**4) / 4  # nats per labelled token: 4-digit code uniform, EOS certain
@@ -54,10 +57,38 @@ def gaps(study: Path) -> list[dict]:
     return rows
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """One row per study: each seed's decoder-half minus encoder-half, validation (open) and test (filled)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    studies = list(dict.fromkeys(r["study"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(studies) + 1.8))
+    for i, study in enumerate(studies):
+        mine = [r for r in rows if r["study"] == study]
+        for j, r in enumerate(mine):
+            y = i + (j - (len(mine) - 1) / 2) * 0.12
+            ax.plot([r["gap_val"]], [y], "o", mfc="none", color="C0", label="validation" if i == j == 0 else None)
+            ax.plot([r["gap_test"]], [y], "o", color="C1", label="test" if i == j == 0 else None)
+    ax.axvline(0.0, color="k", lw=0.8)
+    ax.set_yticks(range(len(studies)))
+    ax.set_yticklabels([f"{Path(s).name} ({next(r['steps'] for r in rows if r['study'] == s)} steps)" for s in studies])
+    ax.invert_yaxis()
+    ax.set_xlabel("decoder half - encoder half, loss (nats/token)\n> 0: the encoder half is ahead")
+    ax.set_title("Per-seed placement gap (one dot per seed)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    atomic_savefig(fig, path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("studies", nargs="+", type=Path)
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    ap.add_argument("--plot", type=Path, default=None, help="also draw the per-seed gaps (PNG)")
     args = ap.parse_args()
     rows = [r for s in args.studies for r in gaps(s)]
     print(
@@ -73,7 +104,9 @@ def main() -> None:
     if any(r["task"] == "recall" for r in rows):
         print(f"\nrecall, the format alone (4-digit code uniform, EOS certain): {RECALL_FORMAT_ONLY:.3f} nats per answer token")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        atomic_write_json(args.json, rows)
+    if args.plot:
+        plot(rows, args.plot)
 
 
 if __name__ == "__main__":
