@@ -9,6 +9,11 @@ Copies each finished run's ``result.json`` and ``log.jsonl`` (the LR sweep's ``s
 writes last and atomically), never adapters or checkpoints, into DEST (replacing what DEST held), writes DEST's
 README with the number of finished runs and the command that continues the study, and fails if git would
 ignore any copied file (a carried run that is not committed is lost with the machine).
+
+With ``--finished`` the study is complete (its ``study.json`` exists, written by the full command after every run
+finished): the same files, plus ``study.json`` and ``study.md``, are kept as the study's raw data (for example
+``bench/placement/recall-deep-runs``), so the per-seed figures behind its table stay in the repository and
+``bench/placement_gaps.py`` can be rerun on them.
 """
 
 from __future__ import annotations
@@ -42,15 +47,33 @@ run last writes the whole table. The task is regenerated deterministically from 
 bench/RESULTS.md, "Placement study with the shared cache in use".
 """
 
+FINISHED_README = """# Finished study (issue 25): `{name}`
+
+The raw data of a complete study: each of its {n_runs} runs' `result.json` and `log.jsonl`{sweep}, and the table
+the full command wrote from them (`study.json`, `study.md`). Per configuration: {per_config}. Written by
+`bench/carry_study.py --finished`; the write-up is in bench/RESULTS.md, "Placement study with the shared cache in
+use".
+
+## Reproduce
+```
+make install
+OMP_NUM_THREADS=1 .venv/bin/python -m {command}
+```
+(about 6 min per run on one core of our 2-core machines; to read these results back instead, `cp -r {dest}
+runs/{name}` first: finished runs are skipped.) Per-seed gaps: `python bench/placement_gaps.py {dest}`.
+"""
+
 
 def finished_runs(study: Path) -> list[Path]:
     """The directories (relative to ``study``) of the runs whose ``result.json`` exists."""
     return sorted(f.parent.relative_to(study) for f in study.glob("**/result.json"))
 
 
-def carry(src: Path, dest: Path, command: str) -> list[Path]:
+def carry(src: Path, dest: Path, command: str, finished: bool = False) -> list[Path]:
     if not src.is_dir():
         raise SystemExit(f"{src} is not a study directory")
+    if finished and not (src / "study.json").is_file():
+        raise SystemExit(f"--finished: {src}/study.json does not exist (run the full command once every run is done)")
     if not command.startswith("kvgraft experiment placement") or f"--out {src.as_posix()}" not in command:
         raise SystemExit(f"--command must be the `kvgraft experiment placement ... --out {src}` that continues it")
     runs = finished_runs(src)
@@ -65,13 +88,17 @@ def carry(src: Path, dest: Path, command: str) -> list[Path]:
             if (src / run / name).is_file():
                 shutil.copy2(src / run / name, staging / run / name)
                 copied.append(run / name)
+    if finished:
+        for name in ("study.json", "study.md"):
+            shutil.copy2(src / name, staging / name)
+            copied.append(Path(name))
     sweeps = [r for r in runs if r.parts[0] == "sweep"]
     trained = [r for r in runs if r.parts[0] == "runs"]
     per_config: dict[str, int] = {}
     for r in trained:
         per_config[r.parts[1]] = per_config.get(r.parts[1], 0) + 1
     (staging / "README.md").write_text(
-        README.format(
+        (FINISHED_README if finished else README).format(
             name=src.name,
             dest=dest.as_posix(),
             n_runs=len(trained),
@@ -96,8 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("src", type=Path, help="the study's directory (the command's --out)")
     ap.add_argument("dest", type=Path, help="where it is carried in the repository (training/<name>)")
     ap.add_argument("--command", required=True, help="the `kvgraft experiment placement ...` that continues it")
+    ap.add_argument(
+        "--finished", action="store_true", help="the study is complete: keep its runs and study.json as its raw data"
+    )
     args = ap.parse_args(argv)
-    trained = carry(args.src, args.dest, args.command)
+    trained = carry(args.src, args.dest, args.command, finished=args.finished)
     print(f"{args.dest}: {len(trained)} finished runs carried", file=sys.stderr)
 
 

@@ -77,3 +77,20 @@ def test_bad_arguments_are_named(tmp_path, monkeypatch):
         carry(Path("runs/placement-x"), Path("training/placement-x"), "kvgraft experiment placement --out runs/y")
     with pytest.raises(SystemExit, match="is not a study directory"):
         carry(Path("runs/nothing"), Path("training/nothing"), COMMAND)
+
+
+def test_a_finished_study_keeps_its_table_and_needs_one(tmp_path, monkeypatch):
+    _repo(tmp_path, "/runs/\n")
+    monkeypatch.chdir(tmp_path)
+    study = _study(tmp_path)
+    with pytest.raises(SystemExit, match="study.json does not exist"):
+        carry(Path("runs/placement-x"), Path("bench/x-runs"), COMMAND, finished=True)
+    (study / "study.json").write_text('{"table": {}}\n')
+    (study / "study.md").write_text("| table |\n")
+    carry(Path("runs/placement-x"), Path("bench/x-runs"), COMMAND, finished=True)
+    dest = tmp_path / "bench" / "x-runs"
+    assert (dest / "study.json").read_text() == '{"table": {}}\n' and (dest / "study.md").is_file()
+    assert (dest / "runs/all-linear-r16/seed0/result.json").is_file()
+    assert not (dest / "runs/all-linear-r16/seed1").exists()
+    readme = (dest / "README.md").read_text()
+    assert readme.startswith("# Finished study") and "placement_gaps.py bench/x-runs" in readme
