@@ -123,9 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("src", type=Path, help="the study's directory (the command's --out)")
     ap.add_argument("dest", type=Path, help="where it is carried in the repository (training/<name>)")
     ap.add_argument("--command", required=True, help="the `kvgraft experiment placement ...` that continues it")
-    ap.add_argument(
-        "--finished", action="store_true", help="the study is complete: keep its runs and study.json as its raw data"
-    )
+    ap.add_argument("--finished", action="store_true", help="the study is complete: keep its runs and study.json as its raw data")
     args = ap.parse_args(argv)
     trained = carry(args.src, args.dest, args.command, finished=args.finished)
     print(f"{args.dest}: {len(trained)} finished runs carried", file=sys.stderr)
