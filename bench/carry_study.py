@@ -11,7 +11,7 @@ README with the number of finished runs and the command that continues the study
 ignore any copied file (a carried run that is not committed is lost with the machine).
 
 With ``--finished`` the study is complete (its ``study.json`` exists, written by the full command after every run
-finished): the same files, plus ``study.json`` and ``study.md``, are kept as the study's raw data (for example
+finished): the same files, plus ``study.json`` and ``study.md`` (a curve's ``curve.json``, ``curve.md``), are kept as the study's raw data (for example
 ``bench/placement/recall-deep-runs``), so the per-seed figures behind its table stay in the repository and
 ``bench/placement_gaps.py`` can be rerun on them.
 """
@@ -50,7 +50,7 @@ bench/RESULTS.md, "Placement study with the shared cache in use".
 FINISHED_README = """# Finished study (issue 25): `{name}`
 
 The raw data of a complete study: each of its {n_runs} runs' `result.json` and `log.jsonl`{sweep}, and the table
-the full command wrote from them (`study.json`, `study.md`). Per configuration: {per_config}. Written by
+the full command wrote from them (`study.*` or `curve.*`). Per configuration: {per_config}. Written by
 `bench/carry_study.py --finished`; the write-up is in bench/RESULTS.md, "Placement study with the shared cache in
 use".
 
@@ -72,8 +72,11 @@ def finished_runs(study: Path) -> list[Path]:
 def carry(src: Path, dest: Path, command: str, finished: bool = False) -> list[Path]:
     if not src.is_dir():
         raise SystemExit(f"{src} is not a study directory")
-    if finished and not (src / "study.json").is_file():
-        raise SystemExit(f"--finished: {src}/study.json does not exist (run the full command once every run is done)")
+    tables = [n for n in ("study.json", "study.md", "curve.json", "curve.md") if (src / n).is_file()]
+    if finished and not any(n.endswith(".json") for n in tables):
+        raise SystemExit(
+            f"--finished: {src}/study.json (or curve.json) does not exist (run the full command once every run is done)"
+        )
     if not command.startswith("kvgraft experiment placement") or f"--out {src.as_posix()}" not in command:
         raise SystemExit(f"--command must be the `kvgraft experiment placement ... --out {src}` that continues it")
     runs = finished_runs(src)
@@ -89,7 +92,7 @@ def carry(src: Path, dest: Path, command: str, finished: bool = False) -> list[P
                 shutil.copy2(src / run / name, staging / run / name)
                 copied.append(run / name)
     if finished:
-        for name in ("study.json", "study.md"):
+        for name in tables:
             shutil.copy2(src / name, staging / name)
             copied.append(Path(name))
     sweeps = [r for r in runs if r.parts[0] == "sweep"]
