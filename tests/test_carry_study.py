@@ -83,7 +83,7 @@ def test_a_finished_study_keeps_its_table_and_needs_one(tmp_path, monkeypatch):
     _repo(tmp_path, "/runs/\n")
     monkeypatch.chdir(tmp_path)
     study = _study(tmp_path)
-    with pytest.raises(SystemExit, match="study.json does not exist"):
+    with pytest.raises(SystemExit, match=r"study.json \(or curve.json\) does not exist"):
         carry(Path("runs/placement-x"), Path("bench/x-runs"), COMMAND, finished=True)
     (study / "study.json").write_text('{"table": {}}\n')
     (study / "study.md").write_text("| table |\n")
