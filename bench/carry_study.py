@@ -11,8 +11,8 @@ README with the number of finished runs and the command that continues the study
 ignore any copied file (a carried run that is not committed is lost with the machine).
 
 With ``--finished`` the study is complete (its ``study.json`` exists, written by the full command after every run
-finished): the same files, plus ``study.json`` and ``study.md`` (a curve's ``curve.json``, ``curve.md``), are kept as the study's raw data (for example
-``bench/placement/recall-deep-runs``), so the per-seed figures behind its table stay in the repository and
+finished): the same files, plus ``study.json`` and ``study.md`` (a curve's ``curve.json``, ``curve.md``), are
+kept as the study's raw data (for example ``bench/placement/recall-deep-runs``), so the per-seed figures behind its table stay in the repository and
 ``bench/placement_gaps.py`` can be rerun on them.
 """
 
@@ -59,7 +59,7 @@ use".
 make install
 OMP_NUM_THREADS=1 .venv/bin/python -m {command}
 ```
-(about 6 min per run on one core of our 2-core machines; to read these results back instead, `cp -r {dest}
+(4-6 min per run on one core of our 2-core machines, measured 2026-12-03; to read these results back instead, `cp -r {dest}
 runs/{name}` first: finished runs are skipped.) Per-seed gaps: `python bench/placement_gaps.py {dest}`.
 """
 
