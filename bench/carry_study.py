@@ -19,6 +19,7 @@ kept as the study's raw data (for example ``bench/placement/recall-deep-runs``),
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -59,14 +60,23 @@ use".
 make install
 OMP_NUM_THREADS=1 .venv/bin/python -m {command}
 ```
-(4-6 min per run on one core of our 2-core machines, measured 2026-12-03; to read these results back instead, `cp -r {dest}
-runs/{name}` first: finished runs are skipped.) Per-seed gaps: `python bench/placement_gaps.py {dest}`.
+({wall} per run, from the runs' own `wall_s`, each on one core of a 2-core machine beside a second study; to read
+these results back instead, `cp -r {dest} runs/{name}` first: finished runs are skipped.) Per-seed gaps: `python bench/placement_gaps.py {dest}`.
 """
 
 
 def finished_runs(study: Path) -> list[Path]:
     """The directories (relative to ``study``) of the runs whose ``result.json`` exists."""
     return sorted(f.parent.relative_to(study) for f in study.glob("**/result.json"))
+
+
+def wall_range(study: Path, runs: list[Path]) -> str:
+    """The finished runs' wall time as ``a-b min`` (from each ``result.json``'s ``wall_s``), or ``time not recorded``."""
+    walls = [json.loads((study / r / "result.json").read_text()).get("wall_s") for r in runs]
+    minutes = [w / 60 for w in walls if isinstance(w, (int, float))]
+    if not minutes:
+        return "time not recorded"
+    return f"{min(minutes):.1f}-{max(minutes):.1f} min"
 
 
 def carry(src: Path, dest: Path, command: str, finished: bool = False) -> list[Path]:
@@ -108,6 +118,7 @@ def carry(src: Path, dest: Path, command: str, finished: bool = False) -> list[P
             sweep=f" and its LR sweep ({len(sweeps)} runs)" if sweeps else "",
             per_config=", ".join(f"{k} {v}" for k, v in sorted(per_config.items())) or "none",
             command=command,
+            wall=wall_range(src, trained),
         )
     )
     shutil.rmtree(dest, ignore_errors=True)

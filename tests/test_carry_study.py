@@ -1,6 +1,7 @@
 """bench/carry_study.py: an unfinished study carried into a repository keeps exactly its finished runs, and a
 carry that git would ignore fails instead of being lost with the machine."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,18 +15,18 @@ from carry_study import carry  # noqa: E402
 
 def _study(root: Path) -> Path:
     study = root / "runs" / "placement-x"
-    for run, finished in [
-        ("sweep/lr_0.001", True),
-        ("runs/all-linear-r16/seed0", True),
-        ("runs/all-linear-r16/seed1", False),  # interrupted: a checkpoint, no result.json
-        ("runs/decoder-half-r16/seed0", True),
+    for run, finished, wall_s in [
+        ("sweep/lr_0.001", True, 30.0),
+        ("runs/all-linear-r16/seed0", True, 150.0),
+        ("runs/all-linear-r16/seed1", False, None),  # interrupted: a checkpoint, no result.json
+        ("runs/decoder-half-r16/seed0", True, 246.0),
     ]:
         d = study / run
         (d / "checkpoints").mkdir(parents=True)
         (d / "checkpoints" / "step_10.pt").write_bytes(b"x")
         (d / "log.jsonl").write_text("{}\n")
         if finished:
-            (d / "result.json").write_text("{}\n")
+            (d / "result.json").write_text(json.dumps({"wall_s": wall_s}) + "\n")
     return study
 
 
@@ -94,3 +95,4 @@ def test_a_finished_study_keeps_its_table_and_needs_one(tmp_path, monkeypatch):
     assert not (dest / "runs/all-linear-r16/seed1").exists()
     readme = (dest / "README.md").read_text()
     assert readme.startswith("# Finished study") and "placement_gaps.py bench/x-runs" in readme
+    assert "2.5-4.1 min per run" in readme  # the trained runs' own wall_s; the sweep's is not a run's
