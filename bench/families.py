@@ -122,7 +122,8 @@ def run_case(root: Path, name: str) -> list[dict]:
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
-                record = convert(path, out, output_format="deepseek_v3", progress=True, **kwargs)
+                # written whatever it measures (the table reports the error; a windowed case is far off beyond W)
+                record = convert(path, out, output_format="deepseek_v3", progress=True, accept_export_error=True, **kwargs)
         except Exception as exc:  # a refusal: its message is the result
             row["stock"] = "refused"
             row["stock_refusal"] = f"{type(exc).__name__}: {exc}"

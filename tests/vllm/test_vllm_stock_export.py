@@ -79,7 +79,13 @@ def export(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     src = _checkpoint(root, family, extra)
     out = root / "converted"
-    record = convert(src, out, target="vllm", calibration_tokens=1024, calibration_seq_len=128, progress=False)
+    # Mistral's window (64) is shorter than the calibration tail's sequences (128): beyond it the export is full
+    # attention, measured far from the kvgraft model (mean KL ~0.8 nats, over the default tolerance); what this test
+    # checks is that vLLM and transformers agree on the export, so it is written anyway
+    accept = request.param == "mistral"
+    record = convert(
+        src, out, target="vllm", calibration_tokens=1024, calibration_seq_len=128, progress=False, accept_export_error=accept
+    )
     return request.param, out / "deepseek_v3", record
 
 

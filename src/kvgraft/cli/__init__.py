@@ -7,6 +7,8 @@ the command runs, so ``kvgraft --help`` and argument errors never load torch or 
 User errors (bad paths, bad values, corrupt checkpoints) print one line ``kvgraft: error: ...``
 and exit with status 2. ``kvgraft doctor`` exits with status 3 (``EXIT_BLOCKED``) when its report has a
 blocker (the report, and ``--json``, are written first), so a script can tell a blocked conversion.
+``kvgraft convert`` exits with status 4 (``EXIT_EXPORT_ERROR``) when its stock DeepSeek-V3 export measured
+above the stated tolerance (``kvgraft.errors.ExportError``; nothing is written).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_ERROR
+from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_ERROR, EXIT_EXPORT_ERROR
 from kvgraft.cli.parser import build_parser
-from kvgraft.errors import KvgraftError
+from kvgraft.errors import ExportError, KvgraftError
 
-__all__ = ["EXIT_BLOCKED", "EXIT_ERROR", "build_parser", "main"]
+__all__ = ["EXIT_BLOCKED", "EXIT_ERROR", "EXIT_EXPORT_ERROR", "build_parser", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         command = getattr(importlib.import_module(f"kvgraft.cli.cmd.{module}"), name)  # the heavy imports, now
         return int(command(args))
+    except ExportError as exc:  # measured, not refused: its own status, so a script can tell it from a bad argument
+        print(f"kvgraft: error: {exc}", file=sys.stderr)
+        return EXIT_EXPORT_ERROR
     except (KvgraftError, ValueError, OSError) as exc:  # OSError: unwritable outputs, full disks, ...
         print(f"kvgraft: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

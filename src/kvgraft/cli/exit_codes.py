@@ -2,3 +2,4 @@
 
 EXIT_ERROR = 2  # bad arguments, missing or corrupt files, out-of-range values: one line on stderr
 EXIT_BLOCKED = 3  # kvgraft doctor: the report lists at least one blocker
+EXIT_EXPORT_ERROR = 4  # kvgraft convert: the stock export measured above its tolerance; nothing written

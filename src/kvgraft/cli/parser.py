@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_ERROR
+from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_ERROR, EXIT_EXPORT_ERROR
 from kvgraft.data.corpus import DEFAULT_SOURCES, SOURCES
 from kvgraft.graft.options import add_cli_options
 from kvgraft.reference import FETCHABLE
@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "convert",
         help="graft multi-head latent attention (MLA) onto a Llama-family model, or make it a causal encoder-decoder (--to ced)",
+        epilog=f"exit status: 0 when the output is written, {EXIT_EXPORT_ERROR} when the stock DeepSeek-V3 export "
+        "(--format deepseek_v3/both) measured above --export-tolerance or --export-kl-tolerance (nothing is "
+        f"written; --accept-export-error writes it anyway), {EXIT_ERROR} for bad arguments, an unreadable model or "
+        "a refusal",
     )
     p.add_argument("model", nargs="?", default=None, help=model_help)
     p.add_argument("--out", required=True, help="output directory (refused if it exists, unless --overwrite)")

@@ -13,6 +13,9 @@ reference the layer-by-layer one is tested against.
 The output directory is written atomically: it appears complete or not at all. The layer-by-layer executor
 stages it in ``.<out>.partial`` with a checkpoint after each layer, which a conversion interrupted after its
 first layer leaves behind for ``--resume`` (``kvgraft.graft.resume``); the whole-model executor leaves nothing.
+A stock export measured above its tolerance (``--export-tolerance``, ``--export-kl-tolerance``) fails the
+conversion before the rename, in both executors: nothing is left, not even the kvgraft part of ``--format
+both`` or the staging directory (the checkpoint is dropped once the walk is done, before the export).
 The output is itself the converted model in kvgraft's own format (``model_type: kvgraft``; ``kvgraft eval OUT`` works), plus
 ``conversion.json`` (what was done, with timings, and the plan), the tokenizer and the eval slices of the input
 when it has them, and, with ``--format deepseek_v3`` or ``both``, a stock DeepSeek-V3 export in ``deepseek_v3/``
@@ -36,7 +39,7 @@ from kvgraft.graft.ced import graft_ced
 from kvgraft.graft.ced_layerwise import execute_layerwise_ced
 from kvgraft.graft.layerwise import execute_layerwise
 from kvgraft.graft.mla import graft_mla
-from kvgraft.graft.options import FORMATS, SERVE_TARGETS, STOCK_CONSTRUCTIONS, TARGETS
+from kvgraft.graft.options import EXPORT_KL_TOLERANCE, EXPORT_TOLERANCE, FORMATS, SERVE_TARGETS, STOCK_CONSTRUCTIONS, TARGETS
 from kvgraft.graft.plan import ConvertPlan, plan_conversion
 from kvgraft.graft.ranks import default_ranks
 from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output, tail_figures
@@ -80,6 +83,9 @@ def convert(
     rope_rotation: str | None = None,
     target: str | None = None,
     stock_construction: str = "engines",
+    export_tolerance: float = EXPORT_TOLERANCE,
+    export_kl_tolerance: float = EXPORT_KL_TOLERANCE,
+    accept_export_error: bool = False,
 ) -> dict[str, Any]:
     """Convert ``model`` (a local checkpoint directory) to MLA and write it to ``out``.
 
@@ -105,6 +111,10 @@ def convert(
     keeps d_c - 1 so the constant latent coordinate stays within the budget). ``target="vllm"``: the stock
     export shaped for vLLM's CPU backends and FlashMLA-class kernels, d_c = 512 and d_rope = 64; refused,
     saying why, when the model's KV width or head_dim cannot take it (``kvgraft.hf.engines.vllm_shape_problem``).
+    ``export_tolerance`` / ``export_kl_tolerance``: how far the stock export may measure from the kvgraft model
+    on the calibration tail (relative perplexity difference; mean KL(kvgraft || export) in nats per token);
+    above either, ``kvgraft.errors.ExportError`` and nothing is written, unless ``accept_export_error`` (then
+    written with a warning in the log, the export's README.md and ``conversion.json``; ``kvgraft.graft.stock``).
 
     ``to="ced"`` makes a causal encoder-decoder: ``kv_source_layers`` (default: pivot at the middle layer,
     see ``default_kv_sources``), ``sliding_window`` and ``compress_rate`` as in ModelConfig. A Llama-family
@@ -142,6 +152,9 @@ def convert(
             rope_rotation=rope_rotation,
             target=target,
             stock_construction=stock_construction,
+            export_tolerance=export_tolerance,
+            export_kl_tolerance=export_kl_tolerance,
+            accept_export_error=accept_export_error,
         )
     )
 

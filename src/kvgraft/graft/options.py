@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,13 @@ OBJECTIVE_CHOICES = ("weights", "activations", "attention")  # kvgraft.graft.mla
 ROPE_SELECTION_CHOICES = ("auto", "stride", "prefix", "norm", "shared")  # "auto" + kvgraft.graft.mla.ROPE_SELECTIONS
 ROPE_ROTATION_CHOICES = ("real", "complex")  # kvgraft.graft.mla_math.ROPE_ROTATIONS
 NOT_RECORDED = ("resume",)  # options left out of to_dict (and so out of conversion.json)
+# the stock export's measured distance from the kvgraft model allowed by default (kvgraft.graft.stock.export_error_check):
+# a relative perplexity difference and a mean KL in nats per token on the calibration tail. Measured by default
+# settings: exact exports ~1e-9 / ~1e-15; the engine-safe (approximate) export of models/kvgraft-llama-8m 0.8% /
+# 0.0036 (2x), 1.25% / 0.0048 (4x), 3.6% / 0.011 (8x); tiny random Qwen2 with folded biases 2.4% / 0.016;
+# the broken export of issue 34 (a real model) 650x / 6.7 nats. docs/export.md ("The tolerance")
+EXPORT_TOLERANCE = 0.1
+EXPORT_KL_TOLERANCE = 0.1
 
 
 @dataclass(frozen=True)
@@ -178,6 +186,29 @@ class ConvertOptions:
         "(transformers only; docs/export.md)",
         choices=STOCK_CONSTRUCTIONS,
     )
+    export_tolerance: float = _opt(
+        EXPORT_TOLERANCE,
+        "--export-tolerance",
+        "the largest relative perplexity difference allowed between the stock DeepSeek-V3 export and the kvgraft "
+        f"model it is written from, measured on the calibration tail (default {EXPORT_TOLERANCE:g}, i.e. "
+        f"{EXPORT_TOLERANCE * 100:g} percent); above it, or above --export-kl-tolerance, convert fails and writes nothing "
+        "(docs/export.md)",
+        value_type=float,
+    )
+    export_kl_tolerance: float = _opt(
+        EXPORT_KL_TOLERANCE,
+        "--export-kl-tolerance",
+        "the largest mean KL(kvgraft || export) allowed on the calibration tail, in nats per token (default "
+        f"{EXPORT_KL_TOLERANCE:g})",
+        value_type=float,
+    )
+    accept_export_error: bool = _opt(
+        False,
+        "--accept-export-error",
+        "write the stock export even when it measures above the tolerances, with a warning in the log, its "
+        "README.md and conversion.json",
+        kind="switch",
+    )
     device: str = _opt("cpu", "--device", "where the model and calibration run, e.g. cuda")
     overwrite: bool = _opt(False, "--overwrite", kind="switch")
     resume: bool = _opt(
@@ -251,6 +282,13 @@ class ConvertOptions:
                 _check_positive_int(name, getattr(self, name))
         for name in ("calibration_tokens", "calibration_seq_len"):
             _check_positive_int(name, getattr(self, name))
+        _check_tolerance("export_tolerance", self.export_tolerance, "a relative perplexity difference, e.g. 0.1 for 10%")
+        _check_tolerance("export_kl_tolerance", self.export_kl_tolerance, "a mean KL in nats per token, e.g. 0.1")
+        if self.accept_export_error and not self.stock:
+            raise ValueError(
+                f"accept_export_error applies to the stock DeepSeek-V3 export; format {output_format!r} writes none "
+                "(use --format deepseek_v3 or both, or drop --accept-export-error)"
+            )
 
     @property
     def resolved_format(self) -> str:
@@ -280,6 +318,11 @@ class ConvertOptions:
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} ({value!r}) must be a positive integer")
+
+
+def _check_tolerance(name: str, value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} ({value!r}) must be a positive finite number ({what})")
 
 
 def cli_options() -> list[tuple[dataclasses.Field[Any], CliOption]]:
@@ -324,6 +367,8 @@ def options_from_cli(args: argparse.Namespace) -> dict[str, Any]:
 
 
 __all__ = [
+    "EXPORT_KL_TOLERANCE",
+    "EXPORT_TOLERANCE",
     "FORMATS",
     "OBJECTIVE_CHOICES",
     "ROPE_ROTATION_CHOICES",

@@ -42,7 +42,9 @@ from kvgraft.hf.load import _shard_files
 
 STATE = "state.json"
 FORMAT = 1  # of state.json; a different one is not resumed
-NOT_COMPARED = ("out", "progress", "overwrite")  # plan fields that do not change what is written
+# plan fields and options that do not change what the walk writes: the export's tolerances are checked after
+# it, so an interrupted conversion may be resumed with others (or with --accept-export-error)
+NOT_COMPARED = ("out", "progress", "overwrite", "export_tolerance", "export_kl_tolerance", "accept_export_error")
 
 
 class ResumeError(ValueError):
