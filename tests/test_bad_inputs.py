@@ -77,7 +77,7 @@ CASES = [
     ),
     (["convert", "{tiny}", "--out", "{outs}/m", "--calibration", "{missing}"], "does not exist", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{outs}/m", "--calibration", "{calib_bad}"], "outside the model's vocabulary", NO_GRAFT),
-    (["convert", "{bare}", "--out", "{outs}/m"], "has no eval/calibration.npy", NO_GRAFT),
+    (["convert", "{bare}", "--out", "{outs}/m"], "has no tokenizer to tokenize", NO_GRAFT),
     # -- convert: devices, outputs, weights, stock export
     (["convert", "{tiny}", "--out", "{outs}/m", "--device", "cuda"], "no CUDA GPU", NO_GRAFT),
     (["convert", "{tiny}", "--out", "{outs}/m", "--device", "banana"], "'banana' is not a device name", NO_GRAFT),

@@ -18,6 +18,15 @@ import torch
 from kvgraft.hf.load import load_tokenizer_dir
 
 CALIBRATION = Path("eval") / "calibration.npy"  # a model directory's shipped calibration slice
+# what a checkpoint without a shipped slice calibrates on (src/kvgraft/data/calibration/README.md)
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration" / "default.txt"
+DEFAULT_TEXT_SOURCE = "kvgraft's default calibration text (Python documentation + World English Bible)"
+
+
+def default_calibration(model_dir: Path) -> Path:
+    """The calibration a conversion of ``model_dir`` reads when none is given: the model's shipped slice
+    (``eval/calibration.npy``, kvgraft's reference models) or else kvgraft's default text."""
+    return model_dir / CALIBRATION if (model_dir / CALIBRATION).is_file() else DEFAULT_TEXT
 
 
 def load_calibration(
@@ -29,17 +38,13 @@ def load_calibration(
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """(N, seq_len) calibration ids: from a .npy token file, a text file (tokenized with ``tokenizer``), or
-    the model's shipped slice (``calibration`` None); the first N * seq_len <= ``tokens`` of them.
+    the model's shipped slice or kvgraft's default text (``calibration`` None: ``default_calibration``); the
+    first N * seq_len <= ``tokens`` of them.
 
     Raises ValueError (no shipped slice, no tokenizer for text, fewer tokens than one window, ids outside
     ``[0, vocab_size)``) or FileNotFoundError (``calibration`` missing), naming the file."""
     if calibration is None:
-        if not (model_dir / CALIBRATION).is_file():
-            raise ValueError(
-                f"{model_dir} has no {CALIBRATION}; pass calibration text (a .txt or a .npy of token ids) "
-                "or use objective 'weights'"
-            )
-        calibration = model_dir / CALIBRATION
+        calibration = default_calibration(model_dir)
     path = Path(calibration)
     if not path.is_file():
         raise FileNotFoundError(f"calibration file {path} does not exist")
@@ -104,10 +109,9 @@ def plan_calibration(
 ) -> CalibrationPlan:
     """Read and check the calibration ``load_calibration`` would return (same errors) and describe it."""
     ids = load_calibration(model_dir, calibration, tokens, seq_len, tokenizer, vocab_size)
-    path = Path(calibration) if calibration is not None else model_dir / CALIBRATION
-    plan = CalibrationPlan(
-        path=path, source=str(calibration or model_dir / CALIBRATION), tokens=tokens, seq_len=seq_len, sequences=int(ids.shape[0])
-    )
+    path = Path(calibration) if calibration is not None else default_calibration(model_dir)
+    source = str(calibration) if calibration is not None else DEFAULT_TEXT_SOURCE if path == DEFAULT_TEXT else str(path)
+    plan = CalibrationPlan(path=path, source=source, tokens=tokens, seq_len=seq_len, sequences=int(ids.shape[0]))
     _READ.clear()
     _READ[_key(model_dir, plan, vocab_size)] = ids
     return plan

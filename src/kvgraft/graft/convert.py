@@ -80,6 +80,9 @@ def convert(
     sliding_window: int = 64,
     compress_rate: int = 1,
     calibration_shrinkage: float = 0.5,
+    refine_epochs: int = 0,
+    refine_lr: float = 5e-4,
+    latent_norm: bool | None = None,
     rope_rotation: str | None = None,
     target: str | None = None,
     stock_construction: str = "engines",
@@ -149,6 +152,9 @@ def convert(
             sliding_window=sliding_window,
             compress_rate=compress_rate,
             calibration_shrinkage=calibration_shrinkage,
+            refine_epochs=refine_epochs,
+            refine_lr=refine_lr,
+            latent_norm=latent_norm,
             rope_rotation=rope_rotation,
             target=target,
             stock_construction=stock_construction,
@@ -196,12 +202,14 @@ def execute_whole(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str, An
     original = load_source(plan)
     t_load = time.perf_counter() - t0
     t1 = time.perf_counter()
-    converted, share_report = graft(plan, original, calib)
+    converted, share_report, refinement = graft(plan, original, calib)
     t_convert = time.perf_counter() - t1
     parameters = {"original": _parameters(original), "converted": _parameters(converted)}
     tail = None  # the calibration tail: what the stock export's error is measured on too
     if calib is not None:
         tail = tail_figures(original, converted, calib[-TAIL_SEQUENCES:])
+        if refinement is not None:
+            tail["refinement"] = refinement
     del original  # a 7B model should not be held twice while writing
     record = conversion_record(
         plan,
@@ -229,18 +237,24 @@ def load_source(plan: ConvertPlan) -> Transformer:
     return original
 
 
-def graft(plan: ConvertPlan, original: Transformer, calib: torch.Tensor | None) -> tuple[Transformer, dict[str, Any] | None]:
-    """(converted model, share-graft report or None): the MLA graft (unless the source is all-MLA already),
-    then for ``to == "ced"`` the share graft. ``original`` is left untouched."""
-    converted = original if plan.mla is None else graft_mla(original, plan.mla, calib, progress=plan.progress)
+def graft(
+    plan: ConvertPlan, original: Transformer, calib: torch.Tensor | None
+) -> tuple[Transformer, dict[str, Any] | None, dict[str, Any] | None]:
+    """(converted model, share-graft report or None, local refinement's record or None): the MLA graft (unless
+    the source is all-MLA already), then for ``to == "ced"`` the share graft. ``original`` is left untouched."""
+    refinement: dict[str, Any] = {}
+    converted = (
+        original if plan.mla is None else graft_mla(original, plan.mla, calib, progress=plan.progress, refinement=refinement)
+    )
     if plan.ced is None:
-        return converted, None
+        return converted, None, refinement or None
 
     if calib is None:  # ConvertPlan refuses this; said again for the type checker
         raise ValueError("the share graft needs calibration tokens")
     if plan.mla is not None:
         plan.ced.check_against(converted.config)
-    return graft_ced(converted, plan.ced, calib, progress=plan.progress)
+    ced, report = graft_ced(converted, plan.ced, calib, progress=plan.progress)
+    return ced, report, refinement or None
 
 
 def write_outputs(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor | None, record: dict[str, Any]) -> None:

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from kvgraft.graft.mla import TAIL_ROWS, GraftConfig, LayerGraft, _run_block, _shared_pairs, layer_postfix, rope_tables
 from kvgraft.graft.plan import ConvertPlan
 from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output
+from kvgraft.graft.refine import RefineResult
 from kvgraft.graft.resume import Checkpoint, fingerprint, staging_dir
 from kvgraft.graft.stock import refuse_stock_weights, write_stock_streamed
 from kvgraft.hf.config_map import hf_config_from_model
@@ -272,7 +273,10 @@ def _graft_layers(
     for i in range(tail_ids.shape[0]):  # the head as Transformer.forward applies it, one sequence at a time
         tail.add(i, *(F.linear(norm(x[i : i + 1]), head) for x in tails))
     times["tail"] += time.perf_counter() - t_tail
-    return run, tail.record()
+    record = tail.record()
+    if run.refinement_record() is not None:  # measured on the same tail sequences, which it does not train on
+        record["refinement"] = run.refinement_record()
+    return run, record
 
 
 def write_final_norm_and_head(
@@ -338,6 +342,7 @@ def walk_state(
         state["rope_index"] = {str(k): [int(f) for f in v] for k, v in run.rope_index.items()}
         state["shared_pairs"] = {str(k): [[int(a), int(b)] for a, b in v] for k, v in run.shared_pairs.items()}
         state["clock"] = dict(run.clock)
+        state["refined"] = {str(k): [r.before, r.after, r.steps] for k, r in run.refined.items()}
     return tensors, state
 
 
@@ -384,6 +389,7 @@ def restore_walk(
     run.x_new, run.x_orig = x_new, tensors.get("stream/x_orig")
     run.rope_index = {int(k): tuple(v) for k, v in state["rope_index"].items()}
     run.shared_pairs = {int(k): [(a, b) for a, b in v] for k, v in state["shared_pairs"].items()}
+    run.refined = {int(k): RefineResult(float(b), float(a), int(n)) for k, (b, a, n) in state.get("refined", {}).items()}
     return run, tails, tensors
 
 

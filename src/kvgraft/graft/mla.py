@@ -31,6 +31,7 @@ from kvgraft.graft.mla_math import (
     pair_scores,
     shared_rope_pairs,
 )
+from kvgraft.graft.refine import RefineConfig, RefineResult, refine_attention
 from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.batch import DenseContext
 from kvgraft.model.fields import known
@@ -82,8 +83,17 @@ class GraftConfig:
     # "complex" measured better in both formats, in and out of domain (bench/mla_ood.py, RESULTS.md); kvgraft
     # convert --to ced keeps "real" for the share graft, where it is unmeasured.
     rope_rotation: str = "complex"
+    # Local refinement after each layer's factorisation (kvgraft.graft.refine): epochs of Adam on the converted
+    # attention alone against the original stack's residual stream on the calibration text (0: none), at this LR.
+    refine_epochs: int = 0
+    refine_lr: float = 5e-4
+    # An RMSNorm on the latent before it is cached, as DeepSeek-V3 always has (kv_a_layernorm): the converted
+    # model then computes exactly what a stock DeepSeek-V3 export of it computes. Initialised to the latent's
+    # mean rms on the calibration text (so it starts as the closest constant scale), then refined through.
+    latent_norm: bool = False
 
     def __post_init__(self) -> None:
+        RefineConfig(epochs=self.refine_epochs, lr=self.refine_lr)  # validates both
         if self.kv_lora_rank <= 0:
             raise ValueError(f"kv_lora_rank ({self.kv_lora_rank}) must be a positive integer")
         if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
@@ -133,6 +143,7 @@ def mla_model_config(config: ModelConfig, g: GraftConfig, rope_index: dict[int, 
     layers = g.layers if g.layers is not None else tuple(range(config.num_layers))
     kinds = tuple("mla" if i in layers else k for i, k in enumerate(known(config.attention_kinds, "attention_kinds")))
     return config.replace(
+        mla_latent_norm=config.mla_latent_norm or g.latent_norm,
         qk_norm=config.qk_norm and g.qk_norm != "linearise",
         attention_kinds=kinds,
         kv_lora_rank=g.kv_lora_rank,
@@ -197,7 +208,8 @@ class LayerGraft:
             raise ValueError(f"objective {g.objective!r} needs calibration tokens (or use objective='weights')")
         self.config, self.g, self.rotary, self.batch_size = config, g, rotary, batch_size
         self.clock = clock if clock is not None else {}
-        for key in ("statistics", "factorisation", "propagation"):
+        self.refined: dict[int, RefineResult] = {}
+        for key in ("statistics", "factorisation", "propagation", "refinement"):
             self.clock.setdefault(key, 0.0)
         self.layers = set(g.layers if g.layers is not None else range(config.num_layers))
         self.last = max(self.layers)  # nothing above the last converted layer is read: the walk stops there
@@ -278,9 +290,18 @@ class LayerGraft:
                 self.math_device = None
         if mla is None:
             mla = convert_layer(weights, **layer_args)
+        if g.latent_norm:
+            mla.kv_a_norm = _latent_norm_init(block, mla, g.kv_lora_rank, source, config.rms_norm_eps, bs)
         self.converted[layer] = mla
         self.rope_index[layer] = mla.rope_freq_index
         clock["factorisation"] += time.perf_counter() - t1
+        if g.refine_epochs and self.x_new is not None and self.x_orig is not None:
+            t2 = time.perf_counter()
+            built = self.converted_block(layer, block)
+            cfg = RefineConfig(epochs=g.refine_epochs, lr=g.refine_lr, holdout=TAIL_ROWS)
+            self.refined[layer] = refine_attention(block, built, self.x_orig, self.x_new, self.cos, self.sin, cfg, seed=layer)
+            self.converted[layer] = _mla_weights(cast(MLAttention, built.self_attn), mla)
+            clock["refinement"] += time.perf_counter() - t2
 
     def converted_block(self, layer: int, block: Block) -> Block:
         """The converted ``layer``: an MLA attention (``converted[layer]``, in the block's dtype) between
@@ -288,7 +309,7 @@ class LayerGraft:
         g = self.g
         cfg = mla_model_config(
             self.config,
-            GraftConfig(g.kv_lora_rank, g.qk_rope_head_dim, layers=(layer,), qk_norm=g.qk_norm),
+            GraftConfig(g.kv_lora_rank, g.qk_rope_head_dim, layers=(layer,), qk_norm=g.qk_norm, latent_norm=g.latent_norm),
             {layer: self.rope_index[layer]},
         )
         return _build_block(cfg, layer, block, self.converted[layer], self.device)
@@ -304,7 +325,8 @@ class LayerGraft:
             assert g.layerwise or self.x_orig is not None
             x_orig = self.x_orig
             tail = TAIL_ROWS
-            x_orig_next = None if x_orig is None or g.layerwise else _run_block(block, x_orig, self.cos, self.sin, bs, tail)
+            keep_orig = not g.layerwise or g.refine_epochs > 0  # refinement's targets come from the original stack
+            x_orig_next = None if x_orig is None or not keep_orig else _run_block(block, x_orig, self.cos, self.sin, bs, tail)
             if g.layerwise and layer in self.layers:
                 built = self.converted_block(layer, block)
                 self.x_new = _run_block(built, self.x_new, self.cos, self.sin, bs, tail)
@@ -315,6 +337,17 @@ class LayerGraft:
             self.x_orig = x_orig_next
         self.clock["propagation"] += time.perf_counter() - t2
         return built
+
+    def refinement_record(self) -> dict[str, Any] | None:
+        """What the local refinement did, for ``conversion.json`` (None when it did not run): per layer the
+        relative residual-stream error on the held-out calibration tail before and after, and the steps."""
+        if not self.refined:
+            return None
+        return {
+            "epochs": self.g.refine_epochs,
+            "lr": self.g.refine_lr,
+            "layers": {str(k): {"before": r.before, "after": r.after, "steps": r.steps} for k, r in sorted(self.refined.items())},
+        }
 
     def model_config(self) -> ModelConfig:
         """The grafted model's config (every converted layer's RoPE layout known once the walk is done)."""
@@ -347,6 +380,7 @@ def graft_mla(
     batch_size: int = 8,
     progress: bool = True,
     timings: dict[str, float] | None = None,
+    refinement: dict[str, Any] | None = None,
 ) -> Transformer:
     """Return a new model with the chosen layers converted to MLA (``model`` is left untouched).
 
@@ -355,7 +389,8 @@ def graft_mla(
     "factorisation" (the per-layer fp64 math of ``convert_layer``, independent of the number of calibration
     tokens) and "propagation" (running the converted layers, and the original ones unless layer-wise, over
     the calibration tokens). On a CUDA model the per-layer math runs on its GPU (fp64), else on the CPU.
-    The per-layer work is :class:`LayerGraft`'s.
+    The per-layer work is :class:`LayerGraft`'s. ``refinement``: a dict that receives the local refinement's
+    record (``LayerGraft.refinement_record``) when ``g.refine_epochs`` > 0.
     """
     device = model.embed_tokens.weight.device
     hidden = None if calibration is None else model.embed_tokens(calibration.to(device))
@@ -381,6 +416,8 @@ def graft_mla(
         run.step(layer, _block(model, layer))
         if progress:
             layer_postfix(bar, time.perf_counter() - t, run.clock)
+    if refinement is not None and run.refinement_record() is not None:
+        refinement.update(cast(dict[str, Any], run.refinement_record()))
     new_config = run.model_config()
     new = _uninitialised_like(model, new_config, device)
     state = {k: v for k, v in model.state_dict().items()}
@@ -623,6 +660,48 @@ def _build_block(config: ModelConfig, layer: int, original_block: Block, mla: ML
     return blk
 
 
+def _latent_norm_init(
+    block: Block, mla: MLAWeights, dc: int, x: torch.Tensor | None, eps: float, batch_size: int
+) -> torch.Tensor:
+    """(dc,) fp64 latent-norm weight: the latent's mean rms over the calibration stream ``x`` (1 without
+    calibration), so the norm starts as the constant scale closest to no norm."""
+    if x is None:
+        return torch.ones(dc, dtype=torch.float64)
+    a = mla.kv_a_proj[:dc].to(x.device, torch.float32)
+    bias = None if mla.kv_a_bias is None else mla.kv_a_bias[:dc].to(x.device, torch.float32)
+    total, count = 0.0, 0
+    for s in range(0, x.shape[0], batch_size):
+        c = torch.nn.functional.linear(block.input_layernorm(x[s : s + batch_size]).float(), a, bias)
+        rms = c.pow(2).mean(-1).add(eps).sqrt()
+        total, count = total + float(rms.sum()), count + rms.numel()
+    return torch.full((dc,), total / max(count, 1), dtype=torch.float64)
+
+
+def _mla_weights(attn: MLAttention, like: MLAWeights) -> MLAWeights:
+    """The weights of a (refined) MLA module as ``MLAWeights`` (fp64 on the CPU), ``like``'s layout."""
+
+    def t(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.detach().to("cpu", torch.float64).clone()
+
+    def b(lin: nn.Linear, was: torch.Tensor | None) -> torch.Tensor | None:
+        return t(lin.bias) if lin.bias is not None else was
+
+    return MLAWeights(
+        q_proj=cast(torch.Tensor, t(attn.q_proj.weight)),
+        kv_a_proj=cast(torch.Tensor, t(attn.kv_a_proj.weight)),
+        kv_b_proj=cast(torch.Tensor, t(attn.kv_b_proj.weight)),
+        o_proj=cast(torch.Tensor, t(attn.o_proj.weight)),
+        rope_freq_index=like.rope_freq_index,
+        q_bias=b(attn.q_proj, like.q_bias),
+        kv_a_bias=b(attn.kv_a_proj, like.kv_a_bias),
+        kv_b_bias=b(attn.kv_b_proj, like.kv_b_bias),
+        o_bias=b(attn.o_proj, like.o_bias),
+        q_mix=t(attn.q_mix) if like.q_mix is not None else None,
+        q_norm=t(attn.q_norm.weight) if like.q_norm is not None else None,
+        kv_a_norm=t(attn.kv_a_norm.weight) if attn.kv_a_norm is not None else None,
+    )
+
+
 def _load_mla(attn: MLAttention, mla: MLAWeights) -> None:
     """Copy the converted layer ``mla`` into the MLA module ``attn`` (in its dtype); RuntimeError for a
     non-zero bias ``attn`` has no place for."""
@@ -642,5 +721,9 @@ def _load_mla(attn: MLAttention, mla: MLAWeights) -> None:
         attn.q_mix.copy_(mla.q_mix.to(dtype))
         attn.q_norm.weight.copy_(mla.q_norm.to(dtype))
     put(attn.kv_a_proj, mla.kv_a_proj, mla.kv_a_bias)
+    if (attn.kv_a_norm is None) != (mla.kv_a_norm is None):
+        raise RuntimeError("the converted layer's latent norm and the target module's disagree (GraftConfig.latent_norm)")
+    if attn.kv_a_norm is not None and mla.kv_a_norm is not None:
+        attn.kv_a_norm.weight.copy_(mla.kv_a_norm.to(dtype))
     put(attn.kv_b_proj, mla.kv_b_proj, mla.kv_b_bias)
     put(attn.o_proj, mla.o_proj, mla.o_bias)

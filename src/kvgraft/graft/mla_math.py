@@ -58,6 +58,7 @@ class MLAWeights:
     o_bias: Tensor | None = None
     q_mix: Tensor | None = None  # (H, dn+dr, d): per-head map after q_norm (Qwen3-style models)
     q_norm: Tensor | None = None  # (d,)
+    kv_a_norm: Tensor | None = None  # (dc,): the latent RMSNorm's weight (DeepSeek's kv_a_layernorm), when grafted with one
 
 
 def _pair_rows(head: int, f: int, d: int) -> list[int]:

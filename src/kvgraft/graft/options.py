@@ -137,6 +137,22 @@ class ConvertOptions:
         choices=ROPE_ROTATION_CHOICES,
     )
     layerwise: bool = _opt(True, "--layerwise", "calibrate each layer on the converted layers' activations", kind="bool")
+    refine_epochs: int = _opt(
+        0,
+        "--refine-epochs",
+        "after each layer's factorisation, train its converted attention alone for this many epochs over the "
+        "calibration text against the original stack's residual stream (Adam, no backward through other layers; 0: off)",
+        value_type=int,
+    )
+    refine_lr: float = _opt(5e-4, "--refine-lr", "learning rate of --refine-epochs (Adam, cosine decay)", value_type=float)
+    latent_norm: bool | None = _opt(
+        None,
+        "--latent-norm",
+        "graft an RMSNorm on the latent, as DeepSeek-V3 always has (kv_a_layernorm), so the stock export computes "
+        "exactly what the kvgraft model does (with --refine-epochs it is trained through); default: on with "
+        "--format deepseek_v3/both, off otherwise",
+        kind="bool",
+    )
     calibration_shrinkage: float = _opt(
         0.5,
         "--calibration-shrinkage",
@@ -278,10 +294,21 @@ class ConvertOptions:
                 )
             if self.objective == "weights":
                 raise ValueError("--to ced fits the readers on calibration text; objective 'weights' has none")
+            if self.latent_norm:
+                raise ValueError(
+                    "--latent-norm: the share graft (--to ced) folds the latent into window keys and takes no latent norm"
+                )
             for name in ("sliding_window", "compress_rate"):
                 _check_positive_int(name, getattr(self, name))
         for name in ("calibration_tokens", "calibration_seq_len"):
             _check_positive_int(name, getattr(self, name))
+        if isinstance(self.refine_epochs, bool) or not isinstance(self.refine_epochs, int) or self.refine_epochs < 0:
+            raise ValueError(f"refine_epochs ({self.refine_epochs!r}) must be a non-negative integer (0: no refinement)")
+        lr = self.refine_lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"refine_lr ({lr!r}) must be a positive finite number")
+        if self.refine_epochs and self.objective == "weights":
+            raise ValueError("--refine-epochs trains on calibration text; objective 'weights' reads none")
         _check_tolerance("export_tolerance", self.export_tolerance, "a relative perplexity difference, e.g. 0.1 for 10%")
         _check_tolerance("export_kl_tolerance", self.export_kl_tolerance, "a mean KL in nats per token, e.g. 0.1")
         if self.accept_export_error and not self.stock:

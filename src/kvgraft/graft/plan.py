@@ -179,6 +179,8 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
 
     o = ConvertOptions(**options)  # the checks that need no model
     output_format, stock, to = o.resolved_format, o.stock, o.to
+    # the stock export always normalises the latent: graft that norm so the export is exact by construction
+    latent_norm = (stock and to == "mla") if o.latent_norm is None else o.latent_norm
     check_device(o.device)
     src = resolve_model(model)
     out = Path(out)
@@ -221,7 +223,7 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
             default_compression=DEFAULT_CED_COMPRESSION if to == "ced" else DEFAULT_COMPRESSION,
         )
         d_c, d_rope, rank_notes = ranks.kv_lora_rank, ranks.qk_rope_head_dim, ranks.how
-        if stock and o.stock_construction == "transformers" and kv_lora_rank is None and d_c > 1:
+        if stock and o.stock_construction == "transformers" and kv_lora_rank is None and d_c > 1 and not latent_norm:
             # the stock export pins DeepSeek-V3's latent RMSNorm with one constant latent coordinate
             # (kvgraft.hf.deepseek, latent_norm "pad"): graft one value less so the export caches the budget
             d_c -= 1
@@ -260,6 +262,9 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
         rope_expectation=o.rope_expectation and o.objective != "weights",
         calibration_shrinkage=o.calibration_shrinkage,
         rope_rotation=rope_rotation,
+        refine_epochs=o.refine_epochs,
+        refine_lr=o.refine_lr,
+        latent_norm=latent_norm,
         # stock DeepSeek-V3 has no per-head q/k norms: the stock export takes their linear fits
         qk_norm="linearise" if to == "ced" or (stock and config.qk_norm) else "keep",
     )
