@@ -20,3 +20,14 @@ fi
 # Conversion at scale (issue 26): an 8B-shape random bf16 checkpoint (16 GB, written tensor by tensor)
 # converted to MLA on the GPU, time per layer and peak memory (host and GPU)
 PYTHONPATH=src python bench/gpu_convert.py --shape llama-8b --device cuda --work "${OUT:-runs/bench}/gpu_convert"
+# The real model (issue 34): SmolLM2-135M-Instruct converted on the GPU at 4x, kvgraft format and the default stock
+# export, with and without local refinement, scored on the held-out texts (bench/real_oneshot.py). The device
+# machine reaches no network and takes at most 64 MiB of carried files, so the model (269 MB) and the texts must
+# already be there (`make real-model`, `python bench/real_texts.py`); otherwise this says so and skips.
+MODEL_DIR="${KVGRAFT_CACHE_DIR:-.cache}/models/smollm2-135m-instruct"
+if [ -f "$MODEL_DIR/config.json" ] && [ -f runs/real-texts/manual.npy ]; then
+  PYTHONPATH=src python bench/real_oneshot.py --settings 4:kvgraft:0 4:kvgraft:8 4:deepseek_v3:8 \
+    --out "${OUT:-runs/bench}/gpu_real_oneshot" --convert-args --device cuda
+else
+  echo "$MODEL_DIR or runs/real-texts missing on this machine: skipping bench/real_oneshot.py"
+fi

@@ -193,6 +193,8 @@ def test_convert_heal_checklist_and_compare_end_to_end(tiny_dir, tmp_path, capsy
                 "10000",
                 "--tokens",
                 "2048",
+                "--seq-len",
+                "32",
                 "--micro-batch-size",
                 "2",
                 "--precision",
@@ -211,7 +213,7 @@ def test_convert_heal_checklist_and_compare_end_to_end(tiny_dir, tmp_path, capsy
     assert type(stock).__name__ == "DeepseekV3ForCausalLM"
     record = json.loads((healed / "final" / "heal.json").read_text())
     assert record["train_config"]["lr"] == pytest.approx(1e-3)  # 1/10 of the original's
-    assert record["train_config"]["max_steps"] == 16  # 2048 tokens / (2 x 64)
+    assert record["train_config"]["max_steps"] == 32  # 2048 tokens / (2 x 32): --seq-len 32, not the context of 64
     assert record["fraction_of_pretraining"] == pytest.approx(2048 / 10000)
     capsys.readouterr()
     assert main(["doctor", "--after", str(healed / "final"), "--original", str(tiny_dir)]) == 0

@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pretraining-tokens", type=int, default=None, help="the original's pretraining tokens")
     p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="training sequence length (default: the model's context, e.g. 8,192 for SmolLM2: set it lower on a CPU)",
+    )
+    p.add_argument(
         "--format",
         choices=["kvgraft", "deepseek_v3", "both"],
         default="kvgraft",

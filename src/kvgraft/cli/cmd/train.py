@@ -65,6 +65,7 @@ def heal(args: argparse.Namespace) -> int:
         original_lr=args.original_lr,
         pretraining_tokens=args.pretraining_tokens,
         output_format=args.format,
+        seq_len=args.seq_len,
     )
     print(
         json.dumps(
