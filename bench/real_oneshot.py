@@ -10,7 +10,8 @@ format is scored with kvgraft's forward, the stock DeepSeek-V3 export *through s
 (DeepseekV3ForCausalLM), both with ``kvgraft.eval.perplexity`` (non-overlapping windows of 512 tokens, fp32);
 ratios are against the original scored in the same run. Results: ``results.json`` and ``results.md`` in
 ``--out`` (rewritten after every setting, atomically), converted models under ``--out``/models (removed after
-scoring unless ``--keep``).
+scoring unless ``--keep``; one found there already converted is scored again, its wall time then being
+convert's own ``seconds``, without the peak RSS).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class _Stock(torch.nn.Module):
     def __init__(self, hf: torch.nn.Module) -> None:
         super().__init__()
         self.hf = hf
+        self.config = hf.config
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.hf(ids).logits
@@ -75,7 +77,9 @@ def table(results: dict) -> str:
     lines = [
         f"Original: {', '.join(f'{t} {base[t]:.2f}' for t in TEXTS)} (perplexity, windows of 512 tokens).",
         "",
-        "| compression | format | refine epochs | d_c + d_rope | " + " | ".join(f"{t} ppl (x original)" for t in TEXTS) + " | convert wall | peak RSS |",
+        "| compression | format | refine epochs | d_c + d_rope | "
+        + " | ".join(f"{t} ppl (x original)" for t in TEXTS)
+        + " | convert wall | peak RSS |",
         "|---|---|---|---|" + "---|" * len(TEXTS) + "---|---|",
     ]
     for r in results["runs"]:
@@ -111,8 +115,12 @@ def main() -> None:
         if (compression, fmt, epochs) in done:
             continue
         out = a.out / "models" / f"{compression:g}x-{fmt}-refine{epochs}"
-        figures = convert(model, out, compression, fmt, epochs, a.convert_args)
-        record = json.loads((out / "conversion.json").read_text())
+        if (out / "conversion.json").is_file():  # converted by an earlier run that stopped before scoring
+            record = json.loads((out / "conversion.json").read_text())
+            figures = {"wall_s": sum(record["seconds"].values()), "peak_rss_gib": float("nan")}
+        else:
+            figures = convert(model, out, compression, fmt, epochs, a.convert_args)
+            record = json.loads((out / "conversion.json").read_text())
         graft = record["graft"]
         if fmt == "kvgraft":
             scored = load_pretrained(out, dtype=torch.float32)
