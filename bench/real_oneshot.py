@@ -61,7 +61,9 @@ def parse_setting(text: str) -> tuple[float, str, int]:
 
 
 def convert(model: Path, out: Path, compression: float, fmt: str, epochs: int, extra: list[str]) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "kvgraft", "convert", str(model), "--out", str(out), "--compression", f"{compression:g}"]
+    cmd = [sys.executable, "-m", "kvgraft", "convert", str(model), "--out", str(out)]
+    if "--kv-lora-rank" not in extra:  # explicit ranks (--convert-args) set the budget instead; COMPRESSION labels it
+        cmd += ["--compression", f"{compression:g}"]
     cmd += ["--format", fmt, "--refine-epochs", str(epochs), "--overwrite", *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd)
