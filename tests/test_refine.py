@@ -50,7 +50,7 @@ def test_refinement_lowers_each_layers_held_out_error_and_the_tail_perplexity(tm
 
 def test_refinement_trains_the_latent_norm_it_grafts(tmp_path):
     path = _checkpoint(tmp_path, "llama")
-    execute(plan_conversion(path, tmp_path / "init", latent_norm=True, **OPTIONS))
+    execute(plan_conversion(path, tmp_path / "init", latent_norm=True, refine_epochs=0, **OPTIONS))
     execute(plan_conversion(path, tmp_path / "trained", latent_norm=True, refine_epochs=2, **OPTIONS))
     init, trained = load_pretrained(tmp_path / "init"), load_pretrained(tmp_path / "trained")
     assert init.config.mla_latent_norm and trained.config.mla_latent_norm
@@ -78,10 +78,12 @@ def test_stock_export_grafts_a_latent_norm_by_default_and_exports_exactly(tmp_pa
     path = _checkpoint(tmp_path, "llama")
     record = execute(plan_conversion(path, tmp_path / "out", output_format="both", **OPTIONS))
     assert record["graft"]["latent_norm"] is True
+    assert record["graft"]["refine_epochs"] == 4  # the norm starts as a constant scale: refined by default
+    assert record["calibration_tail"]["refinement"]["epochs"] == 4
     assert record["deepseek_v3"]["exact"] is True
     assert record["deepseek_v3"]["error_check"]["relative_perplexity_difference"] < 1e-6
     plain = execute(plan_conversion(path, tmp_path / "kvgraft", **OPTIONS))
-    assert plain["graft"]["latent_norm"] is False  # kvgraft's format alone: no norm unless asked
+    assert plain["graft"]["latent_norm"] is False and plain["graft"]["refine_epochs"] == 0  # kvgraft format: neither
 
 
 @pytest.mark.parametrize(

@@ -86,7 +86,7 @@ class GraftConfig:
     # Local refinement after each layer's factorisation (kvgraft.graft.refine): epochs of Adam on the converted
     # attention alone against the original stack's residual stream on the calibration text (0: none), at this LR.
     refine_epochs: int = 0
-    refine_lr: float = 5e-4
+    refine_lr: float = 1e-3
     # An RMSNorm on the latent before it is cached, as DeepSeek-V3 always has (kv_a_layernorm): the converted
     # model then computes exactly what a stock DeepSeek-V3 export of it computes. Initialised to the latent's
     # mean rms on the calibration text (so it starts as the closest constant scale), then refined through.

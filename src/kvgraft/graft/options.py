@@ -137,14 +137,15 @@ class ConvertOptions:
         choices=ROPE_ROTATION_CHOICES,
     )
     layerwise: bool = _opt(True, "--layerwise", "calibrate each layer on the converted layers' activations", kind="bool")
-    refine_epochs: int = _opt(
-        0,
+    refine_epochs: int | None = _opt(
+        None,
         "--refine-epochs",
         "after each layer's factorisation, train its converted attention alone for this many epochs over the "
-        "calibration text against the original stack's residual stream (Adam, no backward through other layers; 0: off)",
+        "calibration text against the original stack's residual stream (Adam, no backward through other layers; 0: "
+        "off; default: 4 when the graft has its latent norm, i.e. with --format deepseek_v3/both, else 0)",
         value_type=int,
     )
-    refine_lr: float = _opt(5e-4, "--refine-lr", "learning rate of --refine-epochs (Adam, cosine decay)", value_type=float)
+    refine_lr: float = _opt(1e-3, "--refine-lr", "learning rate of --refine-epochs (Adam, cosine decay)", value_type=float)
     latent_norm: bool | None = _opt(
         None,
         "--latent-norm",
@@ -302,7 +303,9 @@ class ConvertOptions:
                 _check_positive_int(name, getattr(self, name))
         for name in ("calibration_tokens", "calibration_seq_len"):
             _check_positive_int(name, getattr(self, name))
-        if isinstance(self.refine_epochs, bool) or not isinstance(self.refine_epochs, int) or self.refine_epochs < 0:
+        if self.refine_epochs is not None and (
+            isinstance(self.refine_epochs, bool) or not isinstance(self.refine_epochs, int) or self.refine_epochs < 0
+        ):
             raise ValueError(f"refine_epochs ({self.refine_epochs!r}) must be a non-negative integer (0: no refinement)")
         lr = self.refine_lr
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):

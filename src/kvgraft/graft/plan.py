@@ -169,6 +169,9 @@ def _predicted_config(config: ModelConfig, graft: GraftConfig) -> ModelConfig:
     return mla_model_config(config, graft, {i: layout for i in range(config.num_layers)})
 
 
+DEFAULT_NORM_REFINE_EPOCHS = 4  # refinement epochs when the graft has its own latent norm and none are asked for
+
+
 def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -> ConvertPlan:
     """Check everything and decide everything for converting ``model`` to ``out``; load no weights.
 
@@ -181,6 +184,9 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
     output_format, stock, to = o.resolved_format, o.stock, o.to
     # the stock export always normalises the latent: graft that norm so the export is exact by construction
     latent_norm = (stock and to == "mla") if o.latent_norm is None else o.latent_norm
+    # the latent norm starts as a constant scale, far from what the latent needs on a real model (SmolLM2-135M at
+    # 4x: 194x the original's perplexity unrefined, 8.8x refined; bench/RESULTS.md): refine it by default
+    refine_epochs = o.refine_epochs if o.refine_epochs is not None else (DEFAULT_NORM_REFINE_EPOCHS if latent_norm else 0)
     check_device(o.device)
     src = resolve_model(model)
     out = Path(out)
@@ -262,7 +268,7 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
         rope_expectation=o.rope_expectation and o.objective != "weights",
         calibration_shrinkage=o.calibration_shrinkage,
         rope_rotation=rope_rotation,
-        refine_epochs=o.refine_epochs,
+        refine_epochs=refine_epochs if o.objective != "weights" else 0,
         refine_lr=o.refine_lr,
         latent_norm=latent_norm,
         # stock DeepSeek-V3 has no per-head q/k norms: the stock export takes their linear fits

@@ -34,7 +34,7 @@ class RefineConfig:
     at ``lr`` with a cosine decay to 0 after ``warmup`` steps, global gradient norm clipped at 1."""
 
     epochs: int = 4
-    lr: float = 5e-4
+    lr: float = 1e-3
     batch_sequences: int = 1
     warmup: int = 4
     holdout: int = 8
