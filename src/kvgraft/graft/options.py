@@ -151,7 +151,7 @@ class ConvertOptions:
         "--latent-norm",
         "graft an RMSNorm on the latent, as DeepSeek-V3 always has (kv_a_layernorm), so the stock export computes "
         "exactly what the kvgraft model does (with --refine-epochs it is trained through); default: on with "
-        "--format deepseek_v3/both, off otherwise",
+        "--format deepseek_v3/both for models without attention biases, off otherwise",
         kind="bool",
     )
     calibration_shrinkage: float = _opt(
