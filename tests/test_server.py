@@ -493,7 +493,7 @@ def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
 
     class Fake:
         config = type("C", (), {"model_name": NAME})()
-        engine = type("E", (), {"adapters": type("R", (), {"adapters": {}})()})()
+        engine = type("E", (), {"adapters": type("R", (), {"adapters": {}})(), "pool": "KV cache budget (fake)"})()
 
     def fake_build(model, adapters, **kwargs):
         seen.append((model, adapters, kwargs))
@@ -507,7 +507,9 @@ def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
     assert (m1, a1, k1["max_seqs"], k1["prefix_cache"]) == (NAME, {"a": "x"}, 3, True)
     assert (a2, k2["prefix_cache"]) == ({}, False)
     assert k1["with_shipped_adapters"] and not k2["with_shipped_adapters"]  # shipped adapters: on by default
-    assert "serving kvgraft-ced-8m" in capsys.readouterr().out
+    assert k1["kv_budget"] is None and k1["max_seq_len"] is None  # the engine's defaults
+    out = capsys.readouterr().out
+    assert "serving kvgraft-ced-8m" in out and "KV cache budget (fake)" in out  # the pool is printed at start
 
 
 def test_build_server_passes_prefix_cache_to_the_engine():

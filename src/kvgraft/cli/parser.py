@@ -369,6 +369,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-seqs", type=int, default=32, help="requests running at once (default 32: a 32-client load runs without waiting)"
     )
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step")
+    p.add_argument(
+        "--kv-budget",
+        default=None,
+        metavar="BYTES|FRACTION",
+        help="memory for the engine's KV cache pools: bytes ('4GiB', '512MiB') or a fraction of the memory "
+        "available ('0.3', '30%%'); requests are admitted and preempted by the blocks it holds "
+        "(default: 4 GiB, vLLM CPU's, or half the available memory when less; never more than --max-seqs "
+        "full-length sequences need)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="longest prompt + completion in tokens (default: the model's max_position_embeddings)",
+    )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --max-seqs; more get 429")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="the most max_tokens a request may ask")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body")

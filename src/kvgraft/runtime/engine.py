@@ -23,6 +23,7 @@ which requests run this step, chunked prefill, preemption), the prefix policy
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache, default_block_size, ring_geometry
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.adapters import Adapter, AdapterFiles, AdapterRegistry
+from kvgraft.runtime.budget import KVBudget, KVPool, plan_pool
 from kvgraft.runtime.detok import IncrementalText
 from kvgraft.runtime.prefix import PrefixCache, replay_layer, replay_span
 from kvgraft.runtime.prefix_policy import PrefixPolicy
@@ -45,13 +47,24 @@ from kvgraft.runtime.stops import StopStrings
 
 __all__ = ["Engine", "Request", "StepOutput", "WAITING", "RUNNING", "FINISHED"]
 
+logger = logging.getLogger(__name__)
+
 
 class Engine:
     """Continuous batching over one :class:`PagedKVCache`.
 
-    ``num_blocks`` blocks of ``block_size`` tokens (default 16, rounded up to a multiple of an encoder-decoder's
-    compression rate; ``num_blocks`` default: room for ``max_seqs`` full-length
-    sequences, and with ``prefix_cache`` a quarter more for kept prompts); ``max_batch_tokens`` new tokens per step at most; ``max_seq_len`` (default: the model's
+    The pools are sized from a memory budget (:mod:`kvgraft.runtime.budget`): ``kv_budget`` bytes (an int
+    or ``"4GiB"``), a fraction of the memory available on the model's device (a float in (0, 1] or
+    ``"30%"``), or None for the default (4 GiB, vLLM CPU's, or half the available memory when that is
+    less); never more than ``max_seqs`` full-length sequences need (with ``prefix_cache`` a quarter more for
+    kept prompts). ``num_blocks`` sets the token blocks directly instead (not with ``kv_budget``).
+    Requests are admitted while the blocks for their next chunk are free, at most ``max_seqs`` at once,
+    and the latest admitted is preempted when the pool runs short. ``self.pool``
+    (:class:`~kvgraft.runtime.budget.KVPool`) says what the budget bought; it is logged at construction
+    (logger ``kvgraft.runtime.engine``, INFO) and printed by ``kvgraft serve``.
+
+    ``block_size`` tokens a block (default 16, rounded up to a multiple of an encoder-decoder's
+    compression rate); ``max_batch_tokens`` new tokens per step at most; ``max_seq_len`` (default: the model's
     ``max_position_embeddings``) bounds prompt + new tokens; ``detokenize`` turns ids into text for
     stop strings. ``prefix_cache``: keep prompts' caches for later requests and certified adapters
     (``kvgraft.runtime.prefix``), at most ``prefix_entries`` entries and ``prefix_max_bytes`` of kept state
@@ -72,6 +85,7 @@ class Engine:
         prefix_cache: bool = False,
         prefix_entries: int = 32,
         prefix_max_bytes: int | None = None,
+        kv_budget: KVBudget = None,
     ) -> None:
         config = model.config
         seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
@@ -85,23 +99,37 @@ class Engine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+            raise ValueError(f"num_blocks ({num_blocks!r}) must be a positive integer or None")
         if prefix_max_bytes is not None and (
             isinstance(prefix_max_bytes, bool) or not isinstance(prefix_max_bytes, int) or prefix_max_bytes < 0
         ):
             raise ValueError(f"prefix_max_bytes ({prefix_max_bytes!r}) must be a non-negative integer or None")
-        if num_blocks is None:  # room for max_seqs full sequences; with the prefix cache a quarter more, where
-            # kept prompts are moved out of the home runs of new requests (PrefixCache.clear_run)
-            per_seq = math.ceil(seq_len / block_size)
-            num_blocks = max_seqs * (per_seq + (max(1, per_seq // 4) if prefix_cache else 0))
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype ({dtype!r}) must be a torch.dtype or None")
         param = next(model.parameters())
+        cache_dtype = dtype or param.dtype
         self.model = model
         # with the prefix cache, kept prompts hold window-ring blocks too: a quarter more ring blocks than the
         # live sequences' rings (the default budget of kept state, below, is also a quarter of the pools)
         nrb = ring_geometry(config, block_size, seq_len)[2]
         ring_blocks = max_seqs * nrb + max(nrb, max_seqs * nrb // 4) if prefix_cache and nrb else None
-        self.cache = PagedKVCache(
-            config, num_blocks, block_size, max_seqs, seq_len, dtype or param.dtype, param.device, ring_blocks=ring_blocks
+        self.pool: KVPool = plan_pool(
+            config,
+            budget=kv_budget,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_seqs=max_seqs,
+            max_seq_len=seq_len,
+            dtype=cache_dtype,
+            device=param.device,
+            prefix_cache=prefix_cache,
+            ring_blocks=ring_blocks,
         )
+        self.cache = PagedKVCache(
+            config, self.pool.num_blocks, block_size, max_seqs, seq_len, cache_dtype, param.device, ring_blocks=ring_blocks
+        )
+        logger.info("%s", self.pool)
         self.max_batch_tokens = max_batch_tokens
         self.detokenize = detokenize
         self.device = param.device

@@ -89,6 +89,7 @@ from kvgraft.hf import load_pretrained, load_tokenizer_dir
 from kvgraft.model.config import ModelConfig
 from kvgraft.reference import models_dir, resolve_model
 from kvgraft.runtime.adapters import NAME_RE, AdapterBusyError, AdapterError, UnknownAdapterError, read_adapter
+from kvgraft.runtime.budget import KVBudget
 from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
 from kvgraft.serve import routes
@@ -638,12 +639,15 @@ def build_server(
     max_batch_tokens: int = 512,
     max_seq_len: int | None = None,
     num_blocks: int | None = None,
+    kv_budget: KVBudget = None,
     prefix_cache: bool = True,
     with_shipped_adapters: bool = False,
     **config: Any,
 ) -> KvgraftServer:
     """Load ``base`` (a model directory or shipped reference name) and its tokenizer, start adapters, build
-    the server (not started: run it with uvicorn, or :func:`serve`). ``prefix_cache``: the engine's prefix
+    the server (not started: run it with uvicorn, or :func:`serve`). ``kv_budget``: the engine's pools' memory
+    budget (bytes, ``"4GiB"``, a fraction of available memory, or None for the default; see
+    :mod:`kvgraft.runtime.budget`; ``server.engine.pool`` says what it bought). ``prefix_cache``: the engine's prefix
     cache (on by default; ``kvgraft serve --no-prefix-cache`` turns it off). ``with_shipped_adapters``: also
     load the example adapters shipped for this base (:func:`shipped_adapters`; ``adapters`` win on a name).
     ``config``: :class:`ServerConfig` fields."""
@@ -664,6 +668,7 @@ def build_server(
         max_batch_tokens=max_batch_tokens,
         max_seq_len=max_seq_len,
         num_blocks=num_blocks,
+        kv_budget=kv_budget,
         detokenize=detok,
         prefix_cache=prefix_cache,
     )

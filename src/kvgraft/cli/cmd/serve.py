@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvgraft.runtime.budget import parse_kv_budget
 from kvgraft.serve.server import build_server
 from kvgraft.serve.server import serve as run_server
 
@@ -20,12 +21,15 @@ def serve(args: argparse.Namespace) -> int:
         adapters[name] = path
     if not 0 < args.port < 65536:
         raise ValueError(f"--port ({args.port}) must be in 1..65535")
+    kv_budget = None if args.kv_budget is None else parse_kv_budget(args.kv_budget)
     server = build_server(
         args.model,
         adapters,
         model_name=args.model_name,
         max_seqs=args.max_seqs,
         max_batch_tokens=args.max_batch_tokens,
+        max_seq_len=args.max_seq_len,
+        kv_budget=kv_budget,
         max_queue=args.max_queue,
         max_tokens_limit=args.max_tokens_limit,
         max_request_bytes=args.max_request_bytes,
@@ -34,6 +38,7 @@ def serve(args: argparse.Namespace) -> int:
         with_shipped_adapters=not args.no_shipped_adapters,
     )
     served = sorted(server.engine.adapters.adapters)
+    print(server.engine.pool, flush=True)  # the budget and the concurrency it buys
     print(
         f"serving {server.config.model_name} with adapters {', '.join(served) or 'none'} on http://{args.host}:{args.port}/v1",
         flush=True,
