@@ -30,8 +30,10 @@ Every block, a token block or a ring block, is handed out by one allocator class
 instance for the token blocks, one per ring group. ``cache_layout(config)`` (defined with the config,
 :mod:`kvgraft.model.config`, and handed on here) is the one table of what each layer stores;
 ``ModelConfig.kv_cache_bytes`` and this class's allocation both derive from it (tested equal). Layers never
-touch the pools directly: :class:`kvgraft.model.batch.BatchContext` hands them typed views
-(:mod:`kvgraft.model.views`) for one forward step.
+touch the pools directly: the cache plans each forward step (:meth:`PagedKVCache.plan_step`, an immutable
+:class:`kvgraft.model.plan.StepPlan` built from per-slot arrays kept here), and
+:class:`kvgraft.model.batch.BatchContext` holds the plan and hands the layers typed views
+(:mod:`kvgraft.model.views`) for that step.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 
 from kvgraft.model.blocks import BlockAllocator, CacheFullError
 from kvgraft.model.config import CacheLayout, ModelConfig, cache_layout
+from kvgraft.model.plan import ReadPolicy, StepPlan, plan_step
 from kvgraft.model.rings import WindowRings, ring_shape
 
 __all__ = [
@@ -192,6 +195,15 @@ class PagedKVCache:
         # home reads every paged pool as one strided view, (slots, home_stride * block_size, ...), no gather
         self.home_stride = num_blocks // max_seqs
         self._free_slots: deque[int] = deque(range(max_seqs))
+        # per state slot, arrays a step is planned from (kvgraft.model.plan: no loop over rows), kept in step with
+        # every allocation by _mirror: the first layer span's block table (-1 past its blocks), its block count,
+        # the tokens committed, whether a restore split the layers into spans, and per ring group the
+        # ring-block table (-1: never written)
+        self.slot_tables = np.full((max_seqs, -(-max_seq_len // block_size)), -1, dtype=np.int64)
+        self.slot_nblocks = np.zeros(max_seqs, dtype=np.int64)
+        self.slot_lengths = np.zeros(max_seqs, dtype=np.int64)
+        self.slot_split = np.zeros(max_seqs, dtype=bool)
+        self.slot_rings = [np.full((max_seqs, self.ring_blocks_per_seq), -1, dtype=np.int64) for _ in self.ring_groups]
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
         self.block_bytes = itemsize * (block_size * sum(layout.paged.values()) + block_size // m * sum(layout.segments.values()))
@@ -218,6 +230,7 @@ class PagedKVCache:
             expect_blocks=math.ceil(min(expect_tokens or 0, self.max_seq_len) / self.block_size),
         )
         self._clear_state(self._seqs[seq].slot)
+        self._mirror(self._seqs[seq])
         return seq
 
     def fork(self, seq: int) -> int:
@@ -232,6 +245,7 @@ class PagedKVCache:
         self.window_rings.hold(c.rings)
         for t in self.pending.values():
             t[c.slot] = t[src.slot]
+        self._mirror(c)
         return child
 
     def snapshot(self, seq: int) -> CacheSnapshot:
@@ -285,6 +299,7 @@ class PagedKVCache:
         self.window_rings.restore(s.rings, snap.rings, need)
         for (kind, layer), t in snap.state.items():
             self.pending[layer][s.slot] = t
+        self._mirror(s)
         return seq
 
     def restore_ring_blocks(self, snap: CacheSnapshot, recompute_from: int | None = None) -> dict[int, int]:
@@ -339,14 +354,8 @@ class PagedKVCache:
 
     def at_home(self, seqs: list[int]) -> list[bool]:
         """Whether each sequence's blocks are its slot's home run, in order (one layer span, at most
-        ``home_stride`` blocks): one tensor comparison over the padded tables."""
-        tables = [self._get(q).spans[0][1] if len(self._get(q).spans) == 1 else None for q in seqs]
-        nb = max((len(tb) for tb in tables if tb is not None), default=0)
-        if not nb or nb > self.home_stride:
-            return [False] * len(seqs)
-        table = torch.tensor([tb + [-1] * (nb - len(tb)) if tb is not None else [-2] * nb for tb in tables])
-        want = torch.tensor([self._get(q).slot for q in seqs])[:, None] * self.home_stride + torch.arange(nb)
-        ok: list[bool] = ((table == want) | (table == -1)).all(1).tolist()
+        ``home_stride`` blocks): :meth:`slots_at_home` of their slots."""
+        ok: list[bool] = self.slots_at_home(np.array([self._get(q).slot for q in seqs], dtype=np.int64)).tolist()
         return ok
 
     def home_range(
@@ -464,7 +473,10 @@ class PagedKVCache:
                 f"sequence {seq} needs {need[gi]} more ring blocks of group {gi}, "
                 f"{self.ring_groups[gi].blocks.free_count} free of {self.ring_groups[gi].num_blocks}"
             )
-        self.window_rings.reserve(self._get(seq).rings, need, start, n)
+        s = self._get(seq)
+        self.window_rings.reserve(s.rings, need, start, n)
+        for g, t in zip(self.slot_rings, s.rings):
+            g[s.slot] = t
 
     def can_extend(self, seq: int, new_tokens: int) -> bool:
         s = self._get(seq)
@@ -491,6 +503,7 @@ class PagedKVCache:
         self.reserve_rings(seq, s.length, new_tokens)
         if not self.block_bytes:
             return
+        grew = len(s.spans[0][1])
         first = s.length // self.block_size
         for i, (u, table) in enumerate(s.spans):
             lo, hi = self._span_range(s, i)
@@ -510,10 +523,74 @@ class PagedKVCache:
                     table.append(self.blocks.allocate_next(seq, table, s.expect_blocks, home))
                 else:
                     table.append(self.blocks.allocate(lo, hi))
+        t0, k = s.spans[0][1], min(first, grew)
+        self.slot_tables[s.slot, k : len(t0)] = t0[k:]  # the block copied on write and the new ones
+        self.slot_nblocks[s.slot] = len(t0)
 
     def commit(self, seq: int, new_tokens: int) -> None:
         """Record ``new_tokens`` written (called once per forward, after every layer ran)."""
-        self._get(seq).length += new_tokens
+        s = self._get(seq)
+        s.length += new_tokens
+        self.slot_lengths[s.slot] = s.length
+
+    def reserved(self, slots: np.ndarray, new_tokens: np.ndarray) -> np.ndarray:
+        """Per row (state ``slots``, adding ``new_tokens``): whether ``extend`` has nothing left to do, its
+        blocks for the new tokens held and the block it writes first its own (no copy on write), checked with
+        array ops over the slot tables. Rows of a split sequence, and every row of a cache with window rings,
+        answer False (``extend`` decides for them)."""
+        if self.ring_groups or not self.block_bytes:
+            return np.zeros(len(slots), dtype=bool)
+        length = self.slot_lengths[slots]
+        ends = length + new_tokens
+        ok = (ends <= self.max_seq_len) & ~self.slot_split[slots] & (self.slot_nblocks[slots] * self.block_size >= ends)
+        first = self.slot_tables[slots, np.minimum(length // self.block_size, self.slot_tables.shape[1] - 1)]
+        ok &= first >= 0
+        out: np.ndarray = ok & ~(self.blocks.rc[:, np.maximum(first, 0)] > 1).any(0)
+        return out
+
+    def slots_at_home(self, slots: np.ndarray) -> np.ndarray:
+        """Per state slot: whether its sequence's blocks are the slot's home run, in order (one layer span, at
+        most ``home_stride`` blocks), compared over the slot tables (the longest table among the rows bounds
+        the comparison, as in :meth:`at_home`)."""
+        whole = ~self.slot_split[slots]
+        nb = int(self.slot_nblocks[slots][whole].max()) if whole.any() else 0
+        if not nb or nb > self.home_stride:
+            return np.zeros(len(slots), dtype=bool)
+        table = self.slot_tables[slots, :nb]
+        want = slots[:, None] * self.home_stride + np.arange(nb)
+        ok: np.ndarray = ((table == want) | (table == -1)).all(1) & whole
+        return ok
+
+    def plan_step(
+        self,
+        seqs: list[int],
+        new_tokens: list[int],
+        adapter_ids: list[object] | None = None,
+        *,
+        replay: bool = False,
+        write_from: int | None = None,
+        replay_at: list[int] | None = None,
+        policy: ReadPolicy | None = None,
+    ) -> StepPlan:
+        """Reserve what one forward step writes (``seqs[r]`` adds ``new_tokens[r]`` tokens: blocks, copies on
+        write, ring blocks) and return its layout, immutable: rows packed on one token axis, groups of rows
+        attended together, their block and ring tables, positions, and one read strategy per group
+        (:mod:`kvgraft.model.plan`). ``policy``: which reads the plan may choose. The arguments are
+        :class:`kvgraft.model.batch.BatchContext`'s, which holds the plan for the forward."""
+        return plan_step(
+            self, seqs, new_tokens, adapter_ids, replay=replay, write_from=write_from, replay_at=replay_at, policy=policy
+        )
+
+    def _mirror(self, s: _Sequence) -> None:
+        """Write ``s``'s tables, length and span split into its slot's arrays (``slot_tables``, ...)."""
+        t0, row = s.spans[0][1], self.slot_tables[s.slot]
+        row.fill(-1)
+        row[: len(t0)] = t0
+        self.slot_nblocks[s.slot] = len(t0)
+        self.slot_lengths[s.slot] = s.length
+        self.slot_split[s.slot] = len(s.spans) > 1
+        for g, t in zip(self.slot_rings, s.rings):
+            g[s.slot] = t
 
     # ---- accounting ------------------------------------------------------------------------------
     @property

@@ -1,0 +1,111 @@
+"""The cache plans the step (kvgraft.model.plan): the plan is immutable, each group carries one tagged read
+strategy, and the per-slot arrays it is built from stay equal to the sequences' own tables through every
+allocation (extend, copy on write, fork, snapshot/restore with split spans, free)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kvgraft.model.batch import BatchContext
+from kvgraft.model.cache import CacheFullError, PagedKVCache, static_cache
+from kvgraft.model.plan import GATHER, Gather, Home, Pieces, ReadPolicy, Run, StepPlan
+from kvgraft.model.presets import get_preset
+
+
+def mirror_matches(cache: PagedKVCache) -> None:
+    """Every live sequence's slot arrays equal its own tables and length."""
+    for seq in cache.sequences:
+        slot, table = cache.slot(seq), cache.block_table(seq)
+        row = cache.slot_tables[slot]
+        assert row[: len(table)].tolist() == table and (row[len(table) :] == -1).all()
+        assert cache.slot_nblocks[slot] == len(table) and cache.slot_lengths[slot] == cache.length(seq)
+        assert cache.slot_split[slot] == (len(cache.span_starts(seq)) > 1)
+        for gi in range(len(cache.ring_groups)):
+            assert cache.slot_rings[gi][slot].tolist() == cache.ring_table(seq, gi)
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "ced-tiny"])
+def test_slot_arrays_follow_every_allocation(preset):
+    cfg = get_preset(preset)
+    cache = PagedKVCache(cfg, num_blocks=48, block_size=8, max_seqs=6, max_seq_len=96)
+    rng = random.Random(0)
+    snaps = []
+    for _ in range(300):
+        live = cache.sequences
+        op = rng.choice(["add", "extend", "extend", "extend", "fork", "snap", "restore", "free"])
+        try:
+            if op == "add" or not live:
+                cache.add_sequence(expect_tokens=rng.choice([None, 20, 90]))
+            elif op == "extend":
+                seq = rng.choice(live)
+                n = rng.randint(1, 20)
+                if cache.can_extend(seq, n):
+                    cache.extend(seq, n)
+                    cache.commit(seq, n)
+            elif op == "fork":
+                cache.fork(rng.choice(live))
+            elif op == "snap":
+                snaps.append(cache.snapshot(rng.choice(live)))
+            elif op == "restore" and snaps:
+                snap = rng.choice(snaps)
+                if not snap.released:
+                    cache.restore(snap, recompute_from=rng.choice([None, cache.ring_split if cfg.is_ced else 1]))
+            elif op == "free":
+                cache.free(rng.choice(live))
+        except CacheFullError:
+            for s in snaps:
+                cache.release(s)
+            snaps.clear()
+        mirror_matches(cache)
+    assert any(cache.slot_split) or preset == "ced-tiny"  # split spans were exercised on the full-attention model
+
+
+def test_reserved_rows_are_those_extend_leaves_alone():
+    cfg = get_preset("llama-tiny")
+    cache = PagedKVCache(cfg, num_blocks=40, block_size=4, max_seqs=4, max_seq_len=40)
+    a = cache.add_sequence()
+    cache.extend(a, 6)
+    cache.commit(a, 5)  # 6 reserved, 5 written: one more token is reserved, two are not
+    slot = np.array([cache.slot(a)])
+    assert cache.reserved(slot, np.array([1])).tolist() == [True]
+    assert cache.reserved(slot, np.array([4])).tolist() == [False]  # needs a block
+    b = cache.fork(a)  # the partial block is shared now: writing it copies it first
+    assert cache.reserved(np.array([cache.slot(a), cache.slot(b)]), np.array([1, 1])).tolist() == [False, False]
+    assert cache.reserved(slot, np.array([36])).tolist() == [False]  # past max_seq_len: extend raises
+
+
+def test_the_plan_is_immutable_and_reads_one_tagged_field():
+    cfg = get_preset("llama-tiny")
+    cache, seqs = static_cache(cfg, 3, 32, torch.float32, "cpu", block_size=4)
+    ctx = BatchContext(cache, seqs, [5, 9, 5])
+    plan = ctx.plan
+    assert isinstance(plan, StepPlan) and isinstance(plan.groups, tuple)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.num_tokens = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.groups[0].read = GATHER  # type: ignore[misc]
+    assert [g.rows for g in plan.groups] == [[0, 2], [1]]  # by new tokens, in order of first row
+    assert plan.positions.tolist() == [list(range(5)) + list(range(9)) + list(range(5))]
+    assert plan.last_index.tolist() == [4, 13, 18] and plan.offsets == (0, 5, 14)
+    # rows 0 and 2 sit in their slots' home runs (slots 0 and 2 of the range 0..3); a lone row reads a view
+    assert isinstance(plan.groups[0].read, Home) and plan.groups[0].home[:2] == (0, 3)
+    assert plan.groups[0].home[2].tolist() == [0, 2] and plan.groups[1].read == Run(cache.block_table(seqs[1])[0])
+    ctx.commit()
+    decode = cache.plan_step(seqs, [1, 1, 1])
+    assert decode.groups[0].read == Home(0, 3, None)  # rows in their slots' home runs, in order
+    assert decode.groups[0].home == (0, 3, None) and decode.groups[0].run is None
+    # interleaved blocks with per-row views allowed at any size: pieces
+    cache = PagedKVCache(cfg, num_blocks=40, block_size=4, max_seqs=3, max_seq_len=40)
+    seqs = [cache.add_sequence() for _ in range(3)]
+    for _ in range(3):
+        for s in seqs:
+            cache.extend(s, 4)
+            cache.commit(s, 4)
+    read = cache.plan_step(seqs, [1, 1, 1], policy=ReadPolicy(row_view_min_bytes=0)).groups[0].read
+    assert isinstance(read, Pieces) and [len(p) for p in read.rows] == [4, 4, 4]
+    assert isinstance(cache.plan_step(seqs, [1, 1, 1], policy=ReadPolicy(views=False)).groups[0].read, Gather)
