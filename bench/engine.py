@@ -36,15 +36,15 @@ from kvgraft.runtime.sampling import SamplingParams
 MODELS = {"llama": "kvgraft-llama-8m", "ced": "kvgraft-ced-8m"}
 
 
-def one_at_a_time(model, prompts, params) -> tuple[list[list[int]], float]:
+def one_at_a_time(model, prompts, params, max_seq_len: int | None = None) -> tuple[list[list[int]], float]:
     t0 = time.perf_counter()
-    outs = [Engine(model, max_seqs=1, max_batch_tokens=512).generate([p], params)[0] for p in prompts]
+    outs = [Engine(model, max_seqs=1, max_batch_tokens=512, max_seq_len=max_seq_len).generate([p], params)[0] for p in prompts]
     return outs, time.perf_counter() - t0
 
 
-def static_batches(model, prompts, params, batch: int) -> tuple[list[list[int]], float]:
+def static_batches(model, prompts, params, batch: int, max_seq_len: int | None = None) -> tuple[list[list[int]], float]:
     t0 = time.perf_counter()
-    engine = Engine(model, max_seqs=batch, max_batch_tokens=100_000)
+    engine = Engine(model, max_seqs=batch, max_batch_tokens=100_000, max_seq_len=max_seq_len)
     outs = []
     for i in range(0, len(prompts), batch):
         outs += engine.generate(prompts[i : i + batch], params)

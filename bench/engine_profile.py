@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/engine_profile.py                          # both reference models, 1 and 2 threads
     .venv/bin/python bench/engine_profile.py --models llama --threads 1 --running 1 8 --contexts 128   # smoke
+    .venv/bin/python bench/engine_profile.py --models smollm2 --running 32    # the real model (make real-model)
+    .venv/bin/python bench/engine_profile.py --models smollm2 --home off --split-lengths on   # decode reads
 
 Each step of :meth:`kvgraft.runtime.engine.Engine.step` is cut into sections, timed with ``perf_counter``
 around the engine's own calls (wrapped for this process only; the engine runs unchanged and its tokens are
@@ -22,6 +24,12 @@ Two workloads per model and thread count:
 2. the ``bench/engine.py`` workload (32 requests, prompts uniform in 16-400, 64 greedy new tokens, 32
    sequences, 512 tokens a step), every step timed, the sum reported.
 ``bookkeeping`` = everything but ``model``: the share of a step the engine spends outside the model's math.
+``padding``: query-key pairs the step's reads attend over those its rows need (``StepPlan.keys_read /
+keys_needed``; 1.00 = no row padded to a longer one). ``--home`` and ``--split-lengths`` choose the decode reads
+(``kvgraft.model.plan.ReadPolicy``: rows at home read one strided view of each pool, padded to the longest; off,
+they are gathered, and gathered rows are cut by length unless ``--split-lengths off``). The real model
+(``--models smollm2``, SmolLM2-135M-Instruct, imported in bfloat16) runs in float32, as the 8M references do;
+the workload's engines hold at most 1,024 tokens a sequence (``max_seq_len``), as issue 37's measurement did.
 Prints markdown tables and writes JSON to ``--out`` (kvgraft.atomic).
 """
 
@@ -40,11 +48,13 @@ import kvgraft.runtime.engine as engine_module
 from kvgraft.atomic import atomic_write_json
 from kvgraft.hf import load_pretrained
 from kvgraft.hf.load import load_tokenizer_dir
+from kvgraft.model.batch import BatchContext
 from kvgraft.reference import resolve_model
 from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
 
-MODELS = {"llama": "kvgraft-llama-8m", "ced": "kvgraft-ced-8m"}
+MODELS = {"llama": "kvgraft-llama-8m", "ced": "kvgraft-ced-8m", "smollm2": "smollm2-135m-instruct"}
+WORKLOAD_MAX_LEN = 1024  # the workload's longest prompt + completion is 464; the 8M references hold 512
 SECTIONS = ("schedule", "context", "views", "model", "sample", "detok")
 NEVER = "\x00\x01never\x01\x00"  # a stop string no output of the shipped tokenizer holds
 
@@ -114,7 +124,13 @@ def timed_steps(engine: Engine, timer: StepTimer, steps: int | None) -> tuple[di
 
 
 def steady(model, tokenizer_decode, running: int, context: int, decode_steps: int, gen: torch.Generator, timer):
-    engine = Engine(model, max_seqs=max(running, 1), max_batch_tokens=512, detokenize=tokenizer_decode)
+    engine = Engine(
+        model,
+        max_seqs=max(running, 1),
+        max_batch_tokens=512,
+        max_seq_len=context + decode_steps + 2,
+        detokenize=tokenizer_decode,
+    )
     instrument(engine, timer)
     params = SamplingParams(max_new_tokens=decode_steps + 2, stop=(NEVER,))
     for _ in range(running):
@@ -122,23 +138,27 @@ def steady(model, tokenizer_decode, running: int, context: int, decode_steps: in
     while any(r.computed < len(r.prompt) for r in engine.running) or engine.waiting:  # prefill (not timed)
         engine.step()
     engine.step()  # the first decode step of this shape (one-time kernel set-up)
+    before = engine.stats["keys_read"], engine.stats["keys_needed"]
     out, n = timed_steps(engine, timer, decode_steps)
-    return {k: v / n for k, v in out.items()}, n
+    sec = {k: v / n for k, v in out.items()}
+    sec["padding"] = (engine.stats["keys_read"] - before[0]) / max(1, engine.stats["keys_needed"] - before[1])
+    return sec, n
 
 
 def workload(model, tokenizer_decode, prompts, new_tokens: int, timer) -> tuple[dict[str, float], int, list[list[int]]]:
-    engine = Engine(model, max_seqs=32, max_batch_tokens=512, detokenize=tokenizer_decode)
+    engine = Engine(model, max_seqs=32, max_batch_tokens=512, max_seq_len=WORKLOAD_MAX_LEN, detokenize=tokenizer_decode)
     instrument(engine, timer)
     params = SamplingParams(max_new_tokens=new_tokens, stop=(NEVER,))
     ids = [engine.add_request(p, params) for p in prompts]
     out, n = timed_steps(engine, timer, None)
+    out["padding"] = engine.stats["keys_read"] / max(1, engine.stats["keys_needed"])
     return out, n, [engine.requests[i].output for i in ids]
 
 
 def row(label: str, sec: dict[str, float], scale: float, unit: str) -> str:
     book = sec["step"] - sec["model"]
     cells = " | ".join(f"{sec[s] * scale:.2f}" for s in SECTIONS)
-    return f"| {label} | {sec['step'] * scale:.2f} {unit} | {cells} | {100 * book / sec['step']:.0f}% |"
+    return f"| {label} | {sec['step'] * scale:.2f} {unit} | {cells} | {100 * book / sec['step']:.0f}% | {sec['padding']:.2f} |"
 
 
 def main() -> None:
@@ -151,6 +171,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-workload", action="store_true", help="only the steady-decode table")
+    p.add_argument("--home", choices=["on", "off"], default="on", help="decode rows at home read one strided view")
+    p.add_argument("--split-lengths", choices=["on", "off"], default="on", help="gathered rows cut by length")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench/engine_profile.json")
     args = p.parse_args()
@@ -161,8 +183,10 @@ def main() -> None:
         bad = [v for v in getattr(args, name) if v < 1]
         if bad:
             p.error(f"--{name} values must be >= 1, got {bad}")
-    if max(args.contexts) + args.decode_steps + 2 > 512:
-        p.error(f"--contexts ({max(args.contexts)}) + --decode-steps ({args.decode_steps}) + 2 exceed 512 positions")
+    longest = 8192 if args.models == ["smollm2"] else 512
+    if max(args.contexts) + args.decode_steps + 2 > longest:
+        p.error(f"--contexts ({max(args.contexts)}) + --decode-steps ({args.decode_steps}) + 2 exceed {longest} positions")
+    BatchContext.home, BatchContext.split_lengths = args.home == "on", args.split_lengths == "on"
     timer = StepTimer()
     engine_module.BatchContext = timed_context_class(timer)  # type: ignore[misc]
     results: dict[str, Any] = {"config": vars(args), "steady": [], "workload": []}
@@ -170,7 +194,7 @@ def main() -> None:
     steady_rows, work_rows = [], []
     for name in args.models:
         path = resolve_model(MODELS[name])
-        model = load_pretrained(path).eval()
+        model = load_pretrained(path).eval().float()  # fp32 (the real model is imported in bfloat16)
         model.forward = timer.wrap("forward", model.forward)  # type: ignore[method-assign]
         tok = load_tokenizer_dir(path)
         if tok is None:
@@ -197,7 +221,7 @@ def main() -> None:
             prompts = [torch.randint(0, model.config.vocab_size, (k,), generator=g).tolist() for k in lengths]
             workload(model, decode, prompts, args.new_tokens, timer)  # warm-up round (one-time kernel set-up)
             sec, n, outs = workload(model, decode, prompts, args.new_tokens, timer)
-            plain = Engine(model, max_seqs=32, max_batch_tokens=512).generate(
+            plain = Engine(model, max_seqs=32, max_batch_tokens=512, max_seq_len=WORKLOAD_MAX_LEN).generate(
                 prompts, SamplingParams(max_new_tokens=args.new_tokens)
             )
             assert outs == plain, "the instrumented engine must give the same tokens as a plain one"
@@ -205,15 +229,16 @@ def main() -> None:
             work_rows.append(row(f"{name} | {threads} | {n} steps", sec, 1.0, "s"))
             print(work_rows[-1], flush=True)
     print("\nSteady decode, per step (ms): R running sequences at about C tokens of context each\n")
-    print("| model | threads | R | C | step " + header + " bookkeeping |")
-    print("|---|---|---|---|---|" + "---|" * len(SECTIONS) + "---|")
+    print(f"(reads: home {args.home}, split lengths {args.split_lengths})\n")
+    print("| model | threads | R | C | step " + header + " bookkeeping | padding |")
+    print("|---|---|---|---|---|" + "---|" * len(SECTIONS) + "---|---|")
     print("\n".join(steady_rows))
     if work_rows:
         print(
             f"\nThe bench/engine.py workload ({args.requests} requests, prompts 16-400, {args.new_tokens} new tokens), seconds in all\n"
         )
-        print("| model | threads | steps | total " + header + " bookkeeping |")
-        print("|---|---|---|---|" + "---|" * len(SECTIONS) + "---|")
+        print("| model | threads | steps | total " + header + " bookkeeping | padding |")
+        print("|---|---|---|---|" + "---|" * len(SECTIONS) + "---|---|")
         print("\n".join(work_rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

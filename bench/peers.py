@@ -1,10 +1,13 @@
 """kvgraft's engine against its peers, side by side in one run: the same requests, the same greedy tokens.
 
     .venv/bin/python bench/peers.py                                   # both reference models, 1 and 2 threads
+    .venv/bin/python bench/peers.py --models smollm2                  # the real model (make real-model fetches it)
     .venv/bin/python bench/peers.py --models llama --threads 1 --requests 8 --new-tokens 8 --repeats 1  # smoke
 
 The requests are bench/engine.py's: ``--requests`` prompts of lengths uniform in [16, 400] (seed 0), random
-token ids, ``--new-tokens`` greedy tokens each, fp32, EOS ignored. Per model and thread count (``--threads``:
+token ids, ``--new-tokens`` greedy tokens each, fp32, EOS ignored; ``--models smollm2`` runs
+SmolLM2-135M-Instruct (``make real-model``; imported in bfloat16, run in float32 by every system) with a
+longest prompt + completion of 1,024 tokens (``MAX_LEN``: kvgraft's ``max_seq_len``, vLLM's ``max_model_len``). Per model and thread count (``--threads``:
 torch's intra-op threads here, OpenMP threads in vLLM's process), every system runs the whole workload,
 interleaved over ``--repeats`` rounds (every other round in reversed order); the fastest round of each counts (the first pays one-time kernel set-up).
 A timed run includes building its engine and cache (kvgraft's, transformers'); vLLM's start-up is not timed.
@@ -73,16 +76,24 @@ from kvgraft.reference import resolve_model
 from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
 
-MODELS = {"llama": "kvgraft-llama-8m", "ced": "kvgraft-ced-8m"}
+MODELS = {"llama": "kvgraft-llama-8m", "ced": "kvgraft-ced-8m", "smollm2": "smollm2-135m-instruct"}
+# each system's longest prompt + completion (vLLM's max_model_len, kvgraft's max_seq_len): the 8M references hold
+# 512 positions; SmolLM2-135M-Instruct (8,192) is run at 1,024, as issue 37's measurement was
+MAX_LEN = {"llama": 512, "ced": 512, "smollm2": 1024}
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "PEERS_VLLM "  # bench/peers_vllm.py's answers start with this (vLLM logs to stdout too)
 
 Run = Callable[[], tuple[list[list[int]], float]]
 
 
-def kv_engine(model, prompts, params, max_seqs: int, max_batch_tokens: int) -> tuple[list[list[int]], float]:
+def load_kvgraft(name: str):
+    """kvgraft's model of ``name`` in float32 (the real model is imported in bfloat16; every system runs fp32)."""
+    return load_pretrained(resolve_model(MODELS[name])).eval().float()
+
+
+def kv_engine(model, prompts, params, max_seqs: int, max_batch_tokens: int, max_seq_len: int) -> tuple[list[list[int]], float]:
     t0 = time.perf_counter()
-    outs = Engine(model, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens).generate(prompts, params)
+    outs = Engine(model, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len).generate(prompts, params)
     return outs, time.perf_counter() - t0
 
 
@@ -130,7 +141,15 @@ class VllmPeer:
     ``round`` per call (the same prompts each time)."""
 
     def __init__(
-        self, python: Path, model_dir: Path, prompts, new_tokens: int, threads: int, max_seqs: int, max_batch_tokens: int
+        self,
+        python: Path,
+        model_dir: Path,
+        prompts,
+        new_tokens: int,
+        threads: int,
+        max_seqs: int,
+        max_batch_tokens: int,
+        max_model_len: int = 512,
     ) -> None:
         self._cfg = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump(
@@ -141,7 +160,7 @@ class VllmPeer:
                 "threads": threads,
                 "max_num_seqs": max_seqs,
                 "max_num_batched_tokens": max_batch_tokens,
-                "max_model_len": 512,
+                "max_model_len": max_model_len,
             },
             self._cfg,
         )
@@ -304,6 +323,10 @@ def server_commands(
                 str(args.max_seqs),
                 "--max-batch-tokens",
                 str(args.max_batch_tokens),
+                "--max-seq-len",
+                str(MAX_LEN[name]),
+                "--dtype",
+                "float32",
             ],
             path.name,
         )
@@ -325,7 +348,7 @@ def server_commands(
         "--port",
         str(free_port()),
     ]
-    if name == "llama":
+    if name in ("llama", "smollm2"):  # stock Llama checkpoints
         out.append(("transformers serve --continuous-batching", [str(Path(py).parent / "transformers"), "serve", *cb], str(path)))
     else:  # kvgraft's format: the same CLI with kvgraft's Auto classes registered
         out.append(
@@ -350,7 +373,7 @@ def server_commands(
                     "--max-num-batched-tokens",
                     str(args.max_batch_tokens),
                     "--max-model-len",
-                    "512",
+                    str(MAX_LEN[name]),
                     "--enforce-eager",
                     "--no-enable-prefix-caching",
                     "--disable-log-stats",
@@ -471,8 +494,9 @@ def main() -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.min_prompt > args.max_prompt:
         p.error(f"--min-prompt ({args.min_prompt}) must be <= --max-prompt ({args.max_prompt})")
-    if args.max_prompt + args.new_tokens > 512:
-        p.error(f"--max-prompt + --new-tokens ({args.max_prompt + args.new_tokens}) exceed the models' 512 positions")
+    longest = min(MAX_LEN[m] for m in args.models)
+    if args.max_prompt + args.new_tokens > longest:
+        p.error(f"--max-prompt + --new-tokens ({args.max_prompt + args.new_tokens}) exceed the models' {longest} positions")
     bad = [t for t in args.threads if t < 1]
     if bad:
         p.error(f"--threads must be >= 1, got {bad}")
@@ -491,11 +515,13 @@ def main() -> None:
         serve_table(args, vllm_python if use_vllm else None)
         return
 
-    # the requests of bench/engine.py: lengths first, then each model's prompts in MODELS order
+    # the requests of bench/engine.py: lengths first, then each model's prompts in MODELS order (the shipped
+    # references always, so their prompts stay those of earlier runs; the real model, last, when asked for)
     g = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.requests,), generator=g).tolist()
-    vocab = {name: load_pretrained(resolve_model(m)).config.vocab_size for name, m in MODELS.items()}
-    all_prompts = {name: [torch.randint(0, vocab[name], (n,), generator=g).tolist() for n in lengths] for name in MODELS}
+    drawn = [name for name in MODELS if name in ("llama", "ced") or name in args.models]
+    vocab = {name: load_pretrained(resolve_model(MODELS[name])).config.vocab_size for name in drawn}
+    all_prompts = {name: [torch.randint(0, vocab[name], (n,), generator=g).tolist() for n in lengths] for name in drawn}
     params = SamplingParams(max_new_tokens=args.new_tokens)
     cb = {
         "num_blocks": args.cb_num_blocks,
@@ -510,16 +536,18 @@ def main() -> None:
     for name in args.models:
         path = resolve_model(MODELS[name])
         prompts = all_prompts[name]
-        model = load_pretrained(path).eval()
+        model = load_kvgraft(name)
         hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).eval()
         hf_kind = type(hf).__name__
         for threads in args.threads:
             torch.set_num_threads(threads)
             systems: dict[str, Run] = {
-                "kvgraft, one at a time": partial(kv_one, model, prompts, params),
-                f"kvgraft, static batches of {args.static_batch}": partial(kv_static, model, prompts, params, args.static_batch),
+                "kvgraft, one at a time": partial(kv_one, model, prompts, params, MAX_LEN[name]),
+                f"kvgraft, static batches of {args.static_batch}": partial(
+                    kv_static, model, prompts, params, args.static_batch, MAX_LEN[name]
+                ),
                 f"kvgraft engine ({args.max_seqs} sequences, {args.max_batch_tokens} tokens/step)": partial(
-                    kv_engine, model, prompts, params, args.max_seqs, args.max_batch_tokens
+                    kv_engine, model, prompts, params, args.max_seqs, args.max_batch_tokens, MAX_LEN[name]
                 ),
                 f"transformers {hf_kind} continuous batching (generate_batch, sdpa, {args.cb_num_blocks} x "
                 f"{args.cb_page_size}-token pages)": partial(hf_cb, hf, prompts, args.new_tokens, cb),
@@ -530,7 +558,9 @@ def main() -> None:
             peer = None
             if use_vllm:
                 print(f"{name}, {threads} threads: starting vLLM", flush=True)
-                peer = VllmPeer(vllm_python, path, prompts, args.new_tokens, threads, args.max_seqs, args.max_batch_tokens)
+                peer = VllmPeer(
+                    vllm_python, path, prompts, args.new_tokens, threads, args.max_seqs, args.max_batch_tokens, MAX_LEN[name]
+                )
                 systems[f"vLLM {peer.version} CPU ({args.max_seqs} sequences, {args.max_batch_tokens} tokens/step)"] = peer.round
             best = {s: float("inf") for s in systems}
             tokens: dict[str, list[list[int]]] = {}

@@ -180,9 +180,15 @@ def test_serve_prints_the_budget_and_concurrency(monkeypatch, capsys):
 
     started = {}
     monkeypatch.setattr("kvgraft.cli.cmd.serve.run_server", lambda server, host, port, log_level: started.update(s=server))
-    assert main(["serve", "kvgraft-llama-8m", "--kv-budget", "8MiB", "--max-seq-len", "256", "--no-shipped-adapters"]) == 0
+    argv = ["serve", "kvgraft-llama-8m", "--kv-budget", "8MiB", "--max-seq-len", "256", "--no-shipped-adapters"]
+    assert main([*argv, "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "KV cache budget 8.0 MiB (given)" in out and "maximum concurrency for 256-token requests" in out
-    assert started["s"].engine.pool.budget_bytes == 8 << 20
+    engine = started["s"].engine
+    assert engine.pool.budget_bytes == 8 << 20 and engine.cache.dtype == torch.bfloat16  # twice the blocks of fp32
+    assert (
+        engine.cache.nbytes <= 8 << 20
+        and engine.pool.block_bytes == pool_bytes(engine.model.config, 16, 32, 256, torch.bfloat16)[0]
+    )
     assert main(["serve", "kvgraft-llama-8m", "--kv-budget", "8 parsecs"]) != 0
     assert "kv_budget ('8 parsecs')" in capsys.readouterr().err

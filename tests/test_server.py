@@ -507,7 +507,7 @@ def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
     assert (m1, a1, k1["max_seqs"], k1["prefix_cache"]) == (NAME, {"a": "x"}, 3, True)
     assert (a2, k2["prefix_cache"]) == ({}, False)
     assert k1["with_shipped_adapters"] and not k2["with_shipped_adapters"]  # shipped adapters: on by default
-    assert k1["kv_budget"] is None and k1["max_seq_len"] is None  # the engine's defaults
+    assert k1["kv_budget"] is None and k1["max_seq_len"] is None and k1["dtype"] is None  # the engine's defaults
     out = capsys.readouterr().out
     assert "serving kvgraft-ced-8m" in out and "KV cache budget (fake)" in out  # the pool is printed at start
 

@@ -109,3 +109,67 @@ def test_the_plan_is_immutable_and_reads_one_tagged_field():
     read = cache.plan_step(seqs, [1, 1, 1], policy=ReadPolicy(row_view_min_bytes=0)).groups[0].read
     assert isinstance(read, Pieces) and [len(p) for p in read.rows] == [4, 4, 4]
     assert isinstance(cache.plan_step(seqs, [1, 1, 1], policy=ReadPolicy(views=False)).groups[0].read, Gather)
+
+
+def test_length_split_is_the_best_cut_of_at_most_three_parts():
+    from itertools import combinations
+
+    from kvgraft.model.plan import length_split
+
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        G, T, cost = int(rng.integers(1, 9)), int(rng.integers(1, 4)), int(rng.integers(0, 400))
+        ends = rng.integers(1, 300, G)
+        parts = length_split(ends, T, cost)
+        assert sorted(np.concatenate(parts).tolist()) == list(range(G))
+        assert all((np.diff(p) > 0).all() for p in parts)  # row order within a part
+
+        def total(ps, ends=ends, T=T, cost=cost):
+            return sum(len(p) * int(ends[p].max()) * T for p in ps) + cost * (len(ps) - 1)
+
+        e = np.argsort(ends, kind="stable")
+        brute = min(total(np.split(e, list(c))) for k in range(0, min(2, G - 1) + 1) for c in combinations(range(1, G), k))
+        assert total(parts) == brute
+
+
+def test_rows_at_different_lengths_are_not_padded_to_the_longest():
+    """Decode rows of 10 to 400 tokens: gathered, the plan cuts them by length (fewer padded pairs read) and the
+    engine gives the same tokens as with every row padded to the longest and as each request alone."""
+    from pathlib import Path
+
+    from kvgraft.hf import load_pretrained
+    from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.sampling import SamplingParams
+
+    model = load_pretrained(Path(__file__).resolve().parents[1] / "models" / "kvgraft-llama-8m").eval()
+    g = torch.Generator().manual_seed(5)
+    lengths = [10, 400, 14, 380, 30, 200, 12, 390, 8, 250]
+    prompts = [torch.randint(0, 8192, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(max_new_tokens=6)
+
+    def run(split: bool) -> tuple[list[list[int]], dict]:
+        old = BatchContext.home, BatchContext.split_lengths
+        BatchContext.home, BatchContext.split_lengths = False, split  # gathered decode rows
+        try:
+            engine = Engine(model, max_seqs=10, max_batch_tokens=2048, max_seq_len=416)
+            return engine.generate(prompts, params), engine.stats
+        finally:
+            BatchContext.home, BatchContext.split_lengths = old
+
+    padded, stats_padded = run(False)
+    split, stats_split = run(True)
+    alone = [Engine(model, max_seqs=1, max_seq_len=416).generate([p], params)[0] for p in prompts]
+    assert split == padded == alone
+    assert stats_split["keys_needed"] == stats_padded["keys_needed"]
+    # the padding (pairs read beyond those needed) of the decode steps: cut by length, a small part is left
+    pad_split = stats_split["keys_read"] - stats_split["keys_needed"]
+    pad_padded = stats_padded["keys_read"] - stats_padded["keys_needed"]
+    assert 0 <= pad_split < 0.25 * pad_padded, (pad_split, pad_padded)
+    cache = PagedKVCache(model.config, num_blocks=300, block_size=16, max_seqs=10, max_seq_len=416)
+    seqs = [cache.add_sequence() for _ in lengths]
+    for s, n in zip(seqs, lengths):
+        cache.extend(s, n)
+        cache.commit(s, n)
+    plan = cache.plan_step(seqs, [1] * 10, policy=ReadPolicy(home=False, row_view_min_bytes=1 << 40))
+    assert len(plan.groups) == 3 and all(isinstance(gr.read, Gather) for gr in plan.groups)
+    assert plan.keys_read < 0.7 * 10 * 401

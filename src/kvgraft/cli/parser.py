@@ -384,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="longest prompt + completion in tokens (default: the model's max_position_embeddings)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="the weights' and KV cache's dtype (default: as the checkpoint stores them)",
+    )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --max-seqs; more get 429")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="the most max_tokens a request may ask")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body")

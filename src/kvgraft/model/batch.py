@@ -235,7 +235,9 @@ class BatchContext(StepContext):
     storage calls from it, and :meth:`commit` records the tokens after the forward.
     ``adapter_ids[r]`` names the row's adapter (None: the base model); rows are grouped by new tokens (and
     by adapter on MLA models), and adapter layers read each row's adapter through :meth:`adapter_tokens`,
-    :meth:`row_adapters` or the group. ``views`` (class attribute) False makes every group gather.
+    :meth:`row_adapters` or the group. Class attributes choose the reads (:class:`kvgraft.model.plan.ReadPolicy`):
+    ``views`` False makes every group gather, ``home`` False gathers rows at home, ``split_lengths`` False
+    pads every gathered row of a group to its longest.
 
     ``replay=True``: the rows' ``new_tokens`` are the *last* tokens each sequence already holds, run again
     through some layers (``Transformer.replay``) to rebuild their window rings, e.g. for another adapter:
@@ -250,6 +252,8 @@ class BatchContext(StepContext):
 
     cache: PagedKVCache  # (always a cache: narrows the base class's optional one)
     views = True  # read a single row's consecutive blocks as a view of the pool (False: always gather)
+    home = True  # decode rows at home read one strided view of each GQA pool (False: gathered)
+    split_lengths = True  # gathered rows at different lengths are cut by length (kvgraft.model.plan.length_split)
 
     def __init__(
         self,
@@ -265,7 +269,7 @@ class BatchContext(StepContext):
     ) -> None:
         # the cache plans the step (reservation, groups, tables, positions, read strategies); the reads it may
         # choose are this class's ``views`` and this module's thresholds (tests and benchmarks set them here)
-        policy = ReadPolicy(self.views, ROW_VIEW_MIN_BYTES, MAX_ROW_PIECES)
+        policy = ReadPolicy(self.views, ROW_VIEW_MIN_BYTES, MAX_ROW_PIECES, self.home, self.split_lengths)
         plan = cache.plan_step(
             seqs, new_tokens, adapter_ids, replay=replay, write_from=write_from, replay_at=replay_at, policy=policy
         )

@@ -110,14 +110,26 @@ class Home:
 Read = Gather | Run | Home | Pieces
 
 
+# What one more group of a step costs, in query-key pairs of attention (its per-layer ops: a gather, a mask,
+# a few matmuls and copies, about 50-100 us, against 0.2-0.4 us a pair on SmolLM2-135M's shapes). A prior from
+# op counts, not a measurement: bench/engine_profile.py --split-lengths on/off is how to settle it.
+GROUP_COST_PAIRS = 256
+
+
 @dataclass(frozen=True)
 class ReadPolicy:
-    """Which reads a plan may choose: ``views`` (False: always gather), per-row views from
-    ``row_view_min_bytes`` a row and layer (CPU only), at most ``max_row_pieces`` pieces a row."""
+    """Which reads a plan may choose: ``views`` (False: always gather), ``home`` (decode rows at home read one
+    strided view; False: they are gathered), per-row views from ``row_view_min_bytes`` a row and layer (CPU
+    only), at most ``max_row_pieces`` pieces a row. ``split_lengths``: a gathered group of rows at different
+    lengths is cut by length (at most three parts) where the padded query-key pairs saved exceed
+    ``group_cost`` a part, so short rows are not padded to the longest (:func:`length_split`)."""
 
     views: bool = True
     row_view_min_bytes: int = ROW_VIEW_MIN_BYTES
     max_row_pieces: int = MAX_ROW_PIECES
+    home: bool = True
+    split_lengths: bool = True
+    group_cost: int = GROUP_COST_PAIRS
 
 
 @dataclass(frozen=True)
@@ -199,6 +211,53 @@ class StepPlan:
     groups: tuple[Group, ...]
     replay: bool = False
     write_from: int | None = None
+
+    @property
+    def keys_needed(self) -> int:
+        """Query-key pairs the step's rows need per layer of full attention: each new token against its own
+        prefix and itself (T rows of ``start + T`` keys)."""
+        return sum(t * (s + t) for s, t in zip(self.starts, self.new_tokens))
+
+    @property
+    def keys_read(self) -> int:
+        """Query-key pairs the planned reads attend per layer of full attention: a padded group reads every
+        row to its longest (``G T max_end``), a home view every slot of its range, pieces and a run only their
+        own keys. ``keys_read / keys_needed`` is the step's padding."""
+        total = 0
+        for g in self.groups:
+            r = g.read
+            if isinstance(r, Home):
+                total += (r.hi - r.lo) * g.T * g.max_end
+            elif isinstance(r, Pieces | Run):
+                total += sum(self.new_tokens[i] * (self.starts[i] + self.new_tokens[i]) for i in g.rows)
+            else:
+                total += g.G * g.T * g.max_end
+        return total
+
+
+def length_split(ends: np.ndarray, T: int, group_cost: int) -> list[np.ndarray]:
+    """Rows of one group (``ends``: each row's keys after the step; ``T`` new tokens each) cut into at most three
+    parts by length, minimizing the padded query-key pairs (a part reads every row to its longest) plus
+    ``group_cost`` pairs per part beyond the first; each part's row indices in row order. One part when cutting
+    saves nothing. Exact over all cuts of the rows sorted by length, with array ops (G^2 candidates)."""
+    G = len(ends)
+    order = np.argsort(ends, kind="stable")
+    e = ends[order].astype(np.int64)
+    best, cuts = G * int(e[-1]) * T, np.empty(0, dtype=np.int64)
+    if G >= 2:
+        i = np.arange(1, G)
+        two = (i * e[i - 1] + (G - i) * e[-1]) * T + group_cost
+        k = int(two.argmin())
+        if two[k] < best:
+            best, cuts = int(two[k]), i[k : k + 1]
+    if G >= 3:
+        a, b = np.meshgrid(np.arange(1, G), np.arange(1, G), indexing="ij")
+        three = ((a * e[a - 1] + (b - a) * e[b - 1] + (G - b) * e[-1]) * T + 2 * group_cost).astype(np.float64)
+        three[a >= b] = np.inf
+        k = int(three.argmin())
+        if three.flat[k] < best:
+            best, cuts = int(three.flat[k]), np.array([a.flat[k], b.flat[k]])
+    return [np.sort(part) for part in np.split(order, cuts)]
 
 
 def _pieces(table: list[int], tokens: int, block_size: int) -> list[tuple[int, int, int]]:
@@ -310,7 +369,14 @@ def _buckets(
     for k in np.argsort(first, kind="stable").tolist():
         rows = np.flatnonzero(inverse == k)
         t = int(new_tokens[rows[0]])
-        if policy.views and cache.head_major and cache.home_stride and t <= DECODE_MAX_NEW_TOKENS and len(rows) >= 3:
+        if (
+            policy.views
+            and policy.home
+            and cache.head_major
+            and cache.home_stride
+            and t <= DECODE_MAX_NEW_TOKENS
+            and len(rows) >= 3
+        ):
             at = cache.slots_at_home(slots[rows])
             if int(at.sum()) >= 2:
                 out.extend((t, part) for part in (rows[at], rows[~at]) if part.size)
@@ -359,7 +425,17 @@ def plan_step(
     split = codes if "mla" in cache.config.attention_kinds else None
     groups = []
     for t, rows in _buckets(cache, t_np, split, slots, policy):
-        groups.append(_group(cache, seqs, rows, t, starts, offsets, slots, adapters, codes, by_code, policy))
+        g = _group(cache, seqs, rows, t, starts, offsets, slots, adapters, codes, by_code, policy)
+        parts = (
+            length_split(starts[rows] + t, t, policy.group_cost)
+            if policy.split_lengths and g.G >= 2 and isinstance(g.read, Gather)
+            else [rows]
+        )
+        if len(parts) == 1:
+            groups.append(g)
+            continue
+        for part in parts:  # rows at different lengths: each part padded to its own longest only
+            groups.append(_group(cache, seqs, rows[part], t, starts, offsets, slots, adapters, codes, by_code, policy))
     return StepPlan(
         tuple(seqs),
         tuple(new_tokens),
@@ -425,7 +501,13 @@ def _group(
         row = base[0]
         if G == 1 and nb and row[-1] >= 0 and (nb == 1 or bool((np.diff(row) == 1).all())):
             read = Run(int(row[0]))
-        elif G >= 2 and cache.head_major and t <= DECODE_MAX_NEW_TOKENS and (home := cache.home_range(table, slots_t, ends)):
+        elif (
+            G >= 2
+            and policy.home
+            and cache.head_major
+            and t <= DECODE_MAX_NEW_TOKENS
+            and (home := cache.home_range(table, slots_t, ends))
+        ):
             read = Home(*home)
         if (
             t == 1

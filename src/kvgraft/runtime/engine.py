@@ -135,7 +135,8 @@ class Engine:
         self.device = param.device
         self.requests: dict[int, Request] = {}
         self._next_id = 0
-        self.stats = {"steps": 0, "tokens": 0, "preemptions": 0, "peak_used_bytes": 0}
+        # keys_read / keys_needed: query-key pairs attended per full-attention layer, planned vs needed (padding)
+        self.stats = {"steps": 0, "tokens": 0, "preemptions": 0, "peak_used_bytes": 0, "keys_read": 0, "keys_needed": 0}
         self.prefix_stats = {"entries": 0, "bytes": 0, "queries": 0, "hits": 0, "replays": 0, "replayed_tokens": 0}
         if prefix_max_bytes is None:  # kept state outside the pools: at most a quarter of the pools' size
             prefix_max_bytes = self.cache.nbytes // 4
@@ -295,6 +296,8 @@ class Engine:
             policy.keep_hidden(ctx, rows)
         self.stats["steps"] += 1
         self.stats["tokens"] += ctx.num_tokens
+        self.stats["keys_read"] += ctx.plan.keys_read
+        self.stats["keys_needed"] += ctx.plan.keys_needed
         self.stats["peak_used_bytes"] = max(self.stats["peak_used_bytes"], self.cache.used_bytes)
         outputs = []
         sampler = Sampler(logits)

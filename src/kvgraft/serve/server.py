@@ -78,6 +78,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
+import torch
 import uvicorn
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -630,6 +631,9 @@ def shipped_adapters(base_dir: str | Path, config: ModelConfig) -> dict[str, Pat
     return found
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def build_server(
     base: str | Path,
     adapters: dict[str, str | Path] | None = None,
@@ -640,6 +644,7 @@ def build_server(
     max_seq_len: int | None = None,
     num_blocks: int | None = None,
     kv_budget: KVBudget = None,
+    dtype: str | None = None,
     prefix_cache: bool = True,
     with_shipped_adapters: bool = False,
     **config: Any,
@@ -647,7 +652,9 @@ def build_server(
     """Load ``base`` (a model directory or shipped reference name) and its tokenizer, start adapters, build
     the server (not started: run it with uvicorn, or :func:`serve`). ``kv_budget``: the engine's pools' memory
     budget (bytes, ``"4GiB"``, a fraction of available memory, or None for the default; see
-    :mod:`kvgraft.runtime.budget`; ``server.engine.pool`` says what it bought). ``prefix_cache``: the engine's prefix
+    :mod:`kvgraft.runtime.budget`; ``server.engine.pool`` says what it bought). ``dtype``: the weights' and
+    cache's dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"`` (None: as the checkpoint stores them).
+    ``prefix_cache``: the engine's prefix
     cache (on by default; ``kvgraft serve --no-prefix-cache`` turns it off). ``with_shipped_adapters``: also
     load the example adapters shipped for this base (:func:`shipped_adapters`; ``adapters`` win on a name).
     ``config``: :class:`ServerConfig` fields."""
@@ -657,7 +664,11 @@ def build_server(
     if tokenizer is None:
         raise FileNotFoundError(f"{path} has no tokenizer.json; the server needs one")
     cfg = ServerConfig(model_name=model_name or Path(path).resolve().name, **config)
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype ({dtype!r}) must be one of {sorted(_DTYPES)} or None")
     model = load_pretrained(path).eval()
+    if dtype is not None:
+        model = model.to(_DTYPES[dtype])
 
     def detok(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)

@@ -30,6 +30,7 @@ def serve(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         max_seq_len=args.max_seq_len,
         kv_budget=kv_budget,
+        dtype=args.dtype,
         max_queue=args.max_queue,
         max_tokens_limit=args.max_tokens_limit,
         max_request_bytes=args.max_request_bytes,
