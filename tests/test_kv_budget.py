@@ -159,7 +159,13 @@ def test_budgets_that_cannot_hold_a_request_and_conflicting_arguments_are_refuse
     Engine(model, max_seqs=2, max_seq_len=64, kv_budget="1MiB")  # shorter requests fit
     with pytest.raises(ValueError, match=r"give num_blocks \(10\) or kv_budget \('1GiB'\), not both"):
         Engine(model, num_blocks=10, kv_budget="1GiB")
-    for name, kwargs in [("num_blocks", {"num_blocks": 0}), ("num_blocks", {"num_blocks": 2.0}), ("dtype", {"dtype": "fp16"})]:
+    for name, kwargs in [
+        ("num_blocks", {"num_blocks": 0}),
+        ("num_blocks", {"num_blocks": 2.0}),
+        ("dtype", {"dtype": "fp16"}),
+        ("prefix_cache", {"prefix_cache": "yes"}),
+        ("detokenize", {"detokenize": "not a function"}),
+    ]:
         with pytest.raises(ValueError, match=rf"{name} \("):
             Engine(model, **kwargs)
 

@@ -107,6 +107,10 @@ class Engine:
             raise ValueError(f"prefix_max_bytes ({prefix_max_bytes!r}) must be a non-negative integer or None")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype ({dtype!r}) must be a torch.dtype or None")
+        if not isinstance(prefix_cache, bool):
+            raise ValueError(f"prefix_cache ({prefix_cache!r}) must be True or False")
+        if detokenize is not None and not callable(detokenize):
+            raise ValueError(f"detokenize ({detokenize!r}) must be a function from token ids to text, or None")
         param = next(model.parameters())
         cache_dtype = dtype or param.dtype
         self.model = model

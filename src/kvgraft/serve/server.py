@@ -666,9 +666,7 @@ def build_server(
     cfg = ServerConfig(model_name=model_name or Path(path).resolve().name, **config)
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype ({dtype!r}) must be one of {sorted(_DTYPES)} or None")
-    model = load_pretrained(path).eval()
-    if dtype is not None:
-        model = model.to(_DTYPES[dtype])
+    model = load_pretrained(path, dtype=None if dtype is None else _DTYPES[dtype]).eval()
 
     def detok(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
