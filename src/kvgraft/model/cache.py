@@ -199,7 +199,8 @@ class PagedKVCache:
         # every allocation by _mirror: the first layer span's block table (-1 past its blocks), its block count,
         # the tokens committed, whether a restore split the layers into spans, and per ring group the
         # ring-block table (-1: never written)
-        self.slot_tables = np.full((max_seqs, -(-max_seq_len // block_size)), -1, dtype=np.int64)
+        # (a table holds distinct ids: at most num_blocks of them, however long max_seq_len is)
+        self.slot_tables = np.full((max_seqs, min(-(-max_seq_len // block_size), num_blocks)), -1, dtype=np.int64)
         self.slot_nblocks = np.zeros(max_seqs, dtype=np.int64)
         self.slot_lengths = np.zeros(max_seqs, dtype=np.int64)
         self.slot_split = np.zeros(max_seqs, dtype=bool)
