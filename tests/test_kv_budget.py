@@ -198,3 +198,16 @@ def test_serve_prints_the_budget_and_concurrency(monkeypatch, capsys):
     )
     assert main(["serve", "kvgraft-llama-8m", "--kv-budget", "8 parsecs"]) != 0
     assert "kv_budget ('8 parsecs')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_pools_are_zeros_from_lazily_mapped_memory(dtype):
+    from kvgraft.model.blocks import lazy_zeros
+
+    t = lazy_zeros((3, 5, 7), dtype, "cpu")
+    assert t.dtype == dtype and t.shape == (3, 5, 7) and t.is_contiguous() and not t.any()
+    t[1, 2] = 1.5
+    assert float(t.sum()) == 7 * 1.5
+    cache = PagedKVCache(reference("kvgraft-llama-8m").config, 4, 16, 2, 64, dtype)
+    assert all(p.dtype == dtype and not p.any() for p in cache.paged.values())
+    assert lazy_zeros((0, 4), dtype, "cpu").shape == (0, 4)

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvgraft.model.blocks import BlockAllocator, CacheFullError
+from kvgraft.model.blocks import BlockAllocator, CacheFullError, lazy_zeros
 from kvgraft.model.config import CacheLayout, ModelConfig, cache_layout
 from kvgraft.model.plan import ReadPolicy, StepPlan, plan_step
 from kvgraft.model.rings import WindowRings, ring_shape
@@ -158,7 +158,7 @@ class PagedKVCache:
         self.ring_split, self.ring_groups, self.ring_group_of, self.rings = wr.split, wr.groups, wr.group_of, wr.pools
 
         def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
+            return lazy_zeros(shape, dtype, device)
 
         itemsize = torch.empty((), dtype=dtype).element_size()
         # GQA layers store keys and values head-major, (2K, blocks, block_size, head_dim): gathering a batch's

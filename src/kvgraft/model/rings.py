@@ -22,7 +22,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
-from kvgraft.model.blocks import BlockAllocator
+from kvgraft.model.blocks import BlockAllocator, lazy_zeros
 
 
 def ring_shape(window: int | None, block_size: int, max_seq_len: int) -> tuple[int, int, int]:
@@ -102,9 +102,7 @@ class WindowRings:
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.groups = [RingGroup(tuple(p), num_blocks, itemsize * rb * sum(widths[x] for x in p)) for p in parts] if nrb else []
         self.group_of = {layer: i for i, g in enumerate(self.groups) for layer in g.layers}
-        self.pools = (
-            {layer: torch.zeros((num_blocks, rb, w), dtype=dtype, device=device) for layer, w in widths.items()} if nrb else {}
-        )
+        self.pools = {layer: lazy_zeros((num_blocks, rb, w), dtype, device) for layer, w in widths.items()} if nrb else {}
 
     # ---- tables ----------------------------------------------------------------------------------
     def new_tables(self) -> list[list[int]]:
