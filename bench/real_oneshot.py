@@ -4,7 +4,8 @@ flags of each setting, scored on held-out text the graft never calibrated on.
     .venv/bin/python bench/real_texts.py                     # once: runs/real-texts/{manual,glossary}.npy
     .venv/bin/python bench/real_oneshot.py --settings 4:kvgraft:0 4:kvgraft:8 4:deepseek_v3:8 [--out runs/bench/real_oneshot]
 
-A setting is ``COMPRESSION:FORMAT:REFINE_EPOCHS`` (FORMAT ``kvgraft`` or ``deepseek_v3``). Each conversion runs
+A setting is ``COMPRESSION:FORMAT:REFINE_EPOCHS`` (FORMAT ``kvgraft``, ``deepseek_v3`` or ``both``: one
+conversion, both outputs scored, as two rows). Each conversion runs
 as its own ``python -m kvgraft convert`` process (wall time and peak RSS measured from outside it). The kvgraft
 format is scored with kvgraft's forward, the stock DeepSeek-V3 export *through stock transformers*
 (DeepseekV3ForCausalLM), both with ``kvgraft.eval.perplexity`` (non-overlapping windows of 512 tokens, fp32);
@@ -55,8 +56,8 @@ def score(model: torch.nn.Module, texts: Path) -> dict[str, float]:
 
 def parse_setting(text: str) -> tuple[float, str, int]:
     parts = text.split(":")
-    if len(parts) != 3 or parts[1] not in ("kvgraft", "deepseek_v3"):
-        raise SystemExit(f"setting {text!r} is not COMPRESSION:FORMAT:REFINE_EPOCHS with FORMAT kvgraft or deepseek_v3")
+    if len(parts) != 3 or parts[1] not in ("kvgraft", "deepseek_v3", "both"):
+        raise SystemExit(f"setting {text!r} is not COMPRESSION:FORMAT:REFINE_EPOCHS with FORMAT kvgraft, deepseek_v3 or both")
     return float(parts[0]), parts[1], int(parts[2])
 
 
@@ -112,7 +113,7 @@ def main() -> None:
     if "original" not in results:
         results["original"] = score(load_pretrained(model, dtype=torch.float32), a.texts)
         atomic_write_json(path, results)
-    done = {(r["compression"], r["format"], r["refine_epochs"]) for r in results["runs"]}
+    done = {(r["compression"], r.get("setting_format", r["format"]), r["refine_epochs"]) for r in results["runs"]}
     for compression, fmt, epochs in settings:
         if (compression, fmt, epochs) in done:
             continue
@@ -124,33 +125,36 @@ def main() -> None:
             figures = convert(model, out, compression, fmt, epochs, a.convert_args)
             record = json.loads((out / "conversion.json").read_text())
         graft = record["graft"]
-        if fmt == "kvgraft":
-            scored = load_pretrained(out, dtype=torch.float32)
-        else:
-            from transformers import AutoModelForCausalLM
+        for scored_fmt in ("kvgraft", "deepseek_v3") if fmt == "both" else (fmt,):
+            if scored_fmt == "kvgraft":
+                scored = load_pretrained(out, dtype=torch.float32)
+            else:
+                from transformers import AutoModelForCausalLM
 
-            scored = _Stock(AutoModelForCausalLM.from_pretrained(str(out / "deepseek_v3"), dtype=torch.float32).eval())
-        d_c = graft["kv_lora_rank"] + (1 if record.get("deepseek_v3", {}).get("kv_lora_rank", 0) > graft["kv_lora_rank"] else 0)
-        run = {
-            "compression": compression,
-            "format": fmt,
-            "refine_epochs": epochs,
-            "ranks": f"{d_c} + {graft['qk_rope_head_dim']}",
-            "latent_norm": graft.get("latent_norm"),
-            "rope_selection": graft["rope_selection"],
-            "ppl": score(scored, a.texts),
-            "calibration": record["calibration"],
-            "calibration_tail": record["calibration_tail"],
-            "export_error_check": record.get("deepseek_v3", {}).get("error_check"),
-            **figures,
-        }
-        results["runs"].append(run)
+                scored = _Stock(AutoModelForCausalLM.from_pretrained(str(out / "deepseek_v3"), dtype=torch.float32).eval())
+            exported = record.get("deepseek_v3", {}).get("kv_lora_rank", 0) > graft["kv_lora_rank"]
+            d_c = graft["kv_lora_rank"] + (1 if exported else 0)
+            run = {
+                "compression": compression,
+                "format": scored_fmt if fmt != "both" else f"{scored_fmt} (of both)",
+                "setting_format": fmt,
+                "refine_epochs": epochs,
+                "ranks": f"{d_c} + {graft['qk_rope_head_dim']}",
+                "latent_norm": graft.get("latent_norm"),
+                "rope_selection": graft["rope_selection"],
+                "ppl": score(scored, a.texts),
+                "calibration": record["calibration"],
+                "calibration_tail": record["calibration_tail"],
+                "export_error_check": record.get("deepseek_v3", {}).get("error_check"),
+                **figures,
+            }
+            results["runs"].append(run)
         atomic_write_json(path, results)
         tmp = a.out / ".results.md"
         tmp.write_text(table(results))
         tmp.replace(a.out / "results.md")
         print(table(results), flush=True)
-        if not a.keep:
+        if not a.keep and not out.is_symlink():
             shutil.rmtree(out)
 
 

@@ -116,6 +116,60 @@ def test_attention_only_freezes_everything_else(setup, tmp_path):
     assert any("mlp" in k for k in before) and not any("mlp" in k for k in changed)
 
 
+def test_attention_only_checkpoints_hold_the_attention_and_resume(setup, tmp_path):
+    """An attention-only heal checkpoints only what trains (a 135M model's checkpoint is its attention, not the
+    whole model), and a run resumed from such a checkpoint ends where the straight run does."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from kvgraft.train.checkpoint import checkpoint_dirs
+
+    _, mla_dir, data = setup
+    straight = tmp_path / "straight"
+    tc = _tc(max_steps=4, save_every=2, eval_every=2)
+    heal(mla_dir, straight, data, heal_config=HealConfig(attention_only=True), train_config=tc)
+    ckpts = checkpoint_dirs(straight)
+    assert [c.name for c in ckpts][-1].endswith("00000004")
+    saved = load_file(str(ckpts[-1] / "model.safetensors"))
+    model = load_pretrained(mla_dir)
+    attention = {n for n, _ in model.named_parameters() if ".self_attn." in n}
+    assert set(saved) == attention
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "final")
+    shutil.rmtree(checkpoint_dirs(resumed)[-1])  # back to step 2: the rerun trains steps 3 and 4 again
+    heal(mla_dir, resumed, data, heal_config=HealConfig(attention_only=True), train_config=tc)
+    a, b = load_pretrained(straight / "final").state_dict(), load_pretrained(resumed / "final").state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
+def test_a_weights_only_checkpoint_resumes_only_when_it_says_so(setup, tmp_path):
+    """A checkpoint carried without its optimizer state (bench/real_heal.py's packs) resumes with fresh AdamW
+    moments only if state.json says why, and the log records it; a missing optimizer.pt otherwise is an error."""
+    from kvgraft.train.checkpoint import checkpoint_dirs
+
+    _, mla_dir, data = setup
+    import shutil
+
+    run = tmp_path / "run"
+    longer = _tc(max_steps=4, save_every=2)
+    heal(mla_dir, run, data, heal_config=HealConfig(attention_only=True), train_config=longer)
+    shutil.rmtree(checkpoint_dirs(run)[-1])  # back to step 2
+    ckpt = checkpoint_dirs(run)[-1]
+    (ckpt / "optimizer.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="optimizer_reset"):
+        heal(mla_dir, run, data, heal_config=HealConfig(attention_only=True), train_config=longer)
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**state, "optimizer_reset": "carried without it"}))
+    result = heal(mla_dir, run, data, heal_config=HealConfig(attention_only=True), train_config=longer)
+    assert result.step == 4
+    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert any(r.get("resumed_with", {}).get("optimizer") == "carried without it" for r in rows)
+
+
 def test_down_projections_stay_fp32_with_bf16_weights(setup, tmp_path, monkeypatch):
     """Weights held in bf16 except the latent down-projections, whose weights and gradients stay fp32."""
     import kvgraft.train.heal as heal_mod

@@ -45,8 +45,14 @@ def test_the_rule_fits_every_shape(kv_heads, head_dim, compression, stock):
         assert r.qk_rope_head_dim <= max(2, 3 * head_dim // 4)
         s = default_ranks(cfg, compression=compression, stock=True, stock_layout="stride")
         assert head_dim % s.qk_rope_head_dim == 0 and s.kv_lora_rank + s.qk_rope_head_dim == budget
-    if budget >= 128 and head_dim >= 64 and (not stock or head_dim >= 86):
-        assert r.qk_rope_head_dim == 64  # DeepSeek's d_rope once the budget allows it
+    # at most half the head, but the cap never below 32 (32 + 32 on head_dim 32; 64 + 32 on head_dim 64 at 96)
+    assert r.qk_rope_head_dim <= max(2, max(32, head_dim // 2))
+    if budget >= 128 and head_dim >= 128:
+        assert r.qk_rope_head_dim == 64  # DeepSeek's d_rope once the budget and the head allow it
+    if budget >= 64 and head_dim == 64:
+        assert r.qk_rope_head_dim == 32  # SmolLM2's shape: half the head, the latent is the scarce part
+    if budget >= 64 and head_dim == 32 and not stock:
+        assert r.qk_rope_head_dim == 32  # the reference model's shape: the even split measured best there
 
 
 def test_deepseek_budget_gives_deepseek_ranks():

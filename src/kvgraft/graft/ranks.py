@@ -5,8 +5,8 @@ the shared RoPE key (``qk_rope_head_dim``, d_rope). Given the budget -- a compre
 ``budget = floor(KV width / compression)``, KV width = 2 x num_kv_heads x head_dim) or an explicit d_c --
 the rule picks what was not given:
 
-- **d_rope** = the largest allowed value <= min(64, head_dim, budget / 2) (with an explicit d_c:
-  <= min(64, head_dim, d_c)); allowed = even (RoPE rotates pairs), and for a stock DeepSeek-V3 export
+- **d_rope** = the largest allowed value <= min(64, head_dim, budget / 2, max(32, head_dim / 2)) (with an
+  explicit d_c: <= min(64, head_dim, d_c, max(32, head_dim / 2))); allowed = even (RoPE rotates pairs), and for a stock DeepSeek-V3 export
   one whose frequencies stock DeepSeek-V3 reproduces in the export's layout (dynamic NTK and some yarn
   settings need d_rope = head_dim; the "stride" layout also needs d_rope to divide head_dim). For the stock
   export's default "prefix" layout (the d_rope/2 fastest frequencies, ``STOCK_ROPE_SELECTION``) the cap is
@@ -18,11 +18,12 @@ the rule picks what was not given:
 - **d_c** = budget - d_rope.
 
 So d_c always gets at least half of the budget, and all of it beyond 128 values: at DeepSeek's own
-budget (576) the rule gives DeepSeek's 512 + 64, the shape FlashMLA's kernels are built for. Below
-128 values the budget is split evenly: on the reference model (head_dim 32, 64 values at 4x) the even
-split 32 + 32 measured 1.039x the original's perplexity one-shot against 1.140x for 48 + 16
-(bench/RESULTS.md), so a narrower RoPE key is not a free win on small heads. ``docs/ranks.md`` tabulates
-what the rule picks for common checkpoints.
+budget (576) the rule gives DeepSeek's 512 + 64, the shape FlashMLA's kernels are built for. The
+half-head cap with its floor of 32 fits the two models measured (bench/RESULTS.md): on the reference model
+(head_dim 32, 64 values at 4x) the even split 32 + 32 measured 1.039x the original's perplexity one-shot
+against 1.140x for 48 + 16, while on SmolLM2-135M (head_dim 64, 96 values at 4x, refined) 64 + 32 measured
+4.51x / 2.60x on two held-out texts against 7.32x / 3.33x for the even 48 + 48: a real model's latent is the
+scarce part. ``docs/ranks.md`` tabulates what the rule picks for common checkpoints.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from kvgraft.model.fields import known
 DEFAULT_COMPRESSION = 4.0  # --to mla
 DEFAULT_CED_COMPRESSION = 2.0  # --to ced: several layers read each shared latent
 ROPE_CAP = 64  # DeepSeek-V2/V3's d_rope (next to d_c = 512), FlashMLA's shape
+# d_rope takes at most half of head_dim, but this cap never goes below 32 (measured, see above)
+HALF_HEAD_FLOOR = 32
 # The RoPE layout of kvgraft convert --format deepseek_v3/both by default ("stride" or "prefix"), and the
 # share of head_dim its d_rope may take ("prefix" only; measured on the reference model, see above)
 STOCK_ROPE_SELECTION = "prefix"
@@ -91,6 +94,11 @@ def stock_rope_problem(config: ModelConfig, d_rope: int, layout: str = STOCK_ROP
     except UnsupportedModelError as exc:
         return str(exc)
     return None
+
+
+def _half_head(head_dim: int) -> int:
+    """The cap on d_rope from the head's width: half of it, but not below ``HALF_HEAD_FLOOR``."""
+    return max(HALF_HEAD_FLOOR, head_dim // 2)
 
 
 def _allowed(config: ModelConfig, stock: bool, layout: str = STOCK_ROPE_SELECTION) -> list[int]:
@@ -155,15 +163,15 @@ def default_ranks(
                 f"compression {compression:g}x leaves {budget} cached values per layer (KV width {width} / "
                 f"{compression:g}): MLA needs at least 3 (one RoPE pair plus a latent); lower the compression"
             )
-        cap = min(ROPE_CAP, hd, budget // 2)
-        what = f"min(64, head_dim {hd}, budget/2 = {budget // 2})"
+        cap = min(ROPE_CAP, hd, budget // 2, _half_head(hd))
+        what = f"min(64, head_dim {hd}, budget/2 = {budget // 2}, max(32, head_dim/2) = {_half_head(hd)})"
         if stock and stock_layout == "prefix":
             share = int(STOCK_PREFIX_ROPE_SHARE * hd)
             cap = min(cap, share)
             what = f"min(64, 3/4 head_dim = {share}, budget/2 = {budget // 2}) (stock, prefix layout)"
     else:
-        cap = min(ROPE_CAP, hd, kv_lora_rank)
-        what = f"min(64, head_dim {hd}, d_c {kv_lora_rank})"
+        cap = min(ROPE_CAP, hd, kv_lora_rank, _half_head(hd))
+        what = f"min(64, head_dim {hd}, d_c {kv_lora_rank}, max(32, head_dim/2) = {_half_head(hd)})"
     if stock_layout not in STOCK_LAYOUTS:
         raise ValueError(f"stock layout {stock_layout!r} is not one of {', '.join(STOCK_LAYOUTS)}")
     allowed = _allowed(config, stock, stock_layout)
@@ -214,6 +222,7 @@ def default_ranks(
 __all__ = [
     "DEFAULT_CED_COMPRESSION",
     "DEFAULT_COMPRESSION",
+    "HALF_HEAD_FLOOR",
     "ROPE_CAP",
     "STOCK_PREFIX_ROPE_SHARE",
     "STOCK_ROPE_SELECTION",

@@ -66,7 +66,10 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load weights (strict) and optimizer state from a checkpoint directory; return its state.json."""
+    """Load weights (strict) and optimizer state from a checkpoint directory; return its state.json.
+
+    A checkpoint whose state.json has ``optimizer_reset`` (the reason) may lack optimizer.pt: the optimizer then
+    starts from fresh moments (a weights-only copy carried to another machine)."""
     path = Path(path)
     state = json.loads((path / "state.json").read_text())
     if state.get("trainable_only"):
@@ -85,5 +88,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         if missing or unexpected:
             raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        if (path / "optimizer.pt").is_file():
+            optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        elif not state.get("optimizer_reset"):  # only a checkpoint that says so may restart the moments
+            raise FileNotFoundError(
+                f"{path / 'optimizer.pt'} is missing; a checkpoint without the optimizer's state must say why in "
+                'state.json ("optimizer_reset"), e.g. one unpacked from a weights-only copy'
+            )
     return state

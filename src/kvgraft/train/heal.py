@@ -199,9 +199,17 @@ def heal(
         "original_lr": original_lr,
         "pretraining_tokens": pretraining_tokens,
     }
-    result = train(
-        student, train_ds, base, out, val_data=val_ds, loss_fn=loss_fn, extra_state=extra, val_loss_fn=lm_loss
-    )  # validation is always next-token perplexity
+    result = train(  # validation is always next-token perplexity; attention-only checkpoints hold what trains
+        student,
+        train_ds,
+        base,
+        out,
+        val_data=val_ds,
+        loss_fn=loss_fn,
+        extra_state=extra,
+        val_loss_fn=lm_loss,
+        checkpoint_trainable_only=hc.attention_only,
+    )
     latest = find_latest(out)
     if latest is not None:
         load_checkpoint(latest, student)

@@ -221,6 +221,8 @@ def train(
     if latest is not None:
         state = load_checkpoint(latest, model, optimizer)
         step, tokens, elapsed_before = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
+        if state.get("optimizer_reset") and not (latest / "optimizer.pt").is_file():
+            changed["optimizer"] = state["optimizer_reset"]
     if hasattr(model, "gradient_checkpointing"):
         model.gradient_checkpointing = cfg.gradient_checkpointing  # type: ignore[assignment]  # any module with the switch
     elif cfg.gradient_checkpointing:

@@ -1,0 +1,214 @@
+"""Healing the real model's 4x MLA graft by KL distillation on a CPU budget, resumable across machines.
+
+    .venv/bin/python bench/real_heal.py run --hours 1.5      # convert if needed, resume, heal, pack, plot
+    .venv/bin/python bench/real_heal.py score                # held-out texts on the latest checkpoint
+    .venv/bin/python bench/real_heal.py plot                 # the curve alone (bench/real_heal.png)
+
+The student is ``kvgraft convert smollm2-135m-instruct --format both`` with every default (4x, 64 + 32, the
+graft's latent norm, 4 epochs of refinement, kvgraft's calibration text); the teacher is SmolLM2 itself; the data
+is ``kvgraft prepare-data --out runs/smol-data --sources kjv web python-docs fortunes`` (5.31M training tokens,
+the held-out texts of bench/real_texts.py excluded). The run is ``kvgraft heal`` with the recipe in ``RECIPE``
+(attention only, KL, 512-token sequences, 8,192 tokens a step, cosine over a 5M-token budget), stopped after
+``--hours`` by its own ``--max-time-s`` (a checkpoint is written on the way out, and on SIGTERM).
+
+What lasts across machines is committed in ``bench/real_heal/``: the latest checkpoint's trainable weights (the
+attention, bf16, in shards under 40 MB), its state, the run's config and log. On a fresh machine ``run``
+rebuilds the student by converting again, unpacks the committed checkpoint (weights rounded to bf16, AdamW's
+moments restarted: the one step where the resumed run differs from an uninterrupted one, recorded in the log)
+and goes on. The curve is the run's validation perplexity (the data's held-out split, 16,384 tokens, bf16
+autocast as in training) against training tokens, beside the teacher's on the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvgraft.atomic import atomic_dir, atomic_savefig, atomic_write_json
+from kvgraft.data import PackedDataset
+from kvgraft.hf import load_pretrained
+from kvgraft.reference import resolve_model
+from kvgraft.train.checkpoint import PREFIX, find_latest
+from kvgraft.train.loop import evaluate, lm_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+PACK = ROOT / "bench" / "real_heal"
+TEACHER = "smollm2-135m-instruct"
+SHARD_BYTES = 35 * 2**20  # under the repository's 40 MB a file
+RECIPE = [
+    "--loss", "kl", "--attention-only", "--tokens", "5000000", "--seq-len", "512", "--micro-batch-size", "4",
+    "--grad-accum", "4", "--lr", "2e-4", "--warmup-steps", "20", "--eval-every", "25", "--eval-batches", "8",
+    "--save-every", "25", "--keep-checkpoints", "2", "--log-every", "1",
+]  # fmt: skip
+TEXTS = ("manual", "glossary")
+
+
+def convert(model: Path) -> None:
+    if (model / "conversion.json").is_file():
+        return
+    cmd = [sys.executable, "-m", "kvgraft", "convert", TEACHER, "--format", "both", "--out", str(model)]
+    print("converting:", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def pack(run: Path) -> Path | None:
+    """The run's latest checkpoint -> bench/real_heal (bf16 shards, state, config, log), atomically."""
+    latest = find_latest(run)
+    if latest is None:
+        return None
+    state = json.loads((latest / "state.json").read_text())
+    if not state.get("trainable_only"):
+        raise SystemExit(f"{latest} holds the whole model; an attention-only heal checkpoints only what trains")
+    weights = load_file(str(latest / "model.safetensors"))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(weights):
+        t = weights[name].to(torch.bfloat16).contiguous()
+        if size + t.numel() * 2 > SHARD_BYTES and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.numel() * 2
+    with atomic_dir(PACK / "checkpoint", overwrite=True) as tmp:
+        for i, shard in enumerate(shards):
+            save_file(shard, str(tmp / f"attention-{i:02d}.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({**state, "packed_from": latest.name}, indent=2) + "\n")
+        shutil.copy(run / "train_config.json", tmp / "train_config.json")
+        shutil.copy(run / "log.jsonl", tmp / "log.jsonl")
+    print(f"packed {latest.name} ({len(shards)} shards) into {PACK / 'checkpoint'}", flush=True)
+    return PACK / "checkpoint"
+
+
+def unpack(run: Path) -> None:
+    """The committed checkpoint -> the run directory, when the run has no checkpoint as far along."""
+    src = PACK / "checkpoint"
+    if not (src / "state.json").is_file():
+        return
+    state = json.loads((src / "state.json").read_text())
+    latest = find_latest(run)
+    if latest is not None and json.loads((latest / "state.json").read_text())["step"] >= state["step"]:
+        return
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(src.glob("attention-*.safetensors")):
+        weights.update({k: v.float() for k, v in load_file(str(shard)).items()})
+    target = run / "checkpoints" / f"{PREFIX}{state['step']:08d}"
+    run.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(target, overwrite=True) as tmp:
+        save_file(weights, str(tmp / "model.safetensors"))
+        state = {**state, "optimizer_reset": "unpacked from bench/real_heal: weights in bf16, AdamW moments restarted"}
+        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+    shutil.copy(src / "train_config.json", run / "train_config.json")
+    shutil.copy(src / "log.jsonl", run / "log.jsonl")
+    print(f"unpacked step {state['step']} ({state['tokens']:,} tokens) into {target}", flush=True)
+
+
+def teacher_val(data: Path, threads: int) -> float:
+    """The teacher's validation loss on the batches the run validates on (cached in bench/real_heal)."""
+    path = PACK / "teacher.json"
+    if path.is_file():
+        return json.loads(path.read_text())["val_loss"]
+    torch.set_num_threads(threads)
+    teacher = load_pretrained(resolve_model(TEACHER), dtype=torch.float32)
+    val = PackedDataset(data / "tokens" / "validation.npy", 512)
+    with torch.no_grad():
+        loss = evaluate(teacher, val, lm_loss, batch_size=4, max_batches=8, precision="bf16")
+    atomic_write_json(path, {"val_loss": loss, "val_ppl": math.exp(loss), "batches": "8 x 4 x 512, bf16 autocast"})
+    return loss
+
+
+def plot(data: Path, threads: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    log = PACK / "checkpoint" / "log.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    points = [(r["tokens"], r["val_ppl"]) for r in rows if "val_ppl" in r]
+    teacher = math.exp(teacher_val(data, threads))
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    if points:
+        ax.plot([t / 1e6 for t, _ in points], [p for _, p in points], marker="o", label="4x MLA graft, healing (KL)")
+    ax.axhline(teacher, color="k", linestyle="--", label=f"SmolLM2-135M-Instruct ({teacher:.2f})")
+    ax.axhline(teacher * 1.05, color="gray", linestyle=":", label="within 5%")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_yscale("log")
+    ax.set_title("Healing the 4x graft of SmolLM2-135M on 2 CPU cores")
+    ax.legend()
+    atomic_savefig(fig, ROOT / "bench" / "real_heal.png")
+    lines = ["| tokens | validation ppl | x teacher |", "|---|---|---|"]
+    lines += [f"| {t:,} | {p:.2f} | {p / teacher:.3f}x |" for t, p in points]
+    print("\n".join(lines))
+
+
+def score(run: Path, model: Path, texts: Path, threads: int) -> None:
+    """Held-out texts (never calibrated on, never trained on) for the latest checkpoint."""
+    import numpy as np
+
+    from kvgraft.eval.perplexity import perplexity
+
+    torch.set_num_threads(threads)
+    latest = find_latest(run)
+    if latest is None:
+        raise SystemExit(f"no checkpoint in {run}")
+    student = load_pretrained(model, dtype=torch.float32)
+    params = dict(student.named_parameters())
+    with torch.no_grad():
+        for name, t in load_file(str(latest / "model.safetensors")).items():
+            params[name].copy_(t)
+    state = json.loads((latest / "state.json").read_text())
+    out = {"step": state["step"], "tokens": state["tokens"], "ppl": {}}
+    with torch.no_grad():
+        for name in TEXTS:
+            out["ppl"][name] = perplexity(student, np.load(texts / f"{name}.npy"), seq_len=512).ppl
+    path = PACK / "heldout.json"
+    records = json.loads(path.read_text()) if path.is_file() else []
+    records = [r for r in records if r["step"] != out["step"]] + [out]
+    atomic_write_json(path, sorted(records, key=lambda r: r["step"]))
+    print(json.dumps(out))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["run", "score", "plot", "pack"])
+    p.add_argument("--hours", type=float, default=1.0, help="stop the heal after this long (it checkpoints)")
+    p.add_argument("--model", type=Path, default=ROOT / "runs" / "real-heal" / "model", help="the converted student")
+    p.add_argument("--run", type=Path, default=ROOT / "runs" / "real-heal" / "run")
+    p.add_argument("--data", type=Path, default=ROOT / "runs" / "smol-data")
+    p.add_argument("--texts", type=Path, default=ROOT / "runs" / "real-texts")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    if not math.isfinite(a.hours) or a.hours <= 0:
+        raise SystemExit(f"--hours ({a.hours}) must be a positive number")
+    if a.what == "run":
+        if not (a.data / "tokens" / "train.npy").is_file():
+            raise SystemExit(f"{a.data} has no tokens; see this script's docstring for the prepare-data command")
+        convert(a.model)
+        unpack(a.run)
+        teacher_val(a.data, a.threads)
+        cmd = [sys.executable, "-m", "kvgraft", "heal", str(a.model), "--out", str(a.run), "--data", str(a.data)]
+        cmd += ["--teacher", TEACHER, *RECIPE, "--max-time-s", str(int(a.hours * 3600)), "--no-progress"]
+        print("healing:", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
+        pack(a.run)
+        plot(a.data, a.threads)
+    elif a.what == "pack":
+        pack(a.run)
+    elif a.what == "plot":
+        plot(a.data, a.threads)
+    else:
+        score(a.run, a.model, a.texts, a.threads)
+
+
+if __name__ == "__main__":
+    main()
