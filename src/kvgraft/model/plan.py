@@ -484,6 +484,8 @@ def _group(
     # block tables: the cache's per-slot tables of each row's first layer span, padded with block 0 (masked);
     # rows whose layers a restore split into spans (a replay over a shared prompt) get their other spans' tables
     base = cache.slot_tables[slots, :nb]
+    if base.shape[1] < nb:  # a cache whose layers all keep window rings: no blocks, tables of padding only
+        base = np.pad(base, ((0, 0), (0, nb - base.shape[1])), constant_values=-1)
     split_rows = np.flatnonzero(cache.slot_split[slots]).tolist()
     cuts = sorted({0, *(u for i in split_rows for u in cache.span_starts(seqs[int(rows[i])]))})
     by_cut: dict[int, torch.Tensor] = {}
