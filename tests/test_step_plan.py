@@ -173,3 +173,27 @@ def test_rows_at_different_lengths_are_not_padded_to_the_longest():
     plan = cache.plan_step(seqs, [1] * 10, policy=ReadPolicy(home=False, row_view_min_bytes=1 << 40))
     assert len(plan.groups) == 3 and all(isinstance(gr.read, Gather) for gr in plan.groups)
     assert plan.keys_read < 0.7 * 10 * 401
+
+
+def test_decode_steps_reserve_only_for_rows_that_need_a_block(monkeypatch):
+    """The scheduler checks every decoding row at once (PagedKVCache.reserved): the cache's extend runs only for
+    rows whose next token opens a block (one step in block_size) or copies a shared one; tokens unchanged."""
+    from pathlib import Path
+
+    from kvgraft.hf import load_pretrained
+    from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.sampling import SamplingParams
+
+    model = load_pretrained(Path(__file__).resolve().parents[1] / "models" / "kvgraft-llama-8m").eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 8192, (n,), generator=g).tolist() for n in (5, 16, 30, 47)]
+    params = SamplingParams(max_new_tokens=20)
+    expected = [Engine(model, max_seqs=1, max_seq_len=80).generate([p], params)[0] for p in prompts]
+    engine = Engine(model, max_seqs=4, max_seq_len=80)
+    calls = []
+    extend = engine.cache.extend
+    monkeypatch.setattr(engine.cache, "extend", lambda seq, n: (calls.append((seq, n)), extend(seq, n))[1])
+    assert engine.generate(prompts, params) == expected
+    decode_calls = [n for _, n in calls if n == 1]
+    # 4 rows x 19 decode tokens: a block opens every 16 tokens, so each row reserves for one or two of them
+    assert 4 <= len(decode_calls) <= 8, decode_calls

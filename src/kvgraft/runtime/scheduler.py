@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
+import numpy as np
+
 from kvgraft.model.cache import PagedKVCache
 from kvgraft.runtime.prefix_policy import PrefixPolicy
 from kvgraft.runtime.request import FINISHED, RUNNING, WAITING, Request
@@ -49,10 +51,16 @@ class Scheduler:
         blocks are reserved here (preempting the latest-admitted requests when the pool runs out)."""
         budget = self.max_batch_tokens
         rows: list[Row] = []
-        for req in sorted(list(self.running), key=lambda r: len(r.tokens) - r.computed):  # decodes first
+        ordered = sorted(list(self.running), key=lambda r: len(r.tokens) - r.computed)  # decodes first
+        ready = self._reserved_decodes(ordered)
+        for req in ordered:
             if budget == 0 or req not in self.running:
                 continue
             n = self.chunk(req, req.computed, budget)
+            if n == 1 and id(req) in ready:  # its next token's block is held and its own: nothing to reserve
+                rows.append((req, n))
+                budget -= n
+                continue
             while not self.cache.can_extend(req.cache_seq, n):
                 if self.prefix is not None and self.prefix.evict_one():
                     continue
@@ -96,6 +104,17 @@ class Scheduler:
             rows.append((req, n))
             budget -= n
         return rows
+
+    def _reserved_decodes(self, running: list[Request]) -> set[int]:
+        """ids of the running requests decoding one token whose cache already holds a block of their own for it
+        (``PagedKVCache.reserved``, one array check for all of them): the step reserves nothing for those
+        (most decode rows: all but one step in ``block_size``). Preempting another request leaves them so."""
+        decodes = [r for r in running if len(r.tokens) - r.computed == 1]
+        if not decodes:
+            return set()
+        slots = np.fromiter((self.cache.slot(r.cache_seq) for r in decodes), dtype=np.int64, count=len(decodes))
+        ok = self.cache.reserved(slots, np.ones(len(decodes), dtype=np.int64))
+        return {id(r) for r, k in zip(decodes, ok.tolist()) if k}
 
     def chunk(self, req: Request, computed: int, budget: int) -> int:
         """Tokens of ``req`` to run next: the rest, at most ``budget``, ending at the next keep point first."""
