@@ -211,3 +211,16 @@ def test_cpu_pools_are_zeros_from_lazily_mapped_memory(dtype):
     cache = PagedKVCache(reference("kvgraft-llama-8m").config, 4, 16, 2, 64, dtype)
     assert all(p.dtype == dtype and not p.any() for p in cache.paged.values())
     assert lazy_zeros((0, 4), dtype, "cpu").shape == (0, 4)
+
+
+def test_available_memory_honours_a_cgroup_limit(monkeypatch, tmp_path):
+    (tmp_path / "memory.max").write_text(f"{3 << 30}\n")
+    (tmp_path / "memory.current").write_text(f"{1 << 30}\n")
+    real_path = budget_mod.Path
+    monkeypatch.setattr(budget_mod, "Path", lambda p: tmp_path if p == "/sys/fs/cgroup" else real_path(p))
+    monkeypatch.setattr(budget_mod, "_host_available", lambda: 20 * GiB)
+    assert budget_mod.available_memory("cpu") == 2 * GiB  # the limit less what the cgroup uses
+    (tmp_path / "memory.max").write_text("max\n")
+    assert budget_mod.available_memory("cpu") == 20 * GiB
+    with pytest.raises(ValueError, match="cannot measure the memory available on device mps"):
+        budget_mod.available_memory("mps")

@@ -9,8 +9,8 @@ not), up to ``max_seqs`` state slots. A budget is
 
 - bytes: an ``int`` (``4 << 30``) or a string with a unit (``"4GiB"``, ``"512MiB"``, ``"2.5GB"``);
 - a fraction of the memory available now on the cache's device: a ``float`` in (0, 1] or a string
-  (``"0.3"``, ``"30%"``); host memory is ``MemAvailable`` of ``/proc/meminfo``, a CUDA device's is
-  ``torch.cuda.mem_get_info``'s free bytes;
+  (``"0.3"``, ``"30%"``); host memory is ``MemAvailable`` of ``/proc/meminfo`` (at most what the process's
+  cgroup limit leaves), a CUDA device's is ``torch.cuda.mem_get_info``'s free bytes;
 - None: the default, :data:`DEFAULT_KV_BUDGET` (vLLM CPU's 4 GiB) or half the available memory when that
   is less.
 
@@ -105,17 +105,41 @@ def available_memory(device: torch.device | str) -> int:
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free)
     if dev.type in ("cpu", "meta"):
-        try:
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        try:
-            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError, AttributeError):
-            pass
+        host = _host_available()
+        if host is not None:
+            limit = _cgroup_available()  # a container's memory limit, when it is below what the host has
+            return host if limit is None else min(host, limit)
     raise ValueError(f"cannot measure the memory available on device {dev}; give kv_budget in bytes")
+
+
+def _host_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _cgroup_available() -> int | None:
+    """The memory limit of this process's cgroup less what it uses (v2, else v1); None without a limit."""
+    root = Path("/sys/fs/cgroup")
+    for limit_file, used_file in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            limit = (root / limit_file).read_text().strip()
+            if limit == "max" or int(limit) >= 1 << 60:  # v1 reports "no limit" as a huge number
+                return None
+            return max(0, int(limit) - int((root / used_file).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def format_bytes(n: float) -> str:
