@@ -224,3 +224,27 @@ def test_available_memory_honours_a_cgroup_limit(monkeypatch, tmp_path):
     assert budget_mod.available_memory("cpu") == 20 * GiB
     with pytest.raises(ValueError, match="cannot measure the memory available on device mps"):
         budget_mod.available_memory("mps")
+
+
+@pytest.mark.parametrize("name", ["kvgraft-llama-8m", "kvgraft-ced-8m"])
+def test_the_prefix_cache_under_a_small_budget_keeps_the_tokens(name):
+    """kvgraft serve's engine (prefix cache on) with budgets below its worst case: at 20 blocks requests are
+    preempted (kept prompts go first), at 44 kept prompts are hit; every request gives its tokens alone."""
+    model = reference(name)
+    g = torch.Generator().manual_seed(7)
+    system = torch.randint(0, 8192, (40,), generator=g).tolist()
+    prompts = [system + torch.randint(0, 8192, (n,), generator=g).tolist() for n in (5, 30, 12, 60, 3, 25)]
+    prompts += [prompts[1], prompts[3][:50]]  # a prompt again, and one that extends a kept part
+    params = [SamplingParams(max_new_tokens=n) for n in (10, 4, 16, 8, 12, 6, 9, 7)]
+    alone = [Engine(model, max_seqs=1, max_seq_len=128).generate([p], [s])[0] for p, s in zip(prompts, params)]
+    probe = Engine(model, max_seqs=6, max_seq_len=128, prefix_cache=True, num_blocks=8)
+    seen = {}
+    for blocks in (20, 44):  # the worst case: 6 x (8 + 2) = 60 blocks
+        budget = probe.pool.fixed_bytes + blocks * probe.pool.block_bytes
+        engine = Engine(model, max_seqs=6, max_seq_len=128, prefix_cache=True, kv_budget=budget)
+        assert engine.cache.num_blocks == blocks < engine.pool.worst_case_blocks
+        ids = [engine.add_request(p, s) for p, s in zip(prompts, params)]
+        engine.run()
+        assert [engine.pop_finished(i).output for i in ids] == alone
+        seen[blocks] = engine.stats["preemptions"], engine.prefix_stats["hits"]
+    assert seen[20][0] > 0 and seen[44][1] > 0, seen
