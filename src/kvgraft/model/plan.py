@@ -120,9 +120,10 @@ GROUP_COST_PAIRS = 256
 class ReadPolicy:
     """Which reads a plan may choose: ``views`` (False: always gather), ``home`` (decode rows at home read one
     strided view; False: they are gathered), per-row views from ``row_view_min_bytes`` a row and layer (CPU
-    only), at most ``max_row_pieces`` pieces a row. ``split_lengths``: a gathered group of rows at different
-    lengths is cut by length (at most three parts) where the padded query-key pairs saved exceed
-    ``group_cost`` a part, so short rows are not padded to the longest (:func:`length_split`)."""
+    only), at most ``max_row_pieces`` pieces a row. ``split_lengths``: on the CPU, a gathered group of rows at
+    different lengths is cut by length (at most three parts) where the padded query-key pairs saved exceed
+    ``group_cost`` a part, so short rows are not padded to the longest (:func:`length_split`); not on an
+    accelerator, where a group's cost is kernel launches that the prior does not model."""
 
     views: bool = True
     row_view_min_bytes: int = ROW_VIEW_MIN_BYTES
@@ -428,7 +429,7 @@ def plan_step(
         g = _group(cache, seqs, rows, t, starts, offsets, slots, adapters, codes, by_code, policy)
         parts = (
             length_split(starts[rows] + t, t, policy.group_cost)
-            if policy.split_lengths and g.G >= 2 and isinstance(g.read, Gather)
+            if policy.split_lengths and cache.device.type == "cpu" and g.G >= 2 and isinstance(g.read, Gather)
             else [rows]
         )
         if len(parts) == 1:
