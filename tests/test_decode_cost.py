@@ -122,5 +122,7 @@ def test_1b_shape_trade():
     c = configs("1b")
     g, m = step_cost(c["gqa"], 8192, 16, 2), step_cost(c["mla"], 8192, 16, 2)
     assert g.cache_read == 4 * m.cache_read
-    # per key and head: GQA 2 (d + d) = 256 FLOPs; absorbed MLA 2 ((d_c + d_rope) + d_c) = 896
-    assert m.attn_flops * 256 == g.attn_flops * 896
+    # per key and head: GQA 2 (d + d) = 256 FLOPs; absorbed MLA 2 ((d_c + d_rope) + d_c) = 960 at the rule's 224 + 32
+    mla = c["mla"]
+    assert (mla.kv_lora_rank, mla.qk_rope_head_dim) == (224, 32)
+    assert m.attn_flops * 256 == g.attn_flops * 960
