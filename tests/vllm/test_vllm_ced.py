@@ -5,7 +5,9 @@ greedy tokens as kvgraft's own engine, CPU, fp32.
   tokens (both sides of W, of m and of vLLM's block edges; 400 is 6 windows, so most of what a query reads
   comes through the pooled shared stream), 32 greedy tokens each, in one vLLM batch, and again with
   ``max_num_batched_tokens`` small enough that long prompts are prefilled in chunks that split blocks
-  and pooling blocks (a chunk ending mid-block leaves a pending token for the next chunk);
+  and pooling blocks (a chunk ending mid-block leaves a pending token for the next chunk); the one-batch run on
+  both of the plugin's paths (batched, the default, and kvgraft's layer code per request);
+- 32 requests of 1-400 tokens with 256-token steps: decode rows and prefill chunks in the same step;
 - the share graft: ``kvgraft convert models/kvgraft-llama-8m --to ced`` (m = 1 by default), same prompts.
 
 The logprob check is kvgraft's cache-free forward teacher-forced on vLLM's own sequence (top-5, < 1e-4).
@@ -50,37 +52,85 @@ def ced():
 
 @pytest.fixture
 def steps(monkeypatch):
-    """What the plugin's step contexts saw (the engine runs in this process): per group (start, T), and per
-    shared-stream read (source layer, entries read)."""
+    """What the plugin saw (the engine runs in this process), on either path: per request of a step
+    (start, T) in "groups", each step's query lengths in "steps", and per shared-stream read (source layer,
+    entries read) in "reads". The batched path's metadata builders plan every step once per cache group, so
+    "groups" and "steps" repeat each step once per group."""
+    import kvgraft.vllm.cache as cache_mod
+    import kvgraft.vllm.model as model_mod
     from kvgraft.vllm.context import VllmStepContext
 
-    log: dict[str, list[tuple[int, int]]] = {"groups": [], "reads": []}
+    log: dict[str, list] = {"groups": [], "reads": [], "steps": []}
     init, segment = VllmStepContext.__init__, VllmStepContext.segment
+    plan, attend = cache_mod.plan_tiles, model_mod.ced_attention
 
     def logged_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
         log["groups"] += [(end - g.T, g.T) for g, end in zip(self.groups, self.ends)]
+        log["steps"].append([g.T for g in self.groups])
 
     def logged_segment(self, source, gi):
         out = segment(self, source, gi)
         log["reads"].append((source, out[0].shape[1]))
         return out
 
+    def logged_plan(query_start, seq_lens, *args, **kwargs):
+        T = [int(b - a) for a, b in zip(query_start[:-1], query_start[1:])]
+        log["groups"] += [(int(n) - t, t) for n, t in zip(seq_lens, T) if t > 0]
+        log["steps"].append([t for t in T if t > 0])
+        return plan(query_start, seq_lens, *args, **kwargs)
+
+    def logged_attend(attn, *args):
+        stream_ix = args[-1]
+        if stream_ix is not None and stream_ix.entry_at is not None:
+            log["reads"].append((attn.source, stream_ix.entry_at[0].shape[1]))
+        return attend(attn, *args)
+
     monkeypatch.setattr(VllmStepContext, "__init__", logged_init)
     monkeypatch.setattr(VllmStepContext, "segment", logged_segment)
+    monkeypatch.setattr(cache_mod, "plan_tiles", logged_plan)
+    monkeypatch.setattr(model_mod, "ced_attention", logged_attend)
     return log
 
 
-def test_ced_8m_matches_kvgraft_engine(ced, steps):
+@pytest.mark.parametrize("path", ["batched", "per-request"])
+def test_ced_8m_matches_kvgraft_engine(ced, steps, path, monkeypatch):
+    """Both paths of the plugin: the batched one (the default: each layer's window and stream read for the whole
+    step, merged by log-sum-exp) and kvgraft's layer code per request (what steps with adapters run)."""
+    monkeypatch.setenv("KVGRAFT_VLLM_CED_PATH", path)
     prompts = _prompts(CED)
     with VllmRunner(CED, max_model_len=MAX_LEN) as runner:
         report = kvgraft_parity(runner, ced, prompts, n_new=N_NEW)
-    _check(report, "kvgraft-ced-8m")
-    # the shared stream was read, by every reading layer's source, up to the longest prompt's entries
-    m = ced.config.compress_rate
+    _check(report, f"kvgraft-ced-8m, {path}")
+    # the shared stream was read, by every reading layer's source, up to the longest prompt's entries: all of
+    # them per request (kvgraft's layer masks the invisible ones), the last query's visible ones when batched
+    m, W = ced.config.compress_rate, ced.config.sliding_window
+    last = 400 + N_NEW - 2  # position of the last decode step's query
     assert {src for src, _ in steps["reads"]} == set(ced.config.kv_source_layers)
-    assert max(n for _, n in steps["reads"]) == (400 + N_NEW - 1) // m
-    assert (0, 400) in steps["groups"] and (400 + N_NEW - 2, 1) in steps["groups"]  # prefill, last decode
+    want = (last + 1) // m if path == "per-request" else (last - W) // m + 1
+    assert max(n for _, n in steps["reads"]) == want
+    assert (0, 400) in steps["groups"] and (last, 1) in steps["groups"]  # prefill, last decode
+
+
+def test_ced_8m_32_mixed_requests_match_kvgraft_engine(ced, steps):
+    """32 requests of 1-400 prompt tokens (held-out text, lengths drawn once with a fixed seed) in one vLLM
+    batch, 32 greedy tokens each, with 256-token steps: vLLM mixes decode rows with prefill chunks in one step,
+    and every request's tokens equal kvgraft's engine's (all prompts in one continuous batch there too)."""
+    ids = np.load(CED / "eval" / "heldout.npy").astype(np.int64)
+    rng = np.random.default_rng(36)
+    lengths = [1, 2, 16, 64, 65, 400] + rng.integers(1, 401, size=26).tolist()
+    offsets = rng.integers(0, len(ids) - 400, size=len(lengths))
+    prompts = [ids[o : o + n].tolist() for o, n in zip(offsets, lengths)]
+    with VllmRunner(
+        CED, max_model_len=MAX_LEN, max_num_seqs=32, max_num_batched_tokens=256, enable_chunked_prefill=True
+    ) as runner:
+        runs = runner.greedy(prompts, n_new=N_NEW, top_k=1)
+    ours = kvgraft_engine_greedy(ced, prompts, N_NEW)
+    differ = [(i, len(p)) for i, (p, r, o) in enumerate(zip(prompts, runs, ours)) if r.tokens != o]
+    assert not differ, f"(request, prompt length) whose greedy tokens differ from kvgraft's engine: {differ}"
+    mixed = [Ts for Ts in steps["steps"] if 1 in Ts and any(t > 1 for t in Ts)]
+    assert mixed, "no step mixed decode rows with a prefill"
+    assert max(len(Ts) for Ts in steps["steps"]) == 32
 
 
 def test_ced_8m_chunked_prefill_matches_kvgraft_engine(ced, steps):

@@ -39,10 +39,10 @@ except ImportError as exc:  # the optional extra is missing
 
     raise ImportError(EXTRA_HINT) from exc
 
-from kvgraft.vllm.geometry import PageGeometry
+from kvgraft.vllm.batched import BatchIndex, build_indices, plan_tiles
+from kvgraft.vllm.geometry import PENDING, STREAM, WINDOW, PageGeometry
 
 BACKEND_NAME = "KVGRAFT_CED_CACHE"
-WINDOW, STREAM, PENDING = "window_cache", "stream_cache", "pending_cache"
 
 
 @dataclass
@@ -54,6 +54,7 @@ class CEDCacheMetadata:
     query_start: list[int]  # requests + 1: token offsets of each request on the packed axis
     seq_lens: list[int]  # per request: tokens in the sequence once this step is done
     block_size: int  # tokens per block of this group
+    batch: BatchIndex | None = None  # the batched path's indices (``kvgraft.vllm.batched``), when it is on
 
 
 class CEDCacheBuilder(AttentionMetadataBuilder):
@@ -61,16 +62,31 @@ class CEDCacheBuilder(AttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        context = vllm_config.compilation_config.static_forward_context
+        layer = context.get(layer_names[0]) if layer_names else None
+        self.cache_layer = layer if isinstance(layer, CEDCacheLayer) else None
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> CEDCacheMetadata:
         c: CommonAttentionMetadata = common_attn_metadata
         n = c.num_reqs
+        query_start = c.query_start_loc_cpu[: n + 1]
+        seq_lens = c.seq_lens[:n].cpu()
+        block_size = int(self.kv_cache_spec.block_size)
+        batch = None
+        layer = self.cache_layer
+        if layer is not None and layer.batched:
+            g = layer.geometry
+            tiles = plan_tiles(query_start.numpy(), seq_lens.numpy())
+            batch = build_indices(
+                layer.kind, tiles, c.block_table_tensor[:n], c.slot_mapping, block_size, g.window, g.compress_rate
+            )
         return CEDCacheMetadata(
             block_table=c.block_table_tensor[:n],
             slot_mapping=c.slot_mapping[: c.num_actual_tokens],
-            query_start=[int(v) for v in c.query_start_loc_cpu[: n + 1].tolist()],
-            seq_lens=[int(v) for v in c.seq_lens[:n].cpu().tolist()],
-            block_size=int(self.kv_cache_spec.block_size),
+            query_start=[int(v) for v in query_start.tolist()],
+            seq_lens=[int(v) for v in seq_lens.tolist()],
+            block_size=block_size,
+            batch=batch,
         )
 
 
@@ -151,6 +167,7 @@ class CEDCacheLayer(nn.Module, AttentionLayerBase):
     def __init__(self, kind: str, geometry: PageGeometry, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         self.kind, self.geometry, self.dtype, self.layer_name = kind, geometry, dtype, prefix
+        self.batched = False  # whether the builder also computes the batched path's indices (set by the model)
         self.spec = cache_spec(kind, geometry, dtype)
         self.impl = CEDCacheImpl()
         self.kv_cache = torch.tensor([])

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from kvgraft.model.config import ModelConfig, cache_layout
 
 WINDOW_BLOCK = 16  # tokens per window block: vLLM frees a window's blocks as they leave it
+WINDOW, STREAM, PENDING = "window_cache", "stream_cache", "pending_cache"  # the cache kinds (vLLM layer names' last part)
 
 
 @dataclass(frozen=True)

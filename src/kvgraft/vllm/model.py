@@ -11,6 +11,7 @@ Runs eager (``enforce_eager=True``; the step context is Python per request). Wit
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,9 @@ from kvgraft.model.batch import DenseContext, StepContext, active_context
 from kvgraft.model.ced import rope_tables
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.adapters import AdapterRegistry
-from kvgraft.vllm.cache import PENDING, STREAM, WINDOW, CEDCacheLayer
+from kvgraft.vllm.batched import ced_attention
+from kvgraft.vllm.batched import compress as compress_step
+from kvgraft.vllm.cache import PENDING, STREAM, WINDOW, CEDCacheLayer, CEDCacheMetadata
 from kvgraft.vllm.context import VllmStepContext
 from kvgraft.vllm.geometry import page_geometry
 from kvgraft.vllm.lora import install as install_lora_bridge
@@ -42,6 +45,7 @@ from kvgraft.vllm.lora import step_adapters
 
 # the linears a kvgraft adapter may target, by their last name: vLLM's LoRA loader accepts an adapter's target
 # modules only when the model has vLLM linears so named (the stand-ins below; kvgraft applies the deltas)
+PATH_ENV = "KVGRAFT_VLLM_CED_PATH"  # "batched" (default) or "per-request" (kvgraft's layer code per request)
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "kv_b_proj", "kv_a_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -83,6 +87,14 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
             cache = CEDCacheLayer(kind, self.geometry, dtype, name)
             self.caches[f"{layer}_{kind}"] = cache
             self.cache_layers[(layer, kind)] = cache
+        # the batched path (``kvgraft.vllm.batched``) for every step without adapters; the indexer's top-k and
+        # KVGRAFT_VLLM_CED_PATH=per-request keep kvgraft's own layer code, one request at a time
+        path = os.environ.get(PATH_ENV, "batched")
+        if path not in ("batched", "per-request"):
+            raise ValueError(f"{PATH_ENV}={path!r}: expected 'batched' or 'per-request'")
+        self.batched = path == "batched" and not self.config.index_topk
+        for cache in self.cache_layers.values():
+            cache.batched = self.batched
         self.lora_enabled = vllm_config.lora_config is not None
         self.adapters = AdapterRegistry(self.model)
         self.adapter_paths: dict[str, Path] = {}
@@ -97,7 +109,9 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
         out: torch.Tensor = self.model.embed_tokens(input_ids)
         return out
 
-    def _context(self, positions: torch.Tensor) -> StepContext:
+    def _context(self, positions: torch.Tensor) -> StepContext | dict[tuple[int, str], CEDCacheMetadata]:
+        """The step's storage: a kvgraft step context (profiling, adapters, the indexer), or each cache's
+        metadata for the batched path."""
         metadata = get_forward_context().attn_metadata
         if isinstance(metadata, list):  # micro-batches: one dict each (not used on the CPU)
             raise NotImplementedError("kvgraft's CED model runs without micro-batching (ubatching)")
@@ -111,6 +125,8 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
         if self.lora_enabled:
             first = metadata[names[0]]
             adapters = [self._adapter(a) for a in step_adapters(first.query_start)]
+        if self.batched and not any(a is not None for a in adapters or ()):
+            return {key: metadata[c.layer_name] for key, c in self.cache_layers.items()}
         return VllmStepContext(self.cache_layers, metadata, positions, window, self.config.compress_rate, adapters)
 
     def _adapter(self, request: tuple[str, Path] | None) -> str | None:
@@ -149,11 +165,63 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
         cos, sin = self.model.rotary(pos[None], x.dtype)
         cos, sin = rope_tables(self.config, cos, sin)
         ctx = self._context(pos)
-        with active_context(ctx):
-            for block in self.model.layers:
-                x = block(x, cos, sin, ctx)
+        if isinstance(ctx, dict):
+            x = self._forward_batched(x, pos, cos, sin, ctx)
+        else:
+            with active_context(ctx):
+                for block in self.model.layers:
+                    x = block(x, cos, sin, ctx)
         out: torch.Tensor = self.model.norm(x[0])
         return out
+
+    def _forward_batched(
+        self,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        md: dict[tuple[int, str], CEDCacheMetadata],
+    ) -> torch.Tensor:
+        """kvgraft's blocks (pre-norm attention, pre-norm MLP) with each layer's attention for the whole step
+        (``kvgraft.vllm.batched``): x (1, N, h) -> (1, N, h)."""
+
+        def ix(layer: int, kind: str) -> Any:
+            batch = md[(layer, kind)].batch
+            if batch is None:
+                raise ValueError(f"layer {layer} {kind}: the metadata builder computed no batched indices")
+            return batch
+
+        for layer, module in enumerate(self.model.layers):
+            block: Any = module  # kvgraft's Block, with a CEDAttention
+            attn = block.self_attn
+            h = block.input_layernorm(x)
+            if attn.is_source:
+                pending = self.cache_layers.get((layer, PENDING))
+                compress_step(
+                    attn.compressor,
+                    h,
+                    cos,
+                    sin,
+                    pos,
+                    self.cache_layers[(layer, STREAM)].rows(),
+                    ix(layer, STREAM),
+                    None if pending is None else pending.rows(),
+                    None if pending is None else ix(layer, PENDING),
+                )
+            src = attn.source
+            y = ced_attention(
+                attn,
+                h,
+                cos,
+                sin,
+                self.cache_layers[(layer, WINDOW)].rows(),
+                ix(layer, WINDOW),
+                None if src is None else self.cache_layers[(src, STREAM)].rows(),
+                None if src is None else ix(src, STREAM),
+            )
+            x = x + attn.o_proj(y)[None]
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        return x
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.model.lm_head(hidden_states)

@@ -1,0 +1,272 @@
+"""The CED's attention for a whole vLLM step at once: no loop over requests, two reads merged by log-sum-exp.
+
+A CED layer attends, in one softmax, over its own window (the last W tokens' ``[k ; v]`` rows) and over the
+pooled entries of its kv_source layer visible to the query (``b m <= i - W``). One softmax over two key sets
+is two attentions merged by their log-sum-exp, so each read runs for every query of the step as one batched
+computation and vLLM's ``merge_attn_states`` (its cascade/chunked-prefill merge: a torch fallback on the CPU,
+CUDA/Triton kernels on GPUs) joins them:
+
+- **tiles**: a request's new tokens are cut into tiles of ``Q = min(TILE, longest query)`` consecutive
+  queries (decode steps: one query per tile). A tile's window keys are the ``W + Q - 1`` positions ending at
+  its last query, gathered from vLLM's blocks by the group's block table: a tile of 16 prefill queries reads
+  79 rows, not 16 x 64; the band mask ``q <= s <= q + W - 1`` gives each query its own last W;
+- **window read** (grouped heads, no repeat): scores, log-sum-exp and values per tile;
+- **stream read** (absorbed: ``W_UK`` folded into the query, ``W_UV`` applied after, as kvgraft's decode): the
+  entries ``0 .. n_t - 1`` a tile's last query sees, padded to the step's longest, masked per query;
+- **writes**: the step's window rows and pending rows go to vLLM's slot mapping; each pooling block whose
+  last token arrives in the step is pooled from the pending rows and written to its stream row.
+
+Every index (tiles, gathers, masks, write slots) is computed on the host by the cache groups' metadata
+builders (:func:`build_indices`), once per group and step, from the scheduler's query offsets and sequence
+lengths: the forward (:func:`ced_attention`) is tensor ops over fixed indices, with no host sync and no
+data-dependent Python. Steps with adapters and configs with an indexer take the per-request path
+(``kvgraft.vllm.context``), which runs kvgraft's own layer code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvgraft.vllm.geometry import PENDING, STREAM, WINDOW
+
+TILE = 16  # queries per prefill tile: 16 x (W + 15) window scores instead of a request's T x (T + W)
+
+
+@dataclass
+class Tiles:
+    """The step's queries cut into tiles (host arrays; every group's builder computes the same)."""
+
+    Q: int  # queries per tile
+    req: np.ndarray  # (tiles,) request of each tile (vLLM's order)
+    p0: np.ndarray  # (tiles,) position of each tile's first query
+    last: np.ndarray  # (tiles,) position of each tile's last real query
+    qidx: np.ndarray  # (tiles, Q) token (packed axis) of each query; padding queries repeat the tile's first
+    inv: np.ndarray  # (tokens,) each token's place in the (tiles * Q) flattened tile axis
+    pos: np.ndarray  # (tokens,) each token's position
+    tok_req: np.ndarray  # (tokens,) each token's request
+    lens: np.ndarray  # (requests,) sequence length once the step is done
+
+
+def plan_tiles(query_start: np.ndarray, seq_lens: np.ndarray, tile: int = TILE) -> Tiles:
+    """Tiles of the step whose request r has tokens ``query_start[r] .. query_start[r + 1] - 1`` ending at
+    position ``seq_lens[r] - 1``."""
+    qs = query_start.astype(np.int64)
+    lens = seq_lens.astype(np.int64)
+    R = len(lens)
+    T = qs[1 : R + 1] - qs[:R]
+    start = lens - T
+    Q = int(max(1, min(tile, int(T.max()) if R else 1)))
+    nt = (T + Q - 1) // Q
+    first_tile = np.cumsum(nt) - nt
+    req = np.repeat(np.arange(R), nt)
+    k = np.arange(int(nt.sum())) - first_tile[req]
+    p0 = start[req] + k * Q
+    nvalid = np.minimum(Q, T[req] - k * Q)
+    j = np.arange(Q)
+    tok0 = qs[req] + k * Q
+    qidx = np.where(j[None] < nvalid[:, None], tok0[:, None] + j[None], tok0[:, None])
+    tok_req = np.repeat(np.arange(R), T)
+    o = np.arange(int(T.sum())) - (qs[tok_req] - qs[0])
+    inv = (first_tile[tok_req] + o // Q) * Q + o % Q
+    return Tiles(Q, req, p0, p0 + nvalid - 1, qidx, inv, start[tok_req] + o, tok_req, lens)
+
+
+@dataclass
+class BatchIndex:
+    """One cache group's indices for one step (torch tensors on the cache's device); which fields are set
+    depends on the group's kind. (blocks, rows) pairs address ``CEDCacheLayer.rows()``."""
+
+    Q: int
+    qidx: torch.Tensor  # (tiles * Q,) token of each tile query
+    inv: torch.Tensor  # (tokens,) each token's tile query
+    write_tok: torch.Tensor | None = None  # window / pending: tokens written (slot >= 0)
+    write_at: tuple[torch.Tensor, torch.Tensor] | None = None  # their (block, row)
+    key_at: tuple[torch.Tensor, torch.Tensor] | None = None  # window: (tiles, S) keys of each tile
+    key_ok: torch.Tensor | None = None  # window: (tiles, S, 1) key position inside the sequence
+    band: torch.Tensor | None = None  # window: (tiles, Q, S) query q sees key s (its last W positions, >= 0)
+    entry_at: tuple[torch.Tensor, torch.Tensor] | None = None  # stream: (tiles, N) entries read per tile
+    entry_ok: torch.Tensor | None = None  # stream: (tiles, N, 1) entry visible to the tile's last query
+    visible: torch.Tensor | None = None  # stream: (tiles, Q, N) query q sees entry b (b m <= i - W)
+    done_tok: torch.Tensor | None = None  # stream, m == 1: the tokens whose entries are written
+    done_at: tuple[torch.Tensor, torch.Tensor] | None = None  # stream: (C,) rows of the completed entries
+    pool_at: tuple[torch.Tensor, torch.Tensor] | None = None  # pending: (C, m) rows pooled per entry
+
+
+def _at(table: torch.Tensor, req: np.ndarray, pos: np.ndarray, block: int, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block ids, rows) of positions ``pos`` of requests ``req`` (same shapes) in a group's block table."""
+    dev = table.device
+    r = torch.from_numpy(np.array(req, dtype=np.int64)).to(dev)  # a copy: broadcast views are read-only
+    p = torch.from_numpy(np.array(pos, dtype=np.int64)).to(dev)
+    return table[r, p // block].long(), (p % block) // per_row
+
+
+def build_indices(
+    kind: str,
+    tiles: Tiles,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    window: int,
+    compress_rate: int,
+) -> BatchIndex:
+    """The indices one group of kind ``kind`` (window, stream, pending) needs for the step ``tiles``."""
+    dev = block_table.device
+    t = tiles
+    Q, m, W = t.Q, compress_rate, window
+    n_tok = len(t.pos)
+    out = BatchIndex(Q, torch.from_numpy(t.qidx.reshape(-1)).to(dev), torch.from_numpy(t.inv).to(dev))
+    if kind in (WINDOW, PENDING):
+        slots = slot_mapping[:n_tok].long()
+        tok = torch.nonzero(slots >= 0).flatten()
+        if len(tok) == n_tok:
+            tok = torch.arange(n_tok, device=slots.device)
+        s = slots.index_select(0, tok)
+        out.write_tok, out.write_at = tok, (s // block_size, s % block_size)
+    if kind == WINDOW:
+        S = W + Q - 1
+        kpos = t.p0[:, None] - W + 1 + np.arange(S)[None]  # (tiles, S)
+        last = t.lens[t.req][:, None] - 1
+        ok = (kpos >= 0) & (kpos <= last)
+        out.key_at = _at(block_table, np.broadcast_to(t.req[:, None], kpos.shape), np.clip(kpos, 0, last), block_size, 1)
+        out.key_ok = torch.from_numpy(ok[..., None]).to(dev)
+        q, s_ = np.arange(Q)[:, None], np.arange(S)[None]
+        out.band = torch.from_numpy(((s_ >= q) & (s_ <= q + W - 1))[None] & ok[:, None, :]).to(dev)
+    if kind == STREAM:
+        n = np.maximum(0, (t.last - W) // m + 1)  # entries the tile's last query sees
+        N = int(n.max()) if len(n) else 0
+        b = np.arange(N)[None]
+        first = np.minimum(b, np.maximum(n[:, None] - 1, 0)) * m  # (tiles, N) an entry's first token, clamped
+        out.entry_at = _at(block_table, np.broadcast_to(t.req[:, None], first.shape), first, block_size, m)
+        out.entry_ok = torch.from_numpy((b < n[:, None])[..., None]).to(dev)
+        qpos = t.p0[:, None] + np.arange(Q)[None]
+        out.visible = torch.from_numpy((b * m)[:, None, :] <= qpos[:, :, None] - W).to(dev)
+    if kind in (STREAM, PENDING):
+        done = np.flatnonzero((t.pos + 1) % m == 0)  # tokens that complete a pooling block
+        first = t.pos[done] - m + 1
+        if kind == STREAM:
+            out.done_at = _at(block_table, t.tok_req[done], first, block_size, m)
+            if m == 1:
+                out.done_tok = torch.from_numpy(done).to(dev)
+        elif m > 1:
+            pool = first[:, None] + np.arange(m)[None]
+            out.pool_at = _at(block_table, np.broadcast_to(t.tok_req[done][:, None], pool.shape), pool, block_size, 1)
+    return out
+
+
+def _required(value: Any, what: str) -> Any:
+    if value is None:
+        raise ValueError(f"the step's batched indices have no {what} (built for another cache kind)")
+    return value
+
+
+def compress(
+    comp: Any,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    stream: torch.Tensor,
+    stream_ix: BatchIndex,
+    pending: torch.Tensor | None,
+    pending_ix: BatchIndex | None,
+) -> None:
+    """A kv_source layer's writes for the whole step: x (1, N, h); ``stream`` / ``pending`` are the caches'
+    (blocks, rows, width) views. Every token's entry (and gate scores) goes to the pending rows; each
+    entry completed in the step is pooled from them and written to the stream (m = 1: written directly)."""
+    entries = comp.token_entries(x, cos, sin)[0]  # (N, E)
+    done_at = _required(stream_ix.done_at, "stream rows")
+    if comp.m == 1:
+        tok = _required(stream_ix.done_tok, "stream tokens")
+        stream[done_at] = entries.index_select(0, tok).to(stream.dtype)
+        return
+    if pending is None or pending_ix is None:
+        raise ValueError("pooling m > 1 tokens per entry needs the pending cache")
+    E = entries.shape[-1]
+    scores = comp.gate_scores(x, positions[None])[0]  # (N, D)
+    rows = torch.cat([entries, scores.to(entries.dtype)], dim=-1)
+    tok = _required(pending_ix.write_tok, "pending slots")
+    pending[_required(pending_ix.write_at, "pending slots")] = rows.index_select(0, tok).to(pending.dtype)
+    pool_at = _required(pending_ix.pool_at, "pending rows to pool")
+    C, m = pool_at[0].shape
+    if C == 0:
+        return
+    got = pending[pool_at].to(entries.dtype).view(1, C * m, -1)  # (1, C m, E + D)
+    stream[done_at] = comp.pool(got[..., :E], got[..., E:])[0].to(stream.dtype)
+
+
+def ced_attention(
+    attn: Any,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    window: torch.Tensor,
+    window_ix: BatchIndex,
+    stream: torch.Tensor | None,
+    stream_ix: BatchIndex | None,
+) -> torch.Tensor:
+    """One CED layer's attention (``CEDAttention``'s weights) for every token of the step: x (1, N, h)
+    normalised hidden state -> (N, H dv), before ``o_proj``. ``window`` / ``stream`` are the layer's window
+    cache and its source's stream cache as (blocks, rows, width); the source's writes are already done."""
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+    H, K, dn, dr, dv, dc = attn.num_heads, attn.num_kv_heads, attn.dn, attn.dr, attn.dv, attn.dc
+    dk, rep = dn + dr, H // K
+    q, entry = attn._qkv(x, cos, sin)  # (1, H, N, dk), (1, N, K (dk + dv))
+    tok = _required(window_ix.write_tok, "window slots")
+    window[_required(window_ix.write_at, "window slots")] = entry[0].index_select(0, tok).to(window.dtype)
+
+    Q = window_ix.Q
+    qt = q[0].transpose(0, 1).index_select(0, window_ix.qidx) * attn.scale  # (tiles Q, H, dk)
+    n_tiles = qt.shape[0] // Q
+    # window: (tiles, S, K (dk + dv)) rows; keys outside the sequence zeroed (they are masked, but 0 * nan = nan)
+    rows = window[_required(window_ix.key_at, "window keys")]
+    rows = rows.masked_fill(~_required(window_ix.key_ok, "window keys"), 0).to(qt.dtype)
+    S = rows.shape[1]
+    k = rows[..., : K * dk].view(n_tiles, S, K, dk).permute(0, 2, 3, 1)  # (tiles, K, dk, S)
+    v = rows[..., K * dk :].view(n_tiles, S, K, dv).transpose(1, 2)  # (tiles, K, S, dv)
+    qg = qt.view(n_tiles, Q, K, rep, dk).permute(0, 2, 3, 1, 4).reshape(n_tiles, K, rep * Q, dk)
+    s = torch.matmul(qg, k).view(n_tiles, H, Q, S).float()
+    s = s.masked_fill(~_required(window_ix.band, "window band")[:, None], float("-inf"))
+    lse_w = torch.logsumexp(s, dim=-1)  # (tiles, H, Q): every query sees itself
+    p = torch.exp(s - lse_w[..., None]).to(qt.dtype)
+    y_w = torch.matmul(p.view(n_tiles, K, rep * Q, S), v).view(n_tiles, H, Q, dv)
+    inv = window_ix.inv
+    out_w = y_w.transpose(1, 2).reshape(n_tiles * Q, H, dv).index_select(0, inv)  # (N, H, dv)
+    N = x.shape[1]
+    if stream is None or stream_ix is None:
+        return _pad(out_w.reshape(-1, H * dv), N)
+    at = _required(stream_ix.entry_at, "stream entries")
+    if at[0].shape[1] == 0:  # no query of the step sees an entry yet
+        return _pad(out_w.reshape(-1, H * dv), N)
+    ent = stream[at][..., : dc + dr].masked_fill(~_required(stream_ix.entry_ok, "stream entries"), 0).to(qt.dtype)
+    w_uk, w_uv, bk, bv = attn.split_kv_b()  # (H, dn, dc), (H, dv, dc), (H, dn) | None, (H, dv) | None
+    q_nope, q_rope = qt[..., :dn], qt[..., dn:]  # (tiles Q, H, .)
+    q_c = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (tiles Q, H, dc)
+    q_lat = torch.cat([q_c, q_rope], dim=-1).view(n_tiles, Q * H, dc + dr)
+    s = torch.matmul(q_lat, ent.transpose(1, 2)).view(n_tiles, Q, H, -1)  # (tiles, Q, H, N)
+    if bk is not None:  # the key bias adds q_nope . b_k to every entry's logit of a head
+        s = s + (q_nope * bk).sum(-1).view(n_tiles, Q, H, 1)
+    s = s.float().masked_fill(~_required(stream_ix.visible, "stream mask")[:, :, None], float("-inf"))
+    lse_s = torch.logsumexp(s, dim=-1)  # (tiles, Q, H): -inf where nothing is visible yet
+    p = torch.exp(s - lse_s.nan_to_num(0.0, posinf=0.0, neginf=0.0)[..., None]).to(qt.dtype)
+    y_lat = torch.matmul(p.view(n_tiles, Q * H, -1), ent[..., :dc])  # (tiles, Q H, dc)
+    y_s = torch.bmm(y_lat.view(n_tiles * Q, H, dc).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+    if bv is not None:  # the value bias, weighted by the mass on the entries (1, or 0 when none is visible)
+        y_s = y_s + p.sum(-1).view(n_tiles * Q, H, 1) * bv
+    out_s = y_s.index_select(0, inv).contiguous()  # (N, H, dv)
+    lse_s = lse_s.view(n_tiles * Q, H).index_select(0, inv).transpose(0, 1).contiguous()
+    lse_w = lse_w.transpose(1, 2).reshape(n_tiles * Q, H).index_select(0, inv).transpose(0, 1).contiguous()
+    out = torch.empty_like(out_w)
+    merge_attn_states(out, out_w.contiguous(), lse_w, out_s, lse_s)
+    return _pad(out.reshape(-1, H * dv), N)
+
+
+def _pad(y: torch.Tensor, n: int) -> torch.Tensor:
+    """(tokens, d) -> (n, d): rows beyond the scheduled tokens (vLLM's padding) are zeros."""
+    if y.shape[0] == n:
+        return y
+    return torch.cat([y, y.new_zeros(n - y.shape[0], y.shape[1])])
