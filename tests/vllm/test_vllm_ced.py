@@ -8,6 +8,7 @@ greedy tokens as kvgraft's own engine, CPU, fp32.
   and pooling blocks (a chunk ending mid-block leaves a pending token for the next chunk); the one-batch run on
   both of the plugin's paths (batched, the default, and kvgraft's layer code per request);
 - 32 requests of 1-400 tokens with 256-token steps: decode rows and prefill chunks in the same step;
+- vLLM's compiled mode (no ``enforce_eager``), 61-token steps;
 - the share graft: ``kvgraft convert models/kvgraft-llama-8m --to ced`` (m = 1 by default), same prompts.
 
 The logprob check is kvgraft's cache-free forward teacher-forced on vLLM's own sequence (top-5, < 1e-4).
@@ -110,6 +111,22 @@ def test_ced_8m_matches_kvgraft_engine(ced, steps, path, monkeypatch):
     want = (last + 1) // m if path == "per-request" else (last - W) // m + 1
     assert max(n for _, n in steps["reads"]) == want
     assert (0, 400) in steps["groups"] and (last, 1) in steps["groups"]  # prefill, last decode
+
+
+def test_ced_8m_compiled_matches_kvgraft_engine(ced, steps):
+    """vLLM's default compiled mode (no ``enforce_eager``; on the CPU: Dynamo traced once, inductor): the model is
+    compiled with each layer's attention as the opaque ``torch.ops.vllm.kvgraft_ced_attention``, and the tokens
+    equal kvgraft's engine's, with 61-token steps so that compiled steps mix decode rows and prefill chunks."""
+    prompts = _prompts(CED)
+    with VllmRunner(
+        CED, max_model_len=MAX_LEN, enforce_eager=False, max_num_batched_tokens=61, enable_chunked_prefill=True
+    ) as runner:
+        compiled = runner.apply_model(lambda model: not model.do_not_compile)
+        report = kvgraft_parity(runner, ced, prompts, n_new=N_NEW)
+    _check(report, "kvgraft-ced-8m, compiled, 61-token steps")
+    assert compiled, "vLLM did not compile the model"
+    assert steps["reads"], "the compiled model never ran the batched attention"
+    assert any(1 in Ts and any(t > 1 for t in Ts) for Ts in steps["steps"]), "no compiled step mixed decode and prefill"
 
 
 def test_ced_8m_32_mixed_requests_match_kvgraft_engine(ced, steps):

@@ -165,28 +165,25 @@ def _required(value: Any, what: str) -> Any:
 
 def compress(
     comp: Any,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
+    entries: torch.Tensor,
+    scores: torch.Tensor | None,
     stream: torch.Tensor,
     stream_ix: BatchIndex,
     pending: torch.Tensor | None,
     pending_ix: BatchIndex | None,
 ) -> None:
-    """A kv_source layer's writes for the whole step: x (1, N, h); ``stream`` / ``pending`` are the caches'
-    (blocks, rows, width) views. Every token's entry (and gate scores) goes to the pending rows; each
+    """A kv_source layer's writes for the whole step: ``entries`` (N, E) its tokens' entries
+    (``Compressor.token_entries``), ``scores`` (N, D) their gate scores (m > 1); ``stream`` / ``pending``
+    are the caches' (blocks, rows, width) views. Every token's entry and scores go to the pending rows; each
     entry completed in the step is pooled from them and written to the stream (m = 1: written directly)."""
-    entries = comp.token_entries(x, cos, sin)[0]  # (N, E)
     done_at = _required(stream_ix.done_at, "stream rows")
     if comp.m == 1:
         tok = _required(stream_ix.done_tok, "stream tokens")
         stream[done_at] = entries.index_select(0, tok).to(stream.dtype)
         return
-    if pending is None or pending_ix is None:
-        raise ValueError("pooling m > 1 tokens per entry needs the pending cache")
+    if pending is None or pending_ix is None or scores is None:
+        raise ValueError("pooling m > 1 tokens per entry needs the pending cache and the gate scores")
     E = entries.shape[-1]
-    scores = comp.gate_scores(x, positions[None])[0]  # (N, D)
     rows = torch.cat([entries, scores.to(entries.dtype)], dim=-1)
     tok = _required(pending_ix.write_tok, "pending slots")
     pending[_required(pending_ix.write_at, "pending slots")] = rows.index_select(0, tok).to(pending.dtype)
@@ -200,22 +197,22 @@ def compress(
 
 def ced_attention(
     attn: Any,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    q: torch.Tensor,
+    entry: torch.Tensor,
     window: torch.Tensor,
     window_ix: BatchIndex,
     stream: torch.Tensor | None,
     stream_ix: BatchIndex | None,
 ) -> torch.Tensor:
-    """One CED layer's attention (``CEDAttention``'s weights) for every token of the step: x (1, N, h)
-    normalised hidden state -> (N, H dv), before ``o_proj``. ``window`` / ``stream`` are the layer's window
-    cache and its source's stream cache as (blocks, rows, width); the source's writes are already done."""
+    """One CED layer's attention (``CEDAttention``'s weights) for every scheduled token of the step:
+    q (1, H, N, dk) rotated queries and entry (1, N, K (dk + dv)) window rows (``CEDAttention._qkv``) ->
+    (tokens, H dv), before ``o_proj`` (N may exceed the scheduled tokens: vLLM's padding). ``window`` /
+    ``stream`` are the layer's window cache and its source's stream cache as (blocks, rows, width); the
+    source's writes are already done."""
     from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
     H, K, dn, dr, dv, dc = attn.num_heads, attn.num_kv_heads, attn.dn, attn.dr, attn.dv, attn.dc
     dk, rep = dn + dr, H // K
-    q, entry = attn._qkv(x, cos, sin)  # (1, H, N, dk), (1, N, K (dk + dv))
     tok = _required(window_ix.write_tok, "window slots")
     window[_required(window_ix.write_at, "window slots")] = entry[0].index_select(0, tok).to(window.dtype)
 
@@ -236,12 +233,11 @@ def ced_attention(
     y_w = torch.matmul(p.view(n_tiles, K, rep * Q, S), v).view(n_tiles, H, Q, dv)
     inv = window_ix.inv
     out_w = y_w.transpose(1, 2).reshape(n_tiles * Q, H, dv).index_select(0, inv)  # (N, H, dv)
-    N = x.shape[1]
     if stream is None or stream_ix is None:
-        return _pad(out_w.reshape(-1, H * dv), N)
+        return out_w.reshape(-1, H * dv)
     at = _required(stream_ix.entry_at, "stream entries")
     if at[0].shape[1] == 0:  # no query of the step sees an entry yet
-        return _pad(out_w.reshape(-1, H * dv), N)
+        return out_w.reshape(-1, H * dv)
     ent = stream[at][..., : dc + dr].masked_fill(~_required(stream_ix.entry_ok, "stream entries"), 0).to(qt.dtype)
     w_uk, w_uv, bk, bv = attn.split_kv_b()  # (H, dn, dc), (H, dv, dc), (H, dn) | None, (H, dv) | None
     q_nope, q_rope = qt[..., :dn], qt[..., dn:]  # (tiles Q, H, .)
@@ -262,11 +258,4 @@ def ced_attention(
     lse_w = lse_w.transpose(1, 2).reshape(n_tiles * Q, H).index_select(0, inv).transpose(0, 1).contiguous()
     out = torch.empty_like(out_w)
     merge_attn_states(out, out_w.contiguous(), lse_w, out_s, lse_s)
-    return _pad(out.reshape(-1, H * dv), N)
-
-
-def _pad(y: torch.Tensor, n: int) -> torch.Tensor:
-    """(tokens, d) -> (n, d): rows beyond the scheduled tokens (vLLM's padding) are zeros."""
-    if y.shape[0] == n:
-        return y
-    return torch.cat([y, y.new_zeros(n - y.shape[0], y.shape[1])])
+    return out.reshape(-1, H * dv)

@@ -17,6 +17,7 @@ Reading layers register nothing for the shared stream: they read their source's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -162,7 +163,12 @@ def cache_spec(kind: str, geometry: PageGeometry, dtype: torch.dtype) -> Any:
 
 
 class CEDCacheLayer(nn.Module, AttentionLayerBase):
-    """One CED cache of one layer, as vLLM sees it: a spec, a bound cache tensor, a metadata builder."""
+    """One CED cache of one layer, as vLLM sees it: a spec, a bound cache tensor, a metadata builder.
+
+    A window cache also carries ``attend``, the model's attention for its layer (set by the model), which the
+    ``kvgraft_ced_attention`` op calls after finding the layer by name in vLLM's forward context."""
+
+    attend: Callable[..., None]
 
     def __init__(self, kind: str, geometry: PageGeometry, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()

@@ -1,16 +1,24 @@
 """``KvgraftCEDForCausalLM``: kvgraft's causal encoder-decoder as a vLLM model (registered by ``kvgraft.vllm``).
 
 The model is kvgraft's own ``Transformer`` (same modules, same parameter names as the checkpoint's
-``model.*``), run layer by layer over vLLM's packed token axis with a :class:`VllmStepContext`, plus one
-cache module per storage kind (``kvgraft.vllm.cache``) that vLLM allocates. vLLM schedules, batches,
-samples and manages blocks; the attention, the compressor's pooling and the masks are kvgraft's code.
+``model.*``), run layer by layer over vLLM's packed token axis, plus one cache module per storage kind
+(``kvgraft.vllm.cache``) that vLLM allocates. vLLM schedules, batches, samples and manages blocks; the
+projections, the compressor's pooling and the masks are kvgraft's code.
 
-Runs eager (``enforce_eager=True``; the step context is Python per request). Without attention metadata
-(vLLM's profiling and warm-up runs) the layers run cache-free over the dummy batch, which touches no cache.
+Each layer's attention is one custom op, ``torch.ops.vllm.kvgraft_ced_attention`` (opaque to torch.compile, as
+vLLM's own attention ops are): it writes the step's rows to vLLM's blocks and attends for the whole step
+(``kvgraft.vllm.batched``). Everything around it is plain tensor code, so vLLM's compiled mode (the default,
+no ``enforce_eager``) compiles the model; on CUDA the op is a splitting op, so piecewise CUDA graphs capture
+the code between the ops. Steps with adapters and configs with an indexer run kvgraft's layer code per
+request (:class:`VllmStepContext`), eager only: with ``enable_lora``, an indexer or
+``KVGRAFT_VLLM_CED_PATH=per-request`` the model is not compiled. In eager mode, vLLM's profiling and warm-up
+runs (no attention metadata) run the layers cache-free over the dummy batch; compiled, the op leaves their
+attention output at zero. Neither touches a cache.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,10 +28,12 @@ import torch
 from torch import nn
 
 try:
+    from vllm.compilation.decorators import support_torch_compile
     from vllm.config import VllmConfig
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.linear import ReplicatedLinear
     from vllm.model_executor.models.interfaces import SupportsLoRA
+    from vllm.utils.torch_utils import direct_register_custom_op
 except ImportError as exc:  # the optional extra is missing
     from kvgraft.vllm import EXTRA_HINT
 
@@ -47,8 +57,60 @@ from kvgraft.vllm.lora import step_adapters
 # modules only when the model has vLLM linears so named (the stand-ins below; kvgraft applies the deltas)
 PATH_ENV = "KVGRAFT_VLLM_CED_PATH"  # "batched" (default) or "per-request" (kvgraft's layer code per request)
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "kv_b_proj", "kv_a_proj", "gate_proj", "up_proj", "down_proj")
+OP_NAME = "kvgraft_ced_attention"  # torch.ops.vllm.<this>; a splitting op of vLLM's compiled graph
 
 
+def _ced_attention_op(
+    q: torch.Tensor,
+    entry: torch.Tensor,
+    entries: torch.Tensor | None,
+    scores: torch.Tensor | None,
+    out: torch.Tensor,
+    layer_name: str,
+) -> None:
+    """One CED layer's step, opaque to torch.compile: the layer is found by its window cache's vLLM name in
+    the forward context (as vLLM's ``unified_attention`` finds its layer), which calls back into the model."""
+    layer: Any = get_forward_context().no_compile_layers[layer_name]
+    layer.attend(q, entry, entries, scores, out)
+
+
+def _ced_attention_fake(
+    q: torch.Tensor,
+    entry: torch.Tensor,
+    entries: torch.Tensor | None,
+    scores: torch.Tensor | None,
+    out: torch.Tensor,
+    layer_name: str,
+) -> None:
+    return None
+
+
+def _register_op() -> None:
+    """Define ``torch.ops.vllm.kvgraft_ced_attention`` once per process (this module may be imported again)."""
+    try:
+        getattr(torch.ops.vllm, OP_NAME)
+        return
+    except AttributeError:
+        pass
+    direct_register_custom_op(OP_NAME, _ced_attention_op, mutates_args=["out"], fake_impl=_ced_attention_fake)
+
+
+_register_op()
+
+
+def compiles(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM may compile the model (in its compiled modes): only when every step takes the batched path
+    and nothing in the forward depends on the data (no adapters, no indexer, no dynamic RoPE)."""
+    config = model_config_from_hf(vllm_config.model_config.hf_config.to_dict(), "vLLM's hf_config")
+    return (
+        vllm_config.lora_config is None
+        and not config.index_topk
+        and config.rope.rope_type != "dynamic"
+        and os.environ.get(PATH_ENV, "batched") == "batched"
+    )
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0}, enable_if=compiles)
 class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
     """vLLM's model interface (``forward``, ``compute_logits``, ``load_weights``) over kvgraft's Transformer.
 
@@ -95,6 +157,11 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
         self.batched = path == "batched" and not self.config.index_topk
         for cache in self.cache_layers.values():
             cache.batched = self.batched
+        for layer in range(self.config.num_layers):  # the op's way back into the model (``_ced_attention_op``)
+            self.cache_layers[(layer, WINDOW)].attend = functools.partial(self._attend, layer)
+        splitting = vllm_config.compilation_config.splitting_ops
+        if splitting is not None and f"vllm::{OP_NAME}" not in splitting and splitting:
+            splitting.append(f"vllm::{OP_NAME}")  # piecewise CUDA graphs run the op outside the graphs
         self.lora_enabled = vllm_config.lora_config is not None
         self.adapters = AdapterRegistry(self.model)
         self.adapter_paths: dict[str, Path] = {}
@@ -164,64 +231,86 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
         pos = positions.long()
         cos, sin = self.model.rotary(pos[None], x.dtype)
         cos, sin = rope_tables(self.config, cos, sin)
-        ctx = self._context(pos)
-        if isinstance(ctx, dict):
-            x = self._forward_batched(x, pos, cos, sin, ctx)
+        if not getattr(self, "do_not_compile", True):  # compiled: the traced forward is the ops path only
+            x = self._forward_ops(x, pos, cos, sin)
         else:
-            with active_context(ctx):
-                for block in self.model.layers:
-                    x = block(x, cos, sin, ctx)
+            ctx = self._context(pos)
+            if isinstance(ctx, dict):
+                x = self._forward_ops(x, pos, cos, sin)
+            else:
+                with active_context(ctx):
+                    for block in self.model.layers:
+                        x = block(x, cos, sin, ctx)
         out: torch.Tensor = self.model.norm(x[0])
         return out
 
-    def _forward_batched(
-        self,
-        x: torch.Tensor,
-        pos: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        md: dict[tuple[int, str], CEDCacheMetadata],
-    ) -> torch.Tensor:
-        """kvgraft's blocks (pre-norm attention, pre-norm MLP) with each layer's attention for the whole step
-        (``kvgraft.vllm.batched``): x (1, N, h) -> (1, N, h)."""
-
-        def ix(layer: int, kind: str) -> Any:
-            batch = md[(layer, kind)].batch
-            if batch is None:
-                raise ValueError(f"layer {layer} {kind}: the metadata builder computed no batched indices")
-            return batch
-
+    def _forward_ops(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """kvgraft's blocks (pre-norm attention, pre-norm MLP) with each layer's attention as one call of
+        ``torch.ops.vllm.kvgraft_ced_attention`` for the whole step: x (1, N, h) -> (1, N, h). Tensor code
+        only (no host sync, no branch on the step), so torch.compile traces it once for every step."""
         for layer, module in enumerate(self.model.layers):
             block: Any = module  # kvgraft's Block, with a CEDAttention
             attn = block.self_attn
             h = block.input_layernorm(x)
+            entries = scores = None
             if attn.is_source:
-                pending = self.cache_layers.get((layer, PENDING))
-                compress_step(
-                    attn.compressor,
-                    h,
-                    cos,
-                    sin,
-                    pos,
-                    self.cache_layers[(layer, STREAM)].rows(),
-                    ix(layer, STREAM),
-                    None if pending is None else pending.rows(),
-                    None if pending is None else ix(layer, PENDING),
-                )
-            src = attn.source
-            y = ced_attention(
-                attn,
-                h,
-                cos,
-                sin,
-                self.cache_layers[(layer, WINDOW)].rows(),
-                ix(layer, WINDOW),
-                None if src is None else self.cache_layers[(src, STREAM)].rows(),
-                None if src is None else ix(src, STREAM),
-            )
-            x = x + attn.o_proj(y)[None]
+                entries = attn.compressor.token_entries(h, cos, sin)[0]  # (N, E)
+                if attn.compressor.m > 1:
+                    scores = attn.compressor.gate_scores(h, pos[None])[0]  # (N, D)
+            q, entry = attn._qkv(h, cos, sin)  # (1, H, N, dk), (1, N, K (dk + dv))
+            out = h.new_zeros(h.shape[1], attn.num_heads * attn.dv)
+            name = self.cache_layers[(layer, WINDOW)].layer_name
+            torch.ops.vllm.kvgraft_ced_attention(q, entry, entries, scores, out, name)
+            x = x + attn.o_proj(out)[None]
             x = x + block.mlp(block.post_attention_layernorm(x))
         return x
+
+    def _attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        entry: torch.Tensor,
+        entries: torch.Tensor | None,
+        scores: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """The op's body for ``layer`` (``kvgraft.vllm.batched``): the source's writes, then the attention of
+        every scheduled token into ``out`` (N, H dv). No metadata (vLLM's profiling and warm-up runs): nothing."""
+        metadata = get_forward_context().attn_metadata
+        if not isinstance(metadata, dict) or self.cache_layers[(layer, WINDOW)].layer_name not in metadata:
+            return
+
+        def ix(at: int, kind: str) -> Any:
+            batch = metadata[self.cache_layers[(at, kind)].layer_name].batch
+            if batch is None:
+                raise ValueError(f"layer {at} {kind}: the metadata builder computed no batched indices")
+            return batch
+
+        attn: Any = self.model.layers[layer].self_attn
+        if attn.is_source:
+            if entries is None:
+                raise ValueError(f"layer {layer} writes the shared stream: give its tokens' entries")
+            pending = self.cache_layers.get((layer, PENDING))
+            compress_step(
+                attn.compressor,
+                entries,
+                scores,
+                self.cache_layers[(layer, STREAM)].rows(),
+                ix(layer, STREAM),
+                None if pending is None else pending.rows(),
+                None if pending is None else ix(layer, PENDING),
+            )
+        src = attn.source
+        y = ced_attention(
+            attn,
+            q,
+            entry,
+            self.cache_layers[(layer, WINDOW)].rows(),
+            ix(layer, WINDOW),
+            None if src is None else self.cache_layers[(src, STREAM)].rows(),
+            None if src is None else ix(src, STREAM),
+        )
+        out[: y.shape[0]] = y
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.model.lm_head(hidden_states)
