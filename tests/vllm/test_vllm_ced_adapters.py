@@ -98,8 +98,11 @@ def _generate(runner, prompts, requests, n_new=N_NEW):
 
 
 def test_mixed_batch_of_base_and_two_adapters_matches_kvgraft_engine(adapters, prompts):
+    """In vLLM's default compiled mode (no ``enforce_eager``): with ``enable_lora`` the plugin asks vLLM not to
+    compile the model (adapter steps run kvgraft's layer code per request), and the tokens are the engine's."""
     use = [None, "geo", "neg", "geo", None, "neg"]
-    with VllmRunner(CED, max_model_len=512, enable_lora=True, max_lora_rank=16, max_loras=2) as runner:
+    with VllmRunner(CED, max_model_len=512, enable_lora=True, max_lora_rank=16, max_loras=2, enforce_eager=False) as runner:
+        assert runner.apply_model(lambda model: model.do_not_compile), "compiled with enable_lora"
         theirs, _ = _generate(runner, prompts, _requests(adapters, use))
     ours = kvgraft_engine_greedy(load_kvgraft(CED), prompts, N_NEW, adapters=adapters, use=use)
     base = kvgraft_engine_greedy(load_kvgraft(CED), prompts, N_NEW)
