@@ -46,7 +46,7 @@ TEACHER = "smollm2-135m-instruct"
 SHARD_BYTES = 35 * 2**20  # under the repository's 40 MB a file
 RECIPE = [
     "--loss", "kl", "--attention-only", "--tokens", "5000000", "--seq-len", "512", "--micro-batch-size", "4",
-    "--grad-accum", "4", "--lr", "2e-4", "--warmup-steps", "20", "--eval-every", "25", "--eval-batches", "8",
+    "--grad-accum", "4", "--lr", "2e-4", "--warmup-steps", "20", "--eval-every", "10", "--eval-batches", "8",
     "--save-every", "25", "--keep-checkpoints", "2", "--log-every", "1",
 ]  # fmt: skip
 TEXTS = ("manual", "glossary")
@@ -111,21 +111,22 @@ def unpack(run: Path) -> None:
     print(f"unpacked step {state['step']} ({state['tokens']:,} tokens) into {target}", flush=True)
 
 
-def teacher_val(data: Path, threads: int) -> float:
-    """The teacher's validation loss on the batches the run validates on (cached in bench/real_heal)."""
-    path = PACK / "teacher.json"
+def val_loss(name: str, model: Path, data: Path, threads: int) -> float:
+    """A model's validation loss on the batches the run validates on (cached in bench/real_heal/NAME.json):
+    the teacher's, and the student's before healing (the curve's point at 0 tokens)."""
+    path = PACK / f"{name}.json"
     if path.is_file():
         return json.loads(path.read_text())["val_loss"]
     torch.set_num_threads(threads)
-    teacher = load_pretrained(resolve_model(TEACHER), dtype=torch.float32)
+    net = load_pretrained(model, dtype=torch.float32)
     val = PackedDataset(data / "tokens" / "validation.npy", 512)
     with torch.no_grad():
-        loss = evaluate(teacher, val, lm_loss, batch_size=4, max_batches=8, precision="bf16")
+        loss = evaluate(net, val, lm_loss, batch_size=4, max_batches=8, precision="bf16")
     atomic_write_json(path, {"val_loss": loss, "val_ppl": math.exp(loss), "batches": "8 x 4 x 512, bf16 autocast"})
     return loss
 
 
-def plot(data: Path, threads: int) -> None:
+def plot(model: Path, data: Path, threads: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +135,8 @@ def plot(data: Path, threads: int) -> None:
     log = PACK / "checkpoint" / "log.jsonl"
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
     points = [(r["tokens"], r["val_ppl"]) for r in rows if "val_ppl" in r]
-    teacher = math.exp(teacher_val(data, threads))
+    teacher = math.exp(val_loss("teacher", resolve_model(TEACHER), data, threads))
+    points = [(0, math.exp(val_loss("student-oneshot", model, data, threads))), *points]
     fig, ax = plt.subplots(figsize=(6.4, 4))
     if points:
         ax.plot([t / 1e6 for t, _ in points], [p for _, p in points], marker="o", label="4x MLA graft, healing (KL)")
@@ -195,17 +197,17 @@ def main() -> None:
             raise SystemExit(f"{a.data} has no tokens; see this script's docstring for the prepare-data command")
         convert(a.model)
         unpack(a.run)
-        teacher_val(a.data, a.threads)
+        val_loss("teacher", resolve_model(TEACHER), a.data, a.threads)
         cmd = [sys.executable, "-m", "kvgraft", "heal", str(a.model), "--out", str(a.run), "--data", str(a.data)]
         cmd += ["--teacher", TEACHER, *RECIPE, "--max-time-s", str(int(a.hours * 3600)), "--no-progress"]
         print("healing:", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
         pack(a.run)
-        plot(a.data, a.threads)
+        plot(a.model, a.data, a.threads)
     elif a.what == "pack":
         pack(a.run)
     elif a.what == "plot":
-        plot(a.data, a.threads)
+        plot(a.model, a.data, a.threads)
     else:
         score(a.run, a.model, a.texts, a.threads)
 

@@ -143,15 +143,17 @@ def test_resume_refuses_a_different_config(tmp_path):
 
 
 def test_resume_may_change_precision_and_saving_and_the_log_says_where(tmp_path):
-    train(_model(), Patterned(), _cfg(max_steps=6, precision="bf16", keep_checkpoints=3), tmp_path)
+    train(_model(), Patterned(), _cfg(max_steps=6, precision="bf16", keep_checkpoints=3), tmp_path, val_data=Patterned())
     shutil.rmtree(find_latest(tmp_path))  # as if stopped after step 4 (checkpoints every 2 steps)
-    result = train(_model(), Patterned(), _cfg(max_steps=6, precision="fp32", save_every=3), tmp_path)
+    cfg = _cfg(max_steps=6, precision="fp32", save_every=3, eval_every=1)
+    result = train(_model(), Patterned(), cfg, tmp_path, val_data=Patterned())
     assert result.step == 6
     rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     marks = [r for r in rows if "resumed_with" in r]
     assert marks == [{"step": 4, "tokens": marks[0]["tokens"], "resumed_with": {"precision": ["bf16", "fp32"]}}]
     assert json.loads((tmp_path / "train_config.json").read_text())["precision"] == "fp32"
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if "val_loss" in r] == [4, 5, 6]  # eval_every 4, then 1 after the resume
 
 
 def test_grad_accumulation_matches_a_bigger_batch(tmp_path):

@@ -353,7 +353,7 @@ def train(
     )
 
 
-# May change when a run resumes: what does not touch the arithmetic (how often to save, log, keep), and
+# May change when a run resumes: what does not touch the arithmetic (how often to save, log, keep, validate), and
 # ``precision``: the weights and AdamW moments are fp32 either way, and bf16
 # autocast is fast only where the CPU has bf16 instructions (one core without them: 196 s a step of
 # ced-8m-deep in bf16 against 31 s in fp32), so a run that moves machines may have to switch. A change is
@@ -364,6 +364,7 @@ _RESUME_FREE_FIELDS = (
     "gradient_checkpointing",
     "precision",
     "save_every",
+    "eval_every",
     "keep_checkpoints",
     "log_every",
 )
