@@ -16,6 +16,7 @@ The logprob check is kvgraft's cache-free forward teacher-forced on vLLM's own s
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -179,8 +180,8 @@ def test_share_graft_matches_kvgraft_engine(share_graft):
 
 def test_ced_8m_with_prefix_caching_matches_kvgraft_engine(ced, monkeypatch):
     """vLLM's prefix caching on (``vllm serve``'s default), 1,700-token prompts: one sent twice, one sharing its
-    first 1,650 tokens. Hits land on vLLM's scheduler block, the lcm of the groups' block sizes (16, 16, 96:
-    96 tokens), and every group must hit: the windows' last W - 1 tokens, the pending rows and the stream's
+    first 1,650 tokens. Hits land on vLLM's scheduler block, the lcm of the groups' block sizes (8, 8, 48:
+    48 tokens; a repeat hits up to its last token), and every group must hit: the windows' last W - 1 tokens, the pending rows and the stream's
     entries, all kept in vLLM's blocks. The 8m was trained on 512 positions; beyond them it is still one
     deterministic function for both engines (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``, kvgraft's ``max_seq_len``)."""
     from vllm import SamplingParams
@@ -196,4 +197,13 @@ def test_ced_8m_with_prefix_caching_matches_kvgraft_engine(ced, monkeypatch):
     cached = [o.num_cached_tokens for o in outs]
     print("\nprefix caching on: num_cached_tokens per request", cached)
     assert [list(o.outputs[0].token_ids) for o in outs] == ours
-    assert cached[0] == 0 and cached[1] == cached[2] == 1650 // 96 * 96, cached  # 1,632: 17 whole scheduler blocks
+    S = scheduler_block(ced.config)
+    assert cached == [0, 1699 // S * S, 1650 // S * S], cached  # whole scheduler blocks (48 tokens: 1,680 and 1,632)
+
+
+def scheduler_block(config) -> int:
+    """vLLM's scheduler block for the plugin's groups (the lcm of their block sizes, ``kvgraft.vllm.geometry``)."""
+    from kvgraft.vllm.geometry import page_geometry
+
+    g = page_geometry(config, 4)
+    return math.lcm(g.window_block, g.stream_block, g.pending_block or 1)

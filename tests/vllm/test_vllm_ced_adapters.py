@@ -16,6 +16,7 @@ adapters loaded by name (``Engine.load_adapter``, as ``kvgraft serve`` runs them
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -97,6 +98,14 @@ def _generate(runner, prompts, requests, n_new=N_NEW):
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
 
 
+def _scheduler_block() -> int:
+    """vLLM's scheduler block (prefix-cache hit granularity) for the plugin's groups: the lcm of their block sizes."""
+    from kvgraft.vllm.geometry import page_geometry
+
+    g = page_geometry(load_kvgraft(CED).config, 4)
+    return math.lcm(g.window_block, g.stream_block, g.pending_block or 1)
+
+
 def test_mixed_batch_of_base_and_two_adapters_matches_kvgraft_engine(adapters, prompts):
     """In vLLM's default compiled mode (no ``enforce_eager``): with ``enable_lora`` the plugin asks vLLM not to
     compile the model (adapter steps run kvgraft's layer code per request), and the tokens are the engine's."""
@@ -123,7 +132,7 @@ def test_prefix_cache_is_salted_per_adapter(adapters, monkeypatch):
     print("\nnum_cached_tokens: base, geo, neg, geo again:", cached)
     ours = kvgraft_engine_greedy(load_kvgraft(CED), [p] * 4, 8, adapters=adapters, use=use, max_seq_len=1024)
     assert tokens == ours
-    assert cached[:3] == [0, 0, 0] and cached[3] == 499 // 96 * 96, cached
+    assert cached[:3] == [0, 0, 0] and cached[3] == 499 // _scheduler_block() * _scheduler_block(), cached
 
 
 def test_kv_neutral_adapters_share_the_base_prefix_cache(adapters, monkeypatch):
@@ -138,5 +147,5 @@ def test_kv_neutral_adapters_share_the_base_prefix_cache(adapters, monkeypatch):
     ours = kvgraft_engine_greedy(load_kvgraft(CED), [p] * 4, 8, adapters=adapters, use=use, max_seq_len=1024)
     assert tokens == ours
     assert tokens[1] != tokens[0] and tokens[2] != tokens[1], "the KV-neutral adapters must change the output"
-    hit = 499 // 96 * 96
+    hit = 499 // _scheduler_block() * _scheduler_block()
     assert cached == [0, hit, hit, 0], cached
