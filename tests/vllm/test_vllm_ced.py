@@ -181,9 +181,15 @@ def test_share_graft_matches_kvgraft_engine(share_graft):
 def test_ced_8m_with_prefix_caching_matches_kvgraft_engine(ced, monkeypatch):
     """vLLM's prefix caching on (``vllm serve``'s default), 1,700-token prompts: one sent twice, one sharing its
     first 1,650 tokens. Hits land on vLLM's scheduler block, the lcm of the groups' block sizes (8, 8, 48:
-    48 tokens; a repeat hits up to its last token), and every group must hit: the windows' last W - 1 tokens, the pending rows and the stream's
-    entries, all kept in vLLM's blocks. The 8m was trained on 512 positions; beyond them it is still one
-    deterministic function for both engines (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``, kvgraft's ``max_seq_len``)."""
+    48 tokens; a repeat hits up to its last token), and every group must hit: the windows' last W - 1 tokens,
+    the pending rows and the stream's entries, all kept in vLLM's blocks. The 8m was trained on 512 positions;
+    beyond them it is still one deterministic function for both engines (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``,
+    kvgraft's ``max_seq_len``).
+
+    vLLM 0.32 keeps a sliding-window group's blocks only at checkpoints (``prefix_cache_retention_interval``,
+    default 0: the cached prompt's last whole scheduler block and detected shared-prefix junctions), so a
+    prompt sharing only part of a cached one hits only where a checkpoint was kept: the test asks for one
+    every scheduler block."""
     from vllm import SamplingParams
 
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
@@ -191,13 +197,15 @@ def test_ced_8m_with_prefix_caching_matches_kvgraft_engine(ced, monkeypatch):
     p = ids[30000:31700].tolist()
     prompts = [p, p, p[:1650] + ids[40000:40040].tolist()]
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
-    with VllmRunner(CED, max_model_len=2048, enable_prefix_caching=True, max_num_seqs=4) as runner:
+    S = scheduler_block(ced.config)
+    with VllmRunner(
+        CED, max_model_len=2048, enable_prefix_caching=True, max_num_seqs=4, prefix_cache_retention_interval=S
+    ) as runner:
         outs = [runner.llm.generate([{"prompt_token_ids": q}], sp, use_tqdm=False)[0] for q in prompts]
     ours = kvgraft_engine_greedy(ced, prompts, 16, max_seq_len=2048)
     cached = [o.num_cached_tokens for o in outs]
     print("\nprefix caching on: num_cached_tokens per request", cached)
     assert [list(o.outputs[0].token_ids) for o in outs] == ours
-    S = scheduler_block(ced.config)
     assert cached == [0, 1699 // S * S, 1650 // S * S], cached  # whole scheduler blocks (48 tokens: 1,680 and 1,632)
 
 

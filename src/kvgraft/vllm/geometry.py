@@ -12,7 +12,7 @@ The window's block (``WINDOW_BLOCK`` tokens) fixes the page; a stream block hold
 as fit in that page (so ``stream_entries * m`` tokens) and a pending block as many rows, both rounded down
 so that their block sizes are multiples of the window's: vLLM's scheduler block, the granularity of its
 prefix-cache hits, is the lcm of the groups' block sizes (with 51 entries and 25 pending rows, the 8m's
-would be lcm(16, 25, 102) = 20,400 tokens; rounded, 96). The bytes that do not fill a page are padding
+would be lcm(16, 25, 102) = 20,400 tokens at 16-token window blocks; rounded, 96; at 8, 48). The bytes that do not fill a page are padding
 (``page_size_padded``), reported by :func:`padding_bytes`.
 """
 
@@ -25,10 +25,9 @@ from kvgraft.model.config import ModelConfig, cache_layout
 
 # tokens per window block: vLLM frees a window's blocks whole as they leave it, so a window of W holds up to
 # ceil((W - 1) / block) + 1 blocks. Measured on kvgraft-ced-8m (test_vllm_ced_memory, one request of 65-481
-# tokens, bytes vLLM holds / kvgraft's formula): 16 -> 1.49-1.59x, 8 -> 1.30-1.37x, 4 -> 1.20-1.24x. Kept at 16:
-# with 8, a prompt sharing 1,650 of a cached 1,700-token prompt's tokens reused none of them (a repeat reused
-# 1,680), where 16 reuses 1,632 (test_vllm_ced.py's prefix-caching test; cause not found, issue 36)
-WINDOW_BLOCK = 16
+# tokens, bytes vLLM holds / kvgraft's formula): 16 -> 1.49-1.59x, 8 -> 1.30-1.37x, 4 -> 1.20-1.24x (4 not run
+# through the parity tests). 8 also halves vLLM's scheduler block (prefix-cache granularity) to 48 tokens
+WINDOW_BLOCK = 8
 WINDOW, STREAM, PENDING = "window_cache", "stream_cache", "pending_cache"  # the cache kinds (vLLM layer names' last part)
 
 
