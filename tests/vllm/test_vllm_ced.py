@@ -133,15 +133,22 @@ def test_ced_8m_compiled_matches_kvgraft_engine(ced, steps):
 def test_ced_8m_32_mixed_requests_match_kvgraft_engine(ced, steps):
     """32 requests of 1-400 prompt tokens (held-out text, lengths drawn once with a fixed seed) in one vLLM
     batch, 32 greedy tokens each, with 256-token steps: vLLM mixes decode rows with prefill chunks in one step,
-    and every request's tokens equal kvgraft's engine's (all prompts in one continuous batch there too)."""
+    and every request's tokens equal kvgraft's engine's (all prompts in one continuous batch there too). In
+    vLLM's default compiled mode (the eager batched path is what the other tests here run)."""
     ids = np.load(CED / "eval" / "heldout.npy").astype(np.int64)
     rng = np.random.default_rng(36)
     lengths = [1, 2, 16, 64, 65, 400] + rng.integers(1, 401, size=26).tolist()
     offsets = rng.integers(0, len(ids) - 400, size=len(lengths))
     prompts = [ids[o : o + n].tolist() for o, n in zip(offsets, lengths)]
     with VllmRunner(
-        CED, max_model_len=MAX_LEN, max_num_seqs=32, max_num_batched_tokens=256, enable_chunked_prefill=True
+        CED,
+        max_model_len=MAX_LEN,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        enable_chunked_prefill=True,
+        enforce_eager=False,
     ) as runner:
+        assert runner.apply_model(lambda model: not model.do_not_compile), "vLLM did not compile the model"
         runs = runner.greedy(prompts, n_new=N_NEW, top_k=1)
     ours = kvgraft_engine_greedy(ced, prompts, N_NEW)
     differ = [(i, len(p)) for i, (p, r, o) in enumerate(zip(prompts, runs, ours)) if r.tokens != o]
