@@ -1,16 +1,16 @@
 """kvgraft's causal encoder-decoder on vLLM (the ``kvgraft.vllm`` plugin) next to kvgraft's own engine and the
 Llama reference on vLLM: KV bytes per token as vLLM allocates them, and greedy decode speed side by side.
 
-    VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python bench/vllm_ced.py [--out DIR] [--skip-speed]
+    VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python bench/vllm_ced.py [--out DIR] [--skip-speed] [--compiled]
 
 Memory: one request of n prompt tokens is prefilled and decoded one step on a fresh engine, then the blocks it
 holds in every cache group are counted (``kvgraft.vllm.memory.request_usage``) and multiplied by the bytes one
 block id spans; next to it ``ModelConfig.kv_cache_bytes`` (kvgraft's formula, which kvgraft's paged cache
 allocates exactly: ``kvgraft.eval.memory``) and the same for models/kvgraft-llama-8m served by vLLM (stock
 Llama, full attention). Speed: the same prompts (held-out text, 8 x 1-400 tokens, 32 greedy tokens each, one
-batch) through vLLM with the plugin and through kvgraft's ``Engine``, each timed after a warm-up run, in this
-process, one after the other; the ratio is the figure (the machine is shared). Writes ``vllm_ced.json`` under
---out atomically.
+batch) through vLLM with the plugin (eager; ``--compiled``: vLLM's default compiled mode) and through kvgraft's
+``Engine``, each timed after a warm-up run, in this process, one after the other; the ratio is the figure (the
+machine is shared). Writes ``vllm_ced.json`` under --out atomically.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ SPEED_LENGTHS = (1, 7, 63, 65, 130, 200, 257, 400)
 N_NEW = 32
 
 
-def _llm(model: Path):
+def _llm(model: Path, eager: bool = True):
     from vllm import LLM  # deliberately lazy: the environment variables above must be set first
 
-    kwargs = dict(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512, max_num_batched_tokens=512)
+    kwargs = dict(model=str(model), dtype="float32", enforce_eager=eager, max_model_len=512, max_num_batched_tokens=512)
     kwargs.update(skip_tokenizer_init=True, enable_prefix_caching=False, max_num_seqs=16, seed=0)
     return LLM(**kwargs)
 
@@ -88,13 +88,13 @@ def memory() -> list[dict]:
     return rows
 
 
-def speed() -> dict:
+def speed(compiled: bool = False) -> dict:
     from vllm import SamplingParams
 
     ids = _held_out(CED)
     prompts = [ids[i * 1000 : i * 1000 + n].tolist() for i, n in enumerate(SPEED_LENGTHS)]
     sp = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, detokenize=False)
-    llm = _llm(CED)
+    llm = _llm(CED, eager=not compiled)
     batch = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(batch, sp, use_tqdm=False)  # warm-up
     t = time.perf_counter()
@@ -112,6 +112,7 @@ def speed() -> dict:
     return dict(
         prompts=list(SPEED_LENGTHS),
         new_tokens=N_NEW,
+        vllm_mode="compiled" if compiled else "eager",
         vllm_s=vllm_s,
         kvgraft_engine_s=kvgraft_s,
         vllm_tokens_per_s=tokens / vllm_s,
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/bench/vllm_ced"))
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--compiled", action="store_true", help="speed: vLLM in its default compiled mode (not enforce_eager)")
     args = p.parse_args(argv)
     rows = memory()
     print(f"{'model':18} {'context':>7} {'vLLM B/token':>13} {'kvgraft formula':>16} {'ratio':>6}  blocks held per group")
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     result = dict(memory=rows)
     if not args.skip_speed:
-        s = speed()
+        s = speed(args.compiled)
         result["speed"] = s
         print(
             f"\ngreedy {len(s['prompts'])} prompts x {N_NEW} tokens, one batch: vLLM+plugin {s['vllm_s']:.2f} s "
