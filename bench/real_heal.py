@@ -81,6 +81,9 @@ def pack(run: Path) -> Path | None:
     with atomic_dir(PACK / "checkpoint", overwrite=True) as tmp:
         for i, shard in enumerate(shards):
             save_file(shard, str(tmp / f"attention-{i:02d}.safetensors"))
+        source = Path(state.get("source", ""))
+        if source.is_absolute() and source.is_relative_to(ROOT):  # no path of this machine in the repository
+            state["source"] = str(source.relative_to(ROOT))
         (tmp / "state.json").write_text(json.dumps({**state, "packed_from": latest.name}, indent=2) + "\n")
         shutil.copy(run / "train_config.json", tmp / "train_config.json")
         shutil.copy(run / "log.jsonl", tmp / "log.jsonl")
