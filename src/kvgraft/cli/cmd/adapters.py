@@ -63,6 +63,9 @@ def adapt_config(args: argparse.Namespace) -> AdaptConfig:
         require_sharing=args.share_cache,
         frozen_cache=args.frozen_cache,
         frozen_cache_mb=args.frozen_cache_mb,
+        prompt_format=args.prompt_format or "auto",
+        task_window=args.window,
+        task_max_tokens=args.max_tokens,
     )
 
 
@@ -82,6 +85,7 @@ def adapt(args: argparse.Namespace) -> int:
             f"({100 * result['trainable_parameters'] / result['base_parameters']:.2f}% of the base's "
             f"{result['base_parameters']:,})"
         )
+        print(f"prompt format: {result['prompt_format']}")
         print(f"sharing certificate: {share['verdict']}")
         print(f"  untouched cache groups: {', '.join(cert['untouched']) or '-'}")
         print(f"  touched cache groups:   {', '.join(cert['touched']) or '-'}")
@@ -93,7 +97,8 @@ def adapt(args: argparse.Namespace) -> int:
             f"frozen-prefix cache: layers 0-{fp['boundary'] - 1} run once per example ({fp['hits']:,} rows "
             f"from the cache, {fp['misses']:,} computed; {fp['bytes'] / 2**20:.1f} MiB held, bound {fp['max_bytes'] / 2**20:.0f})"
         )
-    print(json.dumps({k: result.get(k) for k in keys} | {"adapter": str(Path(args.out) / "adapter")}))
+    fmt = {"prompt_format": result.get("config", {}).get("prompt_format")}
+    print(json.dumps({k: result.get(k) for k in keys} | fmt | {"adapter": str(Path(args.out) / "adapter")}))
     if share is not None:
         print(f"sharing certificate: {share['verdict']}")  # the run's last line
     return 0
@@ -118,6 +123,9 @@ def experiment(args: argparse.Namespace) -> int:
             first_layers=tuple(args.first_layers) if args.first_layers else None,
             val_examples=args.val_examples,
             test_examples=args.test_examples,
+            prompt_format=args.prompt_format or "auto",
+            task_window=args.window,
+            task_max_tokens=args.max_tokens,
         )
         print((Path(args.out) / "curve.md").read_text())
         print(f"plot: {Path(args.out) / 'curve.png'}; pivot layer {curve['pivot']}")
@@ -138,6 +146,9 @@ def experiment(args: argparse.Namespace) -> int:
         frozen_cache=args.frozen_cache,
         frozen_cache_mb=args.frozen_cache_mb,
         sweep_lrs=tuple(args.sweep_lrs) if args.sweep_lrs else SWEEP_LRS,
+        prompt_format=args.prompt_format or "auto",
+        task_window=args.window,
+        task_max_tokens=args.max_tokens,
     )
     print((Path(args.out) / "study.md").read_text())
     print(f"curves: {Path(args.out) / 'curves.png'}")

@@ -148,3 +148,26 @@ __all__ = [
     "tokenizer_eos_id",
     "write_task",
 ]
+
+# Sized for another model (its tokenizer, prompt format, window and budget) and the chat format.
+from kvgraft.data.tasks.formats import (  # noqa: E402
+    PROMPT_FORMATS as PROMPT_FORMATS,
+)
+from kvgraft.data.tasks.formats import (  # noqa: E402
+    TaskEncoding as TaskEncoding,
+)
+from kvgraft.data.tasks.formats import (  # noqa: E402
+    resolve_prompt_format as resolve_prompt_format,
+)
+from kvgraft.data.tasks.recall import (  # noqa: E402
+    encoded_recall_distance as encoded_recall_distance,
+)
+from kvgraft.data.tasks.registry import (  # noqa: E402
+    SIZED_TASKS as SIZED_TASKS,
+)
+from kvgraft.data.tasks.sizing import (  # noqa: E402
+    TaskSizing as TaskSizing,
+)
+from kvgraft.data.tasks.sizing import (  # noqa: E402
+    load_sizing as load_sizing,
+)

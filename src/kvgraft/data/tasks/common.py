@@ -68,7 +68,9 @@ class TaskSpec:
     its examples with the reference tokenizer loads it only when it generates). ``extract`` finds the
     checkable answer in generated text (None when there is none); ``correct(got, target)`` compares it
     with an example's target. ``format`` is written to ``task.json``; ``info``, when set, returns more
-    ``task.json`` entries (a token budget, say).
+    ``task.json`` entries (a token budget, say). ``sized_generator(sizing)`` and ``sized_info(sizing, splits)``,
+    when set, do the same for a task sized for another model (:mod:`kvgraft.data.tasks.sizing`); a task
+    without them cannot be sized.
     """
 
     name: str
@@ -78,6 +80,8 @@ class TaskSpec:
     extract: Callable[[str], str | None]
     correct: Callable[[str, str], bool] = field(default=_exact_match)
     info: Callable[[], dict[str, Any]] | None = None
+    sized_generator: Callable[[Any], Callable[[random.Random], Example]] | None = None
+    sized_info: Callable[[Any, Mapping[str, Sequence[Example]]], dict[str, Any]] | None = None
 
 
 # --------------------------------------------------------------------------- arguments

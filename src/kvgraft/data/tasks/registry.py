@@ -24,6 +24,7 @@ from kvgraft.data.tasks.common import (
     TaskSpec,
     _check_seed,
     _check_sizes,
+    _summary,
     _write_splits,
     token_stats,
 )
@@ -36,6 +37,8 @@ REGISTRY: Mapping[str, TaskSpec] = MappingProxyType({spec.name: spec for spec in
 """Every task by name, in the order of :data:`TASKS`."""
 TASKS: tuple[str, ...] = tuple(REGISTRY)
 TASK_SUMMARIES: Mapping[str, str] = {spec.name: spec.summary for spec in _SPECS}
+SIZED_TASKS: tuple[str, ...] = tuple(spec.name for spec in _SPECS if spec.sized_generator is not None)
+"""The tasks that can be sized for another model (a token budget; recall: a window too)."""
 _FORMATS: Mapping[str, Mapping[str, Any]] = {spec.name: spec.format for spec in _SPECS}
 
 
@@ -53,7 +56,9 @@ def _check_name(name: object) -> str:
 # --------------------------------------------------------------------------- generation
 
 
-def generate_task(name: str, seed: int = 0, *, sizes: Mapping[str, int] | None = None) -> dict[str, list[Example]]:
+def generate_task(
+    name: str, seed: int = 0, *, sizes: Mapping[str, int] | None = None, sizing: Any = None
+) -> dict[str, list[Example]]:
     """The task's splits ``{"train": [...], "validation": [...], "test": [...]}``.
 
     ``sizes`` defaults to :data:`~kvgraft.data.tasks.SPLIT_SIZES` (1,472 / 224 / 601); smaller ones are
@@ -62,12 +67,24 @@ def generate_task(name: str, seed: int = 0, *, sizes: Mapping[str, int] | None =
     measure their examples with the shipped reference tokenizer
     (:func:`~kvgraft.data.tasks.reference_tokenizer_file`). Raises :class:`TaskError` for an unknown name,
     ``TypeError``/``ValueError`` for a seed that is not an int >= 0 or bad sizes.
+
+    ``sizing`` (a :class:`~kvgraft.data.tasks.sizing.TaskSizing`, None: the reference models' sizing): the
+    token budget, the window (recall) and the encoding they are counted in, for another model; only the
+    tasks in :data:`SIZED_TASKS` take one (:class:`TaskError` otherwise).
     """
     spec = get_task(name)
     _check_seed(seed)
     counts = _check_sizes(sizes)
     rng = random.Random(f"kvgraft-task:{name}:{seed}")
-    make = spec.generator()
+    if sizing is None:
+        make = spec.generator()
+    elif spec.sized_generator is None:
+        raise TaskError(
+            f"{name} has no token budget or distance to size for a model (accepted: the tasks "
+            f"{', '.join(SIZED_TASKS)}; {name} needs no --window, --max-tokens or --prompt-format)"
+        )
+    else:
+        make = spec.sized_generator(sizing)
 
     total = sum(counts.values())
     seen: set[str] = set()
@@ -103,14 +120,17 @@ def write_task(
     tokenizer_name: str | None = None,
     overwrite: bool = False,
     sizes: Mapping[str, int] | None = None,
+    sizing: Any = None,
 ) -> Path:
     """Generate a task and write ``train.jsonl``, ``validation.jsonl``, ``test.jsonl`` and ``task.json``.
 
     The directory appears complete or not at all (built next to ``out_dir`` and renamed). An existing
     ``out_dir`` is refused (``FileExistsError``) unless it is empty or ``overwrite`` is set. With a
     ``tokenizer``, ``task.json`` records token statistics (:func:`~kvgraft.data.tasks.token_stats`) under
-    ``"tokens"``, with ``tokenizer_name`` as its source. ``sizes`` as in :func:`generate_task`. Returns
-    ``out_dir``.
+    ``"tokens"``, with ``tokenizer_name`` as its source. ``sizes`` and ``sizing`` as in :func:`generate_task`;
+    with a ``sizing``, ``task.json`` records it (tokenizer, prompt format, window, budget; recall: the
+    distances measured in that encoding) and the token statistics are counted in that encoding, every token
+    included (``tokenizer`` is then not used). Returns ``out_dir``.
     """
     spec = get_task(name)
     _check_seed(seed)
@@ -121,7 +141,7 @@ def write_task(
     replace = overwrite or (out.is_dir() and not any(out.iterdir()))
     if out.exists() and not replace:
         raise FileExistsError(f"{out} already exists and is not empty; overwrite (--overwrite) replaces it")
-    splits = generate_task(name, seed, sizes=sizes)
+    splits = generate_task(name, seed, sizes=sizes, sizing=sizing)
     info: dict[str, Any] = {
         "name": name,
         "seed": seed,
@@ -129,9 +149,19 @@ def write_task(
         "sizes": {s: len(splits[s]) for s in SPLITS},
         "format": spec.format,
     }
-    if spec.info is not None:  # a token budget, say
+    if sizing is not None:
+        assert spec.sized_info is not None  # generate_task refused a task without a sized generator
+        info.update(spec.sized_info(sizing, splits))
+        lengths = {s: sizing.encoding.lengths(splits[s]) for s in SPLITS}
+        info["tokens"] = {
+            "tokenizer": sizing.tokenizer_name,
+            "counted": sizing.encoding.describe()["counted"],
+            "splits": {s: _summary(lengths[s]) for s in SPLITS},
+            "all": _summary([n for s in SPLITS for n in lengths[s]]),
+        }
+    elif spec.info is not None:  # a token budget, say
         info.update(spec.info())
-    if tokenizer is not None:
+    if tokenizer is not None and sizing is None:
         info["tokens"] = {"tokenizer": tokenizer_name, "counted": "prompt + answer, no EOS", **token_stats(tokenizer, splits)}
     _write_splits(out, splits, info, overwrite=replace)
     return out

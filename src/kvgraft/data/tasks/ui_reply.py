@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from kvgraft.data.tasks.common import Example, TaskSpec, _reference_counter, reference_token_budget
+from kvgraft.data.tasks.common import Example, TaskError, TaskSpec, _reference_counter, reference_token_budget
 
 UI_MAX_TOKENS = 500
 """Reference-tokenizer tokens of a ui-reply example at most: prompt + answer + EOS, as
@@ -396,7 +396,15 @@ def _ui_example(r: random.Random, count: Callable[[str], int]) -> Example:
             return ex
 
 
-def _ui_attempt(r: random.Random, count: Callable[[str], int]) -> Example | None:
+def _ui_attempt(
+    r: random.Random,
+    count: Callable[[str], int],
+    max_tokens: int = UI_MAX_TOKENS,
+    size: Callable[[str, str], int] | None = None,
+) -> Example | None:
+    """One screen with the longest run of components that fits ``max_tokens``, or None when even
+    UI_MIN_COMPONENTS do not; ``size(prompt, answer)``: an example's tokens (default: prompt + answer + EOS
+    by ``count``, the reference models' plain encoding)."""
     screen, spec_type, titles = r.choice(_SCREENS)
     title = r.choice(titles)
     style = {"background": r.choice(_BACKGROUNDS), "padding": r.choice(_PADDINGS), "layout": r.choice(_LAYOUTS)}
@@ -422,15 +430,16 @@ def _ui_attempt(r: random.Random, count: Callable[[str], int]) -> Example | None
     def fits(k: int) -> bool:  # prompt + answer + EOS of the first k components within the budget
         if k not in tokens:
             rendered[k] = _render_ui(screen, title, style, comps[:k], ask, intro, closing, spec_type)
-            tokens[k] = count(rendered[k][0]) + count(rendered[k][1]) + 1
-        return tokens[k] <= UI_MAX_TOKENS
+            p, a = rendered[k][0], rendered[k][1]
+            tokens[k] = count(p) + count(a) + 1 if size is None else size(p, a)
+        return tokens[k] <= max_tokens
 
     # the longest prefix that fits; tokens grow with k, so walk from a guess made on characters
     if not have(UI_MIN_COMPONENTS):
         return None
     chars = sum(map(len, _render_ui(screen, title, style, comps, ask, intro, closing, spec_type)[:2]))
     k = UI_MIN_COMPONENTS
-    while k < UI_MAX_COMPONENTS and have(k + 1) and (chars + comps[k].chars) * _UI_TOKENS_PER_CHAR <= UI_MAX_TOKENS:
+    while k < UI_MAX_COMPONENTS and have(k + 1) and (chars + comps[k].chars) * _UI_TOKENS_PER_CHAR <= max_tokens:
         chars += comps[k].chars
         k += 1
     if fits(k):
@@ -444,6 +453,52 @@ def _ui_attempt(r: random.Random, count: Callable[[str], int]) -> Example | None
             return None
     prompt, answer, spec = rendered[k]
     return Example(prompt=prompt, answer=answer, target=canonical_json(spec), kind=screen.replace(" ", "-"))
+
+
+# --------------------------------------------------------------------------- sized for another model
+
+
+def sized_ui_example(r: random.Random, sizing: Any) -> Example:
+    """One example sized by ``sizing`` (a :class:`~kvgraft.data.tasks.sizing.TaskSizing`): the longest run of
+    components whose prompt + answer + end token fits ``max_tokens`` (default 500) in the sizing's encoding
+    (the chat template's tokens count too), checked exactly with the tokenizer. With the reference tokenizer,
+    the plain format and 500 tokens it draws exactly what the default generator draws."""
+    if sizing.window is not None:
+        raise TaskError(
+            f"ui-reply has no distance to size: window {sizing.window} applies to recall only (accepted for "
+            "ui-reply: max_tokens, the tokenizer and the prompt format); drop the window"
+        )
+    budget = sizing.max_tokens or UI_MAX_TOKENS
+    from kvgraft.data.tasks.sizing import SIZED_DRAWS
+
+    for _ in range(SIZED_DRAWS):
+        ex = _ui_attempt(r, sizing.count, budget, sizing.example_tokens)
+        if ex is not None and sizing.exact_length(ex) <= budget:
+            return ex
+    raise TaskError(
+        f"ui-reply: no screen of {UI_MIN_COMPONENTS} components fits max_tokens {budget} in the "
+        f"{sizing.prompt_format} encoding of {sizing.tokenizer_name}; accepted: a larger max_tokens (500 fits 3-10)"
+    )
+
+
+def _ui_sized_generator(sizing: Any) -> Callable[[random.Random], Example]:
+    def make(r: random.Random) -> Example:
+        return sized_ui_example(r, sizing)
+
+    return make
+
+
+def _ui_sized_info(sizing: Any, splits: Any) -> dict[str, Any]:
+    budget = sizing.max_tokens or UI_MAX_TOKENS
+    return {
+        "token_budget": {
+            "max_tokens": budget,
+            "counted": sizing.encoding.describe()["counted"],
+            "tokenizer": sizing.tokenizer_name,
+            "tokenizer_sha256": sizing.tokenizer_sha256,
+        },
+        "sizing": sizing.to_dict() | {"max_tokens": budget},
+    }
 
 
 # --------------------------------------------------------------------------- scoring and registration
@@ -495,4 +550,6 @@ SPEC = TaskSpec(
     },
     extract=extract_ui_reply,
     info=_ui_info,
+    sized_generator=_ui_sized_generator,
+    sized_info=_ui_sized_info,
 )
