@@ -1,17 +1,24 @@
-"""Healing the real model's 4x MLA graft by KL distillation on a CPU budget, resumable across machines.
+"""Healing the real model's grafts by KL distillation on a CPU budget, resumable across machines.
 
     .venv/bin/python bench/real_heal.py run --hours 1.5      # convert if needed, resume, heal, pack, plot
     .venv/bin/python bench/real_heal.py score                # held-out texts on the latest checkpoint
     .venv/bin/python bench/real_heal.py plot                 # the curve alone (bench/real_heal.png)
+    .venv/bin/python bench/real_heal.py run --student ced    # the same for the causal encoder-decoder
 
-The student is ``kvgraft convert smollm2-135m-instruct --format both`` with every default (4x, 64 + 32, the
-graft's latent norm, 4 epochs of refinement, kvgraft's calibration text); the teacher is SmolLM2 itself; the data
+Two students (``--student``, each with its own model and run directories, pack and plot):
+
+- ``mla`` (default): ``kvgraft convert smollm2-135m-instruct --format both`` with every default (4x, 64 + 32,
+  the graft's latent norm, 4 epochs of refinement, kvgraft's calibration text); packed in ``bench/real_heal/``.
+- ``ced``: the causal encoder-decoder of ``CED_CONVERT`` (the layout chosen by ``bench/real_ced_layouts.py``);
+  packed in ``bench/real_ced/``, plotted in ``bench/real_ced.png``.
+
+The teacher is SmolLM2 itself; the data
 is ``kvgraft prepare-data --out runs/smol-data --sources kjv web python-docs fortunes`` (5.31M training tokens,
 the held-out texts of bench/real_texts.py excluded). The run is ``kvgraft heal`` with the recipe in ``RECIPE``
 (attention only, KL, 512-token sequences, 8,192 tokens a step, cosine over a 5M-token budget), stopped after
 ``--hours`` by its own ``--max-time-s`` (a checkpoint is written on the way out, and on SIGTERM).
 
-What lasts across machines is committed in ``bench/real_heal/``: the latest checkpoint's trainable weights (the
+What lasts across machines is committed in the student's pack directory: the latest checkpoint's trainable weights (the
 attention, bf16, in shards under 40 MB), its state, the run's config and log. On a fresh machine ``run``
 rebuilds the student by converting again, unpacks the committed checkpoint (weights rounded to bf16, AdamW's
 moments restarted: the one step where the resumed run differs from an uninterrupted one, recorded in the log)
@@ -41,8 +48,28 @@ from kvgraft.train.checkpoint import PREFIX, find_latest
 from kvgraft.train.loop import evaluate, lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
-PACK = ROOT / "bench" / "real_heal"
 TEACHER = "smollm2-135m-instruct"
+# the causal encoder-decoder's conversion: the seed's layout scaled to 30 layers (bench/real_ced_layouts.py)
+CED_CONVERT = [
+    "--to", "ced", "--kv-source-layers", "2", "6", "10", "15", "--sliding-window", "128", "--kv-lora-rank", "320", "--rope-dim", "64",
+]  # fmt: skip
+STUDENTS = {
+    "mla": {
+        "convert": ["--format", "both"],
+        "pack": ROOT / "bench" / "real_heal",
+        "dir": ROOT / "runs" / "real-heal",
+        "png": ROOT / "bench" / "real_heal.png",
+        "label": "4x MLA graft",
+    },
+    "ced": {
+        "convert": CED_CONVERT,
+        "pack": ROOT / "bench" / "real_ced",
+        "dir": ROOT / "runs" / "real-ced",
+        "png": ROOT / "bench" / "real_ced.png",
+        "label": "causal encoder-decoder graft",
+    },
+}
+PACK = STUDENTS["mla"]["pack"]  # the chosen student's (main() sets it)
 SHARD_BYTES = 35 * 2**20  # under the repository's 40 MB a file
 RECIPE = [
     "--loss", "kl", "--attention-only", "--tokens", "5000000", "--seq-len", "512", "--micro-batch-size", "4",
@@ -52,16 +79,16 @@ RECIPE = [
 TEXTS = ("manual", "glossary")
 
 
-def convert(model: Path) -> None:
+def convert(model: Path, args: list[str]) -> None:
     if (model / "conversion.json").is_file():
         return
-    cmd = [sys.executable, "-m", "kvgraft", "convert", TEACHER, "--format", "both", "--out", str(model)]
+    cmd = [sys.executable, "-m", "kvgraft", "convert", TEACHER, *args, "--out", str(model)]
     print("converting:", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)
 
 
 def pack(run: Path) -> Path | None:
-    """The run's latest checkpoint -> bench/real_heal (bf16 shards, state, config, log), atomically."""
+    """The run's latest checkpoint -> the pack directory (bf16 shards, state, config, log), atomically."""
     latest = find_latest(run)
     if latest is None:
         return None
@@ -107,7 +134,7 @@ def unpack(run: Path) -> None:
     run.mkdir(parents=True, exist_ok=True)
     with atomic_dir(target, overwrite=True) as tmp:
         save_file(weights, str(tmp / "model.safetensors"))
-        state = {**state, "optimizer_reset": "unpacked from bench/real_heal: weights in bf16, AdamW moments restarted"}
+        state = {**state, "optimizer_reset": f"unpacked from {PACK.relative_to(ROOT)}: weights in bf16, AdamW moments restarted"}
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
     shutil.copy(src / "train_config.json", run / "train_config.json")
     shutil.copy(src / "log.jsonl", run / "log.jsonl")
@@ -118,6 +145,7 @@ def val_loss(name: str, model: Path, data: Path, threads: int) -> float:
     """A model's validation loss on the batches the run validates on (cached in bench/real_heal/NAME.json):
     the teacher's, and the student's before healing (the curve's point at 0 tokens)."""
     path = PACK / f"{name}.json"
+    PACK.mkdir(parents=True, exist_ok=True)
     if path.is_file():
         return json.loads(path.read_text())["val_loss"]
     torch.set_num_threads(threads)
@@ -129,7 +157,7 @@ def val_loss(name: str, model: Path, data: Path, threads: int) -> float:
     return loss
 
 
-def plot(model: Path, data: Path, threads: int) -> None:
+def plot(model: Path, data: Path, threads: int, png: Path, label: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,15 +170,15 @@ def plot(model: Path, data: Path, threads: int) -> None:
     points = [(0, math.exp(val_loss("student-oneshot", model, data, threads))), *points]
     fig, ax = plt.subplots(figsize=(6.4, 4))
     if points:
-        ax.plot([t / 1e6 for t, _ in points], [p for _, p in points], marker="o", label="4x MLA graft, healing (KL)")
+        ax.plot([t / 1e6 for t, _ in points], [p for _, p in points], marker="o", label=f"{label}, healing (KL)")
     ax.axhline(teacher, color="k", linestyle="--", label=f"SmolLM2-135M-Instruct ({teacher:.2f})")
     ax.axhline(teacher * 1.05, color="gray", linestyle=":", label="within 5%")
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
-    ax.set_title("Healing the 4x graft of SmolLM2-135M on 2 CPU cores")
+    ax.set_title(f"Healing the {label} of SmolLM2-135M on 2 CPU cores")
     ax.legend()
-    atomic_savefig(fig, ROOT / "bench" / "real_heal.png")
+    atomic_savefig(fig, png)
     lines = ["| tokens | validation ppl | x teacher |", "|---|---|---|"]
     lines += [f"| {t:,} | {p:.2f} | {p / teacher:.3f}x |" for t, p in points]
     print("\n".join(lines))
@@ -186,19 +214,27 @@ def score(run: Path, model: Path, texts: Path, threads: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["run", "score", "plot", "pack"])
+    p.add_argument("--student", choices=sorted(STUDENTS), default="mla", help="which graft heals (see above)")
     p.add_argument("--hours", type=float, default=1.0, help="stop the heal after this long (it checkpoints)")
-    p.add_argument("--model", type=Path, default=ROOT / "runs" / "real-heal" / "model", help="the converted student")
-    p.add_argument("--run", type=Path, default=ROOT / "runs" / "real-heal" / "run")
+    p.add_argument(
+        "--model", type=Path, default=None, help="the converted student (default: runs/real-heal/model, runs/real-ced/model)"
+    )
+    p.add_argument("--run", type=Path, default=None, help="the heal's run directory (default: beside the model)")
     p.add_argument("--data", type=Path, default=ROOT / "runs" / "smol-data")
     p.add_argument("--texts", type=Path, default=ROOT / "runs" / "real-texts")
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     if not math.isfinite(a.hours) or a.hours <= 0:
         raise SystemExit(f"--hours ({a.hours}) must be a positive number")
+    global PACK
+    student = STUDENTS[a.student]
+    PACK = student["pack"]
+    a.model = a.model or student["dir"] / "model"
+    a.run = a.run or student["dir"] / "run"
     if a.what == "run":
         if not (a.data / "tokens" / "train.npy").is_file():
             raise SystemExit(f"{a.data} has no tokens; see this script's docstring for the prepare-data command")
-        convert(a.model)
+        convert(a.model, student["convert"])
         unpack(a.run)
         val_loss("teacher", resolve_model(TEACHER), a.data, a.threads)
         cmd = [sys.executable, "-m", "kvgraft", "heal", str(a.model), "--out", str(a.run), "--data", str(a.data)]
@@ -206,11 +242,11 @@ def main() -> None:
         print("healing:", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
         pack(a.run)
-        plot(a.model, a.data, a.threads)
+        plot(a.model, a.data, a.threads, student["png"], student["label"])
     elif a.what == "pack":
         pack(a.run)
     elif a.what == "plot":
-        plot(a.model, a.data, a.threads)
+        plot(a.model, a.data, a.threads, student["png"], student["label"])
     else:
         score(a.run, a.model, a.texts, a.threads)
 

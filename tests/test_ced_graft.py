@@ -207,3 +207,22 @@ def test_shared_rope_selection_gives_one_layout():
         ced, _ = graft_ced(mla, CEDGraftConfig((0, 1, 2), sliding_window=4), CALIB, progress=False)
         with torch.no_grad():
             torch.testing.assert_close(ced.eval()(CALIB), mla(CALIB), atol=1e-4, rtol=0)
+
+
+def test_rope_fit_keeps_the_window_and_brings_the_readers_closer():
+    mla = mla_model()
+    short = IDS[:, :6]  # within the window: no shared entry is visible, the windows alone answer
+    outs = {}
+    for fit in (False, True):
+        g = CEDGraftConfig(kv_source_layers=(1,), sliding_window=6, rope_fit=fit)
+        ced, report = graft_ced(mla, g, CALIB, progress=False)
+        with torch.no_grad():
+            outs[fit] = (ced.eval()(short), (ced(CALIB) - mla(CALIB)).pow(2).mean())
+        if fit:
+            assert all(0 <= r["rope_relative_residual"] < 1 for r in report["readers"].values())
+        else:
+            assert all("rope_relative_residual" not in r for r in report["readers"].values())
+    torch.testing.assert_close(outs[True][0], outs[False][0], atol=1e-4, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(outs[True][0], mla(short), atol=1e-4, rtol=0)
+    assert outs[True][1] < outs[False][1], (outs[True][1], outs[False][1])
