@@ -61,14 +61,14 @@ SLICES = [(0, 1), (500, 2), (1000, 7), (3000, 63), (5000, 64), (7000, 65), (9000
 N_NEW = 32
 
 
-def _llm(model: Path, dtype: str, device: str, eager: bool, **kwargs):
+def _llm(model: Path, dtype: str, device: str, eager: bool, max_model_len: int = 512, **kwargs):
     from vllm import LLM  # deliberately lazy: main() sets VLLM_TARGET_DEVICE first
 
     return LLM(
         model=str(model),
         dtype=dtype,
         enforce_eager=eager,
-        max_model_len=512,
+        max_model_len=max_model_len,
         skip_tokenizer_init=True,
         enable_prefix_caching=False,
         seed=0,

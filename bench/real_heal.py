@@ -4,6 +4,7 @@
     .venv/bin/python bench/real_heal.py score                # held-out texts on the latest checkpoint
     .venv/bin/python bench/real_heal.py plot                 # the curve alone (bench/real_heal.png)
     .venv/bin/python bench/real_heal.py run --student ced    # the same for the causal encoder-decoder
+    .venv/bin/python bench/real_heal.py build --student ced  # the healed model from the committed pack, no training
 
 Two students (``--student``, each with its own model and run directories, pack and plot):
 
@@ -70,6 +71,7 @@ STUDENTS = {
     },
 }
 PACK = STUDENTS["mla"]["pack"]  # the chosen student's (main() sets it)
+STUDENT_LABEL = STUDENTS["mla"]["label"]
 SHARD_BYTES = 35 * 2**20  # under the repository's 40 MB a file
 RECIPE = [
     "--loss", "kl", "--attention-only", "--tokens", "5000000", "--seq-len", "512", "--micro-batch-size", "4",
@@ -139,6 +141,35 @@ def unpack(run: Path) -> None:
     shutil.copy(src / "train_config.json", run / "train_config.json")
     shutil.copy(src / "log.jsonl", run / "log.jsonl")
     print(f"unpacked step {state['step']} ({state['tokens']:,} tokens) into {target}", flush=True)
+
+
+def build(model: Path, args: list[str], out: Path) -> None:
+    """A fresh clone's healed student without training: convert, then the committed checkpoint's trainable
+    weights (bf16, as packed) over it, written as a complete kvgraft checkpoint at ``out`` (atomically)."""
+    from kvgraft.hf.save import save_pretrained
+
+    src = PACK / "checkpoint"
+    if not (src / "state.json").is_file():
+        raise SystemExit(f"{src} holds no packed checkpoint: run `run` first")
+    convert(model, args)
+    student = load_pretrained(model, dtype=torch.float32)
+    params = dict(student.named_parameters())
+    with torch.no_grad():
+        for shard in sorted(src.glob("attention-*.safetensors")):
+            for name, t in load_file(str(shard)).items():
+                if name not in params:
+                    raise SystemExit(f"{shard} holds {name}, which the converted model has not: was it converted otherwise?")
+                params[name].copy_(t.float())
+    state = json.loads((src / "state.json").read_text())
+    card = (
+        f"# {STUDENT_LABEL}, healed\n\nBuilt by `bench/real_heal.py build`: `kvgraft convert {TEACHER} {' '.join(args)}`, "
+        f"then the attention weights of `{PACK.relative_to(ROOT)}/checkpoint` (step {state['step']}, "
+        f"{state['tokens']:,} tokens of KL healing from {TEACHER}; bf16-rounded). The card of the run: "
+        f"`{PACK.relative_to(ROOT)}/README.md`.\n"
+    )
+    with atomic_dir(out, overwrite=True) as tmp:
+        save_pretrained(student, tmp, tokenizer_dir=model, model_type="kvgraft", overwrite=True, extra_files={"README.md": card})
+    print(f"built {out} (step {state['step']}, {state['tokens']:,} tokens)", flush=True)
 
 
 def val_loss(name: str, model: Path, data: Path, threads: int) -> float:
@@ -213,22 +244,25 @@ def score(run: Path, model: Path, texts: Path, threads: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["run", "score", "plot", "pack"])
+    p.add_argument("what", choices=["run", "build", "score", "plot", "pack"])
     p.add_argument("--student", choices=sorted(STUDENTS), default="mla", help="which graft heals (see above)")
     p.add_argument("--hours", type=float, default=1.0, help="stop the heal after this long (it checkpoints)")
     p.add_argument(
         "--model", type=Path, default=None, help="the converted student (default: runs/real-heal/model, runs/real-ced/model)"
     )
     p.add_argument("--run", type=Path, default=None, help="the heal's run directory (default: beside the model)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="build: where the healed model goes (default: beside the model, healed)"
+    )
     p.add_argument("--data", type=Path, default=ROOT / "runs" / "smol-data")
     p.add_argument("--texts", type=Path, default=ROOT / "runs" / "real-texts")
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     if not math.isfinite(a.hours) or a.hours <= 0:
         raise SystemExit(f"--hours ({a.hours}) must be a positive number")
-    global PACK
+    global PACK, STUDENT_LABEL
     student = STUDENTS[a.student]
-    PACK = student["pack"]
+    PACK, STUDENT_LABEL = student["pack"], student["label"]
     a.model = a.model or student["dir"] / "model"
     a.run = a.run or student["dir"] / "run"
     if a.what == "run":
@@ -243,6 +277,8 @@ def main() -> None:
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
         pack(a.run)
         plot(a.model, a.data, a.threads, student["png"], student["label"])
+    elif a.what == "build":
+        build(a.model, student["convert"], a.out or student["dir"] / "healed")
     elif a.what == "pack":
         pack(a.run)
     elif a.what == "plot":
