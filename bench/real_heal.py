@@ -207,7 +207,7 @@ def plot(model: Path, data: Path, threads: int, png: Path, label: str) -> None:
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
-    ax.set_title(f"Healing the {label} of SmolLM2-135M on 2 CPU cores")
+    ax.set_title(f"Healing SmolLM2-135M's {label} (2 CPU cores)")
     ax.legend()
     atomic_savefig(fig, png)
     lines = ["| tokens | validation ppl | x teacher |", "|---|---|---|"]
