@@ -122,17 +122,26 @@ def _question(key: str) -> str:
     return f"Question: what is the code of {key}?\nAnswer:"
 
 
+def _draw_ledger(
+    r: random.Random, pairs: list[tuple[str, str]], n: int, count: Callable[[str], int]
+) -> tuple[list[str], list[str], list[str], list[int]]:
+    """``n`` distinct keys (from ``pairs``) and 4-digit codes drawn from ``r`` (in this order), the ledger's lines,
+    and ``cum[j]``: tokens of the header and the first j lines."""
+    drawn = r.sample(pairs, n)
+    codes = [f"{c:04d}" for c in r.sample(range(10000), n)]
+    keys = [f"{a} {b}" for a, b in drawn]
+    lines = [f"{k}: {c}\n" for k, c in zip(keys, codes)]
+    cum = [count(HEADER)]
+    for line in lines:
+        cum.append(cum[-1] + count(line))
+    return keys, codes, lines, cum
+
+
 def recall_example(r: random.Random, count: Callable[[str], int], example_cls: Callable[..., Any] = Example):
     """One example (``example_cls(prompt, answer, target, kind)``); ``count`` gives exact token counts
     (additive over lines, as the generators' counter is; the chosen example is counted again whole)."""
     while True:
-        pairs = r.sample([(a, b) for a in ADJECTIVES for b in ANIMALS], RECALL_MAX_LINES)
-        codes = [f"{c:04d}" for c in r.sample(range(10000), RECALL_MAX_LINES)]
-        keys = [f"{a} {b}" for a, b in pairs]
-        lines = [f"{k}: {c}\n" for k, c in zip(keys, codes)]
-        cum = [count(HEADER)]  # cum[j]: tokens of the header and the first j lines
-        for line in lines:
-            cum.append(cum[-1] + count(line))
+        keys, codes, lines, cum = _draw_ledger(r, _PAIRS, RECALL_MAX_LINES, count)
         q_tokens = [count(_question(k)) for k in keys]
         a_tokens = [count(f" {c}") for c in codes]
         # the longest ledger that fits the budget whatever line is asked
@@ -179,13 +188,7 @@ def sized_recall_example(r: random.Random, sizing: Any) -> Example:
     if need > budget:
         raise TaskError(_too_small(sizing, window, budget, min_distance, need))
     for _ in range(_draws()):
-        pairs = r.sample(_PAIRS, cap)
-        codes = [f"{c:04d}" for c in r.sample(range(10000), cap)]
-        keys = [f"{a} {b}" for a, b in pairs]
-        lines = [f"{k}: {c}\n" for k, c in zip(keys, codes)]
-        cum = [count(HEADER)]  # cum[j]: tokens of the header and the first j lines
-        for line in lines:
-            cum.append(cum[-1] + count(line))
+        keys, codes, lines, cum = _draw_ledger(r, _PAIRS, cap, count)
         q_tokens = [count(_question(k)) + suf for k in keys]  # the question, then the template's suffix
         a_tokens = [sizing.answer_tokens(f" {c}") for c in codes]  # the reply and its end token
         n = len(lines)
