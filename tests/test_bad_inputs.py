@@ -161,6 +161,30 @@ CASES = [
     # -- heal
     (["heal", "{tiny}", "--out", "{outs}/h", "--data", "{data}", "--tokens", "0"], "tokens (0)", NO_LOAD),
     (["heal", "{tiny}", "--out", "{outs}/h", "--data", "{data}", "--fraction", "0"], "fraction_of_pretraining (0.0)", NO_LOAD),
+    (["heal", "{tiny}", "--out", "{outs}/h", "--data", "{data}", "--copy-fraction", "1.5"], "copy_fraction (1.5)", NO_LOAD),
+    (
+        ["heal", "{tiny}", "--out", "{outs}/h", "--data", "{data}", "--copy-span", "64"],
+        "copy_span (64) needs a copy_fraction",
+        NO_LOAD,
+    ),
+    (
+        [
+            "heal",
+            "{tiny}",
+            "--out",
+            "{outs}/h",
+            "--data",
+            "{data}",
+            "--copy-fraction",
+            "0.5",
+            "--copy-span",
+            "64",
+            "--seq-len",
+            "64",
+        ],
+        "copy_span (64) must be at most half the sequence length",
+        NO_LOAD,
+    ),
     # -- demo
     (["demo", "--out", "/proc/kvgraft-test/demo"], "cannot write demo output", NO_LOAD),
 ]

@@ -247,3 +247,73 @@ def test_heal_resumes_exactly_after_sigkill(setup, tmp_path):
     hb = load_pretrained(resumed / "final").state_dict()
     for k in ha:
         torch.testing.assert_close(ha[k], hb[k], atol=1e-6, rtol=0)
+
+
+def test_copy_windows_repeat_their_opening_span_and_keep_the_rest():
+    from kvgraft.data import CopyWindows, PackedDataset
+
+    stream = np.arange(200, dtype=np.uint16)
+    base = PackedDataset(stream, 16)
+    ds = CopyWindows(base, 0.5, 5)
+    assert len(ds) == len(base) and [ds.is_copy(i) for i in range(6)] == [False, True, False, True, False, True]
+    assert torch.equal(ds[0]["input_ids"], base[0]["input_ids"])
+    item = ds[1]  # window 1 reads tokens 16..32: A = 16..20, then A again, then 21..26
+    full = torch.cat([item["input_ids"], item["labels"][-1:]]).tolist()
+    assert full == [*range(16, 21), *range(16, 21), *range(21, 28)]
+    assert torch.equal(item["labels"][:-1], item["input_ids"][1:])
+    every = CopyWindows(base, 1.0, 8)
+    assert all(every.is_copy(i) for i in range(len(every)))
+    assert torch.cat([every[2]["input_ids"], every[2]["labels"][-1:]]).tolist() == [*range(32, 40), *range(32, 40), 40]
+    assert not any(CopyWindows(base, 0.0, 8).is_copy(i) for i in range(len(base)))
+    assert sum(CopyWindows(base, 0.25, 4).is_copy(i) for i in range(12)) == 3
+
+
+@pytest.mark.parametrize(
+    "fraction, span, match",
+    [
+        (1.5, 4, r"copy fraction \(1.5\) must be a number in \[0, 1\]"),
+        (0.5, 9, r"copy span \(9\) must be an integer in \[1, seq_len // 2 = 8\]"),
+        (0.5, 0, r"copy span \(0\)"),
+    ],
+)
+def test_copy_windows_refuse_bad_values(fraction, span, match):
+    from kvgraft.data import CopyWindows, PackedDataset
+
+    with pytest.raises(ValueError, match=match):
+        CopyWindows(PackedDataset(np.arange(100, dtype=np.uint16), 16), fraction, span)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"copy_fraction": -0.1}, r"copy_fraction \(-0.1\) must be a number in \[0, 1\]"),
+        ({"copy_fraction": True}, r"copy_fraction \(True\)"),
+        ({"copy_fraction": 0.5, "copy_span": 0}, r"copy_span \(0\) must be a positive integer"),
+        ({"copy_span": 8}, r"copy_span \(8\) needs a copy_fraction above 0"),
+    ],
+)
+def test_heal_config_refuses_bad_copy_settings(kw, match):
+    with pytest.raises(ValueError, match=match):
+        HealConfig(**kw)
+
+
+def test_heal_with_copy_windows_trains_and_records_them(setup, tmp_path):
+    orig_dir, mla_dir, data = setup
+    with pytest.raises(ValueError, match=r"copy_span \(20\) must be at most half the sequence length \(32 // 2 = 16\)"):
+        heal(
+            mla_dir,
+            tmp_path / "bad",
+            data,
+            teacher=orig_dir,
+            heal_config=HealConfig(loss="kl", copy_fraction=0.5, copy_span=20),
+            train_config=_tc(),
+            seq_len=32,
+        )
+    assert not (tmp_path / "bad").exists()
+    out = tmp_path / "copy"
+    hc = HealConfig(loss="kl", copy_fraction=0.5, copy_span=12)
+    result = heal(mla_dir, out, data, teacher=orig_dir, heal_config=hc, train_config=_tc())
+    assert result.step == 6
+    record = json.loads((out / "final" / "heal.json").read_text())
+    assert record["heal"]["copy_fraction"] == 0.5 and record["heal"]["copy_span"] == 12
+    assert "0.5 of the windows repeat their first 12 tokens" in (out / "final" / "README.md").read_text()

@@ -212,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=None, help="token budget")
     p.add_argument("--fraction", type=float, default=None, help="budget as a fraction of the original's tokens")
     p.add_argument(
+        "--copy-fraction",
+        type=float,
+        default=0.0,
+        help="share of the training windows that repeat their first --copy-span tokens (0-1, default 0): distilled "
+        "from a teacher that copies, the student learns to copy from that far back (a causal encoder-decoder through "
+        "its shared stream when the span exceeds its windows)",
+    )
+    p.add_argument("--copy-span", type=int, default=None, help="tokens a copy window repeats (default: half of --seq-len)")
+    p.add_argument(
         "--original-lr", type=float, default=None, help="the original's peak LR (default: from its card); healing uses 1/10 of it"
     )
     p.add_argument("--pretraining-tokens", type=int, default=None, help="the original's pretraining tokens")

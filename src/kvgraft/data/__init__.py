@@ -30,6 +30,7 @@ from kvgraft.data.corpus import (
 # the tokenizer module the tokenizers library; ``kvgraft --help`` reads the corpus sources and nothing more.
 _LAZY = {
     "PackedDataset": "kvgraft.data.packing",
+    "CopyWindows": "kvgraft.data.packing",
     "load_tokens": "kvgraft.data.packing",
     "slice_tokens": "kvgraft.data.packing",
     "spread_tokens": "kvgraft.data.packing",
@@ -53,6 +54,7 @@ __all__ = [
     "CorpusError",
     "CorpusManifest",
     "PackedDataset",
+    "CopyWindows",
     "Source",
     "build_corpus",
     "eos_token_id",

@@ -139,3 +139,37 @@ class PackedDataset(Dataset):
         start = index * self.seq_len
         window = torch.from_numpy(np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
         return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+class CopyWindows(Dataset):
+    """A :class:`PackedDataset` where a ``fraction`` of the windows repeat their own opening ``span`` tokens.
+
+    A copy window reads ``A + A + C`` instead of the window's tokens: ``A`` its first ``span`` tokens, ``C``
+    what followed ``A`` in the text (to fill ``seq_len + 1``). Every token of the second ``A`` is then
+    predictable from ``span`` tokens back: distilled from a teacher that copies, a student learns to copy
+    from that far (a causal encoder-decoder, through its shared stream when ``span`` exceeds its windows).
+    Which windows copy is fixed (spread evenly: window ``i`` copies when ``floor((i + 1) f) > floor(i f)``),
+    so a resumed run sees the same data."""
+
+    def __init__(self, base: PackedDataset, fraction: float, span: int) -> None:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ValueError(f"copy fraction ({fraction!r}) must be a number in [0, 1]")
+        if isinstance(span, bool) or not isinstance(span, int) or not 1 <= span <= base.seq_len // 2:
+            raise ValueError(f"copy span ({span!r}) must be an integer in [1, seq_len // 2 = {base.seq_len // 2}]")
+        self.base, self.fraction, self.span = base, float(fraction), span
+        self.seq_len = base.seq_len
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def is_copy(self, index: int) -> bool:
+        return int((index + 1) * self.fraction) > int(index * self.fraction)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = self.base[index]
+        if not self.is_copy(index % len(self)):
+            return item
+        window = torch.cat([item["input_ids"], item["labels"][-1:]])  # the seq_len + 1 tokens
+        a = window[: self.span]
+        window = torch.cat([a, a, window[self.span : self.span + window.numel() - 2 * self.span]])
+        return {"input_ids": window[:-1], "labels": window[1:]}

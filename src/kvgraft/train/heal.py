@@ -22,7 +22,7 @@ from accelerate import PartialState
 from torch import nn
 
 from kvgraft.atomic import atomic_dir
-from kvgraft.data import PackedDataset
+from kvgraft.data import CopyWindows, PackedDataset
 from kvgraft.graft.convert import load_calibration
 from kvgraft.hf import load_pretrained, save_pretrained
 from kvgraft.hf.deepseek import export_deepseek_v3
@@ -45,6 +45,8 @@ class HealConfig:
     attention_only: bool = False  # freeze embeddings, MLPs and norms
     tokens: int | None = None  # token budget (sets max_steps); or
     fraction_of_pretraining: float | None = None  # a fraction of the original model's pretraining tokens
+    copy_fraction: float = 0.0  # training windows that repeat their opening copy_span tokens (data.CopyWindows)
+    copy_span: int | None = None  # tokens copied (and how far back); None: half the sequence length
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -59,6 +61,18 @@ class HealConfig:
             raise ValueError(f"tokens ({self.tokens!r}) must be a positive integer")
         if self.fraction_of_pretraining is not None and not 0 < self.fraction_of_pretraining:
             raise ValueError(f"fraction_of_pretraining ({self.fraction_of_pretraining}) must be > 0")
+        if (
+            isinstance(self.copy_fraction, bool)
+            or not isinstance(self.copy_fraction, (int, float))
+            or not 0 <= self.copy_fraction <= 1
+        ):
+            raise ValueError(f"copy_fraction ({self.copy_fraction!r}) must be a number in [0, 1]")
+        if self.copy_span is not None and (
+            isinstance(self.copy_span, bool) or not isinstance(self.copy_span, int) or self.copy_span < 1
+        ):
+            raise ValueError(f"copy_span ({self.copy_span!r}) must be a positive integer (at most half the sequence length)")
+        if self.copy_span is not None and self.copy_fraction == 0:
+            raise ValueError(f"copy_span ({self.copy_span}) needs a copy_fraction above 0 (no window copies at 0)")
 
 
 def keep_fp32(model: nn.Module, suffixes: tuple[str, ...] = FP32_MODULES) -> list[str]:
@@ -143,6 +157,8 @@ def heal(
         raise ValueError(f"format {output_format!r} is not one of kvgraft, deepseek_v3, both")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len ({seq_len!r}) must be a positive integer")
+    if hc.copy_span is not None and seq_len is not None and hc.copy_span > seq_len // 2:
+        raise ValueError(f"copy_span ({hc.copy_span}) must be at most half the sequence length ({seq_len} // 2 = {seq_len // 2})")
     src = resolve_model(model)
     out, data = Path(out), Path(data)
     student = load_pretrained(src, dtype=dtype)
@@ -185,7 +201,9 @@ def heal(
     for name in ("tokens/train.npy", "tokens/validation.npy"):
         if not (data / name).exists():
             raise FileNotFoundError(f"{data / name} is missing; run `kvgraft prepare-data --out {data}` first")
-    train_ds = PackedDataset(data / "tokens" / "train.npy", seq_len)
+    train_ds: PackedDataset | CopyWindows = PackedDataset(data / "tokens" / "train.npy", seq_len)
+    if hc.copy_fraction > 0:
+        train_ds = CopyWindows(train_ds, hc.copy_fraction, hc.copy_span if hc.copy_span is not None else seq_len // 2)
     val_ds = PackedDataset(data / "tokens" / "validation.npy", seq_len)
     if hc.loss == "lm":
         loss_fn = lm_loss
@@ -246,6 +264,14 @@ def heal(
     return result
 
 
+def _copy_row(hc: dict[str, Any]) -> str:
+    fraction = hc.get("copy_fraction", 0.0)
+    if not fraction:
+        return "none"
+    span = hc.get("copy_span")
+    return f"{fraction:g} of the windows repeat their first {span if span is not None else 'half'} tokens (data.CopyWindows)"
+
+
 def heal_card(summary: dict[str, Any], source: Path, what: str = "MLA graft") -> str:
     tc, hc = summary["train_config"], summary["heal"]
     frac = summary.get("fraction_of_pretraining")
@@ -263,6 +289,7 @@ Continued pretraining of `{source}` with kvgraft's heal recipe.
 |---|---|
 | loss | {loss}{" (temperature " + format(hc["temperature"], "g") + ")" if hc["loss"] != "lm" else ""} |
 | trained parameters | {"attention only (embeddings, MLPs, norms frozen)" if hc["attention_only"] else "all"} |
+| copy windows | {_copy_row(hc)} |
 | optimizer | AdamW (beta {tc["beta1"]}, {tc["beta2"]}), weight decay {tc["weight_decay"]}, clip {tc["grad_clip"]} |
 | learning rate | peak {tc["lr"]:g} (original's {summary.get("original_lr")} / 10 unless set), {tc["warmup_steps"]} warmup steps, cosine to {tc["min_lr_ratio"]}x |
 | precision | {tc["precision"]} autocast; fp32 latent down-projections ({len(summary["fp32_params"])} tensors) |

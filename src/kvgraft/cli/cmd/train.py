@@ -53,6 +53,8 @@ def heal(args: argparse.Namespace) -> int:
         attention_only=args.attention_only,
         tokens=args.tokens,
         fraction_of_pretraining=args.fraction,
+        copy_fraction=args.copy_fraction,
+        copy_span=args.copy_span,
     )
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
     result = run_heal(
