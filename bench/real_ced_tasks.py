@@ -71,7 +71,8 @@ def main() -> None:
             pad = model.config.pad_token_id if model.config.pad_token_id is not None else (model.config.eos_token_id or 0)
             items = encode_split(tok, test, seq_len, pad, enc)
             loss = answer_loss(model, items, args.batch)
-            acc = answer_accuracy(model, tok, task, test, 16, enc)
+            longest = max(int((c["labels"] != -100).sum()) for c in items)  # the longest answer, its end token included
+            acc = answer_accuracy(model, tok, task, test, longest + 8, enc)
             per = sum(int((c["labels"] != -100).sum()) for c in items) / len(items)
             row = {
                 "model": path.name,
