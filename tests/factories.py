@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
 import torch
 
 from kvgraft.model.config import ModelConfig
@@ -19,3 +25,27 @@ def sharp_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
             if p.dim() == 2:
                 p.mul_(4.0)
     return m.eval()
+
+
+@contextlib.contextmanager
+def live_uvicorn(app, *, start_timeout: float = 60.0, **config) -> Iterator[int]:
+    """Serve ``app`` with uvicorn on a free loopback port in a daemon thread; yields the port once started
+    (failing the test if it does not start within ``start_timeout`` s) and stops it on exit. ``config``:
+    further ``uvicorn.Config`` arguments (default ``log_level="warning"``)."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    userver = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **{"log_level": "warning", **config}))
+    thread = threading.Thread(target=userver.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not userver.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        userver.should_exit = True
+        thread.join(15)

@@ -10,15 +10,13 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import json
-import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from factories import live_uvicorn
 
 from kvgraft.adapters.lora import AdapterConfig, add_adapter, randomize_adapter, save_adapter
 from kvgraft.adapters.placement import Placement
@@ -30,12 +28,6 @@ from kvgraft.serve.server import CHAT_STOP, build_server, render_chat
 BASE = Path(__file__).resolve().parents[1] / "models" / "kvgraft-ced-8m"
 NAME = "kvgraft-ced-8m"
 MAX_SEQS, MAX_QUEUE, MAX_LEN = 2, 1, 128
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -62,19 +54,10 @@ def live(tmp_path_factory):
         max_request_bytes=4096,
         adapter_dir=root / "extra",
     )
-    port = _free_port()
-    userver = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=userver.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not userver.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield {"server": server, "url": url, "client": client, "root": root}
-    userver.should_exit = True
-    thread.join(10)
+    with live_uvicorn(server.app, start_timeout=30) as port:
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        yield {"server": server, "url": url, "client": client, "root": root}
 
 
 _reference: dict = {}

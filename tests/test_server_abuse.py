@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
+from factories import live_uvicorn
 
 from kvgraft.adapters.lora import AdapterConfig, add_adapter, randomize_adapter, save_adapter
 from kvgraft.adapters.placement import Placement
@@ -180,17 +180,8 @@ def churned(tmp_path_factory):
         max_tokens_limit=16,
         adapter_dir=root,
     )
-    port = _free_port()
-    userver = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=userver.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not userver.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    yield {"server": server, "url": f"http://127.0.0.1:{port}"}
-    userver.should_exit = True
-    thread.join(15)
+    with live_uvicorn(server.app) as port:
+        yield {"server": server, "url": f"http://127.0.0.1:{port}"}
 
 
 def _request(http: httpx.Client, url: str, model: str, prompt: str, chat: bool, stream: bool):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
+from factories import live_uvicorn
 
 pytest.importorskip("schemathesis")
 
@@ -49,12 +48,6 @@ OPERATIONS = {
     ("GET", "/health"),
     ("GET", "/metrics"),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Record:
@@ -92,17 +85,8 @@ def fuzzed(tmp_path_factory):
         adapter_dir=adapter_dir,
     )
     record = _Record(server.app)
-    port = _free_port()
-    userver = uvicorn.Server(uvicorn.Config(record, host="127.0.0.1", port=port, log_level="critical", lifespan="on"))
-    thread = threading.Thread(target=userver.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not userver.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield {"server": server, "url": f"http://127.0.0.1:{port}", "record": record}
-    userver.should_exit = True
-    thread.join(15)
+    with live_uvicorn(record, log_level="critical", lifespan="on") as port:
+        yield {"server": server, "url": f"http://127.0.0.1:{port}", "record": record}
 
 
 def test_schemathesis_finds_nothing(fuzzed, tmp_path):

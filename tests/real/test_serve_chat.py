@@ -12,16 +12,12 @@ capital of France?" is "The" by 0.10 over "L" in float32, and about 4% of the an
 from __future__ import annotations
 
 import concurrent.futures
-import socket
-import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
-
-from kvgraft.reference import fetch_command, fetched_model_dir
+from factories import live_uvicorn
 
 NAME = "smollm2-135m-instruct"
 pytestmark = pytest.mark.real
@@ -56,20 +52,6 @@ QUESTIONS = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    path = fetched_model_dir(NAME)
-    if path is None:
-        pytest.skip(f"{NAME} is not fetched: run `make real-model` ({fetch_command(NAME)})")
-    return path
-
-
 @pytest.fixture(scope="module")
 def reference(model_dir) -> dict[str, list[int]]:
     """transformers' greedy tokens for each question through the model's chat template (end token cut)."""
@@ -93,7 +75,6 @@ def reference(model_dir) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def client(model_dir):
     import openai
-    import uvicorn
 
     from kvgraft.serve.server import build_server
 
@@ -107,17 +88,8 @@ def client(model_dir):
         max_tokens_limit=64,
         dtype="float32",  # as transformers computes here; the checkpoint's bf16 flips near-ties with the batch
     )
-    port = _free_port()
-    userver = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=userver.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not userver.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-    userver.should_exit = True
-    thread.join(30)
+    with live_uvicorn(server.app) as port:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
 
 
 def expected(tok, ref: list[int], eos: int, max_tokens: int, stop: str | None) -> tuple[str, str]:

@@ -13,18 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgraft.reference import fetch_command, fetched_model_dir
-
 NAME = "smollm2-135m-instruct"
 pytestmark = pytest.mark.real
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    path = fetched_model_dir(NAME)
-    if path is None:
-        pytest.skip(f"{NAME} is not fetched: run `make real-model` ({fetch_command(NAME)})")
-    return path
 
 
 def test_resolves_by_name(model_dir):
