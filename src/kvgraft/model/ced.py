@@ -43,6 +43,7 @@ from kvgraft.model.batch import MIXED, StepContext
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.latent import LatentAttention
 from kvgraft.model.norm import RMSNorm
+from kvgraft.model.packed import linears
 from kvgraft.model.rope import apply_rope
 
 
@@ -136,9 +137,9 @@ class CEDAttention(LatentAttention):
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, -1).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, -1)
-        v = self.v_proj(x)
+        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)  # one matmul on packed weights
+        q = q.view(B, T, self.num_heads, -1).transpose(1, 2)
+        k = k.view(B, T, self.num_kv_heads, -1)
         q = torch.cat([q[..., : self.dn], apply_rope(q[..., self.dn :], cos, sin)], dim=-1)
         k_rope = apply_rope(k[..., self.dn :].transpose(1, 2), cos, sin).transpose(1, 2)
         k = torch.cat([k[..., : self.dn], k_rope], dim=-1).reshape(B, T, -1)

@@ -26,6 +26,7 @@ from kvgraft.model.ced import CEDAttention, Compressor, rope_tables
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention
 from kvgraft.model.norm import RMSNorm
+from kvgraft.model.packed import linears
 from kvgraft.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -40,7 +41,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, h, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears(x, self.gate_proj, self.up_proj)  # one matmul on packed weights (kvgraft.model.packed)
+        y: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return y
 
 
@@ -73,17 +75,21 @@ class GQAttention(nn.Module):
         """x (B, N, h), cos/sin (B, N, d) -> (B, N, h)."""
         B, N, _ = x.shape
         H, K, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, N, H, d)
+        if self.writes_kv:  # one matmul on packed weights (kvgraft.model.packed)
+            q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        else:
+            q = self.q_proj(x)
+        q = q.view(B, N, H, d)
         if self.qk_norm:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, N, d)
         entry = None
         if self.writes_kv:
-            k = self.k_proj(x).view(B, N, K, d)
+            k = k.view(B, N, K, d)
             if self.qk_norm:
                 k = self.k_norm(k)
             k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)  # (B, N, K, d)
-            entry = torch.cat([k.reshape(B, N, K * d), self.v_proj(x)], dim=-1)  # (B, N, 2 K d)
+            entry = torch.cat([k.reshape(B, N, K * d), v], dim=-1)  # (B, N, 2 K d)
         out = None
         for gi, g in ctx.each_group():
             qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, d)

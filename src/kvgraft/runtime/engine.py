@@ -33,6 +33,7 @@ import torch
 
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache, default_block_size, ring_geometry
+from kvgraft.model.packed import pack_linears, packed_bytes, packing_available
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.adapters import Adapter, AdapterFiles, AdapterRegistry
 from kvgraft.runtime.budget import KVBudget, KVPool, plan_pool
@@ -69,6 +70,11 @@ class Engine:
     stop strings. ``prefix_cache``: keep prompts' caches for later requests and certified adapters
     (``kvgraft.runtime.prefix``), at most ``prefix_entries`` entries and ``prefix_max_bytes`` of kept state
     outside the pools (default: a quarter of the pools' bytes).
+
+    ``packed_linears``: run the model's linear layers on oneDNN-packed weights (:mod:`kvgraft.model.packed`:
+    the model's ``nn.Linear`` layers become ``PackedLinear`` in place, training unaffected; one more copy of the
+    linear weights in memory). None (default): on when the model is on the CPU and torch can pack; True
+    where it cannot is an error. Results then differ from ``F.linear`` in accumulation order only.
     """
 
     def __init__(
@@ -86,6 +92,7 @@ class Engine:
         prefix_entries: int = 32,
         prefix_max_bytes: int | None = None,
         kv_budget: KVBudget = None,
+        packed_linears: bool | None = None,
     ) -> None:
         config = model.config
         seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
@@ -111,9 +118,19 @@ class Engine:
             raise ValueError(f"prefix_cache ({prefix_cache!r}) must be True or False")
         if detokenize is not None and not callable(detokenize):
             raise ValueError(f"detokenize ({detokenize!r}) must be a function from token ids to text, or None")
+        if packed_linears is not None and not isinstance(packed_linears, bool):
+            raise ValueError(f"packed_linears ({packed_linears!r}) must be True, False or None (auto)")
         param = next(model.parameters())
+        if packed_linears and (param.device.type != "cpu" or not packing_available()):
+            raise ValueError(
+                f"packed_linears=True needs a CPU model and a torch build with oneDNN; the model is on "
+                f"{param.device} (oneDNN packing {'available' if packing_available() else 'unavailable'}); "
+                "pass None (auto) or False"
+            )
         cache_dtype = dtype or param.dtype
         self.model = model
+        # before the pools are sized: a budget taken from free memory sees the packed weights
+        self.packed_linears = pack_linears(model) if packed_linears is not False and param.device.type == "cpu" else 0
         # with the prefix cache, kept prompts hold window-ring blocks too: a quarter more ring blocks than the
         # live sequences' rings (the default budget of kept state, below, is also a quarter of the pools)
         nrb = ring_geometry(config, block_size, seq_len)[2]
@@ -134,6 +151,10 @@ class Engine:
             config, self.pool.num_blocks, block_size, max_seqs, seq_len, cache_dtype, param.device, ring_blocks=ring_blocks
         )
         logger.info("%s", self.pool)
+        if self.packed_linears:
+            logger.info(
+                "%d linear layers run on oneDNN-packed weights (%.1f MB more)", self.packed_linears, packed_bytes(model) / 1e6
+            )
         self.max_batch_tokens = max_batch_tokens
         self.detokenize = detokenize
         self.device = param.device

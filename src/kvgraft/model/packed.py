@@ -1,0 +1,179 @@
+"""Linear layers whose weights are pre-packed for oneDNN, for inference on the CPU.
+
+A matmul on the CPU spends part of its time re-laying the weight out for the kernel; oneDNN can do that once
+(torch's ``mkldnn._reorder_linear_weight``, the prepack torch's inductor applies when it freezes a model for
+the CPU, and the one vLLM's CPU backend applies to every linear layer). :func:`pack_linears` turns a model's
+plain ``nn.Linear`` layers into :class:`PackedLinear`, an ``nn.Linear`` (same parameters, same state dict)
+whose forward uses a packed copy of the weight when nothing needs a gradient and the input is on the CPU in
+the weight's dtype, and is ``F.linear`` otherwise (training, other devices). The packed copy is made on the
+first such call and remade when the weight changes (its storage or version), so loading weights, merging an
+adapter or a training step in between is never served stale.
+
+Cost: one packed copy per linear layer (the linear weights' bytes again; :func:`packed_bytes`). Results
+differ from ``F.linear`` by the order of accumulation only (relative ~1e-6 in float32), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def packing_available() -> bool:
+    """Whether this torch build packs and runs linear weights through oneDNN (checked once, against
+    ``F.linear``)."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w, x = torch.randn(24, 16, generator=gen), torch.randn(3, 16, generator=gen)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(torch.allclose(y, F.linear(x, w), rtol=1e-4, atol=1e-5))
+
+
+# packed copies live outside the modules (deepcopy, pickle and state dicts never see an opaque oneDNN tensor; a copy
+# of a packed model packs on its first inference call): module -> (what it was packed from, packed weight)
+_PACKED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, int, int], torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _source(w: torch.Tensor) -> tuple[Any, int, int]:
+    """What a packed copy was made from: the weight object, its storage and its version (in-place writes)."""
+    return weakref.ref(w), w.data_ptr(), w._version
+
+
+def _current(entry: tuple[tuple[Any, int, int], torch.Tensor | None] | None, w: torch.Tensor) -> bool:
+    """Whether ``entry`` was packed from ``w`` as it is now (weak references compared by identity: ``==`` on
+    two live ones compares the tensors)."""
+    return entry is not None and entry[0][0]() is w and entry[0][1:] == (w.data_ptr(), w._version)
+
+
+class PackedLinear(nn.Linear):
+    """``nn.Linear`` with a oneDNN-packed copy of its weight for CPU inference (module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not _packed_path(x, w):
+            return F.linear(x, w, self.bias)
+        entry = _PACKED.get(self)
+        packed = entry[1] if entry is not None and _current(entry, w) else self.pack()
+        bias = None if self.bias is None else self.bias.detach()
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return y
+
+    def pack(self) -> torch.Tensor:
+        """(Re)make and return the packed copy of the current weight (a CPU float32 or bfloat16 weight)."""
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype not in _DTYPES:
+            raise ValueError(f"only CPU float32/bfloat16 weights pack; this one is {w.dtype} on {w.device}")
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        _PACKED[self] = (_source(w), packed)
+        return packed
+
+    @property
+    def packed(self) -> bool:
+        """Whether a packed copy of the current weight is held."""
+        return _current(_PACKED.get(self), self.weight)
+
+    def unpack(self) -> None:
+        """Drop the packed copy (the next inference call packs again)."""
+        _PACKED.pop(self, None)
+        _FUSED.pop(self, None)
+
+
+# several PackedLinear layers read by one matmul (q/k/v, gate/up): first module -> (modules, what each weight was
+# packed from, packed concatenated weight, concatenated bias or None, output widths)
+_FUSED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+
+
+def _packed_path(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``x @ w.T`` may run on a packed weight: CPU, the weight's dtype (float32 or bfloat16), no gradient."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == w.dtype
+        and w.dtype in _DTYPES
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+    )
+
+
+def linears(x: torch.Tensor, *modules: nn.Module) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]``; when every module is a :class:`PackedLinear` on the packed path, one matmul
+    over their weights concatenated (packed once, remade when any weight changes; the modules' own packed
+    copies are then dropped, so the weights are not held packed twice), its output split back (views)."""
+    packed = [m for m in modules if isinstance(m, PackedLinear) and type(m) is PackedLinear]
+    if not packed or len(packed) != len(modules) or not _packed_path(x, packed[0].weight):
+        return [m(x) for m in modules]
+    ws = [m.weight for m in packed]
+    if any(w.dtype != ws[0].dtype for w in ws):
+        return [m(x) for m in modules]
+    entry = _FUSED.get(packed[0])
+    if (
+        entry is None
+        or len(entry[0]) != len(packed)
+        or any(a is not b for a, b in zip(entry[0], packed))
+        or not all(_current((src, None), w) for src, w in zip(entry[1], ws))
+    ):
+        biases = [m.bias for m in packed]
+        bias = (
+            None
+            if all(b is None for b in biases)
+            else torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, ws)])
+        )
+        weight = torch.cat([w.detach() for w in ws])
+        entry = (
+            packed,
+            [_source(w) for w in ws],
+            torch.ops.mkldnn._reorder_linear_weight(weight, None),
+            bias,
+            [w.shape[0] for w in ws],
+        )
+        _FUSED[packed[0]] = entry
+        for m in packed:
+            _PACKED.pop(m, None)
+    y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, entry[2], entry[3], "none", [], "")
+    return list(torch.split(y, entry[4], dim=-1))
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Make every plain ``nn.Linear`` of ``model`` a :class:`PackedLinear` in place (the same module objects,
+    parameters and state dict) and pack their weights now (so a memory budget measured next sees them);
+    returns how many. Nothing changes when oneDNN packing is unavailable (0)."""
+    if not packing_available():
+        return 0
+    n = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = PackedLinear
+            if module.weight.device.type == "cpu" and module.weight.dtype in _DTYPES:
+                PackedLinear.pack(module)  # type: ignore[arg-type]
+            n += 1
+    return n
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Undo :func:`pack_linears`: plain ``nn.Linear`` again, packed copies freed; returns how many."""
+    n = 0
+    for module in model.modules():
+        if type(module) is PackedLinear:
+            module.unpack()
+            module.__class__ = nn.Linear  # type: ignore[assignment]
+            n += 1
+    return n
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes the packed copies of ``model``'s :class:`PackedLinear` layers hold (each a copy of its weights)."""
+    mods = [m for m in model.modules() if type(m) is PackedLinear]
+    own = sum(m.weight.numel() * m.weight.element_size() for m in mods if m.packed)
+    fused = sum(sum(w.numel() * w.element_size() for w in (x.weight for x in _FUSED[m][0])) for m in mods if m in _FUSED)
+    return own + fused
