@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvgraft.model.packed import packed_bytes
 from kvgraft.runtime.budget import parse_kv_budget
 from kvgraft.serve.server import build_server
 from kvgraft.serve.server import serve as run_server
@@ -40,6 +41,12 @@ def serve(args: argparse.Namespace) -> int:
     )
     served = sorted(server.engine.adapters.adapters)
     print(server.engine.pool, flush=True)  # the budget and the concurrency it buys
+    if server.engine.packed_linears:
+        print(
+            f"{server.engine.packed_linears} linear layers on oneDNN-packed weights "
+            f"({packed_bytes(server.engine.model) / 2**20:.0f} MiB more)",
+            flush=True,
+        )
     print(
         f"serving {server.config.model_name} with adapters {', '.join(served) or 'none'} on http://{args.host}:{args.port}/v1",
         flush=True,
