@@ -476,7 +476,9 @@ def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
 
     class Fake:
         config = type("C", (), {"model_name": NAME})()
-        engine = type("E", (), {"adapters": type("R", (), {"adapters": {}})(), "pool": "KV cache budget (fake)"})()
+        engine = type(
+            "E", (), {"adapters": type("R", (), {"adapters": {}})(), "pool": "KV cache budget (fake)", "packed_linears": 0}
+        )()
 
     def fake_build(model, adapters, **kwargs):
         seen.append((model, adapters, kwargs))
