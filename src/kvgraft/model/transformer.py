@@ -42,7 +42,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linears(x, self.gate_proj, self.up_proj)  # one matmul on packed weights (kvgraft.model.packed)
-        y: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        if gate.requires_grad or up.requires_grad:
+            h = F.silu(gate) * up
+        else:  # inference: in place, no temporaries
+            h = F.silu(gate, inplace=True).mul_(up)
+        y: torch.Tensor = self.down_proj(h)
         return y
 
 
