@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from real_ced_copy import copy_losses  # this script's folder is on sys.path
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -119,13 +120,11 @@ def main() -> None:
     rows = []
     for name, sources, window in layouts:
         t0 = time.perf_counter()
-        second = []
-        for k in range(args.passages):
-            a = tokens[1000 + k * 400 : 1000 + k * 400 + args.length].tolist()
-            x = torch.tensor([a + a])
-            logits = oracle_logits(model, x, sources, window)
-            nll = F.cross_entropy(logits[:-1], x[0, 1:], reduction="none")
-            second.append(nll[args.length :].mean().item())
+
+        def run(x: torch.Tensor, sources: tuple[int, ...] = sources, window: int = window) -> torch.Tensor:
+            return oracle_logits(model, x, sources, window)[None]  # (1, T, vocab), as a model's forward
+
+        _, second = copy_losses(run, tokens, args.length, args.passages)  # bench/real_ced_copy.py's protocol
         nlls = []
         start = 1000 + args.passages * 400 + args.length  # past the copy passages
         for s in range(start, start + args.ppl_tokens, 512):
@@ -137,7 +136,7 @@ def main() -> None:
             "sources": list(sources),
             "window": args.window,
             "length": args.length,
-            "second_copy": float(np.mean(second)),
+            "second_copy": second,
             "perplexity": math.exp(float(np.mean(nlls))),
         }
         rows.append(row)
