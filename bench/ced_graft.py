@@ -25,6 +25,7 @@ import torch
 from kvgraft.atomic import atomic_savefig, atomic_write_json
 from kvgraft.data import PackedDataset
 from kvgraft.graft.convert import convert
+from kvgraft.graft.options import ConvertOptions
 from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
 from kvgraft.train.heal import HealConfig, heal, original_training
@@ -66,10 +67,12 @@ def main() -> None:
         convert(
             src,
             converted,
-            to="ced",
-            sliding_window=args.sliding_window,
-            compress_rate=args.compress_rate,
-            kv_source_layers=tuple(args.kv_source_layers) if args.kv_source_layers else None,
+            ConvertOptions(
+                to="ced",
+                sliding_window=args.sliding_window,
+                compress_rate=args.compress_rate,
+                kv_source_layers=tuple(args.kv_source_layers) if args.kv_source_layers else None,
+            ),
         )
     record = json.loads((converted / "conversion.json").read_text())
     original = load_pretrained(src, dtype=torch.float32)

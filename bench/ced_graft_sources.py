@@ -21,6 +21,7 @@ from kvgraft.atomic import atomic_write_json
 from kvgraft.data import PackedDataset
 from kvgraft.graft.ced import CEDGraftConfig, graft_ced
 from kvgraft.graft.convert import convert, load_calibration
+from kvgraft.graft.options import ConvertOptions
 from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
 from kvgraft.train.loop import evaluate, lm_loss
@@ -49,7 +50,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     mla_dir = out / f"mla-{args.rope_selection}"
     if not mla_dir.exists():
-        convert(src, mla_dir, compression=2.0, rope_selection=args.rope_selection)
+        convert(src, mla_dir, ConvertOptions(compression=2.0, rope_selection=args.rope_selection))
     original, mla = load_pretrained(src), load_pretrained(mla_dir)
     val = PackedDataset(Path(args.data) / "tokens" / "validation.npy", original.config.max_position_embeddings)
 

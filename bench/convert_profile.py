@@ -51,6 +51,7 @@ import kvgraft.model.mla as model_mla
 import kvgraft.model.transformer as model_tf
 from kvgraft.atomic import atomic_write_json
 from kvgraft.graft.convert import execute
+from kvgraft.graft.options import ConvertOptions
 from kvgraft.graft.plan import plan_conversion
 from kvgraft.hf.load import load_config
 
@@ -163,11 +164,13 @@ def run_once(args: argparse.Namespace, config: Any, variant: str) -> dict[str, A
         plan = plan_conversion(
             args.checkpoint,
             out,
-            calibration=calib,
-            calibration_tokens=args.calibration_tokens,
-            calibration_seq_len=args.seq_len,
-            progress=False,
-            overwrite=True,
+            ConvertOptions(
+                calibration=calib,
+                calibration_tokens=args.calibration_tokens,
+                calibration_seq_len=args.seq_len,
+                progress=False,
+                overwrite=True,
+            ),
         )
         record = execute(plan)
         wall = time.perf_counter() - t0

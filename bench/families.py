@@ -87,6 +87,7 @@ def run_case(root: Path, name: str) -> list[dict]:
     import transformers
 
     from kvgraft.graft.convert import convert
+    from kvgraft.graft.options import ConvertOptions
     from kvgraft.hf import load_pretrained
 
     hf, path, cfg = build(root, name)
@@ -110,7 +111,7 @@ def run_case(root: Path, name: str) -> list[dict]:
         out = root / f"{name}-{budget}-kvgraft"
         ours = None
         try:
-            convert(path, out, progress=False, **kwargs)
+            convert(path, out, ConvertOptions(progress=False, **kwargs))
             ours = load_pretrained(out)
         except Exception as exc:  # the kvgraft format refuses too (e.g. a budget with no room for a latent)
             row["kvgraft_refusal"] = f"{type(exc).__name__}: {exc}"
@@ -123,7 +124,9 @@ def run_case(root: Path, name: str) -> list[dict]:
         try:
             with contextlib.redirect_stdout(printed):
                 # written whatever it measures (the table reports the error; a windowed case is far off beyond W)
-                record = convert(path, out, output_format="deepseek_v3", progress=True, accept_export_error=True, **kwargs)
+                record = convert(
+                    path, out, ConvertOptions(output_format="deepseek_v3", progress=True, accept_export_error=True, **kwargs)
+                )
         except Exception as exc:  # a refusal: its message is the result
             row["stock"] = "refused"
             row["stock_refusal"] = f"{type(exc).__name__}: {exc}"

@@ -28,6 +28,7 @@ from random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
 
 from kvgraft.atomic import atomic_write_json  # noqa: E402
 from kvgraft.graft.convert import convert  # noqa: E402
+from kvgraft.graft.options import ConvertOptions
 from kvgraft.model.config import ModelConfig  # noqa: E402
 
 
@@ -58,11 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     record = convert(
         source,
         args.work / f"{args.shape}-mla",
-        compression=args.compression,
-        calibration=calibration,
-        calibration_tokens=args.calibration_tokens,
-        device=args.device,
-        overwrite=True,
+        ConvertOptions(
+            compression=args.compression,
+            calibration=calibration,
+            calibration_tokens=args.calibration_tokens,
+            device=args.device,
+            overwrite=True,
+        ),
     )
     seconds = record["seconds"]
     result = {

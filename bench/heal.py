@@ -22,6 +22,7 @@ import torch
 from kvgraft.atomic import atomic_savefig, atomic_write_json
 from kvgraft.data import PackedDataset
 from kvgraft.graft.convert import convert
+from kvgraft.graft.options import ConvertOptions
 from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
 from kvgraft.train.heal import HealConfig, heal, original_training
@@ -60,7 +61,7 @@ def main() -> None:
     convert_record = None
     if not converted.exists():
         t0 = time.perf_counter()
-        convert_record = convert(src, converted, compression=4.0, progress=False)  # the convert defaults
+        convert_record = convert(src, converted, ConvertOptions(compression=4.0, progress=False))  # the convert defaults
         print(
             f"converted at the defaults in {time.perf_counter() - t0:.1f} s wall "
             f"(graft {convert_record['seconds']['convert']:.1f} s; ranks d_c "

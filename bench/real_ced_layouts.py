@@ -28,6 +28,7 @@ from kvgraft.eval.perplexity import perplexity
 from kvgraft.graft.calibration import load_calibration
 from kvgraft.graft.ced import CEDGraftConfig, graft_ced
 from kvgraft.graft.convert import convert
+from kvgraft.graft.options import ConvertOptions
 from kvgraft.hf import load_pretrained
 from kvgraft.hf.load import load_tokenizer_dir
 from kvgraft.reference import resolve_model
@@ -91,7 +92,7 @@ def main() -> None:
         mla_dir = a.out / (f"mla-c{c}" if "+" not in c else f"mla-{c}")
         if not (mla_dir / "conversion.json").is_file():
             t0 = time.perf_counter()
-            convert(src, mla_dir, **ranks, rope_selection="shared", rope_rotation="real", overwrite=True)
+            convert(src, mla_dir, ConvertOptions(**ranks, rope_selection="shared", rope_rotation="real", overwrite=True))
             print(f"MLA step {c}: {time.perf_counter() - t0:.0f} s", flush=True)
         mla = load_pretrained(mla_dir, dtype=torch.float32).eval()
         calib = load_calibration(src, None, 32768, 512, load_tokenizer_dir(src), mla.config.vocab_size)

@@ -15,6 +15,7 @@ from test_convert_layerwise import _assert_same, _checkpoint  # tiny HF checkpoi
 from test_convert_resume import Interrupt, _fail_at
 
 from kvgraft.graft.convert import execute
+from kvgraft.graft.options import ConvertOptions
 from kvgraft.graft.plan import plan_conversion
 from kvgraft.graft.resume import STATE, staging_path
 from kvgraft.hf import load_pretrained
@@ -26,8 +27,8 @@ OPTIONS = dict(progress=False, calibration_tokens=1024, calibration_seq_len=32, 
 def _both(tmp_path, path, **options):
     """Convert ``path`` --to ced with each executor; (whole record, layerwise record, whole dir, layerwise dir)."""
     options = OPTIONS | options
-    whole = execute(plan_conversion(path, tmp_path / "whole", **options), executor="whole")
-    layer = execute(plan_conversion(path, tmp_path / "layer", **options))  # the default executor
+    whole = execute(plan_conversion(path, tmp_path / "whole", ConvertOptions(**options)), executor="whole")
+    layer = execute(plan_conversion(path, tmp_path / "layer", ConvertOptions(**options)))  # the default executor
     return whole, layer, tmp_path / "whole", tmp_path / "layer"
 
 
@@ -63,7 +64,11 @@ def test_ced_layerwise_equals_whole_model_from_an_all_mla_source(tmp_path):
     """An MLA graft with one RoPE layout is used as it is: the walk runs its own MLA stream."""
     src = _checkpoint(tmp_path, "llama", num_hidden_layers=5)
     mla = tmp_path / "mla"
-    execute(plan_conversion(src, mla, progress=False, calibration_tokens=1024, calibration_seq_len=32, rope_selection="stride"))
+    execute(
+        plan_conversion(
+            src, mla, ConvertOptions(progress=False, calibration_tokens=1024, calibration_seq_len=32, rope_selection="stride")
+        )
+    )
     (mla / "eval").mkdir(exist_ok=True)
     (mla / "eval" / "calibration.npy").write_bytes((src / "eval" / "calibration.npy").read_bytes())
     whole, layer, a, b = _both(tmp_path, mla, kv_source_layers=(1, 3), compress_rate=2)
@@ -78,7 +83,7 @@ def test_default_executor_for_ced_reads_no_whole_model(tmp_path, monkeypatch):
         raise AssertionError("the whole model was loaded")
 
     monkeypatch.setattr(conv, "load_source", tripwire)
-    record = execute(plan_conversion(_checkpoint(tmp_path, "llama"), tmp_path / "ced", **OPTIONS))
+    record = execute(plan_conversion(_checkpoint(tmp_path, "llama"), tmp_path / "ced", ConvertOptions(**OPTIONS)))
     assert record["to"] == "ced" and (tmp_path / "ced" / "model.safetensors").is_file()
 
 
@@ -94,16 +99,16 @@ def test_ced_layerwise_equals_whole_model_on_the_reference(tmp_path):
 def _interrupted_then_resumed(tmp_path, monkeypatch, path, k: int, **options):
     """(uninterrupted record, resumed record, uninterrupted dir, resumed dir); the --to ced run fails after layer k."""
     options = OPTIONS | options
-    reference = execute(plan_conversion(path, tmp_path / "reference", **options))
+    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(**options)))
     out = tmp_path / "out"
     first_pass = options.get("rope_selection", "auto") in ("auto", "shared")  # the shared layout reads every layer first
     with monkeypatch.context() as m:
         _fail_at(m, k + 1, 2 if first_pass else 1)
         with pytest.raises(Interrupt):
-            execute(plan_conversion(path, out, **options))
+            execute(plan_conversion(path, out, ConvertOptions(**options)))
     assert json.loads((staging_path(out) / STATE).read_text())["next_layer"] == k + 1
     read = _fail_at(monkeypatch, -1)  # counts only
-    resumed = execute(plan_conversion(path, out, resume=True, **options))
+    resumed = execute(plan_conversion(path, out, ConvertOptions(resume=True, **options)))
     assert min(read) == k + 1, "a finished layer was read again"
     assert not staging_path(out).exists() and not list(out.glob("state*"))
     return reference, resumed, tmp_path / "reference", out

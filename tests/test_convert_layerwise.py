@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from kvgraft.graft.convert import execute
+from kvgraft.graft.options import ConvertOptions
 from kvgraft.graft.plan import plan_conversion
 from kvgraft.hf import load_pretrained
 from kvgraft.hf.load import read_state
@@ -52,8 +53,8 @@ def _checkpoint(tmp_path, family: str, max_shard_size: str | None = None, **extr
 def _both(tmp_path, path, **options):
     """Convert ``path`` with each executor; (whole record, layerwise record, whole dir, layerwise dir)."""
     options = dict(progress=False, calibration_tokens=1024, calibration_seq_len=32) | options
-    whole = execute(plan_conversion(path, tmp_path / "whole", **options), executor="whole")
-    layer = execute(plan_conversion(path, tmp_path / "layer", **options), executor="layerwise")
+    whole = execute(plan_conversion(path, tmp_path / "whole", ConvertOptions(**options)), executor="whole")
+    layer = execute(plan_conversion(path, tmp_path / "layer", ConvertOptions(**options)), executor="layerwise")
     return whole, layer, tmp_path / "whole", tmp_path / "layer"
 
 
@@ -130,14 +131,16 @@ def test_default_executor_is_layerwise_in_every_format_and_target(tmp_path, monk
         raise AssertionError("the whole model was loaded")
 
     monkeypatch.setattr(conv, "load_source", tripwire)
-    execute(plan_conversion(path, tmp_path / "default", progress=False, calibration_tokens=1024))
-    execute(plan_conversion(path, tmp_path / "stock", progress=False, calibration_tokens=1024, output_format="both"))
+    execute(plan_conversion(path, tmp_path / "default", ConvertOptions(progress=False, calibration_tokens=1024)))
     execute(
-        plan_conversion(path, tmp_path / "ced", progress=False, calibration_tokens=1024, to="ced")
+        plan_conversion(path, tmp_path / "stock", ConvertOptions(progress=False, calibration_tokens=1024, output_format="both"))
+    )
+    execute(
+        plan_conversion(path, tmp_path / "ced", ConvertOptions(progress=False, calibration_tokens=1024, to="ced"))
     )  # tests/test_ced_layerwise.py
     assert (tmp_path / "ced" / "model.safetensors").is_file()
     with pytest.raises(ValueError, match="executor 'banana'"):
-        execute(plan_conversion(path, tmp_path / "x", progress=False, calibration_tokens=1024), executor="banana")
+        execute(plan_conversion(path, tmp_path / "x", ConvertOptions(progress=False, calibration_tokens=1024)), executor="banana")
 
 
 def _assert_same_files(a, b):
@@ -191,7 +194,9 @@ def test_layerwise_stock_export_refuses_mlp_biases_before_work(tmp_path):
             state[name].zero_()
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     for executor in ("whole", "layerwise"):
-        plan = plan_conversion(path, tmp_path / executor, progress=False, calibration_tokens=1024, output_format="deepseek_v3")
+        plan = plan_conversion(
+            path, tmp_path / executor, ConvertOptions(progress=False, calibration_tokens=1024, output_format="deepseek_v3")
+        )
         with pytest.raises(UnsupportedModelError, match=r"the MLP of layers \[1\] has non-zero biases"):
             execute(plan, executor=executor)
         assert not (tmp_path / executor).exists()
@@ -217,7 +222,7 @@ def test_layerwise_refuses_non_finite_weights_before_writing(tmp_path):
     state = load_file(str(path / "model.safetensors"))
     state["model.layers.2.mlp.up_proj.weight"][0, 0] = float("inf")
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    plan = plan_conversion(path, tmp_path / "out", progress=False, calibration_tokens=1024)
+    plan = plan_conversion(path, tmp_path / "out", ConvertOptions(progress=False, calibration_tokens=1024))
     with pytest.raises(CheckpointError, match="model.layers.2.mlp.up_proj.weight .* holds 0 NaN and 1 Inf"):
         execute(plan)
     assert not (tmp_path / "out").exists()
@@ -250,10 +255,10 @@ def test_tail_states_read_off_the_stream_are_the_ones_run_again(tmp_path, monkey
     run_block = lw._run_block
     monkeypatch.setattr(lw, "_run_block", lambda *a, **k: calls.append(1) or run_block(*a, **k))
     options = dict(progress=False, calibration_tokens=1024, calibration_seq_len=32, layerwise=layerwise)
-    read = execute(plan_conversion(path, tmp_path / "read", **options))
+    read = execute(plan_conversion(path, tmp_path / "read", ConvertOptions(**options)))
     assert len(calls) == 3 + 1  # one stack every layer, the other only at the last layer (2: not propagated)
     monkeypatch.setattr(lw, "REUSE_TAIL", False)
-    again = execute(plan_conversion(path, tmp_path / "again", **options))
+    again = execute(plan_conversion(path, tmp_path / "again", ConvertOptions(**options)))
     assert len(calls) == 4 + 6
     assert read["calibration_tail"] == again["calibration_tail"]
     sa, sb = read_state(tmp_path / "read"), read_state(tmp_path / "again")

@@ -40,12 +40,11 @@ def tiny_dir(tmp_path):
     return path
 
 
-def test_convert_signature_is_the_options_declaration():
-    params = {
-        name: p.default for name, p in inspect.signature(convert).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-    }
-    fields = {f.name: f.default for f in dataclasses.fields(ConvertOptions)}
-    assert params == fields
+def test_convert_and_the_plan_take_the_options_declaration():
+    for entry in (convert, plan_conversion):
+        params = inspect.signature(entry).parameters
+        assert list(params) == ["model", "out", "options"]
+        assert params["options"].annotation == "ConvertOptions | None" and params["options"].default is None
 
 
 def test_cli_options_and_defaults_come_from_the_declaration(capsys):
@@ -100,9 +99,7 @@ def test_plan_reads_no_weights_and_is_validated_and_serialisable(tiny_dir, tmp_p
     plan = plan_conversion(
         tiny_dir,
         tmp_path / "out",
-        calibration_tokens=1024,
-        output_format="both",
-        calibration=tiny_dir / "eval" / "calibration.npy",
+        ConvertOptions(calibration_tokens=1024, output_format="both", calibration=tiny_dir / "eval" / "calibration.npy"),
     )  # a Path, as JSON a string
     assert isinstance(plan, ConvertPlan) and not (tmp_path / "out").exists()
     assert (plan.kv_lora_rank, plan.qk_rope_head_dim, plan.output_format) == (8, 8, "both")  # docs/ranks.md
@@ -121,8 +118,8 @@ def test_plan_reads_no_weights_and_is_validated_and_serialisable(tiny_dir, tmp_p
 
 def test_execute_writes_what_convert_writes(tiny_dir, tmp_path):
     options = dict(kv_lora_rank=16, qk_rope_head_dim=16, calibration_tokens=1024, progress=False)
-    record = convert(tiny_dir, tmp_path / "a", **options)
-    plan = plan_conversion(tiny_dir, tmp_path / "b", **options)
+    record = convert(tiny_dir, tmp_path / "a", ConvertOptions(**options))
+    plan = plan_conversion(tiny_dir, tmp_path / "b", ConvertOptions(**options))
     again = execute(plan)
     assert again["plan"] == plan.to_dict()
     strip = {"seconds", "convert_seconds_per_million_params", "plan"}

@@ -44,17 +44,17 @@ def _fail_at(monkeypatch, layer: int, occurrence: int = 1) -> list[int]:
 def _interrupted_then_resumed(tmp_path, monkeypatch, path, k: int, **options):
     """(uninterrupted record, resumed record, uninterrupted dir, resumed dir); the run fails after layer k."""
     options = OPTIONS | options
-    reference = execute(plan_conversion(path, tmp_path / "reference", **options))
+    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(**options)))
     out = tmp_path / "out"
     with monkeypatch.context() as m:
         _fail_at(m, k + 1, 2 if options.get("rope_selection") == "shared" else 1)  # after the shared layout's pass
         with pytest.raises(Interrupt):
-            execute(plan_conversion(path, out, **options))
+            execute(plan_conversion(path, out, ConvertOptions(**options)))
     staging = staging_path(out)
     assert not out.exists() and staging.is_dir()
     assert json.loads((staging / STATE).read_text())["next_layer"] == k + 1
     read = _fail_at(monkeypatch, -1)  # counts only
-    resumed = execute(plan_conversion(path, out, resume=True, **options))
+    resumed = execute(plan_conversion(path, out, ConvertOptions(resume=True, **options)))
     assert min(read) == k + 1, "a finished layer was read again"
     assert not staging.exists() and not list(out.glob("state*")), "the checkpoint's files left in the output"
     return reference, resumed, tmp_path / "reference", out
@@ -111,19 +111,19 @@ def test_resume_with_other_options_or_source_is_refused(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         _fail_at(m, 2)
         with pytest.raises(Interrupt):
-            execute(plan_conversion(path, out, **OPTIONS))
+            execute(plan_conversion(path, out, ConvertOptions(**OPTIONS)))
     staging = staging_path(out)
     kept = sorted(p.name for p in staging.iterdir())
     with pytest.raises(ResumeError, match=r"calibration_shrinkage: 0\.5 then, 0\.25 now") as info:
-        execute(plan_conversion(path, out, resume=True, calibration_shrinkage=0.25, **OPTIONS))
+        execute(plan_conversion(path, out, ConvertOptions(resume=True, calibration_shrinkage=0.25, **OPTIONS)))
     assert "--overwrite" in str(info.value)
     with pytest.raises(ResumeError, match="calibration_ids"):
-        execute(plan_conversion(path, out, resume=True, **(OPTIONS | dict(calibration_tokens=2048))))
+        execute(plan_conversion(path, out, ConvertOptions(resume=True, **OPTIONS | dict(calibration_tokens=2048))))
     state = json.loads((path / "config.json").read_text())
     state["rms_norm_eps"] = 1e-6
     (path / "config.json").write_text(json.dumps(state))
     with pytest.raises(ResumeError, match="config.json"):
-        execute(plan_conversion(path, out, resume=True, **OPTIONS))
+        execute(plan_conversion(path, out, ConvertOptions(resume=True, **OPTIONS)))
     assert sorted(p.name for p in staging.iterdir()) == kept and not out.exists()  # refused: nothing touched
 
 
@@ -133,19 +133,19 @@ def test_staging_left_behind_is_refused_without_resume_and_discarded_with_overwr
     with monkeypatch.context() as m:
         _fail_at(m, 1)
         with pytest.raises(Interrupt):
-            execute(plan_conversion(path, out, **OPTIONS))
+            execute(plan_conversion(path, out, ConvertOptions(**OPTIONS)))
     with pytest.raises(FileExistsError, match="--resume to continue it"):
-        plan_conversion(path, out, **OPTIONS)
+        plan_conversion(path, out, ConvertOptions(**OPTIONS))
     read = _fail_at(monkeypatch, -1)
-    execute(plan_conversion(path, out, overwrite=True, **OPTIONS))  # started over
+    execute(plan_conversion(path, out, ConvertOptions(overwrite=True, **OPTIONS)))  # started over
     assert read[0] == 0 and not staging_path(out).exists()
-    reference = execute(plan_conversion(path, tmp_path / "reference", overwrite=True, **OPTIONS))
+    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(overwrite=True, **OPTIONS)))
     _assert_same(reference, json.loads((out / "conversion.json").read_text()), tmp_path / "reference", out)
 
 
 def test_resume_without_a_checkpoint_converts_from_the_start(tmp_path):
     path = _checkpoint(tmp_path, "llama")
-    record = execute(plan_conversion(path, tmp_path / "out", resume=True, **OPTIONS))
+    record = execute(plan_conversion(path, tmp_path / "out", ConvertOptions(resume=True, **OPTIONS)))
     assert "resume" not in record["plan"]["options"]  # how it ran, not what it wrote
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
@@ -155,7 +155,7 @@ def test_failure_before_the_first_layer_leaves_nothing(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         _fail_at(m, 0)
         with pytest.raises(Interrupt):
-            execute(plan_conversion(path, tmp_path / "out", **OPTIONS))
+            execute(plan_conversion(path, tmp_path / "out", ConvertOptions(**OPTIONS)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-src"]
 
 
@@ -184,8 +184,8 @@ def test_checkpoint_survives_a_kill_between_its_files(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(lw.Checkpoint, "write", write)
         with pytest.raises(Interrupt):
-            execute(plan_conversion(path, out, **OPTIONS))
+            execute(plan_conversion(path, out, ConvertOptions(**OPTIONS)))
     assert json.loads((staging_path(out) / STATE).read_text())["next_layer"] == 1
-    resumed = execute(plan_conversion(path, out, resume=True, **OPTIONS))
-    reference = execute(plan_conversion(path, tmp_path / "reference", **OPTIONS))
+    resumed = execute(plan_conversion(path, out, ConvertOptions(resume=True, **OPTIONS)))
+    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(**OPTIONS)))
     _assert_same(reference, resumed, tmp_path / "reference", out)

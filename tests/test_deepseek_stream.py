@@ -19,6 +19,7 @@ import kvgraft.hf.deepseek.stream as stream
 from kvgraft.errors import CheckpointError
 from kvgraft.graft.calibration import calibration_ids
 from kvgraft.graft.convert import execute
+from kvgraft.graft.options import ConvertOptions
 from kvgraft.graft.plan import plan_conversion
 from kvgraft.hf import load_pretrained
 from kvgraft.hf.deepseek import export_deepseek_v3, load_stock
@@ -58,7 +59,9 @@ def _converted(tmp_path, family: str, target: str):
     np.save(src / "eval" / "calibration.npy", np.random.default_rng(0).integers(0, 96, 4096).astype(np.uint16))
     # without the graft's own latent norm (--no-latent-norm): the export's fitted / padded / scaled latent norms
     # are what these tests compare between the streamed and the whole-model export
-    plan = plan_conversion(src, tmp_path / "conv", output_format="both", stock_construction=target, latent_norm=False, **OPTIONS)
+    plan = plan_conversion(
+        src, tmp_path / "conv", ConvertOptions(output_format="both", stock_construction=target, latent_norm=False, **OPTIONS)
+    )
     execute(plan)
     assert plan.calibration is not None
     return tmp_path / "conv", calibration_ids(plan.source, plan.calibration, 96)
@@ -154,7 +157,9 @@ def test_streamed_export_equals_whole_model_export_on_the_reference(tmp_path, ta
 
     src = resolve_model("kvgraft-llama-8m")
     plan = plan_conversion(
-        src, tmp_path / "conv", output_format="both", stock_construction=target, progress=False, calibration_tokens=4096
+        src,
+        tmp_path / "conv",
+        ConvertOptions(output_format="both", stock_construction=target, progress=False, calibration_tokens=4096),
     )
     execute(plan)
     assert plan.calibration is not None

@@ -65,7 +65,7 @@ def test_cli_fails_over_tolerance_with_its_exit_status_and_writes_nothing(tmp_pa
 def test_whole_model_executor_fails_over_tolerance_and_writes_nothing(tmp_path):
     path = _checkpoint(tmp_path, "qwen2")
     out = tmp_path / "out"
-    plan = plan_conversion(path, out, output_format="both", **OPTIONS, **TIGHT)
+    plan = plan_conversion(path, out, ConvertOptions(output_format="both", **OPTIONS, **TIGHT))
     with pytest.raises(ExportError, match=r"neither the kvgraft model nor deepseek_v3/") as info:
         execute(plan, executor="whole")
     check = info.value.check
@@ -84,7 +84,7 @@ def test_an_existing_output_is_left_as_it_was(tmp_path):
     out.mkdir()
     (out / "old.txt").write_text("old")
     for executor in ("whole", "layerwise"):
-        plan = plan_conversion(path, out, output_format="both", overwrite=True, **OPTIONS, **TIGHT)
+        plan = plan_conversion(path, out, ConvertOptions(output_format="both", overwrite=True, **OPTIONS, **TIGHT))
         with pytest.raises(ExportError):
             execute(plan, executor=executor)
         assert [p.name for p in out.iterdir()] == ["old.txt"]
@@ -95,7 +95,7 @@ def test_an_existing_output_is_left_as_it_was(tmp_path):
 def test_accept_export_error_writes_it_marked_as_such(tmp_path, capsys, executor):
     path = _checkpoint(tmp_path, "llama")
     out = tmp_path / "out"
-    plan = plan_conversion(path, out, output_format="both", accept_export_error=True, **OPTIONS, **TIGHT)
+    plan = plan_conversion(path, out, ConvertOptions(output_format="both", accept_export_error=True, **OPTIONS, **TIGHT))
     record = execute(plan, executor=executor)
     err = capsys.readouterr().err
     assert "kvgraft: WARNING: This stock DeepSeek-V3 export is further from the kvgraft model" in err
@@ -151,11 +151,11 @@ def test_resumed_conversion_over_tolerance_leaves_nothing(tmp_path, monkeypatch)
     with monkeypatch.context() as m:
         _fail_at(m, 1)
         with pytest.raises(Interrupt):
-            execute(plan_conversion(path, out, output_format="both", latent_norm=False, **OPTIONS))
+            execute(plan_conversion(path, out, ConvertOptions(output_format="both", latent_norm=False, **OPTIONS)))
     assert staging_path(out).is_dir()
     read = _fail_at(monkeypatch, -1)  # counts only
     with pytest.raises(ExportError):
-        execute(plan_conversion(path, out, output_format="both", resume=True, **OPTIONS, **TIGHT))
+        execute(plan_conversion(path, out, ConvertOptions(output_format="both", resume=True, **OPTIONS, **TIGHT)))
     assert min(read) == 1, "the finished layer was read again: not resumed"
     _nothing_left(out)
 

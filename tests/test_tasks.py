@@ -334,7 +334,7 @@ def test_recall_answer_lies_beyond_every_window(recall, tok):
     """Counted with the tokenizer itself (not the generator's counter): the queried line ends at least 96
     tokens before the answer's first token (the reference models' window is 64 tokens, every layer), the
     example fits 500 tokens with EOS, and the answer's digits appear in the prompt once, in that line."""
-    from kvgraft.data.recall import RECALL_MIN_DISTANCE, RECALL_WINDOW
+    from kvgraft.data.tasks.recall import RECALL_MIN_DISTANCE, RECALL_WINDOW
 
     assert RECALL_MIN_DISTANCE > RECALL_WINDOW
     distances = []

@@ -24,11 +24,13 @@ import numpy as np
 import torch
 
 from kvgraft.atomic import atomic_write_text
-from kvgraft.checks import check_writable
+from kvgraft.checks import check_int, check_number, check_writable
+from kvgraft.errors import ConfigError
 from kvgraft.eval import compare_table, evaluate, format_report
 from kvgraft.graft.convert import convert
 from kvgraft.graft.doctor import doctor
 from kvgraft.graft.mla import GraftConfig
+from kvgraft.graft.options import ConvertOptions
 from kvgraft.graft.ranks import default_ranks
 from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir
 from kvgraft.reference import resolve_model
@@ -77,7 +79,7 @@ def _spread_windows(tokens, n_windows: int, window: int):
 
     n_chunks = (tokens.size - 1) // window  # chunks followed by at least one token
     if n_chunks == 0:
-        raise ValueError(f"{tokens.size} tokens hold no window of {window} plus its last target")
+        raise ConfigError(f"{tokens.size} tokens hold no window of {window} plus its last target")
     idx = np.unique(np.linspace(0, n_chunks - 1, min(n_windows, n_chunks)).round().astype(np.int64))
     parts = [np.asarray(tokens[i * window : (i + 1) * window]) for i in idx]
     end = (int(idx[-1]) + 1) * window
@@ -99,18 +101,15 @@ def _samples(model, tok, max_new_tokens: int, seed: int) -> list[dict]:
 def _check_arguments(path: Path, out: Path, compression: float, max_new_tokens: int, seed: int) -> None:
     """Everything that can be checked before the first minute of work (ValueError/CheckpointError)."""
 
-    if isinstance(compression, bool) or not isinstance(compression, (int, float)):
-        raise ValueError(f"compression must be a number > 1, got {compression!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_number("compression", compression, accepted="a number > 1")
+    check_int("max_new_tokens", max_new_tokens, low=1)
+    check_int("seed", seed)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"out_dir {out} exists and is not a directory")
+        raise ConfigError(f"out_dir {out} exists and is not a directory")
     config = load_config(path)  # missing directory or config.json: CheckpointError naming it
     for needed in (HELDOUT, CALIBRATION):
         if not (path / needed).is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"{path} has no {needed}; the demo needs a model with the eval slices a shipped "
                 "reference model carries (see `kvgraft ship`)"
             )
@@ -178,7 +177,7 @@ def demo(
     convert_args: dict[str, Any] = (
         {} if calibration is None else {"calibration": calibration, "calibration_tokens": setting.calibration_tokens}
     )
-    record = convert(path, converted_dir, compression=compression, **convert_args)
+    record = convert(path, converted_dir, ConvertOptions(compression=compression, **convert_args))
     kv = record["kv_bytes_per_token_bf16"]
     print(f"KV bytes/token (bf16) {kv['original']:,} -> {kv['converted']:,}; converted in {record['seconds']['convert']:.1f} s")
 

@@ -1,12 +1,20 @@
-"""Typed errors for user mistakes. The CLI turns each into one line and exit status 2 (``ExportError``: 4)."""
+"""Typed errors for user mistakes. The CLI turns each into one line and exit status 2 (``ExportError``: 4);
+any other exception is a bug, printed with its traceback."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
 class KvgraftError(Exception):
     """Base of every error kvgraft raises for bad user input."""
+
+
+class ConfigError(KvgraftError, ValueError):
+    """An argument or config value outside what is accepted; the message names the argument, the value and
+    what is accepted (:func:`kvgraft.checks.check_int`, :func:`kvgraft.checks.check_number`)."""
 
 
 class CheckpointError(KvgraftError, ValueError):
@@ -25,3 +33,16 @@ class ExportError(KvgraftError):
     def __init__(self, message: str, check: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.check = dict(check or {})
+
+
+@contextmanager
+def refusals_as_config_errors() -> Iterator[None]:
+    """Re-raise a plain ``ValueError`` from the block as a :class:`ConfigError` (same message): for calls
+    whose argument checks raise plain ``ValueError`` (the runtime's engine, sampling and KV budget), made
+    with values a user gave."""
+    try:
+        yield
+    except ValueError as exc:
+        if isinstance(exc, KvgraftError):
+            raise
+        raise ConfigError(str(exc)) from exc

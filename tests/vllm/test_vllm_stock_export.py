@@ -74,6 +74,7 @@ def _checkpoint(root, family: str, extra: dict):
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def export(request, tmp_path_factory):
     from kvgraft.graft.convert import convert
+    from kvgraft.graft.options import ConvertOptions
 
     family, extra = FAMILIES[request.param]
     root = tmp_path_factory.mktemp(request.param)
@@ -84,7 +85,11 @@ def export(request, tmp_path_factory):
     # checks is that vLLM and transformers agree on the export, so it is written anyway
     accept = request.param == "mistral"
     record = convert(
-        src, out, target="vllm", calibration_tokens=1024, calibration_seq_len=128, progress=False, accept_export_error=accept
+        src,
+        out,
+        ConvertOptions(
+            target="vllm", calibration_tokens=1024, calibration_seq_len=128, progress=False, accept_export_error=accept
+        ),
     )
     return request.param, out / "deepseek_v3", record
 

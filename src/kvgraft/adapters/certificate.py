@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgraft.adapters.placement import layer_modules, module_layer
+from kvgraft.errors import ConfigError
 from kvgraft.model.config import ModelConfig
 
 
@@ -67,7 +68,7 @@ def cache_groups(config: ModelConfig) -> dict[str, tuple[int, tuple[str, ...]]]:
 def certify(config: ModelConfig, modules: list[str]) -> Certificate:
     """The certificate of an adapter on ``modules`` (full kvgraft module names) over a base ``config``."""
     if not modules:
-        raise ValueError("certify: the adapter has no modules")
+        raise ConfigError("certify: the adapter has no modules")
     adapted = set(modules)
     first = min(module_layer(n) for n in modules)
     untouched: list[str] = []

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvgraft.errors import CheckpointError
+from kvgraft.errors import CheckpointError, ConfigError
 from kvgraft.reference import reference_model_dir
 
 PER_TENSOR = 32  # sampled values per tensor, at most
@@ -124,7 +124,7 @@ def check_base_weights(meta: dict, model, adapter_dir: str | Path) -> bool:
         close = (a - b).abs() <= TOLERANCE * torch.maximum(a.abs(), b.abs()) + 6e-8  # fp16's smallest step
         if bool(close.all()):
             return True  # the same weights in another precision: the hash saw their rounding only
-    raise ValueError(
+    raise ConfigError(
         f"adapter {adapter_dir} was trained on another base model: its base {_describe(meta)} has "
         f"fingerprint {base['fingerprint']}, this model has {mine} (same architecture, other weights); "
         "load it on the model it was trained on"

@@ -35,6 +35,8 @@ from kvgraft.adapters.fingerprint import (  # base_fingerprint: re-exported here
 )
 from kvgraft.adapters.placement import Placement, compile_placement
 from kvgraft.atomic import atomic_dir
+from kvgraft.checks import check_int
+from kvgraft.errors import ConfigError
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.shapes import num_parameters, parameter_shapes
 from kvgraft.model.transformer import Transformer
@@ -55,16 +57,15 @@ class AdapterConfig:
     init: str = "default"  # PEFT's: B = 0 (a fresh adapter changes nothing), A Kaiming-uniform | gaussian
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"rank ({self.rank!r}) must be a positive integer")
+        check_int("rank", self.rank, low=1)
         alpha = 2.0 * self.rank if self.alpha is None else self.alpha
         object.__setattr__(self, "alpha", alpha)
         if not alpha > 0:
-            raise ValueError(f"alpha ({alpha!r}) must be > 0")
+            raise ConfigError(f"alpha ({alpha!r}) must be > 0")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout ({self.dropout!r}) must be in [0, 1)")
+            raise ConfigError(f"dropout ({self.dropout!r}) must be in [0, 1)")
         if self.init not in INITS:
-            raise ValueError(f"init {self.init!r} is not one of {', '.join(INITS)}")
+            raise ConfigError(f"init {self.init!r} is not one of {', '.join(INITS)}")
 
 
 class AdapterHost(nn.Module):
@@ -161,7 +162,7 @@ def check_base(meta: dict, model: Transformer, adapter_dir: str | Path) -> None:
 
     mine = base_fingerprint(model.config)
     if meta.get("base_fingerprint") != mine:
-        raise ValueError(
+        raise ConfigError(
             f"adapter {adapter_dir} was trained on another base model (fingerprint "
             f"{meta.get('base_fingerprint')}, this model {mine})"
         )

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from kvgraft.errors import ConfigError
+
 
 def module_name(param_name: str) -> str:
     """PEFT parameter name -> kvgraft module name:
@@ -32,7 +34,7 @@ def freeze(model: nn.Module, globs: tuple[str, ...]) -> list[str]:
         hits = [n for n, p in model.named_parameters() if p.requires_grad and fnmatch.fnmatch(module_name(n), pattern)]
         if not hits:
             trainable = sorted({module_name(n) for n, p in model.named_parameters() if p.requires_grad})
-            raise ValueError(f"freeze glob {pattern!r} matches no trainable module; trainable: {', '.join(trainable)}")
+            raise ConfigError(f"freeze glob {pattern!r} matches no trainable module; trainable: {', '.join(trainable)}")
         for n, p in model.named_parameters():
             if n in hits:
                 p.requires_grad_(False)
@@ -50,9 +52,9 @@ def adapter_param_groups(
     lr_multipliers = dict(lr_multipliers or {})
     for pattern, factor in lr_multipliers.items():
         if not factor > 0:
-            raise ValueError(f"lr multiplier for {pattern!r} ({factor!r}) must be > 0")
+            raise ConfigError(f"lr multiplier for {pattern!r} ({factor!r}) must be > 0")
     if loraplus_ratio is not None and not loraplus_ratio > 0:
-        raise ValueError(f"loraplus_ratio ({loraplus_ratio!r}) must be > 0")
+        raise ConfigError(f"loraplus_ratio ({loraplus_ratio!r}) must be > 0")
     names = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     used = {pattern: False for pattern in lr_multipliers}
     buckets: dict[tuple[float, bool], list] = {}
@@ -68,7 +70,7 @@ def adapter_param_groups(
         buckets.setdefault((scale, p.dim() >= 2), []).append(p)
     unused = [k for k, v in used.items() if not v]
     if unused:
-        raise ValueError(f"lr multiplier globs {unused} match no trainable module")
+        raise ConfigError(f"lr multiplier globs {unused} match no trainable module")
     return [
         {"params": ps, "lr_scale": scale, "weight_decay": weight_decay if decay else 0.0}
         for (scale, decay), ps in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1]))

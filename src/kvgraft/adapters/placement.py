@@ -28,6 +28,8 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
+from kvgraft.checks import is_int
+from kvgraft.errors import ConfigError
 from kvgraft.model.config import ModelConfig
 
 MODULE_GROUPS = ("all-linear", "attention", "attention-out", "query", "kv-writers", "mlp", "mlp-gate-up", "mlp-down")
@@ -99,23 +101,23 @@ class Placement:
             object.__setattr__(self, "layers", layers)
         if isinstance(layers, str):
             if layers not in LAYER_SELECTORS and not layers.startswith("from:"):
-                raise ValueError(
+                raise ConfigError(
                     f"layers {layers!r} must be one of {', '.join(LAYER_SELECTORS)}, 'from:K' or a list of layer indices"
                 )
             if layers.startswith("from:"):
                 k = layers[5:]
                 if not k.isdigit():
-                    raise ValueError(f"layers {layers!r}: 'from:K' needs a non-negative integer K")
-        elif not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
-            raise ValueError(f"layers {layers!r} must be a non-empty list of layer indices >= 0")
+                    raise ConfigError(f"layers {layers!r}: 'from:K' needs a non-negative integer K")
+        elif not layers or any(not is_int(i) or i < 0 for i in layers):
+            raise ConfigError(f"layers {layers!r} must be a non-empty list of layer indices >= 0")
         object.__setattr__(self, "modules", (self.modules,) if isinstance(self.modules, str) else tuple(self.modules))
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
         bad = [m for m in self.modules if m not in MODULE_GROUPS]
         if bad:
-            raise ValueError(f"module groups {bad} are unknown; known: {', '.join(MODULE_GROUPS)}")
+            raise ConfigError(f"module groups {bad} are unknown; known: {', '.join(MODULE_GROUPS)}")
         if not self.modules and not self.include:
-            raise ValueError("a placement needs module groups or include globs")
+            raise ConfigError("a placement needs module groups or include globs")
 
     def layer_indices(self, config: ModelConfig) -> list[int]:
         L = config.num_layers
@@ -129,11 +131,11 @@ class Placement:
         if isinstance(self.layers, str):  # from:K
             k = int(self.layers[5:])
             if k >= L:
-                raise ValueError(f"layers 'from:{k}' is past the model's {L} layers")
+                raise ConfigError(f"layers 'from:{k}' is past the model's {L} layers")
             return list(range(k, L))
         bad = [i for i in self.layers if i >= L]
         if bad:
-            raise ValueError(f"layers {bad} do not exist: the model has layers 0..{L - 1}")
+            raise ConfigError(f"layers {bad} do not exist: the model has layers 0..{L - 1}")
         return sorted(set(self.layers))
 
     def to_dict(self) -> dict:
@@ -166,7 +168,7 @@ def compile_placement(config: ModelConfig, placement: Placement) -> list[str]:
     for pattern in placement.include:
         hits = fnmatch.filter(universe, pattern)
         if not hits:
-            raise ValueError(
+            raise ConfigError(
                 f"include glob {pattern!r} matches no module; modules look like {universe[:4]} ... (all: {', '.join(universe)})"
             )
         chosen.update(hits)
@@ -176,7 +178,7 @@ def compile_placement(config: ModelConfig, placement: Placement) -> list[str]:
         chosen -= set(pivot_kv_writers(config))
     names = [n for n in universe if n in chosen]
     if not names:
-        raise ValueError(
+        raise ConfigError(
             f"placement {placement.to_dict()} matches no module; the model's projections are: " + ", ".join(universe)
         )
     return names
@@ -208,5 +210,5 @@ PRESETS: dict[str, Preset] = {
 
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
-        raise ValueError(f"unknown adapter preset {name!r}; known: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown adapter preset {name!r}; known: {', '.join(PRESETS)}")
     return PRESETS[name]

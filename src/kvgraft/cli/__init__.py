@@ -4,9 +4,12 @@
 names its function in ``kvgraft.cli.cmd`` as ``"module:function"``, and ``main`` imports that one module when
 the command runs, so ``kvgraft --help`` and argument errors never load torch or transformers.
 
-User errors (bad paths, bad values, corrupt checkpoints) print one line ``kvgraft: error: ...``
-and exit with status 2. ``kvgraft doctor`` exits with status 3 (``EXIT_BLOCKED``) when its report has a
-blocker (the report, and ``--json``, are written first), so a script can tell a blocked conversion.
+User errors (``KvgraftError`` and its subclasses: bad values, corrupt checkpoints; ``OSError``: missing or
+unwritable paths; argparse's errors) print one line ``kvgraft: error: ...`` and exit with status 2. Any
+other exception is a bug: ``main`` lets it propagate, and the program (:func:`run`, what ``kvgraft`` and
+``python -m kvgraft`` call) prints its traceback with a note asking to report it, exit status 1.
+``kvgraft doctor`` exits with status 3 (``EXIT_BLOCKED``) when its report has a blocker (the report, and
+``--json``, are written first), so a script can tell a blocked conversion.
 ``kvgraft convert`` exits with status 4 (``EXIT_EXPORT_ERROR``) when its stock DeepSeek-V3 export measured
 above the stated tolerance (``kvgraft.errors.ExportError``; nothing is written).
 """
@@ -15,16 +18,24 @@ from __future__ import annotations
 
 import importlib
 import sys
+import traceback
 from collections.abc import Sequence
 
-from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_ERROR, EXIT_EXPORT_ERROR
+from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_BUG, EXIT_ERROR, EXIT_EXPORT_ERROR
 from kvgraft.cli.parser import build_parser
 from kvgraft.errors import ExportError, KvgraftError
 
-__all__ = ["EXIT_BLOCKED", "EXIT_ERROR", "EXIT_EXPORT_ERROR", "build_parser", "main"]
+__all__ = ["EXIT_BLOCKED", "EXIT_BUG", "EXIT_ERROR", "EXIT_EXPORT_ERROR", "build_parser", "main", "run"]
+
+BUG_NOTE = (
+    "kvgraft: internal error: this is a bug in kvgraft, not a mistake in the command. Please report it with "
+    "the traceback above and the command line."
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run its subcommand: its exit status, or ``EXIT_ERROR`` / ``EXIT_EXPORT_ERROR`` after
+    one line for a user error. Any other exception propagates (:func:`run` reports it as a bug)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     module, _, name = args.func.partition(":")
@@ -34,6 +45,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ExportError as exc:  # measured, not refused: its own status, so a script can tell it from a bad argument
         print(f"kvgraft: error: {exc}", file=sys.stderr)
         return EXIT_EXPORT_ERROR
-    except (KvgraftError, ValueError, OSError) as exc:  # OSError: unwritable outputs, full disks, ...
+    except (KvgraftError, OSError) as exc:  # OSError: missing or unwritable paths, full disks, ...
         print(f"kvgraft: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """The ``kvgraft`` program: :func:`main`, with any exception it does not answer as a user error (a bug)
+    printed as its traceback and a note asking to report it, exit status 1."""
+    try:
+        return main(argv)
+    except Exception:  # not a user error: a bug
+        traceback.print_exc()
+        print(BUG_NOTE, file=sys.stderr)
+        return EXIT_BUG

@@ -1,5 +1,5 @@
 import sys
 
-from kvgraft.cli import main
+from kvgraft.cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvgraft.atomic import atomic_open, atomic_write_text
+from kvgraft.errors import KvgraftError
 
 DOC_SEPARATOR = "\x1e"
 """ASCII record separator; a line holding only this character ends a document."""
@@ -48,7 +49,7 @@ DOCUMENT_INDEX_NAME = "documents.tsv"
 Document = tuple[str, str]
 
 
-class CorpusError(ValueError):
+class CorpusError(KvgraftError, ValueError):
     """A corpus cannot be built: unknown source, missing file/tool/package, empty split."""
 
 

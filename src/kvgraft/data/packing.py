@@ -17,8 +17,10 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from kvgraft.atomic import atomic_open
+from kvgraft.checks import check_int, check_number
 from kvgraft.data.corpus import iter_documents
 from kvgraft.data.tokenizer import eos_token_id, load_tokenizer
+from kvgraft.errors import ConfigError
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -73,7 +75,7 @@ def load_tokens(path: str | Path) -> np.ndarray:
         raise FileNotFoundError(f"token file not found: {path}")
     tokens = np.load(path, mmap_mode="r")
     if tokens.ndim != 1:
-        raise ValueError(f"token file {path} must hold a 1-D array, got shape {tokens.shape}")
+        raise ConfigError(f"token file {path} must hold a 1-D array, got shape {tokens.shape}")
     return tokens
 
 
@@ -85,7 +87,7 @@ def slice_tokens(npy_in: str | Path, n_tokens: int, npy_out: str | Path) -> int:
     """
     tokens = load_tokens(npy_in)
     if n_tokens <= 0 or n_tokens > tokens.size:
-        raise ValueError(f"n_tokens={n_tokens} must be in [1, {tokens.size}] (length of {npy_in})")
+        raise ConfigError(f"n_tokens={n_tokens} must be in [1, {tokens.size}] (length of {npy_in})")
     _save_npy(np.array(tokens[:n_tokens]), npy_out)
     return n_tokens
 
@@ -100,7 +102,7 @@ def spread_tokens(npy_in: str | Path, n_tokens: int, chunk: int, npy_out: str | 
     tokens = load_tokens(npy_in)
     n_chunks = n_tokens // chunk
     if n_chunks <= 0 or n_chunks * chunk > tokens.size:
-        raise ValueError(
+        raise ConfigError(
             f"n_tokens={n_tokens} must hold at least one chunk of {chunk} and fit in {tokens.size} tokens ({npy_in})"
         )
     starts = np.linspace(0, tokens.size - chunk, n_chunks).astype(np.int64)
@@ -118,13 +120,12 @@ class PackedDataset(Dataset):
     """
 
     def __init__(self, tokens: str | Path | np.ndarray, seq_len: int) -> None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        check_int("seq_len", seq_len, low=1)
         self.tokens = load_tokens(tokens) if isinstance(tokens, (str, Path)) else np.asarray(tokens)
         if self.tokens.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {self.tokens.shape}")
+            raise ConfigError(f"tokens must be 1-D, got shape {self.tokens.shape}")
         if self.tokens.size < seq_len + 1:
-            raise ValueError(f"token stream has {self.tokens.size} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+            raise ConfigError(f"token stream has {self.tokens.size} tokens, fewer than seq_len + 1 = {seq_len + 1}")
         self.seq_len = seq_len
 
     def __len__(self) -> int:
@@ -152,10 +153,10 @@ class CopyWindows(Dataset):
     so a resumed run sees the same data."""
 
     def __init__(self, base: PackedDataset, fraction: float, span: int) -> None:
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-            raise ValueError(f"copy fraction ({fraction!r}) must be a number in [0, 1]")
-        if isinstance(span, bool) or not isinstance(span, int) or not 1 <= span <= base.seq_len // 2:
-            raise ValueError(f"copy span ({span!r}) must be an integer in [1, seq_len // 2 = {base.seq_len // 2}]")
+        check_number("copy fraction", fraction, low=0, high=1)
+        check_int(
+            "copy span", span, low=1, high=base.seq_len // 2, accepted=f"an integer in [1, seq_len // 2 = {base.seq_len // 2}]"
+        )
         self.base, self.fraction, self.span = base, float(fraction), span
         self.seq_len = base.seq_len
 

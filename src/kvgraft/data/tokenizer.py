@@ -24,7 +24,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kvgraft.atomic import atomic_write_text
+from kvgraft.checks import is_int
 from kvgraft.data.corpus import iter_documents
+from kvgraft.errors import ConfigError
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS: tuple[str, ...] = (EOS_TOKEN,)
@@ -34,8 +36,8 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 
 def _check_vocab_size(vocab_size: int) -> None:
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
+    if not is_int(vocab_size) or vocab_size < MIN_VOCAB_SIZE:
+        raise ConfigError(
             f"vocab_size={vocab_size!r} is too small: a byte-level BPE needs at least "
             f"{MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special token(s))"
         )
@@ -75,7 +77,7 @@ def train_tokenizer(
     _check_vocab_size(vocab_size)
     files = [Path(text_files)] if isinstance(text_files, (str, Path)) else [Path(p) for p in text_files]
     if not files:
-        raise ValueError("train_tokenizer needs at least one text file")
+        raise ConfigError("train_tokenizer needs at least one text file")
     for path in files:
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer training file not found: {path}")
@@ -133,5 +135,5 @@ def eos_token_id(tokenizer: Tokenizer) -> int:
     """Id of ``<|endoftext|>`` in ``tokenizer``; ValueError if it has none."""
     token_id = tokenizer.token_to_id(EOS_TOKEN)
     if token_id is None:
-        raise ValueError(f"tokenizer has no {EOS_TOKEN} token")
+        raise ConfigError(f"tokenizer has no {EOS_TOKEN} token")
     return token_id

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgraft.data.tasks import encode_example
+from kvgraft.errors import ConfigError
 from kvgraft.model.ced import CEDAttention
 
 
@@ -64,12 +65,12 @@ def shared_attention_share(model, sequences: Sequence[tuple[Sequence[int], int, 
 
     layers = [b.self_attn for b in model.layers]
     if not any(isinstance(a, CEDAttention) and a.source is not None for a in layers):
-        raise ValueError(
+        raise ConfigError(
             "shared_attention_share needs a causal encoder-decoder (layers that read a shared stream); this model has none"
         )
     for ids, first, last in sequences:
         if not 0 <= first <= last < len(ids):
-            raise ValueError(f"positions {first}..{last} are not inside a sequence of {len(ids)} tokens")
+            raise ConfigError(f"positions {first}..{last} are not inside a sequence of {len(ids)} tokens")
     sums = [0.0] * len(layers)
     current: dict[int, torch.Tensor] = {}
     originals = {}

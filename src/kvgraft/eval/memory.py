@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from kvgraft.checks import check_int
 from kvgraft.model.transformer import Transformer
 
 CONTEXTS: tuple[int, ...] = (1024, 4096, 8192, 32768)
@@ -47,8 +48,7 @@ def kv_memory(
     ``model.new_cache(1, max_len, dtype)`` (on the model's device) and divides its ``nbytes`` by
     ``max_len``. ``agree`` reports whether they match exactly; a mismatch is reported, not raised.
     """
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    check_int("max_len", max_len, low=1)
     itemsize = torch.empty((), dtype=dtype).element_size()
     formula = model.config.kv_cache_bytes(max_len, itemsize)
     cache = model.new_cache(1, max_len, dtype)

@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from kvgraft.checks import check_int
 from kvgraft.data.corpus import DOC_SEPARATOR, iter_documents
 from kvgraft.data.packing import load_tokens
 from kvgraft.data.tokenizer import EOS_TOKEN
+from kvgraft.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,9 @@ def _as_stream(tokens: np.ndarray | str | Path) -> np.ndarray:
         tokens = tokens.detach().cpu().numpy()
     stream = np.asarray(tokens)
     if stream.ndim != 1:
-        raise ValueError(f"tokens must be a 1-D token stream, got shape {stream.shape}")
+        raise ConfigError(f"tokens must be a 1-D token stream, got shape {stream.shape}")
     if not np.issubdtype(stream.dtype, np.integer):
-        raise ValueError(f"tokens must hold integer ids, got dtype {stream.dtype}")
+        raise ConfigError(f"tokens must hold integer ids, got dtype {stream.dtype}")
     return stream
 
 
@@ -71,20 +73,18 @@ def perplexity(
     config: Any = model.config  # a kvgraft or a transformers model: both have these fields
     if seq_len is None:
         seq_len = config.max_position_embeddings
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_int("seq_len", seq_len, low=1)
+    check_int("batch_size", batch_size, low=1)
     stream = _as_stream(tokens)
     if stream.size < seq_len + 1:
-        raise ValueError(
+        raise ConfigError(
             f"token stream has {stream.size} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
             "pass a longer stream or a smaller seq_len"
         )
     num_windows = (stream.size - 1) // seq_len
     if max_tokens is not None:
         if max_tokens < seq_len:
-            raise ValueError(f"max_tokens ({max_tokens}) must be >= seq_len ({seq_len}) to score one window")
+            raise ConfigError(f"max_tokens ({max_tokens}) must be >= seq_len ({seq_len}) to score one window")
         num_windows = min(num_windows, max_tokens // seq_len)
     if seq_len > config.max_position_embeddings:
         warnings.warn(
@@ -106,7 +106,7 @@ def perplexity(
                 chunk = np.asarray(stream[first * seq_len : (first + n) * seq_len + 1], dtype=np.int64)
                 lo, hi = int(chunk.min()), int(chunk.max())
                 if lo < 0 or hi >= vocab:
-                    raise ValueError(
+                    raise ConfigError(
                         f"token ids must lie in [0, {vocab}) (the model's vocab_size); "
                         f"windows {first}..{first + n - 1} hold ids in [{lo}, {hi}]"
                     )
@@ -174,7 +174,7 @@ def text_to_tokens(text_file: str | Path, tokenizer: Any, eos_token_id: int | No
     try:
         return _text_to_tokens(path, tokenizer, eos_token_id, batch_size)
     except UnicodeDecodeError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"{path} is not UTF-8 text (byte {exc.object[exc.start : exc.start + 1]!r} at offset "
             f"{exc.start}: {exc.reason}); convert it to UTF-8 first"
         ) from exc
@@ -185,7 +185,7 @@ def _text_to_tokens(path: Path, tokenizer: Any, eos_token_id: int | None, batch_
     if _has_doc_separators(path):
         eos = eos_token_id if eos_token_id is not None else _eos_id(tokenizer)
         if eos is None:
-            raise ValueError(f"{path} holds several documents but the tokenizer has no EOS token; pass eos_token_id")
+            raise ConfigError(f"{path} holds several documents but the tokenizer has no EOS token; pass eos_token_id")
         batch: list[str] = []
         for doc in iter_documents(path):
             batch.append(doc)

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from kvgraft.atomic import atomic_write_text
-from kvgraft.checks import check_writable
+from kvgraft.checks import check_int, check_writable
+from kvgraft.errors import ConfigError
 from kvgraft.eval.memory import dtype_name, kv_memory
 from kvgraft.eval.perplexity import perplexity, text_to_tokens
 from kvgraft.eval.speed import decode_speed
@@ -39,7 +40,7 @@ def _resolve_tokens(
         return "tokens", tokens
     if text_file is not None:
         if model_path is None:
-            raise ValueError(
+            raise ConfigError(
                 f"text_file={str(text_file)!r} needs a tokenizer: pass model_path (a model directory "
                 "holding a tokenizer) or tokenize it yourself and pass tokens="
             )
@@ -47,7 +48,7 @@ def _resolve_tokens(
     if model_path is not None and (model_path / HELDOUT).is_file():
         return "heldout", model_path / HELDOUT
     where = f"{model_path} has no {HELDOUT}" if model_path is not None else "no model_path was given"
-    raise ValueError(
+    raise ConfigError(
         f"no evaluation tokens ({where}): pass tokens= (a 1-D token array or .npy path), "
         f"text_file= (tokenized with the model directory's tokenizer) or a model directory shipping {HELDOUT}"
     )
@@ -63,22 +64,17 @@ def check_eval_args(
 ) -> None:
     """Raise ValueError naming the first bad value; runs before any model or token file is touched."""
 
-    def positive(name: str, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} ({value!r}) must be a positive integer")
-
     for name, value in (("seq_len", seq_len), ("max_tokens", max_tokens)):
-        if value is not None:
-            positive(name, value)
+        check_int(name, value, low=1, optional=True, accepted="a positive integer")
     if seq_len is not None and max_tokens is not None and max_tokens < seq_len:
-        raise ValueError(f"max_tokens ({max_tokens}) must be >= seq_len ({seq_len}) to score one window")
+        raise ConfigError(f"max_tokens ({max_tokens}) must be >= seq_len ({seq_len}) to score one window")
     for name, values in (("contexts", contexts), ("batch_sizes", batch_sizes)):
         if not len(values):
-            raise ValueError(f"{name} must list at least one value")
+            raise ConfigError(f"{name} must list at least one value")
         for v in values:
-            positive(f"{name} entry", v)
-    positive("new_tokens", new_tokens)
-    positive("batch_size", batch_size)
+            check_int(f"{name} entry", v, low=1)
+    check_int("new_tokens", new_tokens, low=1)
+    check_int("batch_size", batch_size, low=1)
 
 
 def config_summary(config: Any) -> dict[str, Any]:
@@ -129,7 +125,7 @@ def evaluate(
     With ``json_out`` the dict is also written there atomically as JSON.
     """
     if model is None and model_path is None:
-        raise ValueError("evaluate needs model_path (a model directory) or model (a loaded model)")
+        raise ConfigError("evaluate needs model_path (a model directory) or model (a loaded model)")
     check_eval_args(seq_len, max_tokens, tuple(contexts), tuple(batch_sizes), new_tokens, batch_size)
     if json_out is not None:
         check_writable(json_out, what="JSON report")
@@ -139,7 +135,7 @@ def evaluate(
         assert path is not None  # _resolve_tokens chose the text file only with a model directory
         tokenizer = load_tokenizer_dir(path)
         if tokenizer is None:
-            raise ValueError(f"text_file given but {path} holds no tokenizer; pass tokens= instead")
+            raise ConfigError(f"text_file given but {path} holds no tokenizer; pass tokens= instead")
         payload = text_to_tokens(payload, tokenizer)
         token_source = f"text_file:{text_file}"
     elif source == "heldout":
@@ -279,7 +275,7 @@ def compare_table(results: list[dict[str, Any]]) -> str:
     Metrics missing from a model (e.g. a speed point it was not measured at) show ``-``.
     """
     if not results:
-        raise ValueError("compare_table needs at least one evaluate() result")
+        raise ConfigError("compare_table needs at least one evaluate() result")
     labels = [_label(r) for r in results]
     if len(set(labels)) < len(labels):  # same directory name in different places: show full names
         labels = [str(r["model"]) for r in results]

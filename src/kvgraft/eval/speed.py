@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from kvgraft.checks import check_int, is_int
+from kvgraft.errors import ConfigError
 from kvgraft.model.cache import default_block_size
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.engine import Engine
@@ -47,8 +49,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _check_positive(name: str, values: tuple[int, ...]) -> None:
-    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-        raise ValueError(f"{name} must be a non-empty sequence of positive ints, got {values!r}")
+    if not values or any(not is_int(v) or v < 1 for v in values):
+        raise ConfigError(f"{name} must be a non-empty sequence of positive ints, got {values!r}")
 
 
 def decode_speed(
@@ -72,12 +74,11 @@ def decode_speed(
     contexts, batch_sizes = tuple(contexts), tuple(batch_sizes)
     _check_positive("contexts", contexts)
     _check_positive("batch_sizes", batch_sizes)
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-        raise ValueError(f"new_tokens must be a positive int, got {new_tokens!r}")
+    check_int("new_tokens", new_tokens, low=1)
     if not 0 <= warmup < new_tokens:
-        raise ValueError(f"warmup ({warmup}) must be in [0, new_tokens) = [0, {new_tokens})")
+        raise ConfigError(f"warmup ({warmup}) must be in [0, new_tokens) = [0, {new_tokens})")
     if repeats < 1:
-        raise ValueError(f"repeats ({repeats}) must be >= 1")
+        raise ConfigError(f"repeats ({repeats}) must be >= 1")
 
     config = model.config
     param = next(model.parameters())

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvgraft.checks import check_int
+from kvgraft.errors import ConfigError
 from kvgraft.hf.load import load_tokenizer_dir
 
 CALIBRATION = Path("eval") / "calibration.npy"  # a model directory's shipped calibration slice
@@ -53,14 +55,14 @@ def load_calibration(
         stream = np.load(path, mmap_mode="r")
     else:
         if tokenizer is None:
-            raise ValueError(f"{model_dir} has no tokenizer to tokenize {path}; pass a .npy of token ids")
+            raise ConfigError(f"{model_dir} has no tokenizer to tokenize {path}; pass a .npy of token ids")
         stream = np.asarray(tokenizer.encode(path.read_text(encoding="utf-8")), dtype=np.int64)
     n = min(tokens, len(stream)) // seq_len
     if n == 0:
-        raise ValueError(f"calibration {path} has {len(stream)} tokens, fewer than one window of {seq_len}")
+        raise ConfigError(f"calibration {path} has {len(stream)} tokens, fewer than one window of {seq_len}")
     ids = torch.from_numpy(np.asarray(stream[: n * seq_len], dtype=np.int64)).view(n, seq_len)
     if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(
+        raise ConfigError(
             f"calibration {path} holds token ids in [{int(ids.min())}, {int(ids.max())}], outside the "
             f"model's vocabulary [0, {vocab_size}); was it tokenized for another model?"
         )
@@ -81,10 +83,9 @@ class CalibrationPlan:
     def __post_init__(self) -> None:
         for name in ("tokens", "seq_len", "sequences"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+            check_int(name, value, low=1)
         if self.sequences * self.seq_len > self.tokens:
-            raise ValueError(f"{self.sequences} sequences of {self.seq_len} tokens exceed the {self.tokens} tokens asked for")
+            raise ConfigError(f"{self.sequences} sequences of {self.seq_len} tokens exceed the {self.tokens} tokens asked for")
 
     def to_dict(self) -> dict[str, Any]:
         return {

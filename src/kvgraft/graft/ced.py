@@ -35,6 +35,7 @@ from typing import Any, cast
 import torch
 from tqdm.auto import tqdm
 
+from kvgraft.errors import ConfigError
 from kvgraft.graft.mla import TAIL_ROWS, _run_block, rope_tables
 from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.ced import CEDAttention
@@ -47,7 +48,7 @@ def default_kv_sources(num_layers: int) -> tuple[int, ...]:
     """Pivot at the middle layer; up to 3 encoder kv_source layers spaced below it (8 layers: 1, 3, 4;
     40 layers: 7, 13, 19, 20, DeepSeek-V4.1's spacing)."""
     if num_layers < 2:
-        raise ValueError(f"a causal encoder-decoder needs at least 2 layers, got {num_layers}")
+        raise ConfigError(f"a causal encoder-decoder needs at least 2 layers, got {num_layers}")
     pivot = num_layers // 2
     n_enc = min(3, max(1, pivot // 2)) if pivot >= 2 else 0
     step = max(1, pivot // max(n_enc, 1))
@@ -66,27 +67,27 @@ class CEDGraftConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_source_layers", tuple(int(i) for i in self.kv_source_layers))
         if self.ridge < 0:
-            raise ValueError(f"ridge ({self.ridge}) must be >= 0")
+            raise ConfigError(f"ridge ({self.ridge}) must be >= 0")
 
     def check_against(self, config: ModelConfig) -> None:
         """Raise ValueError naming the problem when the share graft cannot start from ``config``."""
         kinds = known(config.attention_kinds, "attention_kinds")
         if set(kinds) != {"mla"}:
-            raise ValueError(
+            raise ConfigError(
                 "the share graft starts from a model whose every layer is MLA; convert the original model "
                 f"(its attention kinds are {sorted(set(kinds))}) with `kvgraft convert --to ced`"
             )
         if len(set(known(config.rope_freq_index, "rope_freq_index"))) != 1:
-            raise ValueError(
+            raise ConfigError(
                 "the MLA layers use different RoPE frequencies per layer, but shared RoPE keys need one layout; "
                 "graft MLA with rope_selection='stride' (what `kvgraft convert --to ced` does)"
             )
         if config.mla_latent_norm:
-            raise ValueError(
+            raise ConfigError(
                 "the share graft needs an MLA model without a latent norm (it folds the latent into each layer's window keys)"
             )
         if config.qk_norm:
-            raise ValueError(
+            raise ConfigError(
                 "the share graft needs an MLA model without per-head query/key norms (Qwen3): "
                 "convert the original checkpoint with `kvgraft convert --to ced`, which replaces both "
                 "norms by their least-squares linear fits (GraftConfig(qk_norm='linearise'))"

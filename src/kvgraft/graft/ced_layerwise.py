@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from kvgraft.errors import ConfigError
 from kvgraft.graft.ced import ShareGraft
 from kvgraft.graft.layerwise import (
     EMBED,
@@ -76,9 +77,9 @@ def execute_layerwise_ced(plan: ConvertPlan, calib: torch.Tensor | None) -> dict
     """Convert ``plan`` (``to == "ced"``) one layer at a time and write ``plan.out`` atomically; returns the
     ``conversion.json`` record (what ``execute_whole`` returns, the share graft's report in it)."""
     if plan.to != "ced" or plan.ced is None:
-        raise ValueError(f"the share graft's walk converts --to ced only, not --to {plan.to}")
+        raise ConfigError(f"the share graft's walk converts --to ced only, not --to {plan.to}")
     if calib is None:  # ConvertPlan refuses this; said again for the type checker
-        raise ValueError("the share graft needs calibration tokens")
+        raise ConfigError("the share graft needs calibration tokens")
     return execute_layerwise(plan, calib, walk=_ced_walk)
 
 
@@ -129,7 +130,7 @@ def _one_layout_config(config: ModelConfig, plan: ConvertPlan, run: LayerGraft |
 def _check_layout(run: LayerGraft | None, layer: int) -> None:
     """The error ``graft_ced`` gives (``CEDGraftConfig.check_against``) for layouts that differ per layer."""
     if run is not None and run.rope_index[layer] != run.rope_index[0]:
-        raise ValueError(
+        raise ConfigError(
             "the MLA layers use different RoPE frequencies per layer, but shared RoPE keys need one layout; "
             "graft MLA with rope_selection='stride' (what `kvgraft convert --to ced` does)"
         )

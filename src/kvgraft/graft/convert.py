@@ -1,7 +1,7 @@
 """``kvgraft convert``: a checkpoint directory in, an MLA-grafted (``--to mla``) or causal encoder-decoder
 (``--to ced``: MLA graft with one RoPE layout, then the share graft of ``kvgraft.graft.ced``) directory out.
 
-``convert(model, out, **options)`` is ``execute(plan_conversion(model, out, **options))``: the plan
+``convert(model, out, options)`` is ``execute(plan_conversion(model, out, options))``: the plan
 (``kvgraft.graft.plan``) checks and decides everything before the weights load; ``execute`` does the work.
 Both targets run layer by layer (``kvgraft.graft.layerwise``: one decoder layer in memory at a time, the
 output written as layers finish; ``--to ced`` with the share graft's walk of ``kvgraft.graft.ced_layerwise``);
@@ -34,12 +34,13 @@ from typing import Any
 import torch
 
 from kvgraft.atomic import atomic_dir
+from kvgraft.errors import ConfigError
 from kvgraft.graft.calibration import CALIBRATION, calibration_ids, load_calibration
 from kvgraft.graft.ced import graft_ced
 from kvgraft.graft.ced_layerwise import execute_layerwise_ced
 from kvgraft.graft.layerwise import execute_layerwise
 from kvgraft.graft.mla import graft_mla
-from kvgraft.graft.options import EXPORT_KL_TOLERANCE, EXPORT_TOLERANCE, FORMATS, SERVE_TARGETS, STOCK_CONSTRUCTIONS, TARGETS
+from kvgraft.graft.options import FORMATS, SERVE_TARGETS, STOCK_CONSTRUCTIONS, TARGETS, ConvertOptions
 from kvgraft.graft.plan import ConvertPlan, plan_conversion
 from kvgraft.graft.ranks import default_ranks
 from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output, tail_figures
@@ -55,41 +56,7 @@ def ranks_for_compression(config: ModelConfig, compression: float, qk_rope_head_
     return default_ranks(config, compression=compression, qk_rope_head_dim=qk_rope_head_dim).kv_lora_rank
 
 
-def convert(
-    model: str | Path | None,
-    out: str | Path,
-    *,
-    kv_lora_rank: int | None = None,
-    qk_rope_head_dim: int | None = None,
-    compression: float | None = None,
-    objective: str = "attention",
-    rope_selection: str = "auto",
-    layerwise: bool = True,
-    rope_expectation: bool = True,
-    layers: tuple[int, ...] | None = None,
-    calibration: str | Path | None = None,
-    calibration_tokens: int = 32768,
-    calibration_seq_len: int = 512,
-    output_format: str | None = None,
-    overwrite: bool = False,
-    resume: bool = False,
-    progress: bool = True,
-    device: str = "cpu",
-    to: str = "mla",
-    kv_source_layers: tuple[int, ...] | None = None,
-    sliding_window: int = 64,
-    compress_rate: int = 1,
-    calibration_shrinkage: float = 0.5,
-    refine_epochs: int | None = None,
-    refine_lr: float = 1e-3,
-    latent_norm: bool | None = None,
-    rope_rotation: str | None = None,
-    target: str | None = None,
-    stock_construction: str = "engines",
-    export_tolerance: float = EXPORT_TOLERANCE,
-    export_kl_tolerance: float = EXPORT_KL_TOLERANCE,
-    accept_export_error: bool = False,
-) -> dict[str, Any]:
+def convert(model: str | Path | None, out: str | Path, options: ConvertOptions | None = None) -> dict[str, Any]:
     """Convert ``model`` (a local checkpoint directory) to MLA and write it to ``out``.
 
     Ranks not given come from the one rule of ``kvgraft.graft.ranks.default_ranks`` (shared with ``doctor``):
@@ -105,7 +72,7 @@ def convert(
     mix (each kept pair the best rank-1 complex fit of the heads' pairs) measured far better in both formats.
     ``device`` holds the model and the calibration activations (e.g. "cuda" for a 7B model); the
     per-layer factorisations run on the CPU in fp64. Returns the record written to ``conversion.json``.
-    The keyword arguments are ``kvgraft.graft.options.ConvertOptions``' fields, with its defaults.
+    ``options``: a :class:`kvgraft.graft.options.ConvertOptions` (None: its defaults), whose fields are:
 
     ``output_format`` (None: "deepseek_v3" with ``target``, else "kvgraft"). ``stock_construction``: how the
     stock DeepSeek-V3 export is written (``export_deepseek_v3``'s ``target``): "engines" (default: no attention
@@ -127,42 +94,7 @@ def convert(
     layout is used as it is. Readers are fitted by least squares on the calibration tokens.
     ``compression`` defaults to 4 for MLA.
     """
-    return execute(
-        plan_conversion(
-            model,
-            out,
-            kv_lora_rank=kv_lora_rank,
-            qk_rope_head_dim=qk_rope_head_dim,
-            compression=compression,
-            objective=objective,
-            rope_selection=rope_selection,
-            layerwise=layerwise,
-            rope_expectation=rope_expectation,
-            layers=layers,
-            calibration=calibration,
-            calibration_tokens=calibration_tokens,
-            calibration_seq_len=calibration_seq_len,
-            output_format=output_format,
-            overwrite=overwrite,
-            resume=resume,
-            progress=progress,
-            device=device,
-            to=to,
-            kv_source_layers=kv_source_layers,
-            sliding_window=sliding_window,
-            compress_rate=compress_rate,
-            calibration_shrinkage=calibration_shrinkage,
-            refine_epochs=refine_epochs,
-            refine_lr=refine_lr,
-            latent_norm=latent_norm,
-            rope_rotation=rope_rotation,
-            target=target,
-            stock_construction=stock_construction,
-            export_tolerance=export_tolerance,
-            export_kl_tolerance=export_kl_tolerance,
-            accept_export_error=accept_export_error,
-        )
-    )
+    return execute(plan_conversion(model, out, options))
 
 
 EXECUTORS = ("auto", "layerwise", "whole")
@@ -181,7 +113,7 @@ def execute(plan: ConvertPlan, executor: str = "auto") -> dict[str, Any]:
     one walk, one kv_source layer's calibration latents held at a time). Both executors write the same
     files (tensors bit for bit) and the same record apart from timings."""
     if executor not in EXECUTORS:
-        raise ValueError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}")
+        raise ConfigError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}")
     calib = None if plan.calibration is None else calibration_ids(plan.source, plan.calibration, plan.source_config.vocab_size)
     if executor == "whole":
         return execute_whole(plan, calib)
@@ -250,7 +182,7 @@ def graft(
         return converted, None, refinement or None
 
     if calib is None:  # ConvertPlan refuses this; said again for the type checker
-        raise ValueError("the share graft needs calibration tokens")
+        raise ConfigError("the share graft needs calibration tokens")
     if plan.mla is not None:
         plan.ced.check_against(converted.config)
     ced, report = graft_ced(converted, plan.ced, calib, progress=plan.progress)

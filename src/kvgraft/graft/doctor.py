@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvgraft.checks import check_int
+from kvgraft.errors import ConfigError
 from kvgraft.graft.mla import GraftConfig, mla_model_config
 from kvgraft.graft.ranks import default_ranks
 from kvgraft.hf.engines import EngineSupport, engine_support, format_engine_table
@@ -68,11 +70,11 @@ def kv_cache_table(
     when the cache grows; None when ``before`` is 0).
     """
     if bytes_per_token_before < 0 or bytes_per_token_after < 0:
-        raise ValueError(f"bytes per token must be >= 0, got {bytes_per_token_before} before and {bytes_per_token_after} after")
+        raise ConfigError(f"bytes per token must be >= 0, got {bytes_per_token_before} before and {bytes_per_token_after} after")
     rows = []
     for tokens in contexts:
         if int(tokens) != tokens or tokens <= 0:
-            raise ValueError(f"context lengths must be positive integers, got {tokens!r}")
+            raise ConfigError(f"context lengths must be positive integers, got {tokens!r}")
         tokens = int(tokens)
         before = bytes_per_token_before * tokens
         after = bytes_per_token_after * tokens
@@ -341,9 +343,8 @@ def _load(model: str | os.PathLike[str] | ModelConfig | None) -> tuple[ModelConf
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
-    return value
+    check_int(name, value, low=1)
+    return int(value)
 
 
 # check_against's messages -> the blocker code doctor gives the same problem
@@ -438,7 +439,7 @@ def doctor(
 
     formats = ("kvgraft", "deepseek_v3", "both")  # kvgraft.graft.convert.FORMATS (not imported: it needs torch)
     if output_format not in formats:
-        raise ValueError(f"format {output_format!r} is not one of {', '.join(formats)}")
+        raise ConfigError(f"format {output_format!r} is not one of {', '.join(formats)}")
     config, source, model_type = _load(model)
     dtype_bytes = _positive_int("dtype_bytes", dtype_bytes)
     ranks = default_ranks(

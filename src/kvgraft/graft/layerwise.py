@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from kvgraft.errors import ConfigError
 from kvgraft.graft.mla import TAIL_ROWS, GraftConfig, LayerGraft, _run_block, _shared_pairs, layer_postfix, rope_tables
 from kvgraft.graft.plan import ConvertPlan
 from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output
@@ -146,7 +147,7 @@ def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None, walk: Walk 
     config = plan.source_config
     if walk is None:
         if plan.mla is None or plan.to != "mla":
-            raise ValueError("the MLA graft's walk converts --to mla only (--to ced: kvgraft.graft.ced_layerwise)")
+            raise ConfigError("the MLA graft's walk converts --to mla only (--to ced: kvgraft.graft.ced_layerwise)")
         walk = _mla_walk
 
     weights_file = plan.source / (WEIGHTS if (plan.source / WEIGHTS).is_file() else WEIGHTS_INDEX)

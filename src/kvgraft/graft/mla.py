@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from kvgraft.checks import check_number
+from kvgraft.errors import ConfigError
 from kvgraft.graft.mla_math import (
     ROPE_ROTATIONS,
     GQAWeights,
@@ -95,44 +97,42 @@ class GraftConfig:
     def __post_init__(self) -> None:
         RefineConfig(epochs=self.refine_epochs, lr=self.refine_lr)  # validates both
         if self.kv_lora_rank <= 0:
-            raise ValueError(f"kv_lora_rank ({self.kv_lora_rank}) must be a positive integer")
+            raise ConfigError(f"kv_lora_rank ({self.kv_lora_rank}) must be a positive integer")
         if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be a positive even integer")
+            raise ConfigError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be a positive even integer")
         if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
+            raise ConfigError(f"objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
         if self.rope_selection not in ROPE_SELECTIONS:
-            raise ValueError(f"rope_selection {self.rope_selection!r} is not one of {', '.join(ROPE_SELECTIONS)}")
+            raise ConfigError(f"rope_selection {self.rope_selection!r} is not one of {', '.join(ROPE_SELECTIONS)}")
         if self.rope_rotation not in ROPE_ROTATIONS:
-            raise ValueError(f"rope_rotation {self.rope_rotation!r} is not one of {', '.join(ROPE_ROTATIONS)}")
+            raise ConfigError(f"rope_rotation {self.rope_rotation!r} is not one of {', '.join(ROPE_ROTATIONS)}")
         if self.qk_norm not in QK_NORMS:
-            raise ValueError(f"qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
-        s = self.calibration_shrinkage
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
-            raise ValueError(f"calibration_shrinkage ({s!r}) must be a number in [0, 1]")
+            raise ConfigError(f"qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
+        check_number("calibration_shrinkage", self.calibration_shrinkage, low=0, high=1)
 
     def check_against(self, config: ModelConfig) -> None:
         """Raise ValueError naming the value when this graft cannot apply to ``config``."""
         layers = self.layers if self.layers is not None else tuple(range(config.num_layers))
         bad = [layer for layer in layers if not 0 <= layer < config.num_layers]
         if bad:
-            raise ValueError(f"layers {bad} out of range for a {config.num_layers}-layer model")
+            raise ConfigError(f"layers {bad} out of range for a {config.num_layers}-layer model")
         kinds, head_dim = known(config.attention_kinds, "attention_kinds"), known(config.head_dim, "head_dim")
         if any(kinds[layer] != "gqa" for layer in layers):
-            raise ValueError("only GQA/MHA layers can be grafted; some chosen layers are already MLA")
+            raise ConfigError("only GQA/MHA layers can be grafted; some chosen layers are already MLA")
         full_rope = config.num_kv_heads * head_dim
         if self.qk_rope_head_dim > full_rope:
-            raise ValueError(
+            raise ConfigError(
                 f"qk_rope_head_dim ({self.qk_rope_head_dim}) exceeds the model's RoPE key width "
                 f"num_kv_heads x head_dim = {full_rope}"
             )
         if self.kv_lora_rank > 2 * config.num_kv_heads * head_dim:
-            raise ValueError(
+            raise ConfigError(
                 f"kv_lora_rank ({self.kv_lora_rank}) exceeds the model's KV width 2 x num_kv_heads x head_dim = {config.kv_width}"
             )
         if config.num_slots != config.num_layers:
-            raise ValueError("models with cross-layer KV sharing cannot be grafted")
+            raise ConfigError("models with cross-layer KV sharing cannot be grafted")
         if config.qk_norm and self.qk_norm == "linearise" and len(set(layers)) != config.num_layers:
-            raise ValueError(
+            raise ConfigError(
                 "qk_norm 'linearise' removes the q/k norms from the whole model, so every layer must be converted (layers=None)"
             )
 
@@ -205,7 +205,7 @@ class LayerGraft:
     ) -> None:
         g.check_against(config)
         if g.objective != "weights" and hidden is None:
-            raise ValueError(f"objective {g.objective!r} needs calibration tokens (or use objective='weights')")
+            raise ConfigError(f"objective {g.objective!r} needs calibration tokens (or use objective='weights')")
         self.config, self.g, self.rotary, self.batch_size = config, g, rotary, batch_size
         self.clock = clock if clock is not None else {}
         self.refined: dict[int, RefineResult] = {}
@@ -479,7 +479,7 @@ def _shared_pairs(
     activations, then one frequency layout for all (``shared_rope_pairs``). ``block_at(layer)``: the original
     block (a model's, or one read from a checkpoint), asked for once per layer in order."""
     if calibration is None:
-        raise ValueError("rope selection 'shared' needs calibration text")
+        raise ConfigError("rope selection 'shared' needs calibration text")
     device = embed_weight.device
     calibration = calibration.to(device)
     x = torch.nn.functional.embedding(calibration, embed_weight).float()
@@ -574,7 +574,7 @@ def _linearised(block: Block, which: str, x: torch.Tensor | None, C: torch.Tenso
         n += a.shape[0]
     R = (R / n).cpu()
     if C is None:
-        raise ValueError("the least-squares fit of the q/k norm needs the inputs' second moment C with x")
+        raise ConfigError("the least-squares fit of the q/k norm needs the inputs' second moment C with x")
     ridge = 1e-6 * torch.diagonal(C).mean()
     fit: torch.Tensor = torch.linalg.solve(C + ridge * torch.eye(h, dtype=C.dtype), R.T).T
     return fit

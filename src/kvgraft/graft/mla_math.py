@@ -28,6 +28,8 @@ from typing import cast
 
 import torch
 
+from kvgraft.errors import ConfigError
+
 Tensor = torch.Tensor
 
 
@@ -84,7 +86,7 @@ def head_rotations(
     real and positive (one KV head: U_f = 1, the real rotation).
     """
     if rotation not in ROPE_ROTATIONS:
-        raise ValueError(f"rotation {rotation!r} is not one of {', '.join(ROPE_ROTATIONS)}")
+        raise ConfigError(f"rotation {rotation!r} is not one of {', '.join(ROPE_ROTATIONS)}")
     K = num_kv_heads
     if w_kC is None:
         w_kC = w_k @ C
@@ -188,23 +190,23 @@ def choose_rope_pairs(kind: str, d_rope: int, num_kv_heads: int, d: int, scores:
     n = d_rope // 2
     if kind == "stride":
         if d_rope > d or d % d_rope:
-            raise ValueError(f"rope selection 'stride' needs d_rope ({d_rope}) to divide head_dim ({d})")
+            raise ConfigError(f"rope selection 'stride' needs d_rope ({d_rope}) to divide head_dim ({d})")
         return [(0, f) for f in range(0, d // 2, d // d_rope)]
     if kind == "prefix":
         # the principal rotated head at the d_rope/2 fastest frequencies: pair j rotates at theta^(-2j/d), which
         # stock DeepSeek-V3 computes as theta'^(-2j/d_rope) with rope_theta' = theta^(d_rope/d) (default RoPE)
         if d_rope > d:
-            raise ValueError(f"rope selection 'prefix' needs d_rope ({d_rope}) <= head_dim ({d})")
+            raise ConfigError(f"rope selection 'prefix' needs d_rope ({d_rope}) <= head_dim ({d})")
         return [(0, f) for f in range(n)]
     if kind == "norm":
         if scores is None:
-            raise ValueError("rope selection 'norm' needs pair scores")
+            raise ConfigError("rope selection 'norm' needs pair scores")
         if n > num_kv_heads * d // 2:
-            raise ValueError(f"d_rope ({d_rope}) exceeds the model's total RoPE width ({num_kv_heads * d})")
+            raise ConfigError(f"d_rope ({d_rope}) exceeds the model's total RoPE width ({num_kv_heads * d})")
         flat = scores.flatten().argsort(descending=True)[:n]
         pairs = [(int(i) // (d // 2), int(i) % (d // 2)) for i in flat]
         return sorted(pairs, key=lambda p: (p[1], p[0]))
-    raise ValueError(f"unknown rope selection {kind!r}; expected 'stride', 'prefix' or 'norm'")
+    raise ConfigError(f"unknown rope selection {kind!r}; expected 'stride', 'prefix' or 'norm'")
 
 
 def shared_rope_pairs(scores: list[Tensor], d_rope: int) -> list[list[tuple[int, int]]]:
@@ -220,7 +222,7 @@ def shared_rope_pairs(scores: list[Tensor], d_rope: int) -> list[list[tuple[int,
     ranked = [torch.sort(sc / sc.sum().clamp_min(1e-30), dim=0, descending=True) for sc in scores]
     K, half = scores[0].shape
     if n > K * half:
-        raise ValueError(f"d_rope ({d_rope}) exceeds the model's total RoPE width ({2 * K * half})")
+        raise ConfigError(f"d_rope ({d_rope}) exceeds the model's total RoPE width ({2 * K * half})")
     value = cast(Tensor, sum(r.values for r in ranked))  # (K ranks, d/2)
     flat = value.flatten().argsort(descending=True)[:n]
     slots = sorted((int(i) % half, int(i) // half) for i in flat)  # (f, rank), by frequency then rank
@@ -301,10 +303,10 @@ def convert_layer(
     if q_norm_weight is not None:
         q_norm_weight = q_norm_weight.to(dev)
     if objective not in ("weights", "activations", "attention"):
-        raise ValueError(f"unknown objective {objective!r}; expected weights, activations or attention")
+        raise ConfigError(f"unknown objective {objective!r}; expected weights, activations or attention")
     if objective == "weights" or C is None:
         if objective != "weights":
-            raise ValueError(f"objective {objective!r} needs calibration statistics")
+            raise ConfigError(f"objective {objective!r} needs calibration statistics")
         C = torch.eye(h, dtype=dtype, device=dev)
     identity_C = objective == "weights"
     C = C.to(device=dev, dtype=dtype)

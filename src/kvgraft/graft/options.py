@@ -1,4 +1,4 @@
-"""The options of ``kvgraft convert``: one declaration for ``convert()``, ``plan_conversion()`` and the CLI.
+"""The options of ``kvgraft convert``: one declaration, the object ``convert()`` and ``plan_conversion()`` take and the CLI builds.
 
 :class:`ConvertOptions` is what a caller asks for, as given (None where a rule decides later). Each field
 carries its command-line form (:class:`CliOption`: flag, type, choices, help) in its metadata, so the
@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvgraft.checks import check_int, check_number
+from kvgraft.errors import ConfigError
 
 FORMATS = ("kvgraft", "deepseek_v3", "both")
 TARGETS = ("mla", "ced")
@@ -244,21 +246,21 @@ class ConvertOptions:
         """The checks that need neither the model nor a device, in ``convert``'s order."""
         target, output_format, to = self.target, self.resolved_format, self.to
         if target is not None and target not in SERVE_TARGETS:
-            raise ValueError(f"target {target!r} is not one of {', '.join(SERVE_TARGETS)} (or None)")
+            raise ConfigError(f"target {target!r} is not one of {', '.join(SERVE_TARGETS)} (or None)")
         if self.stock_construction not in STOCK_CONSTRUCTIONS:
-            raise ValueError(f"stock_construction {self.stock_construction!r} is not one of {', '.join(STOCK_CONSTRUCTIONS)}")
+            raise ConfigError(f"stock_construction {self.stock_construction!r} is not one of {', '.join(STOCK_CONSTRUCTIONS)}")
         if target is not None:
             if output_format not in ("deepseek_v3", "both"):
-                raise ValueError(
+                raise ConfigError(
                     f"target {target!r} serves the stock DeepSeek-V3 export; format {output_format!r} "
                     "writes none (use --format deepseek_v3 or both)"
                 )
             if to != "mla":
-                raise ValueError(
+                raise ConfigError(
                     f"target {target!r} needs --to mla (vLLM runs the causal encoder-decoder only through kvgraft's own engine)"
                 )
             if self.stock_construction != "engines":
-                raise ValueError(
+                raise ConfigError(
                     f"target {target!r} needs stock_construction 'engines': vLLM loads no attention "
                     "bias, so the 'transformers' construction would silently serve another model"
                 )
@@ -271,51 +273,46 @@ class ConvertOptions:
                 ("qk_rope_head_dim", self.qk_rope_head_dim, want_r),
             ):
                 if value is not None and value != want:
-                    raise ValueError(
+                    raise ConfigError(
                         f"target {target!r} sets {name} to {want} (vLLM's CPU backends and "
                         f"FlashMLA-class kernels cache d_c + d_rope = 512 + 64); got {value}: drop it "
                         "or drop --target"
                     )
             if self.compression is not None:
-                raise ValueError(
+                raise ConfigError(
                     f"target {target!r} fixes the ranks at {want_c} + {want_r}; --compression "
                     f"{self.compression} contradicts it: drop one"
                 )
         if output_format not in FORMATS:
-            raise ValueError(f"format {output_format!r} is not one of {', '.join(FORMATS)}")
+            raise ConfigError(f"format {output_format!r} is not one of {', '.join(FORMATS)}")
         if to not in TARGETS:
-            raise ValueError(f"target {to!r} is not one of {', '.join(TARGETS)}")
+            raise ConfigError(f"target {to!r} is not one of {', '.join(TARGETS)}")
         if to == "ced":
             if output_format != "kvgraft":
-                raise ValueError(f"a causal encoder-decoder is written in kvgraft's format only, not {output_format!r}")
+                raise ConfigError(f"a causal encoder-decoder is written in kvgraft's format only, not {output_format!r}")
             if self.rope_selection == "norm":
-                raise ValueError(
+                raise ConfigError(
                     "rope_selection 'norm' picks frequencies per layer; the shared RoPE keys of --to ced "
                     "need one layout ('shared', 'stride' or 'auto')"
                 )
             if self.objective == "weights":
-                raise ValueError("--to ced fits the readers on calibration text; objective 'weights' has none")
+                raise ConfigError("--to ced fits the readers on calibration text; objective 'weights' has none")
             if self.latent_norm:
-                raise ValueError(
+                raise ConfigError(
                     "--latent-norm: the share graft (--to ced) folds the latent into window keys and takes no latent norm"
                 )
             for name in ("sliding_window", "compress_rate"):
-                _check_positive_int(name, getattr(self, name))
+                check_int(name, getattr(self, name), low=1)
         for name in ("calibration_tokens", "calibration_seq_len"):
-            _check_positive_int(name, getattr(self, name))
-        if self.refine_epochs is not None and (
-            isinstance(self.refine_epochs, bool) or not isinstance(self.refine_epochs, int) or self.refine_epochs < 0
-        ):
-            raise ValueError(f"refine_epochs ({self.refine_epochs!r}) must be a non-negative integer (0: no refinement)")
-        lr = self.refine_lr
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"refine_lr ({lr!r}) must be a positive finite number")
+            check_int(name, getattr(self, name), low=1)
+        check_int("refine_epochs", self.refine_epochs, low=0, optional=True, accepted="a non-negative integer (0: no refinement)")
+        check_number("refine_lr", self.refine_lr, positive=True)
         if self.refine_epochs and self.objective == "weights":
-            raise ValueError("--refine-epochs trains on calibration text; objective 'weights' reads none")
+            raise ConfigError("--refine-epochs trains on calibration text; objective 'weights' reads none")
         _check_tolerance("export_tolerance", self.export_tolerance, "a relative perplexity difference, e.g. 0.1 for 10%")
         _check_tolerance("export_kl_tolerance", self.export_kl_tolerance, "a mean KL in nats per token, e.g. 0.1")
         if self.accept_export_error and not self.stock:
-            raise ValueError(
+            raise ConfigError(
                 f"accept_export_error applies to the stock DeepSeek-V3 export; format {output_format!r} writes none "
                 "(use --format deepseek_v3 or both, or drop --accept-export-error)"
             )
@@ -345,14 +342,8 @@ class ConvertOptions:
         return out
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
-
-
 def _check_tolerance(name: str, value: object, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} ({value!r}) must be a positive finite number ({what})")
+    check_number(name, value, positive=True, accepted=f"a positive finite number ({what})")
 
 
 def cli_options() -> list[tuple[dataclasses.Field[Any], CliOption]]:
@@ -386,7 +377,7 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_cli(args: argparse.Namespace) -> dict[str, Any]:
-    """``convert()``'s keyword arguments from parsed ``kvgraft convert`` arguments (lists as tuples)."""
+    """``ConvertOptions``' fields from parsed ``kvgraft convert`` arguments (lists as tuples)."""
     out: dict[str, Any] = {}
     for f, cli in cli_options():
         value = getattr(args, cli.dest)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft.checks import check_device, check_writable
-from kvgraft.errors import UnsupportedModelError
+from kvgraft.errors import ConfigError, UnsupportedModelError
 from kvgraft.graft.calibration import CalibrationPlan, plan_calibration
 from kvgraft.graft.ced import CEDGraftConfig, default_kv_sources
 from kvgraft.graft.mla import GraftConfig, mla_model_config
@@ -73,26 +73,26 @@ class ConvertPlan:
     def __post_init__(self) -> None:
         o, config = self.options, self.source_config
         if self.output_format != o.resolved_format:
-            raise ValueError(f"output_format {self.output_format!r} is not the options' {o.resolved_format!r}")
+            raise ConfigError(f"output_format {self.output_format!r} is not the options' {o.resolved_format!r}")
         if (self.ced is not None) != (o.to == "ced"):
-            raise ValueError(f"to {o.to!r} {'needs' if o.to == 'ced' else 'takes no'} share graft (ced)")
+            raise ConfigError(f"to {o.to!r} {'needs' if o.to == 'ced' else 'takes no'} share graft (ced)")
         if self.mla is None:
             if o.to != "ced" or set(known(config.attention_kinds, "attention_kinds")) != {"mla"}:
-                raise ValueError("only --to ced of an all-MLA model skips the MLA graft (mla None)")
+                raise ConfigError("only --to ced of an all-MLA model skips the MLA graft (mla None)")
         else:
             if (self.mla.kv_lora_rank, self.mla.qk_rope_head_dim) != (self.kv_lora_rank, self.qk_rope_head_dim):
-                raise ValueError(
+                raise ConfigError(
                     f"the MLA graft's ranks ({self.mla.kv_lora_rank}, {self.mla.qk_rope_head_dim}) are "
                     f"not the plan's ({self.kv_lora_rank}, {self.qk_rope_head_dim})"
                 )
             if self.stock and self.mla.rope_selection not in STOCK_LAYOUTS:
-                raise ValueError(f"rope selection {self.mla.rope_selection!r} cannot be exported to stock DeepSeek-V3")
+                raise ConfigError(f"rope selection {self.mla.rope_selection!r} cannot be exported to stock DeepSeek-V3")
             self.mla.check_against(config)
         if o.target is not None:
             if (self.kv_lora_rank, self.qk_rope_head_dim) != VLLM_PREFERRED:
-                raise ValueError(f"target {o.target!r} needs d_c + d_rope = {VLLM_PREFERRED[0]} + {VLLM_PREFERRED[1]}")
+                raise ConfigError(f"target {o.target!r} needs d_c + d_rope = {VLLM_PREFERRED[0]} + {VLLM_PREFERRED[1]}")
         if (self.calibration is None) != (o.objective == "weights"):
-            raise ValueError(f"objective {o.objective!r} {'takes no' if o.objective == 'weights' else 'needs'} calibration")
+            raise ConfigError(f"objective {o.objective!r} {'takes no' if o.objective == 'weights' else 'needs'} calibration")
         if self.ced is not None:
             self.ced.check_against(self.predicted_config())
 
@@ -172,15 +172,14 @@ def _predicted_config(config: ModelConfig, graft: GraftConfig) -> ModelConfig:
 DEFAULT_NORM_REFINE_EPOCHS = 4  # refinement epochs when the graft has its own latent norm and none are asked for
 
 
-def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -> ConvertPlan:
+def plan_conversion(model: str | Path | None, out: str | Path, options: ConvertOptions | None = None) -> ConvertPlan:
     """Check everything and decide everything for converting ``model`` to ``out``; load no weights.
 
-    ``options``: ``convert()``'s keyword arguments (``ConvertOptions``' fields; an unknown name is a
-    TypeError). Reads the source's ``config.json``, its tokenizer (when it has one) and the calibration
+    ``options``: what ``convert`` is asked to do (None: ``ConvertOptions()``, the defaults). Reads the source's ``config.json``, its tokenizer (when it has one) and the calibration
     tokens (``kvgraft.graft.calibration``), probes ``out`` for writing and checks the device. Raises what
     ``convert`` raises for a bad argument, before any work."""
 
-    o = ConvertOptions(**options)  # the checks that need no model
+    o = ConvertOptions() if options is None else options  # checked when built: the checks that need no model
     output_format, stock, to = o.resolved_format, o.stock, o.to
     check_device(o.device)
     src = resolve_model(model)
@@ -204,17 +203,17 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
     if o.target is not None:
         problem = vllm_shape_problem(config.kv_width, hd)
         if problem:
-            raise ValueError(f"--target {o.target}: {problem}")
+            raise ConfigError(f"--target {o.target}: {problem}")
         problem = vllm_rope_problem(config.rope.rope_type)
         if problem:
-            raise ValueError(
+            raise ConfigError(
                 f"--target {o.target}: {problem}; --format deepseek_v3 without --target writes the "
                 "export exactly for transformers (with this warning)"
             )
         kv_lora_rank, qk_rope_head_dim = VLLM_PREFERRED
     seq_len = min(o.calibration_seq_len, config.max_position_embeddings)
     if o.calibration_tokens < seq_len and o.objective != "weights":
-        raise ValueError(
+        raise ConfigError(
             f"calibration_tokens ({o.calibration_tokens}) must be at least one calibration sequence ({seq_len} tokens)"
         )
     already_mla = to == "ced" and set(known(config.attention_kinds, "attention_kinds")) == {"mla"}  # skip MLA step
@@ -250,14 +249,14 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
     if rope_selection == "auto":  # the best measured ("norm") unless a stock export needs one of its layouts
         rope_selection = STOCK_ROPE_SELECTION if stock else "shared" if to == "ced" else "norm"
     if stock and rope_selection not in STOCK_LAYOUTS:
-        raise ValueError(
+        raise ConfigError(
             f"rope selection {rope_selection!r} cannot be exported to stock DeepSeek-V3 (--format {output_format}): "
             "its one shared RoPE key rotates each frequency once, in every layer, at theta'^(-2j/d_rope); use "
             "--rope-selection prefix or stride (or auto), or --format kvgraft"
         )
     note = " " + _STOCK_HEAD_NOTE.format(heads=config.num_kv_heads, head_dim=hd)
     if rope_selection == "prefix" and d_rope > hd:
-        raise ValueError(
+        raise ConfigError(
             f"rope selection 'prefix' needs d_rope ({d_rope}) <= head_dim ({hd}): it keeps "
             f"one rotated head at the d_rope/2 fastest frequencies; pass --rope-dim with an even value <= "
             f"{hd} or leave it to the default rule{note if stock else ''}"
@@ -280,7 +279,7 @@ def plan_conversion(model: str | Path | None, out: str | Path, **options: Any) -
     )
     if rope_selection == "stride" and (d_rope > hd or hd % d_rope):
         divisors = [v for v in range(2, hd + 1, 2) if hd % v == 0]
-        raise ValueError(
+        raise ConfigError(
             f"rope selection 'stride' needs d_rope ({d_rope}) to divide head_dim ({hd}); "
             f"pass --rope-dim with one of {divisors} or leave it to the default rule"
             f"{note if stock and d_rope > hd else ''}"

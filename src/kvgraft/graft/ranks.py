@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
-from kvgraft.errors import UnsupportedModelError
+from kvgraft.checks import check_int, is_number
+from kvgraft.errors import ConfigError, UnsupportedModelError
 from kvgraft.hf.deepseek import stock_rope_parameters
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.fields import known
@@ -60,17 +62,16 @@ class Ranks:
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
-    return value
+    check_int(name, value, low=1)
+    return cast(int, value)  # an int: checked above
 
 
 def check_compression(compression: object) -> float:
     """``compression`` as a float > 1, or ValueError naming the value (0, negative, NaN, inf, not a number)."""
-    if isinstance(compression, bool) or not isinstance(compression, (int, float)):
-        raise ValueError(f"compression ({compression!r}) must be a number > 1 (original bytes / converted bytes)")
+    if not is_number(compression):
+        raise ConfigError(f"compression ({compression!r}) must be a number > 1 (original bytes / converted bytes)")
     if not math.isfinite(compression) or compression <= 1:
-        raise ValueError(f"compression ({compression}) must be a finite number > 1 (original bytes / converted bytes per token)")
+        raise ConfigError(f"compression ({compression}) must be a finite number > 1 (original bytes / converted bytes per token)")
     return float(compression)
 
 
@@ -78,7 +79,7 @@ def stock_rope_problem(config: ModelConfig, d_rope: int, layout: str = STOCK_ROP
     """Why a stock DeepSeek-V3 export in ``layout`` ("stride" or "prefix") cannot carry ``config``'s RoPE at this
     d_rope (None: it can)."""
     if layout not in STOCK_LAYOUTS:
-        raise ValueError(f"stock layout {layout!r} is not one of {', '.join(STOCK_LAYOUTS)}")
+        raise ConfigError(f"stock layout {layout!r} is not one of {', '.join(STOCK_LAYOUTS)}")
     hd = known(config.head_dim, "head_dim")
     if layout == "stride" and (d_rope > hd or hd % d_rope or d_rope % 2):
         return (
@@ -132,7 +133,7 @@ def default_ranks(
     if kv_lora_rank is not None:
         _positive_int("kv_lora_rank", kv_lora_rank)
         if compression is not None:
-            raise ValueError(
+            raise ConfigError(
                 f"give the budget once: compression ({compression}) or kv_lora_rank ({kv_lora_rank}), "
                 "not both (--compression sets d_c from the KV width)"
             )
@@ -149,7 +150,7 @@ def default_ranks(
         if qk_rope_head_dim is not None:
             d_c = budget - qk_rope_head_dim
             if d_c <= 0:
-                raise ValueError(
+                raise ConfigError(
                     f"compression {compression:g}x leaves {budget} cached values per layer (KV width {width} / "
                     f"{compression:g}), not enough for qk_rope_head_dim ({qk_rope_head_dim}) plus a latent; "
                     "lower the compression or the RoPE width"
@@ -159,7 +160,7 @@ def default_ranks(
             )
             return Ranks(d_c, qk_rope_head_dim, budget, tuple(how))
         if budget < 3:
-            raise ValueError(
+            raise ConfigError(
                 f"compression {compression:g}x leaves {budget} cached values per layer (KV width {width} / "
                 f"{compression:g}): MLA needs at least 3 (one RoPE pair plus a latent); lower the compression"
             )
@@ -173,7 +174,7 @@ def default_ranks(
         cap = min(ROPE_CAP, hd, kv_lora_rank, _half_head(hd))
         what = f"min(64, head_dim {hd}, d_c {kv_lora_rank}, max(32, head_dim/2) = {_half_head(hd)})"
     if stock_layout not in STOCK_LAYOUTS:
-        raise ValueError(f"stock layout {stock_layout!r} is not one of {', '.join(STOCK_LAYOUTS)}")
+        raise ConfigError(f"stock layout {stock_layout!r} is not one of {', '.join(STOCK_LAYOUTS)}")
     allowed = _allowed(config, stock, stock_layout)
     kind = (
         "even divisor of head_dim that stock DeepSeek-V3 can rotate"
@@ -205,7 +206,7 @@ def default_ranks(
             reason = "; stock DeepSeek-V3 export: " + (
                 stock_rope_problem(config, hd, stock_layout) or "no even divisor of head_dim fits"
             )
-        raise ValueError(
+        raise ConfigError(
             f"no RoPE width fits: compression leaves {budget} cached values per layer{reason}; {fix}, or export "
             "kvgraft's own format (--format kvgraft)"
         )

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvgraft.errors import ConfigError
 from kvgraft.graft.plan import ConvertPlan
 from kvgraft.model import ModelConfig, Transformer
 
@@ -53,7 +54,7 @@ class TailFigures:
 
     def add(self, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
         if i != self.seen:
-            raise ValueError(f"tail sequence {i} added out of order (expected {self.seen})")
+            raise ConfigError(f"tail sequence {i} added out of order (expected {self.seen})")
         self.seen += 1
         target = self.ids[i, 1:]
         T = a.shape[1]
@@ -71,7 +72,7 @@ class TailFigures:
     def record(self) -> dict[str, Any]:
         n, T = self.ids.shape
         if self.seen != n:
-            raise ValueError(f"{self.seen} of the tail's {n} sequences were added")
+            raise ConfigError(f"{self.seen} of the tail's {n} sequences were added")
         count = n * (T - 1)
         ppl = [math.exp(nll / count) if count else float("nan") for nll in self.nll]
         return {

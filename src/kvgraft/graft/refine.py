@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgraft.checks import check_int, check_number
+from kvgraft.errors import ConfigError
 from kvgraft.model.batch import DenseContext
 from kvgraft.model.transformer import Block
 
@@ -42,12 +44,8 @@ class RefineConfig:
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_sequences", "warmup", "holdout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "batch_sequences" else 0):
-                raise ValueError(
-                    f"refine {name} ({value!r}) must be a {'positive' if name == 'batch_sequences' else 'non-negative'} integer"
-                )
-        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"refine lr ({self.lr!r}) must be a positive finite number")
+            check_int(f"refine {name}", value, low=1 if name == "batch_sequences" else 0)
+        check_number("refine lr", self.lr, positive=True)
 
 
 @dataclass(frozen=True)
@@ -113,7 +111,7 @@ def refine_attention(
     (N, T, head_dim) the RoPE tables. The blocks share their norms and MLP; only the converted attention's
     parameters change."""
     if x_orig.shape != x_new.shape:
-        raise ValueError(f"x_orig {tuple(x_orig.shape)} and x_new {tuple(x_new.shape)} differ")
+        raise ConfigError(f"x_orig {tuple(x_orig.shape)} and x_new {tuple(x_new.shape)} differ")
     n = x_orig.shape[0]
     hold = min(cfg.holdout, n - 1) if n > 1 else 0
     train_n = n - hold

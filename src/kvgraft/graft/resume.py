@@ -36,6 +36,7 @@ import torch
 
 from kvgraft import __version__
 from kvgraft.atomic import atomic_write_json
+from kvgraft.errors import KvgraftError
 from kvgraft.graft.plan import ConvertPlan
 from kvgraft.graft.staging import check_staging, staging_path
 from kvgraft.hf.load import _shard_files
@@ -47,7 +48,7 @@ FORMAT = 1  # of state.json; a different one is not resumed
 NOT_COMPARED = ("out", "progress", "overwrite", "export_tolerance", "export_kl_tolerance", "accept_export_error")
 
 
-class ResumeError(ValueError):
+class ResumeError(KvgraftError, ValueError):
     """A staging directory that cannot be continued (another source, other options, damaged state)."""
 
 

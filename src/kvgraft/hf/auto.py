@@ -33,6 +33,7 @@ from transformers import (
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from kvgraft.errors import ConfigError
 from kvgraft.hf.config_map import KVGRAFT_MODEL_TYPE, _kvgraft_config, kvgraft_config_dict
 from kvgraft.hf.continuous import continuous_hidden, guard_request_length, is_continuous_batching_call, kvgraft_cb_config
 from kvgraft.model.batch import BatchContext
@@ -98,7 +99,7 @@ class KvgraftConfig(PreTrainedConfig):
     def model_config(self) -> ModelConfig:
         """The kvgraft ModelConfig this config carries."""
         if self.kvgraft is None:
-            raise ValueError(
+            raise ConfigError(
                 "KvgraftConfig has no 'kvgraft' ModelConfig; build it with KvgraftConfig.from_model_config(cfg) "
                 "or load a kvgraft checkpoint directory"
             )
@@ -185,14 +186,14 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         # or transformers' continuous-batching arguments (a PagedAttentionCache as `cache`, cu_seq_lens_q, ...)
     ) -> CausalLMOutputWithPast | tuple:
         if inputs_embeds is not None or input_ids is None:
-            raise ValueError("KvgraftForCausalLM needs input_ids; inputs_embeds is not supported")
+            raise ConfigError("KvgraftForCausalLM needs input_ids; inputs_embeds is not supported")
         if is_continuous_batching_call(kwargs):  # transformers' paged path: rows packed on one axis
             hidden = continuous_hidden(self, self.model, input_ids, dict(kwargs, position_ids=position_ids))
             logits = self.lm_head(_keep(hidden, logits_to_keep))
             out = CausalLMOutputWithPast(logits=logits)
             return out if (return_dict if return_dict is not None else self.config.return_dict) else out.to_tuple()
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            raise ConfigError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
         if attention_mask is not None and not bool(attention_mask.all()):
             logits = _keep(self._padded_logits(input_ids, attention_mask.bool()), logits_to_keep)
         else:
@@ -210,7 +211,7 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
 
         lens = keep.sum(dim=1).tolist()
         if min(lens) == 0:
-            raise ValueError("attention_mask has a row with no tokens")
+            raise ConfigError("attention_mask has a row with no tokens")
         cfg = self.config.model_config
         bs = default_block_size(cfg)
         cache = PagedKVCache(
@@ -241,20 +242,20 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         (else eos) after a row stops; decoded by kvgraft's engine (``kvgraft.runtime.engine``)."""
 
         if input_ids is None or input_ids.dim() != 2:
-            raise ValueError("generate needs input_ids of shape (batch, length)")
+            raise ConfigError("generate needs input_ids of shape (batch, length)")
         gc = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
         unused = gc.update(**kwargs)
         unused = {k: v for k, v in unused.items() if v is not None and k not in ("use_cache", "return_dict")}
         if unused:
-            raise ValueError(f"KvgraftForCausalLM.generate does not support {sorted(unused)}")
+            raise ConfigError(f"KvgraftForCausalLM.generate does not support {sorted(unused)}")
         for name, ok in (("num_beams", 1), ("num_return_sequences", 1)):
             if (getattr(gc, name, None) or 1) != ok:
-                raise ValueError(f"KvgraftForCausalLM.generate supports {name}=1 only, got {getattr(gc, name)}")
+                raise ConfigError(f"KvgraftForCausalLM.generate supports {name}=1 only, got {getattr(gc, name)}")
         B, T = input_ids.shape
         keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         prompts = [input_ids[r][keep[r]].tolist() for r in range(B)]
         if any(not p for p in prompts):
-            raise ValueError("attention_mask has a row with no tokens")
+            raise ConfigError("attention_mask has a row with no tokens")
         max_new = gc.max_new_tokens if gc.max_new_tokens is not None else max(0, (gc.max_length or T) - T)
         eos = gc.eos_token_id
         eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
@@ -277,7 +278,7 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         bs = default_block_size(self.config.model_config)
         routes = _peft_adapter_names(self)  # PeftModel.generate(..., adapter_names=[...]): a mixed batch
         if routes is not None and len(routes) != B:
-            raise ValueError(f"adapter_names has {len(routes)} entries for {B} rows")
+            raise ConfigError(f"adapter_names has {len(routes)} entries for {B} rows")
         with _eval_mode(self):
             engine = Engine(
                 self.to_kvgraft(),
@@ -329,7 +330,7 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
 
         gen = generation_config if generation_config is not None else self.generation_config
         if (getattr(gen, "num_return_sequences", None) or 1) != 1:
-            raise ValueError(
+            raise ConfigError(
                 "KvgraftForCausalLM under continuous batching supports num_return_sequences=1 only "
                 "(a forked request would start mid-sequence with no kvgraft state)"
             )

@@ -54,6 +54,7 @@ from torch import nn
 from transformers import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
+from kvgraft.errors import ConfigError
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache, default_block_size
 from kvgraft.model.config import ModelConfig
@@ -105,7 +106,7 @@ def guard_request_length(manager: Any, max_seq_len: int) -> None:
     def add_request(input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
         new = manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         if len(input_ids) + (new or 0) > max_seq_len:
-            raise ValueError(
+            raise ConfigError(
                 f"kvgraft: a request of {len(input_ids)} prompt tokens + {new} new tokens exceeds the "
                 f"model's max_position_embeddings ({max_seq_len})"
             )
@@ -199,7 +200,7 @@ class ContinuousRequests:
         out = []
         for rid, start, n in zip(rids, starts, lens):
             if start + n > self.max_seq_len:
-                raise ValueError(
+                raise ConfigError(
                     f"kvgraft: request {rid!r} reaches {start + n} tokens, beyond the model's "
                     f"max_position_embeddings ({self.max_seq_len}); lower max_new_tokens"
                 )
@@ -252,7 +253,7 @@ class ContinuousRequests:
                 out = hidden.new_zeros(ids.shape[0], hidden.shape[-1])
             out[tok] = hidden
         if out is None:
-            raise ValueError("kvgraft: a continuous-batching step with no tokens")
+            raise ConfigError("kvgraft: a continuous-batching step with no tokens")
         return out[None]
 
 
@@ -261,13 +262,13 @@ def continuous_hidden(model: nn.Module, backbone: nn.Module, input_ids: torch.Te
     the kvgraft state lives on transformers' cache object, so it ends with the manager that owns it."""
     tcache = kwargs["cache"]
     if kwargs.get("block_table") is not None:
-        raise ValueError(
+        raise ConfigError(
             "kvgraft: the flash decode fast path (block tables) is not supported; run continuous "
             "batching with attn_implementation 'eager' or 'sdpa'"
         )
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
-        raise ValueError("kvgraft: a continuous-batching step without position_ids")
+        raise ConfigError("kvgraft: a continuous-batching step without position_ids")
     state = getattr(tcache, "_kvgraft_requests", None)
     if state is None:
         weight = cast(nn.Embedding, backbone.embed_tokens).weight

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kvgraft.checks import check_int
+
 VLLM_VERSION = "0.32.0"
 VLLM_PREFERRED = (512, 64)  # d_c, d_rope: the only shape vLLM's CPU backends and FlashMLA-class kernels share
 
@@ -112,8 +114,7 @@ def engine_support(kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: i
         ("qk_rope_head_dim", qk_rope_head_dim),
         ("qk_nope_head_dim", qk_nope_head_dim),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} ({value!r}) must be a non-negative integer")
+        check_int(name, value, low=0)
     head = kv_lora_rank + qk_rope_head_dim
     out = []
     for b in BACKENDS:

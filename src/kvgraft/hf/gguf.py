@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvgraft.atomic import atomic_dir
 from kvgraft.checks import check_text, check_writable
-from kvgraft.errors import CheckpointError, UnsupportedModelError
+from kvgraft.errors import CheckpointError, ConfigError, UnsupportedModelError
 from kvgraft.hf.load import load_config
 from kvgraft.hf.save import OutputExistsError
 
@@ -264,7 +264,7 @@ def import_gguf(
     weight is loaded; the architecture must be one of :data:`SUPPORTED_GGUF_ARCHITECTURES`.
     """
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {type(overwrite).__name__}")
     if source_note is not None:
@@ -273,7 +273,7 @@ def import_gguf(
         check_text("source_note", source_note)
     source = _check_gguf_file(gguf_file)
     if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
-        raise ValueError(f"out_dir must be a directory path, got {out_dir!r}")
+        raise ConfigError(f"out_dir must be a directory path, got {out_dir!r}")
     out = Path(out_dir)
     if out.exists():
         if not overwrite:
@@ -281,7 +281,7 @@ def import_gguf(
         if not out.is_dir():
             raise OutputExistsError(f"{out} exists and is not a directory; remove it first")
         if source.resolve().is_relative_to(out.resolve()):
-            raise ValueError(f"{source} lies inside {out}, which overwrite would delete; write elsewhere")
+            raise ConfigError(f"{source} lies inside {out}, which overwrite would delete; write elsewhere")
     check_writable(out, what="output directory")
     info = read_gguf_info(source)
     _check_supported(info)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvgraft.atomic import atomic_dir
-from kvgraft.errors import CheckpointError, KvgraftError
+from kvgraft.errors import CheckpointError, ConfigError, KvgraftError
 from kvgraft.hf.config_map import hf_config_from_model
 from kvgraft.hf.keys import kvgraft_to_hf
 from kvgraft.hf.load import CONFIG, WEIGHTS
@@ -73,7 +73,7 @@ def save_pretrained(
     reserved = {CONFIG, WEIGHTS, GENERATION_CONFIG, *(p.name for p in tokenizer_files)}
     for name in extra_files:
         if Path(name).name != name or name in reserved or name.startswith("."):
-            raise ValueError(f"extra file name {name!r} must be a plain file name other than {sorted(reserved)}")
+            raise ConfigError(f"extra file name {name!r} must be a plain file name other than {sorted(reserved)}")
     tensors = _hf_tensors(model, dtype)
     write_checkpoint_dir(out_dir, hf_config, tensors, cfg, tokenizer_files, extra_files, overwrite)
     return out_dir

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvgraft.errors import CheckpointError
+from kvgraft.checks import check_int
+from kvgraft.errors import CheckpointError, ConfigError
 from kvgraft.hf.load import WEIGHTS, WEIGHTS_INDEX, _checkpoint_dir, _read_json, _shard_files
 
 CHUNK_BYTES = 64 * 2**20  # a cast tensor larger than this is read in chunks of rows of this size (CheckpointReader.get)
@@ -165,7 +166,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
     for name in names:
         t = tensors[name]
         if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"tensor {name} must be a contiguous CPU tensor")
+            raise ConfigError(f"tensor {name} must be a contiguous CPU tensor")
         size = t.numel() * t.element_size()
         header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
@@ -190,8 +191,7 @@ class ShardWriter:
     def __init__(
         self, directory: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES, metadata: dict[str, str] | None = None
     ) -> None:
-        if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-            raise ValueError(f"max_shard_bytes ({max_shard_bytes!r}) must be a positive integer")
+        check_int("max_shard_bytes", max_shard_bytes, low=1)
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory} is not a directory (ShardWriter writes into an existing one)")
@@ -210,7 +210,7 @@ class ShardWriter:
         if self._closed:
             raise RuntimeError("ShardWriter is closed")
         if name in self._names:
-            raise ValueError(f"tensor {name} was already written")
+            raise ConfigError(f"tensor {name} was already written")
         t = tensor.detach().to("cpu").contiguous()
         if any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in self._pending.values()):
             t = t.clone()  # safetensors refuses tensors that share memory

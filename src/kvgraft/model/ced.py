@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvgraft.errors import ConfigError
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS
 from kvgraft.model.batch import MIXED, StepContext
 from kvgraft.model.config import ModelConfig
@@ -87,7 +88,7 @@ class Compressor(nn.Module):
         if self.m == 1:
             return entries
         if scores is None:
-            raise ValueError(f"pooling blocks of {self.m} tokens needs their gate scores")
+            raise ConfigError(f"pooling blocks of {self.m} tokens needs their gate scores")
         B, n, E = entries.shape[0], entries.shape[1] // self.m, entries.shape[2]
         D = self.dc + self.dr
         blocks = entries.view(B, n, self.m, E)
@@ -116,7 +117,7 @@ class CEDAttention(LatentAttention):
         self.num_heads, self.num_kv_heads = H, K
         self.dc, self.dr, self.dn, self.dv = config.latent_dims()
         if config.sliding_window is None:
-            raise ValueError("a causal encoder-decoder layer needs sliding_window")
+            raise ConfigError("a causal encoder-decoder layer needs sliding_window")
         self.window: int = config.sliding_window
         self.q_proj = nn.Linear(h, H * (self.dn + self.dr), bias=b)
         self.k_proj = nn.Linear(h, K * (self.dn + self.dr), bias=b)  # window keys (own hidden state)
@@ -185,17 +186,17 @@ class CEDAttention(LatentAttention):
                     y = self.attend(qg, k, v, shared, mask, absorbed, kv_b_delta=kv_b.row_factors(ctx.row_adapters(gi)))
             else:  # expanded: kv_b through the door, one adapter at a time
                 if shared is None:
-                    raise ValueError(f"layer {self.layer}: adapters on kv_b, but the layer reads no shared entries")
+                    raise ConfigError(f"layer {self.layer}: adapters on kv_b, but the layer reads no shared entries")
                 y = qg.new_empty(G, self.num_heads, g.T, self.dv)
                 for _, rows in ctx.each_adapter(gi):
                     if rows is None:
-                        raise ValueError("a group of several adapters names each adapter's rows")
+                        raise ConfigError("a group of several adapters names each adapter's rows")
                     sub = self.attend(qg[rows], k[rows], v[rows], shared[rows], mask[rows], absorbed)
                     y.index_copy_(0, rows, sub.to(y.dtype))
             y = self.o_proj(y.transpose(1, 2).reshape(G, g.T, self.num_heads * self.dv))
             out = g.put(out if out is not None else x.new_empty(*x.shape[:2], y.shape[-1]), y)
         if out is None:
-            raise ValueError("a step context has at least one group")
+            raise ConfigError("a step context has at least one group")
         return out
 
     # ---- the optional indexer -------------------------------------------------------------------
@@ -252,7 +253,7 @@ def rope_tables(config: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> tu
     """The model's (B, T, head_dim) RoPE tables -> the (B, T, d_rope) columns of the pairs every layer of a
     causal encoder-decoder rotates (one layout for all layers: they share RoPE keys)."""
     if config.rope_freq_index is None:
-        raise ValueError("a causal encoder-decoder config has rope_freq_index")
+        raise ConfigError("a causal encoder-decoder config has rope_freq_index")
     idx = list(config.rope_freq_index[0])
     cols = torch.tensor(idx + [i + config.head_dim // 2 for i in idx], device=cos.device)
     return cos.index_select(-1, cols), sin.index_select(-1, cols)

@@ -15,6 +15,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgraft.checks import check_int
+from kvgraft.errors import ConfigError
+
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_KINDS = ("gqa", "mla", "ced")
@@ -39,23 +42,23 @@ class RopeConfig:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_type {self.rope_type!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
+            raise ConfigError(f"rope_type {self.rope_type!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
         if self.theta <= 0:
-            raise ValueError(f"rope theta ({self.theta}) must be > 0")
+            raise ConfigError(f"rope theta ({self.theta}) must be > 0")
         if self.rope_type in ("linear", "dynamic", "llama3") and (self.factor is None or self.factor <= 0):
-            raise ValueError(f"rope_type {self.rope_type!r} needs factor > 0, got {self.factor}")
+            raise ConfigError(f"rope_type {self.rope_type!r} needs factor > 0, got {self.factor}")
         if self.rope_type == "llama3":
             for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 if getattr(self, name) is None:
-                    raise ValueError(f"rope_type 'llama3' needs {name}")
+                    raise ConfigError(f"rope_type 'llama3' needs {name}")
             low, high = self.low_freq_factor, self.high_freq_factor
             if low is not None and high is not None and high <= low:
-                raise ValueError(
+                raise ConfigError(
                     f"llama3 rope: high_freq_factor ({self.high_freq_factor}) must exceed "
                     f"low_freq_factor ({self.low_freq_factor})"
                 )
         if self.rope_type == "yarn" and self.factor is None and self.original_max_position_embeddings is None:
-            raise ValueError("rope_type 'yarn' needs factor or original_max_position_embeddings")
+            raise ConfigError("rope_type 'yarn' needs factor or original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -120,21 +123,21 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+                raise ConfigError(f"{name} ({value!r}) must be a positive integer")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+            raise ConfigError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
-                raise ValueError(
+                raise ConfigError(
                     f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}) unless head_dim is given"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be a positive even number (RoPE rotates pairs)")
+            raise ConfigError(f"head_dim ({self.head_dim}) must be a positive even number (RoPE rotates pairs)")
         if self.rms_norm_eps <= 0:
-            raise ValueError(f"rms_norm_eps ({self.rms_norm_eps}) must be > 0")
+            raise ConfigError(f"rms_norm_eps ({self.rms_norm_eps}) must be > 0")
         if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"sliding_window ({self.sliding_window}) must be a positive integer or None")
+            raise ConfigError(f"sliding_window ({self.sliding_window}) must be a positive integer or None")
         if isinstance(self.rope, dict):
             object.__setattr__(self, "rope", RopeConfig(**self.rope))
         L = self.num_layers
@@ -143,16 +146,16 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", (kind,) * L)
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if len(self.layer_types) != L or any(t not in LAYER_TYPES for t in self.layer_types):
-            raise ValueError(f"layer_types {self.layer_types} must list one of {LAYER_TYPES} for each of {L} layers")
+            raise ConfigError(f"layer_types {self.layer_types} must list one of {LAYER_TYPES} for each of {L} layers")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
-            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+            raise ConfigError("layer_types has sliding_attention layers but sliding_window is None")
         if self.kv_source_layers is not None:
             object.__setattr__(self, "kv_source_layers", tuple(int(i) for i in self.kv_source_layers))
         if self.attention_kinds is None:
             object.__setattr__(self, "attention_kinds", ("ced" if self.kv_source_layers else "gqa",) * L)
         object.__setattr__(self, "attention_kinds", tuple(self.attention_kinds))
         if len(self.attention_kinds) != L or any(k not in ATTENTION_KINDS for k in self.attention_kinds):
-            raise ValueError(f"attention_kinds {self.attention_kinds} must list one of {ATTENTION_KINDS} for each of {L} layers")
+            raise ConfigError(f"attention_kinds {self.attention_kinds} must list one of {ATTENTION_KINDS} for each of {L} layers")
         if "ced" in self.attention_kinds or self.kv_source_layers is not None:
             self._check_ced()
         if "mla" in self.attention_kinds or "ced" in self.attention_kinds:
@@ -161,47 +164,46 @@ class ModelConfig:
             object.__setattr__(self, "kv_slots", tuple(range(L)))
         object.__setattr__(self, "kv_slots", tuple(int(s) for s in self.kv_slots))
         if len(self.kv_slots) != L:
-            raise ValueError(f"kv_slots has {len(self.kv_slots)} entries, expected one per layer ({L})")
+            raise ConfigError(f"kv_slots has {len(self.kv_slots)} entries, expected one per layer ({L})")
         for layer, slot in enumerate(self.kv_slots):
             writer = self.kv_slots.index(slot)
             if slot < 0 or writer > layer:
-                raise ValueError(f"kv_slots[{layer}] = {slot} is invalid: slots must be >= 0")
+                raise ConfigError(f"kv_slots[{layer}] = {slot} is invalid: slots must be >= 0")
             if self.layer_types[writer] != self.layer_types[layer]:
-                raise ValueError(f"layer {layer} reads slot {slot} written by layer {writer}, but their layer_types differ")
+                raise ConfigError(f"layer {layer} reads slot {slot} written by layer {writer}, but their layer_types differ")
 
     def _check_ced(self) -> None:
         L, src = self.num_layers, self.kv_source_layers
         if set(self.attention_kinds) != {"ced"}:
-            raise ValueError(
+            raise ConfigError(
                 f"attention_kinds {self.attention_kinds}: a causal encoder-decoder has 'ced' in every layer "
                 "(leave attention_kinds unset with kv_source_layers)"
             )
         if not src:
-            raise ValueError("kv_source_layers must list at least one layer for 'ced' attention")
+            raise ConfigError("kv_source_layers must list at least one layer for 'ced' attention")
         if list(src) != sorted(set(src)) or src[0] < 0 or src[-1] >= L:
-            raise ValueError(f"kv_source_layers {src} must be strictly increasing layer indices in [0, {L})")
+            raise ConfigError(f"kv_source_layers {src} must be strictly increasing layer indices in [0, {L})")
         if self.sliding_window is None:
-            raise ValueError("a causal encoder-decoder needs sliding_window (every layer keeps its own window)")
+            raise ConfigError("a causal encoder-decoder needs sliding_window (every layer keeps its own window)")
         if not isinstance(self.compress_rate, int) or self.compress_rate < 1:
-            raise ValueError(f"compress_rate ({self.compress_rate!r}) must be a positive integer")
+            raise ConfigError(f"compress_rate ({self.compress_rate!r}) must be a positive integer")
         if self.sliding_window < self.compress_rate:
-            raise ValueError(
+            raise ConfigError(
                 f"sliding_window ({self.sliding_window}) must be >= compress_rate ({self.compress_rate}): the "
                 "window covers the tokens of the block being filled"
             )
         if self.qk_norm:
-            raise ValueError("qk_norm is not supported with 'ced' attention")
+            raise ConfigError("qk_norm is not supported with 'ced' attention")
         if self.index_topk is not None:
             for name in ("index_topk", "index_heads", "index_head_dim"):
                 value = getattr(self, name)
-                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                    raise ValueError(f"{name} ({value!r}) must be a positive integer when the indexer is on")
+                check_int(name, value, low=1, accepted="a positive integer when the indexer is on")
 
     def _latent_dim(self, name: str) -> int:
         """The MLA width ``name`` (kv_lora_rank, ...), checked: a positive integer (qk_nope_head_dim may be 0)."""
         value = getattr(self, name)
         if not isinstance(value, int) or value < 0 or (value == 0 and name != "qk_nope_head_dim"):
-            raise ValueError(f"{name} ({value!r}) must be a positive integer for MLA layers")
+            raise ConfigError(f"{name} ({value!r}) must be a positive integer for MLA layers")
         return value
 
     def _check_mla(self) -> None:
@@ -209,13 +211,13 @@ class ModelConfig:
             self._latent_dim(name)
         dr = self._latent_dim("qk_rope_head_dim")
         if dr % 2:
-            raise ValueError(f"qk_rope_head_dim ({dr}) must be even (RoPE rotates pairs)")
+            raise ConfigError(f"qk_rope_head_dim ({dr}) must be even (RoPE rotates pairs)")
         half = self.head_dim // 2
         mla_layers = [i for i, k in enumerate(self.attention_kinds) if k in ("mla", "ced")]
         given = self.rope_freq_index
         if given is None:
             if self.head_dim % dr:
-                raise ValueError(
+                raise ConfigError(
                     f"qk_rope_head_dim ({dr}) must divide head_dim ({self.head_dim}) unless rope_freq_index is given"
                 )
             stride = tuple(range(0, half, self.head_dim // dr))
@@ -223,16 +225,16 @@ class ModelConfig:
         index = tuple(tuple(int(f) for f in layer) for layer in given)
         object.__setattr__(self, "rope_freq_index", index)
         if len(index) != self.num_layers:
-            raise ValueError(f"rope_freq_index has {len(index)} entries, expected one per layer ({self.num_layers})")
+            raise ConfigError(f"rope_freq_index has {len(index)} entries, expected one per layer ({self.num_layers})")
         if "ced" in self.attention_kinds and len(set(index)) != 1:
-            raise ValueError(
+            raise ConfigError(
                 "rope_freq_index must be the same for every layer of a causal encoder-decoder "
                 "(all layers attend over the same shared RoPE keys)"
             )
         for layer in mla_layers:
             idx = index[layer]
             if len(idx) != dr // 2 or any(not 0 <= f < half for f in idx):
-                raise ValueError(
+                raise ConfigError(
                     f"rope_freq_index[{layer}] = {idx} must hold qk_rope_head_dim/2 = {dr // 2} frequency indices in [0, {half})"
                 )
 
@@ -258,7 +260,7 @@ class ModelConfig:
         widths of MLA and causal encoder-decoder layers; ValueError when the config sets none."""
         dims = (self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim)
         if dims[0] is None or dims[1] is None or dims[2] is None or dims[3] is None:
-            raise ValueError(
+            raise ConfigError(
                 f"latent widths (kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim) = {dims}: "
                 "this config has no MLA or causal encoder-decoder layers"
             )
@@ -272,7 +274,7 @@ class ModelConfig:
     def pivot_layer(self) -> int:
         """The last kv_source layer: the first decoder layer, whose compressor writes what the decoder reads."""
         if self.kv_source_layers is None:
-            raise ValueError("pivot_layer: this model is not a causal encoder-decoder (no kv_source_layers)")
+            raise ConfigError("pivot_layer: this model is not a causal encoder-decoder (no kv_source_layers)")
         return self.kv_source_layers[-1]
 
     def kv_source_of(self, layer: int) -> int | None:
@@ -323,7 +325,7 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown ModelConfig fields: {unknown}")
+            raise ConfigError(f"unknown ModelConfig fields: {unknown}")
         d = dict(d)
         if isinstance(d.get("rope"), dict):
             d["rope"] = RopeConfig(**d["rope"])

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+from kvgraft.errors import ConfigError
+
 T = TypeVar("T")
 
 
 def known(value: T | None, name: str) -> T:
     """``value``, or ValueError naming the config field ``name`` when it is None."""
     if value is None:
-        raise ValueError(f"the model config has no {name}")
+        raise ConfigError(f"the model config has no {name}")
     return value
 
 

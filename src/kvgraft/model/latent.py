@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvgraft.errors import ConfigError
 from kvgraft.model.attention_ops import head_matmul, sdpa
 
 
@@ -134,7 +135,7 @@ class LatentAttention(nn.Module):
         if absorbed:
             return self._attend_absorbed(q, k, v, latents, mask, kv_b_delta)
         if kv_b_delta is not None:
-            raise ValueError("kv_b_delta is for the absorbed path")
+            raise ConfigError("kv_b_delta is for the absorbed path")
         return self._attend_expanded(q, k, v, latents, mask)
 
     def _attend_expanded(
@@ -210,5 +211,5 @@ class LatentAttention(nn.Module):
                 y_l = y_l + p_lat.sum(-1, keepdim=True) * bv[None, :, None, :]
             y = y_l if y is None else y + y_l
         if y is None:
-            raise ValueError("attend: give window keys, latents or both")
+            raise ConfigError("attend: give window keys, latents or both")
         return y

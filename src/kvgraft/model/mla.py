@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvgraft.errors import ConfigError
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS, sdpa
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.latent import LatentAttention
@@ -54,7 +55,7 @@ class MLAttention(LatentAttention):
         self.writes_kv = config.is_kv_writer(layer)
         source = config.kv_source_of(layer)
         if source is None:
-            raise ValueError(f"layer {layer}: an MLA layer reads the KV of a layer at or before it")
+            raise ConfigError(f"layer {layer}: an MLA layer reads the KV of a layer at or before it")
         self.source = source  # the layer that stores what this one reads
         self.window = config.window(layer)
         h, H = config.hidden_size, config.num_heads
@@ -74,7 +75,7 @@ class MLAttention(LatentAttention):
         self.kv_b_proj = nn.Linear(self.dc, H * (self.dn + self.dv), bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * self.dv, h, bias=config.o_bias)
         if config.rope_freq_index is None:
-            raise ValueError(f"layer {layer} is an MLA layer but the config has no rope_freq_index")
+            raise ConfigError(f"layer {layer} is an MLA layer but the config has no rope_freq_index")
         idx = list(config.rope_freq_index[layer])
         # columns of the model's (B, T, head_dim) cos/sin tables that this layer's RoPE pairs use
         # (a plain list, not a buffer: it is config, and must survive meta-device construction)
@@ -129,7 +130,7 @@ class MLAttention(LatentAttention):
                 y = self.o_proj(yh.transpose(1, 2).reshape(G, T, H * self.dv))
             out = g.put(out if out is not None else x.new_empty(*x.shape[:2], y.shape[-1]), y)
         if out is None:
-            raise ValueError("a step context has at least one group")
+            raise ConfigError("a step context has at least one group")
         return out
 
     def _attend_causal(self, q: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvgraft.errors import ConfigError
+
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -75,7 +77,7 @@ class PackedLinear(nn.Linear):
         """(Re)make and return the packed copy of the current weight (a CPU float32 or bfloat16 weight)."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in _DTYPES:
-            raise ValueError(f"only CPU float32/bfloat16 weights pack; this one is {w.dtype} on {w.device}")
+            raise ConfigError(f"only CPU float32/bfloat16 weights pack; this one is {w.dtype} on {w.device}")
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
         _PACKED[self] = (_source(w), packed)
         return packed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvgraft.errors import ConfigError
 from kvgraft.model.config import ModelConfig, RopeConfig
 
 PRESETS: dict[str, ModelConfig] = {
@@ -107,5 +108,5 @@ PRESETS: dict[str, ModelConfig] = {
 
 def get_preset(name: str) -> ModelConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+        raise ConfigError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
     return PRESETS[name]

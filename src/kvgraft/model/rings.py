@@ -22,6 +22,8 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
+from kvgraft.checks import check_int
+from kvgraft.errors import ConfigError
 from kvgraft.model.blocks import BlockAllocator, lazy_zeros
 
 
@@ -86,8 +88,9 @@ class WindowRings:
         self.ring_len, self.ring_block, self.blocks_per_seq = ring_shape(window if widths else None, block_size, max_seq_len)
         rb, nrb = self.ring_block, self.blocks_per_seq
         ring_layers = sorted(widths)
-        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or not 0 <= split <= num_layers):
-            raise ValueError(f"ring_split ({split!r}) must be a layer index in [0, {num_layers}] or None")
+        check_int(
+            "ring_split", split, low=0, high=num_layers, optional=True, accepted=f"a layer index in [0, {num_layers}] or None"
+        )
         parts = (
             [[layer for layer in ring_layers if layer < split], [layer for layer in ring_layers if layer >= split]]
             if split is not None
@@ -96,8 +99,8 @@ class WindowRings:
         parts = [p for p in parts if p]
         if num_blocks is None:
             num_blocks = max_seqs * nrb
-        if nrb and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < nrb):
-            raise ValueError(f"ring_blocks ({num_blocks!r}) must be an integer >= one sequence's ring ({nrb} blocks)")
+        if nrb:
+            check_int("ring_blocks", num_blocks, low=nrb, accepted=f"an integer >= one sequence's ring ({nrb} blocks)")
         self.split = split if len(parts) > 1 else None
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.groups = [RingGroup(tuple(p), num_blocks, itemsize * rb * sum(widths[x] for x in p)) for p in parts] if nrb else []
@@ -167,10 +170,9 @@ class WindowRings:
         """The groups a restore with ``recompute_from`` gives fresh ring blocks (those from that layer on)."""
         if recompute_from is None:
             return set()
-        if isinstance(recompute_from, bool) or not isinstance(recompute_from, int):
-            raise ValueError(f"recompute_from ({recompute_from!r}) must be a layer index or None")
+        check_int("recompute_from", recompute_from, accepted="a layer index or None")
         if self.groups and not self.splittable and recompute_from < self.num_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"recompute_from={recompute_from}: this model's window rings are one group (only a "
                 "causal encoder-decoder's rings split at its pivot)"
             )
@@ -179,7 +181,7 @@ class WindowRings:
             if g.layers[0] >= recompute_from:
                 fresh.add(gi)
             elif g.layers[-1] >= recompute_from:
-                raise ValueError(
+                raise ConfigError(
                     f"recompute_from={recompute_from} splits ring group {list(g.layers)}; ring groups "
                     f"start at layers {[x.layers[0] for x in self.groups]}"
                 )

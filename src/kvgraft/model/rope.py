@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from kvgraft.errors import ConfigError
 from kvgraft.model.config import ModelConfig, RopeConfig
 
 
@@ -27,7 +28,7 @@ def _needed(rope: RopeConfig, name: str) -> float:
     """RoPE field ``name``, which ``rope.rope_type`` needs (RopeConfig validated it is set)."""
     value: float | None = getattr(rope, name)
     if value is None:
-        raise ValueError(f"rope_type {rope.rope_type!r} needs {name}")
+        raise ConfigError(f"rope_type {rope.rope_type!r} needs {name}")
     return value
 
 
@@ -62,7 +63,7 @@ def rope_frequencies(
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
         return _yarn(rope, dim, max_position_embeddings)
-    raise ValueError(f"unknown rope_type {kind!r}")
+    raise ConfigError(f"unknown rope_type {kind!r}")
 
 
 def _yarn(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:

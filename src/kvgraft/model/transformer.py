@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kvgraft.errors import ConfigError
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS
 from kvgraft.model.batch import BatchContext, DenseContext, StepContext, active_context
 from kvgraft.model.cache import PagedKVCache, static_cache
@@ -61,7 +62,7 @@ class GQAttention(nn.Module):
         self.writes_kv = config.is_kv_writer(layer)
         source = config.kv_source_of(layer)
         if source is None:
-            raise ValueError(f"layer {layer}: a GQA layer reads the KV of a layer at or before it")
+            raise ConfigError(f"layer {layer}: a GQA layer reads the KV of a layer at or before it")
         self.source = source  # the layer that stores what this one reads
         h, H, K, d = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(h, H * d, bias=config.qkv_bias)
@@ -108,7 +109,7 @@ class GQAttention(nn.Module):
             y = self.o_proj(y.transpose(1, 2).reshape(y.shape[0], g.T, H * d))
             out = g.put(out if out is not None else x.new_empty(B, N, y.shape[-1]), y)
         if out is None:
-            raise ValueError("a step context has at least one group")
+            raise ConfigError("a step context has at least one group")
         return out
 
 
@@ -191,12 +192,12 @@ class Transformer(nn.Module):
         Which positions a replay needs (``kvgraft.runtime.prefix.replay_span``): to rebuild the rings of
         layers ``from_layer``..L-1 at a prefix of T tokens, the last ``W + (L - 1 - from_layer) (W - 1)``."""
         if not getattr(ctx, "replay", False):
-            raise ValueError("replay needs a BatchContext(..., replay=True)")
+            raise ConfigError("replay needs a BatchContext(..., replay=True)")
         if not 0 <= from_layer < len(self.layers):
-            raise ValueError(f"from_layer ({from_layer}) must be in [0, {len(self.layers)})")
+            raise ConfigError(f"from_layer ({from_layer}) must be in [0, {len(self.layers)})")
         split = ctx.cache.ring_split
         if split is not None and from_layer < split:
-            raise ValueError(
+            raise ConfigError(
                 f"from_layer ({from_layer}) is below the cache's ring split ({split}): a replay rebuilds "
                 "the decoder's rings only; the encoder's are shared between sequences"
             )
@@ -223,19 +224,19 @@ class Transformer(nn.Module):
         step: StepContext  # ctx, or the cache-free batch's
         if cache is not None:
             if ctx is not None or positions is not None:
-                raise ValueError("give either cache (every sequence adds T tokens) or ctx, and no positions with a cache")
+                raise ConfigError("give either cache (every sequence adds T tokens) or ctx, and no positions with a cache")
             rows, T = input_ids.shape
             seqs = cache.sequences
             if len(seqs) != rows:
-                raise ValueError(f"input_ids has {rows} rows but the cache holds {len(seqs)} sequences")
+                raise ConfigError(f"input_ids has {rows} rows but the cache holds {len(seqs)} sequences")
             ctx = BatchContext(cache, seqs, [T] * rows)
             input_ids = input_ids.reshape(1, rows * T)
         if ctx is not None:
             if positions is not None:
-                raise ValueError("positions come from the batch context; do not pass them with ctx")
+                raise ConfigError("positions come from the batch context; do not pass them with ctx")
             input_ids = input_ids.reshape(1, -1)
             if input_ids.shape[1] != ctx.num_tokens:
-                raise ValueError(f"{input_ids.shape[1]} tokens given for a step of {ctx.num_tokens}")
+                raise ConfigError(f"{input_ids.shape[1]} tokens given for a step of {ctx.num_tokens}")
             step_positions = ctx.positions
             step = ctx
         else:

@@ -4,66 +4,19 @@
 kvgraft serve kvgraft-ced-8m --adapter geometry=runs/.../adapter --adapter-dir runs --port 8000
 ```
 
-Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (SSE streaming with ``stream: true``,
-``data: [DONE]`` last), ``GET /v1/models`` (the base, then every loaded adapter with its placement and
-sharing certificate), ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``POST
-/v1/unload_lora_adapter`` ``{"lora_name", "wait"}`` (vLLM's names; loading over HTTP needs
-``--adapter-dir``, and a path must resolve inside it), ``GET /health``, ``GET /metrics`` (Prometheus text).
-A request's ``model`` is the base model's name (the base directory's name) or a loaded adapter's name.
-``build_server(..., with_shipped_adapters=True)`` also serves the example adapters shipped for the base
-(:func:`shipped_adapters`: ``models/adapters/``, e.g. ``kvgraft-ced-8m-geometry`` on ``kvgraft-ced-8m``).
+This module owns :class:`KvgraftServer` (request validation and limits, each endpoint, the engine's answers
+as HTTP), :func:`build_server`, :func:`serve`, :func:`shipped_adapters` and the chat template
+(:func:`render_chat`: ``<|{role}|>\\n{content}\\n`` per message, ending ``<|assistant|>\\n``, generation
+stopping at ``\\n<|``, for a tokenizer without a ``chat_template`` of its own). A request's ``model`` is the
+base's name (its directory name) or a loaded adapter's. At most ``max_seqs + max_queue`` requests are in
+flight; one more is answered 429. Errors use OpenAI's shape (:class:`~kvgraft.serve.schemas.ErrorResponse`),
+and ``/openapi.json`` documents every status each endpoint returns. A stop string is cut from the text and
+streamed text never shows a part of one. A client that disconnects cancels its request.
 
-Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (:class:`ErrorResponse`), and
-``/openapi.json`` documents every status an endpoint returns, with that body:
-
-- 400 ``invalid_request_error``: a body that is not JSON or does not match the schema, an option this
-  server does not support (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of > 1``,
-  ``suffix``), a prompt over the context (a prompt's length in tokens, and prompt + ``max_tokens``, are the
-  only limits the schema cannot state; everything else it states exactly: what it accepts is accepted).
-- 403 ``permission_error``: ``/v1/load_lora_adapter`` with loading over HTTP off, or a ``lora_path`` outside
-  ``--adapter-dir``.
-- 404 ``not_found_error``: an unknown ``model`` (listing the served ones), unloading an adapter that is not
-  loaded, a ``lora_path`` with no adapter; any other path.
-- 405: a method a path does not take (with ``Allow``).
-- 409: an adapter name already loaded (or the base's), unloading an adapter with requests running (without
-  ``wait``), a request for an adapter that is being unloaded.
-- 411 / 413: a POST without ``Content-Length`` / with a body over ``max_request_bytes``.
-- 422: an adapter directory that cannot be loaded (another base, corrupt or unsupported files).
-- 429 ``rate_limit_error``: the queue is full.
-- 500 ``server_error``: the engine failed while running the request (a stream gets an ``error`` event).
-- 503 ``server_error``: the engine is not running (stopped or shutting down); ``/health`` says so too.
-
-Streaming responses are ``text/event-stream``; ``/metrics`` is Prometheus text. A request never waits on
-an engine that has stopped: it gets 503 (or, streaming, an ``error`` event).
-
-**Threads.** The engine runs in its own thread (:class:`EngineWorker`): each loop it takes every command
-waiting in a thread-safe queue (add, cancel, load/unload an adapter), then runs one ``Engine.step()`` and
-hands each request's new tokens to its asyncio queue with ``loop.call_soon_threadsafe``. HTTP handlers
-only put commands and await futures, so they never block the engine (nor the engine them). Adapter files
-are read and checked in a worker thread of the HTTP side; installing them happens in the engine thread
-between steps. A client that disconnects (streaming or not) cancels its request: its blocks are freed
-at once.
-
-**The queue.** At most ``max_seqs + max_queue`` requests are in flight (running or waiting); one more is
-answered 429 at once.
-
-**Chat template** (for base models without one of their own, such as kvgraft's reference models): each
-message becomes ``<|{role}|>\\n{content}\\n`` (roles system, user, assistant), and the prompt ends with
-``<|assistant|>\\n``. Generation stops at the tokenizer's end-of-sequence token, at the request's ``stop``
-strings and at ``\\n<|`` (the start of the next turn). A tokenizer that ships a ``chat_template`` uses it
-instead (``apply_chat_template``), with only its own stops.
-
-Text: completions decode the generated ids with special tokens skipped; a stop string is cut from the
-text (OpenAI's behaviour) and streamed text never shows a part of one (a tail that could begin a stop
-string, or an incomplete UTF-8 character, is held back until it resolves).
-
-**Modules.** This one holds the server (:class:`KvgraftServer`: request validation and limits, the
-endpoints, the engine's answers as HTTP), :func:`build_server`, :func:`serve` and :func:`shipped_adapters`;
-the pydantic bodies, the error body and the OpenAPI error documentation are in :mod:`kvgraft.serve.schemas`,
-the engine thread and its typed messages in :mod:`kvgraft.serve.bridge`, text and SSE streaming in
-:mod:`kvgraft.serve.streaming` (stop strings: :mod:`kvgraft.runtime.stops`), the FastAPI app, its routes and ``/openapi.json`` in
-:mod:`kvgraft.serve.routes`, the Prometheus collector in :mod:`kvgraft.serve.metrics`. Every name of those
-that this module held before the split is still importable from it.
+Elsewhere: the pydantic bodies and error documentation in :mod:`kvgraft.serve.schemas`, the engine thread
+(HTTP handlers never block it) in :mod:`kvgraft.serve.bridge`, text and SSE streaming in
+:mod:`kvgraft.serve.streaming`, the FastAPI app and ``/openapi.json`` in :mod:`kvgraft.serve.routes`, the
+Prometheus collector in :mod:`kvgraft.serve.metrics`.
 """
 
 from __future__ import annotations
@@ -86,6 +39,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from kvgraft.adapters.lora import base_fingerprint
+from kvgraft.checks import check_int
+from kvgraft.errors import ConfigError
 from kvgraft.hf import load_pretrained, load_tokenizer_dir
 from kvgraft.model.config import ModelConfig
 from kvgraft.reference import models_dir, resolve_model
@@ -95,99 +50,16 @@ from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
 from kvgraft.serve import routes
 from kvgraft.serve.bridge import EngineStopped, EngineWorker, QueueFull, RequestStream
-from kvgraft.serve.bridge import RequestStream as _Stream  # its name before the split
-from kvgraft.serve.metrics import _Metrics, metrics_registry
-from kvgraft.serve.routes import _BodyLimit, _version
+from kvgraft.serve.metrics import metrics_registry
 from kvgraft.serve.schemas import (
-    _ERRORS,
-    _NON_EMPTY,
-    _SSE,
-    _STRICT,
-    AdapterInfo,
-    ChatCompletion,
-    ChatCompletionChoice,
-    ChatCompletionMessage,
-    ChatMessage,
     ChatRequest,
-    Completion,
-    CompletionChoice,
     CompletionRequest,
-    ErrorInfo,
-    ErrorResponse,
-    Health,
     HTTPError,
-    Int,
     LoadAdapterRequest,
-    LoadAdapterResponse,
-    ModelCard,
-    ModelList,
     UnloadAdapterRequest,
-    UnloadAdapterResponse,
-    Usage,
     _Common,
-    _int,
-    _integral,
-    _responses,
-    _schema,
-    error_body,
-    error_response,
 )
 from kvgraft.serve.streaming import TextStream, collect, sse_events
-
-# Every name this module defined before it was split (schemas, bridge, streaming, routes, metrics), still
-# importable from here.
-__all__ = [
-    "CHAT_STOP",
-    "MIN_TEMPERATURE",
-    "MIN_TOP_P",
-    "render_chat",
-    "ServerConfig",
-    "QueueFull",
-    "EngineStopped",
-    "HTTPError",
-    "error_body",
-    "error_response",
-    "_Stream",
-    "EngineWorker",
-    "_NON_EMPTY",
-    "_integral",
-    "Int",
-    "_int",
-    "_STRICT",
-    "_schema",
-    "_Common",
-    "CompletionRequest",
-    "ChatMessage",
-    "ChatRequest",
-    "LoadAdapterRequest",
-    "UnloadAdapterRequest",
-    "ErrorInfo",
-    "ErrorResponse",
-    "Usage",
-    "CompletionChoice",
-    "Completion",
-    "ChatCompletionMessage",
-    "ChatCompletionChoice",
-    "ChatCompletion",
-    "AdapterInfo",
-    "ModelCard",
-    "ModelList",
-    "LoadAdapterResponse",
-    "UnloadAdapterResponse",
-    "Health",
-    "_ERRORS",
-    "_SSE",
-    "_responses",
-    "TextStream",
-    "_check_unicode",
-    "KvgraftServer",
-    "_version",
-    "_BodyLimit",
-    "_Metrics",
-    "shipped_adapters",
-    "build_server",
-    "serve",
-]
 
 CHAT_STOP = "\n<|"
 MIN_TEMPERATURE = 1e-6  # below: greedy (see KvgraftServer._sampling)
@@ -233,12 +105,11 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_tokens_limit", "max_request_bytes", "default_max_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
-                raise ValueError(f"{name} ({value!r}) must be a {'non-negative' if name == 'max_queue' else 'positive'} integer")
+            check_int(name, value, low=0 if name == "max_queue" else 1)
         if self.adapter_dir is not None:
             self.adapter_dir = Path(self.adapter_dir).resolve()
             if not self.adapter_dir.is_dir():
-                raise ValueError(f"adapter directory {self.adapter_dir} does not exist")
+                raise ConfigError(f"adapter directory {self.adapter_dir} does not exist")
 
 
 def _check_unicode(text: str, param: str) -> None:
@@ -665,7 +536,7 @@ def build_server(
         raise FileNotFoundError(f"{path} has no tokenizer.json; the server needs one")
     cfg = ServerConfig(model_name=model_name or Path(path).resolve().name, **config)
     if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"dtype ({dtype!r}) must be one of {sorted(_DTYPES)} or None")
+        raise ConfigError(f"dtype ({dtype!r}) must be one of {sorted(_DTYPES)} or None")
     model = load_pretrained(path, dtype=None if dtype is None else _DTYPES[dtype]).eval()
 
     def detok(ids: list[int]) -> str:
@@ -689,7 +560,7 @@ def build_server(
                 adapters.setdefault(name, adapter_path)
     for name, source in adapters.items():
         if name == cfg.model_name:
-            raise ValueError(f"an adapter cannot take the base model's name {name!r}")
+            raise ConfigError(f"an adapter cannot take the base model's name {name!r}")
         engine.load_adapter(name, source)
     return KvgraftServer(engine, tokenizer, cfg)
 

@@ -42,12 +42,14 @@ from kvgraft.adapters.lora import dry_run as placement_dry_run
 from kvgraft.adapters.optim import adapter_param_groups, freeze
 from kvgraft.adapters.placement import Placement, get_preset
 from kvgraft.atomic import atomic_write_text
+from kvgraft.checks import check_int
 from kvgraft.data.tasks import TASKS, encode_example, generate_task, is_correct, load_task, read_task_info, tokenizer_eos_id
 from kvgraft.data.tasks.formats import TaskEncoding, check_prompt_format, resolve_prompt_format
 from kvgraft.data.tasks.recall import RECALL_MAX_TOKENS, RECALL_WINDOW
 from kvgraft.data.tasks.registry import SIZED_TASKS
 from kvgraft.data.tasks.sizing import TaskSizing, check_max_tokens, check_window
 from kvgraft.data.tasks.ui_reply import UI_MAX_TOKENS
+from kvgraft.errors import ConfigError
 from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir
 from kvgraft.reference import resolve_model
 from kvgraft.runtime.engine import Engine
@@ -109,26 +111,19 @@ class AdaptConfig:
         check_window(self.task_window)
         check_max_tokens(self.task_max_tokens)
         if self.frozen_cache not in MODES:
-            raise ValueError(f"frozen_cache {self.frozen_cache!r} is not one of {', '.join(MODES)}")
-        mb = self.frozen_cache_mb
-        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
-            raise ValueError(f"frozen_cache_mb ({mb!r}) must be a positive integer (MiB)")
+            raise ConfigError(f"frozen_cache {self.frozen_cache!r} is not one of {', '.join(MODES)}")
+        check_int("frozen_cache_mb", self.frozen_cache_mb, low=1, accepted="a positive integer (MiB)")
         if self.preset is not None:
             get_preset(self.preset)  # raises with the known names
-        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
-            raise ValueError(f"eval_every ({self.eval_every!r}) must be an integer >= 0")
+        check_int("eval_every", self.eval_every, low=0, accepted="an integer >= 0")
         for name in ("steps", "micro_batch_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} ({v!r}) must be a positive integer")
+            check_int(name, getattr(self, name), low=1)
         if self.accuracy_examples < 0 or self.warmup_steps < 0:
-            raise ValueError(f"accuracy_examples ({self.accuracy_examples}) and warmup_steps ({self.warmup_steps}) must be >= 0")
+            raise ConfigError(f"accuracy_examples ({self.accuracy_examples}) and warmup_steps ({self.warmup_steps}) must be >= 0")
         for name in ("val_examples", "test_examples"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} ({v!r}) must be a positive integer or None")
+            check_int(name, getattr(self, name), low=1, optional=True)
         if not self.lr > 0 or not math.isfinite(self.lr):
-            raise ValueError(f"lr ({self.lr!r}) must be a positive number")
+            raise ConfigError(f"lr ({self.lr!r}) must be a positive number")
         object.__setattr__(self, "freeze", tuple(self.freeze))
         object.__setattr__(self, "lr_multipliers", tuple((str(g), float(f)) for g, f in self.lr_multipliers))
         self.adapter_config()  # validates rank/alpha/dropout
@@ -148,7 +143,7 @@ class AdaptConfig:
 
     def resolved_placement(self) -> Placement:
         if self.is_default_placement:
-            raise ValueError("the default placement depends on the base: resolve it with for_base(config) first")
+            raise ConfigError("the default placement depends on the base: resolve it with for_base(config) first")
         if self.placement is not None:
             p = self.placement
         else:
@@ -215,7 +210,7 @@ def task_seq_len(tokenizer, splits, limit: int, encoding: TaskEncoding | None = 
     else:
         longest = max(len(encoding.encode(ex, 10**9)[0]) for exs in splits.values() for ex in exs) - 1
     if longest > limit:
-        raise ValueError(f"the task's longest example is {longest + 1} tokens; the model takes {limit + 1}")
+        raise ConfigError(f"the task's longest example is {longest + 1} tokens; the model takes {limit + 1}")
     return longest
 
 
@@ -254,7 +249,7 @@ def answer_accuracy(
         prompts = [encoding.prompt_ids(ex.prompt) for ex in examples]
     limit = model.config.max_position_embeddings
     if any(len(p) >= limit for p in prompts):
-        raise ValueError(f"a prompt is {max(len(p) for p in prompts)} tokens; the model takes {limit}")
+        raise ConfigError(f"a prompt is {max(len(p) for p in prompts)} tokens; the model takes {limit}")
     params = [SamplingParams(max_new_tokens=min(max_new_tokens, limit - len(p)), stop_token_ids=stops) for p in prompts]
     longest = max(len(p) + s.max_new_tokens for p, s in zip(prompts, params))
     engine = Engine(model, max_seqs=min(64, len(prompts)), max_batch_tokens=2048, max_seq_len=longest)
@@ -288,7 +283,7 @@ def frozen_prefix_loss(peft_model, cfg: AdaptConfig, log: Callable[[str], None] 
     why = cache_obstacle(peft_model)
     if why is not None:
         if cfg.frozen_cache == "on":
-            raise ValueError(f"the frozen-prefix cache was required (frozen_cache 'on'), but it does not apply: {why}")
+            raise ConfigError(f"the frozen-prefix cache was required (frozen_cache 'on'), but it does not apply: {why}")
         if log is not None:
             log(f"note: no frozen-prefix cache ({why}): every step runs the whole model")
         return lm_loss, None
@@ -317,16 +312,16 @@ def adapt(
     modules = [row["module"].removeprefix("model.") for row in report["modules"]]
     share = sharing(model_config, modules, path.name)
     if cfg.require_sharing and not share["applies"]:
-        raise ValueError(
+        raise ConfigError(
             f"sharing the cache was required, but it does not apply: {path.name} has no shared cache "
             "(not a causal encoder-decoder: no kv_source layers)"
         )
     if cfg.require_sharing and not share["shares_cache"]:
-        raise ValueError(f"sharing the cache was required, but this placement cannot share it: {share['why_not']}")
+        raise ConfigError(f"sharing the cache was required, but this placement cannot share it: {share['why_not']}")
     report["sharing"] = share
     first = planned_boundary(modules)  # the first adapted layer (a --freeze glob can only move it later)
     if cfg.frozen_cache == "on" and first == 0 and not cfg.freeze:
-        raise ValueError(
+        raise ConfigError(
             "the frozen-prefix cache was required (frozen_cache 'on'), but this placement adapts layer 0 "
             f"({next(m for m in modules if m.startswith('layers.0.'))}, ...): no frozen layer before it to cache; "
             "adapt from a later layer (e.g. --layers decoder-half) or turn the cache off"
@@ -346,7 +341,7 @@ def adapt(
         finished = json.loads(done.read_text())
         if _recorded(finished.get("config", {})) != now:
             why = _format_differences(finished.get("config", {}), now)
-            raise ValueError(
+            raise ConfigError(
                 f"{out} holds a finished run with another configuration{' (' + '; '.join(why) + ')' if why else ''}; "
                 "choose another --out"
             )
@@ -357,7 +352,7 @@ def adapt(
         state = json.loads((latest / "state.json").read_text())
         why = _format_differences(state.get("adapt_config", {}), now)
         if why:
-            raise ValueError(
+            raise ConfigError(
                 f"{out} holds an interrupted run with another prompt format or task sizing ({'; '.join(why)}); choose another --out"
             )
     if tokenizer is None:
@@ -508,7 +503,7 @@ def _resolve_format_and_sizing(cfg: AdaptConfig, task, tokenizer, path: Path, mo
     configuration with those values filled in (what the run records) and ``{"sized": bool}``."""
     if tokenizer is None:
         if cfg.prompt_format == "chat":
-            raise ValueError(f"prompt format 'chat' needs the base's chat template, and {path} has no tokenizer")
+            raise ConfigError(f"prompt format 'chat' needs the base's chat template, and {path} has no tokenizer")
         fmt = "plain"
     else:
         fmt = resolve_prompt_format(cfg.prompt_format, tokenizer, where=str(path))
@@ -516,7 +511,7 @@ def _resolve_format_and_sizing(cfg: AdaptConfig, task, tokenizer, path: Path, mo
     name = str(task)
     if name not in TASKS:
         if knobs:
-            raise ValueError(
+            raise ConfigError(
                 f"--window/--max-tokens size a task generated by name ({', '.join(SIZED_TASKS)}); the task "
                 f"directory {name} was sized when it was written (its task.json): drop them, or write it again "
                 "with kvgraft tasks NAME --window W --max-tokens N --tokenizer BASE"
@@ -524,12 +519,12 @@ def _resolve_format_and_sizing(cfg: AdaptConfig, task, tokenizer, path: Path, mo
         return dataclasses.replace(cfg, prompt_format=fmt), {"sized": False}
     if name not in SIZED_TASKS:
         if knobs:
-            raise ValueError(
+            raise ConfigError(
                 f"{name} has no token budget or distance to size (accepted: --window/--max-tokens with {', '.join(SIZED_TASKS)})"
             )
         return dataclasses.replace(cfg, prompt_format=fmt), {"sized": False}
     if name != "recall" and cfg.task_window is not None:
-        raise ValueError(f"--window {cfg.task_window} applies to recall only ({name} has no distance); drop it")
+        raise ConfigError(f"--window {cfg.task_window} applies to recall only ({name} has no distance); drop it")
     if not knobs and fmt == "plain":
         return dataclasses.replace(cfg, prompt_format=fmt), {"sized": False}
     window = cfg.task_window
@@ -556,7 +551,7 @@ def _check_task_dir(task, fmt: str, path: Path, log: Callable[[str], None] | Non
             )
         return None
     if sizing.get("prompt_format") != fmt:
-        raise ValueError(
+        raise ConfigError(
             f"the task {task} was sized in the {sizing.get('prompt_format')!r} prompt format (its task.json) and "
             f"this run uses {fmt!r}: run with --prompt-format {sizing.get('prompt_format')}, or write the task "
             f"again with --prompt-format {fmt}"

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from kvgraft.atomic import atomic_dir
+from kvgraft.errors import ConfigError
 
 PREFIX = "step_"
 
@@ -77,7 +78,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         params = dict(model.named_parameters())
         want = {n for n, p in params.items() if p.requires_grad}
         if set(saved) != want:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint {path} holds trainable parameters {sorted(set(saved) ^ want)[:5]} ... that do not match the model's"
             )
         with torch.no_grad():
@@ -86,7 +87,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     else:
         missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
         if missing or unexpected:
-            raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+            raise ConfigError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     if optimizer is not None:
         if (path / "optimizer.pt").is_file():
             optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))

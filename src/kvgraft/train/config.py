@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvgraft.errors import ConfigError
+
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -50,17 +52,17 @@ class TrainConfig:
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+                raise ConfigError(f"{name} ({value!r}) must be a positive integer")
         if self.warmup_steps < 0 or self.eval_every < 0:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) and eval_every ({self.eval_every}) must be >= 0")
+            raise ConfigError(f"warmup_steps ({self.warmup_steps}) and eval_every ({self.eval_every}) must be >= 0")
         if self.lr <= 0:
-            raise ValueError(f"lr ({self.lr}) must be > 0")
+            raise ConfigError(f"lr ({self.lr}) must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
+            raise ConfigError(f"min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
+            raise ConfigError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         if self.grad_clip < 0 or self.weight_decay < 0:
-            raise ValueError(f"grad_clip ({self.grad_clip}) and weight_decay ({self.weight_decay}) must be >= 0")
+            raise ConfigError(f"grad_clip ({self.grad_clip}) and weight_decay ({self.weight_decay}) must be >= 0")
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio``.

@@ -29,7 +29,9 @@ from tqdm.auto import tqdm
 
 from kvgraft.adapters.placement import PRESETS, Placement
 from kvgraft.atomic import atomic_write_text
+from kvgraft.checks import is_int
 from kvgraft.data.tasks.formats import resolve_prompt_format
+from kvgraft.errors import ConfigError
 from kvgraft.hf import load_config
 from kvgraft.reference import resolve_model
 from kvgraft.train.adapt import AdaptConfig, adapt
@@ -53,7 +55,7 @@ SWEEP_LRS = (3e-4, 1e-3, 3e-3, 1e-2)
 def parse_config(name: str) -> tuple[str, bool]:
     preset, frozen = (name[: -len(FROZEN)], True) if name.endswith(FROZEN) else (name, False)
     if preset not in PRESETS:
-        raise ValueError(
+        raise ConfigError(
             f"configuration {name!r}: unknown preset {preset!r}; known: {', '.join(PRESETS)} "
             f"(append {FROZEN!r} to freeze the pivot's KV writers)"
         )
@@ -74,7 +76,7 @@ def study_format(base, task, out_dir, prompt_format: str, task_window: int | Non
     tokenizer = load_tokenizer_dir(path) if path.is_dir() else None
     if tokenizer is None:
         if prompt_format == "chat":
-            raise ValueError(f"prompt format 'chat' needs the base's chat template, and {path} has no tokenizer")
+            raise ConfigError(f"prompt format 'chat' needs the base's chat template, and {path} has no tokenizer")
         fmt = "plain"
     else:
         fmt = resolve_prompt_format(prompt_format, tokenizer, where=str(path))
@@ -84,7 +86,7 @@ def study_format(base, task, out_dir, prompt_format: str, task_window: int | Non
         old = json.loads(file.read_text())
         diff = [f"{k} {old.get(k)!r} there, {v!r} here" for k, v in record.items() if k != "task" and old.get(k) != v]
         if diff:
-            raise ValueError(
+            raise ConfigError(
                 f"{out_dir} holds a study with another prompt format or task sizing ({'; '.join(diff)}); choose another --out"
             )
     else:
@@ -133,7 +135,7 @@ def lr_sweep(
     ``at_edge`` says whether the final pick is still at one)."""
     lrs = _check_lrs(lrs)
     if max_extensions < 0:
-        raise ValueError(f"max_extensions ({max_extensions}) must be >= 0")
+        raise ConfigError(f"max_extensions ({max_extensions}) must be >= 0")
     rows: list[dict[str, Any]] = []
     bar = _progress(len(lrs), "lr sweep", progress)
     extended = {"low": 0, "high": 0}
@@ -200,7 +202,7 @@ def lr_sweep(
 def _check_lrs(lrs) -> list[float]:
     grid = sorted(float(x) for x in lrs)
     if len(grid) < 2 or grid[0] <= 0 or len(set(grid)) != len(grid):
-        raise ValueError(f"lrs ({grid}) must be at least two distinct positive learning rates")
+        raise ConfigError(f"lrs ({grid}) must be at least two distinct positive learning rates")
     return grid
 
 
@@ -241,9 +243,9 @@ def placement_study(
     parsed = [parse_config(c) for c in configs]  # validate everything before any work
     _check_frozen_cache(frozen_cache, frozen_cache_mb)
     if seeds < 1 or steps < 10 or steps % 10:
-        raise ValueError(f"seeds ({seeds}) must be >= 1 and steps ({steps}) a multiple of 10 (evaluations every 10)")
+        raise ConfigError(f"seeds ({seeds}) must be >= 1 and steps ({steps}) a multiple of 10 (evaluations every 10)")
     if lr is not None and not lr > 0:
-        raise ValueError(f"lr ({lr}) must be > 0")
+        raise ConfigError(f"lr ({lr}) must be > 0")
     if lr is None:
         _check_lrs(sweep_lrs)
     fmt = study_format(base, task, out_dir, prompt_format, task_window, task_max_tokens)
@@ -438,17 +440,19 @@ def placement_curve(
     config = load_config(resolve_model(base))
     if lr is None:
         sweep_file = Path(out_dir).parent / "study" / "study.json"
-        raise ValueError(f"give lr (e.g. the placement study's pick, in {sweep_file})")
+        raise ConfigError(f"give lr (e.g. the placement study's pick, in {sweep_file})")
     if seeds < 1 or steps < 10 or steps % 10:
-        raise ValueError(f"seeds ({seeds}) must be >= 1 and steps ({steps}) a multiple of 10 (evaluations every 10)")
+        raise ConfigError(f"seeds ({seeds}) must be >= 1 and steps ({steps}) a multiple of 10 (evaluations every 10)")
     L = config.num_layers
     ks = tuple(range(L)) if first_layers is None else tuple(first_layers)
-    bad = [k for k in ks if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < L]
+    bad = [k for k in ks if not is_int(k) or not 0 <= k < L]
     if bad or not ks or len(set(ks)) != len(ks):
-        raise ValueError(f"first_layers {list(ks)}: each must be a distinct layer index in 0..{L - 1} (the model has {L} layers)")
+        raise ConfigError(
+            f"first_layers {list(ks)}: each must be a distinct layer index in 0..{L - 1} (the model has {L} layers)"
+        )
     ks = tuple(sorted(ks))
     if frozen_cache == "on" and 0 in ks:
-        raise ValueError("frozen_cache 'on' refuses k = 0 (layer 0 adapted); drop 0 from first_layers or use 'auto'")
+        raise ConfigError("frozen_cache 'on' refuses k = 0 (layer 0 adapted); drop 0 from first_layers or use 'auto'")
     fmt = study_format(base, task, out_dir, prompt_format, task_window, task_max_tokens)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from kvgraft.adapters.fingerprint import weights_sample
+from kvgraft.checks import check_int
+from kvgraft.errors import ConfigError
 from kvgraft.model.batch import DenseContext, active_context
 from kvgraft.model.ced import rope_tables
 from kvgraft.model.transformer import Transformer
@@ -158,8 +160,7 @@ class FrozenPrefixCache:
     """Per-example prefix outputs, least recently used evicted first, at most ``max_bytes`` in all."""
 
     def __init__(self, max_bytes: int) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ValueError(f"max_bytes ({max_bytes!r}) must be a positive integer")
+        check_int("max_bytes", max_bytes, low=1)
         self._entries: OrderedDict[bytes, tuple[Entry, int]] = OrderedDict()
         self.stats = CacheStats(max_bytes=max_bytes)
 
@@ -169,8 +170,7 @@ class FrozenPrefixCache:
 
     def resize(self, max_bytes: int) -> None:
         """A new bound (evicting down to it)."""
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ValueError(f"max_bytes ({max_bytes!r}) must be a positive integer")
+        check_int("max_bytes", max_bytes, low=1)
         self.stats.max_bytes = max_bytes
         self._evict(0)
 
@@ -232,10 +232,10 @@ class CachedLMLoss:
         self, model: nn.Module, cache: FrozenPrefixCache, precision: str = "fp32", fingerprint: str | None = None
     ) -> None:
         if precision not in PRECISIONS:
-            raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+            raise ConfigError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
         why = cache_obstacle(model)
         if why is not None:
-            raise ValueError(f"the frozen-prefix cache does not apply: {why}")
+            raise ConfigError(f"the frozen-prefix cache does not apply: {why}")
         self.tf = transformer_in(model)
         self.k = boundary(model)
         self.cache = cache
@@ -274,7 +274,7 @@ class CachedLMLoss:
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         if transformer_in(model) is not self.tf:
-            raise ValueError("this CachedLMLoss was built for another model")
+            raise ConfigError("this CachedLMLoss was built for another model")
         x, kv = self.prefix_outputs(batch["input_ids"])
         logits = run_suffix(self.tf, x, kv, self.k)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)

@@ -22,7 +22,9 @@ from accelerate import PartialState
 from torch import nn
 
 from kvgraft.atomic import atomic_dir
+from kvgraft.checks import check_int, check_number
 from kvgraft.data import CopyWindows, PackedDataset
+from kvgraft.errors import ConfigError
 from kvgraft.graft.convert import load_calibration
 from kvgraft.hf import load_pretrained, save_pretrained
 from kvgraft.hf.deepseek import export_deepseek_v3
@@ -50,29 +52,22 @@ class HealConfig:
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
-            raise ValueError(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
+            raise ConfigError(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
         if not 0 <= self.kl_weight <= 1:
-            raise ValueError(f"kl_weight ({self.kl_weight}) must be in [0, 1]")
+            raise ConfigError(f"kl_weight ({self.kl_weight}) must be in [0, 1]")
         if self.temperature <= 0:
-            raise ValueError(f"temperature ({self.temperature}) must be > 0")
+            raise ConfigError(f"temperature ({self.temperature}) must be > 0")
         if self.tokens is not None and self.fraction_of_pretraining is not None:
-            raise ValueError("give a token budget as tokens or as fraction_of_pretraining, not both")
-        if self.tokens is not None and (isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1):
-            raise ValueError(f"tokens ({self.tokens!r}) must be a positive integer")
+            raise ConfigError("give a token budget as tokens or as fraction_of_pretraining, not both")
+        check_int("tokens", self.tokens, low=1, optional=True, accepted="a positive integer")
         if self.fraction_of_pretraining is not None and not 0 < self.fraction_of_pretraining:
-            raise ValueError(f"fraction_of_pretraining ({self.fraction_of_pretraining}) must be > 0")
-        if (
-            isinstance(self.copy_fraction, bool)
-            or not isinstance(self.copy_fraction, (int, float))
-            or not 0 <= self.copy_fraction <= 1
-        ):
-            raise ValueError(f"copy_fraction ({self.copy_fraction!r}) must be a number in [0, 1]")
-        if self.copy_span is not None and (
-            isinstance(self.copy_span, bool) or not isinstance(self.copy_span, int) or self.copy_span < 1
-        ):
-            raise ValueError(f"copy_span ({self.copy_span!r}) must be a positive integer (at most half the sequence length)")
+            raise ConfigError(f"fraction_of_pretraining ({self.fraction_of_pretraining}) must be > 0")
+        check_number("copy_fraction", self.copy_fraction, low=0, high=1)
+        check_int(
+            "copy_span", self.copy_span, low=1, optional=True, accepted="a positive integer (at most half the sequence length)"
+        )
         if self.copy_span is not None and self.copy_fraction == 0:
-            raise ValueError(f"copy_span ({self.copy_span}) needs a copy_fraction above 0 (no window copies at 0)")
+            raise ConfigError(f"copy_span ({self.copy_span}) needs a copy_fraction above 0 (no window copies at 0)")
 
 
 def keep_fp32(model: nn.Module, suffixes: tuple[str, ...] = FP32_MODULES) -> list[str]:
@@ -154,11 +149,12 @@ def heal(
 
     hc = heal_config or HealConfig()
     if output_format not in ("kvgraft", "deepseek_v3", "both"):
-        raise ValueError(f"format {output_format!r} is not one of kvgraft, deepseek_v3, both")
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
-        raise ValueError(f"seq_len ({seq_len!r}) must be a positive integer")
+        raise ConfigError(f"format {output_format!r} is not one of kvgraft, deepseek_v3, both")
+    check_int("seq_len", seq_len, low=1, optional=True, accepted="a positive integer")
     if hc.copy_span is not None and seq_len is not None and hc.copy_span > seq_len // 2:
-        raise ValueError(f"copy_span ({hc.copy_span}) must be at most half the sequence length ({seq_len} // 2 = {seq_len // 2})")
+        raise ConfigError(
+            f"copy_span ({hc.copy_span}) must be at most half the sequence length ({seq_len} // 2 = {seq_len // 2})"
+        )
     src = resolve_model(model)
     out, data = Path(out), Path(data)
     student = load_pretrained(src, dtype=dtype)
@@ -166,7 +162,7 @@ def heal(
     teacher_model = None
     if hc.loss in ("kl", "mix"):
         if teacher is None:
-            raise ValueError(f"loss {hc.loss!r} needs a teacher model (the original, before conversion)")
+            raise ConfigError(f"loss {hc.loss!r} needs a teacher model (the original, before conversion)")
         teacher_model = load_pretrained(resolve_model(teacher), dtype=dtype)
     record = original_training(resolve_model(teacher)) if teacher is not None else None
     record = record or original_training(
@@ -183,14 +179,14 @@ def heal(
         if lr is None:  # an explicit lr (even a bad one, which TrainConfig names) is never replaced
             lr = original_lr / 10 if original_lr else None
         if lr is None:
-            raise ValueError("no learning rate: give one, or the original's (original_lr), or use a model whose card records it")
+            raise ConfigError("no learning rate: give one, or the original's (original_lr), or use a model whose card records it")
         recipe = dict(max_steps=100, lr=lr, weight_decay=0.1, grad_clip=1.0, precision="bf16", warmup_steps=10)
         train_config = TrainConfig(**{**recipe, **(train_overrides or {}), "lr": lr})
     base = train_config
     budget = hc.tokens
     if budget is None and hc.fraction_of_pretraining is not None:
         if pretraining_tokens is None:
-            raise ValueError("fraction_of_pretraining needs the original's pretraining tokens (pass pretraining_tokens)")
+            raise ConfigError("fraction_of_pretraining needs the original's pretraining tokens (pass pretraining_tokens)")
         budget = int(hc.fraction_of_pretraining * pretraining_tokens)
     if budget is not None:
         per_step = base.micro_batch_size * base.grad_accum * seq_len

@@ -28,6 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kvgraft.atomic import atomic_write_text
+from kvgraft.errors import ConfigError
 from kvgraft.train.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from kvgraft.train.config import TrainConfig
 from kvgraft.train.logging import RunLog
@@ -204,7 +205,7 @@ def train(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if len(train_data) == 0:
-        raise ValueError("train_data is empty")
+        raise ConfigError("train_data is empty")
     # Mixed precision is ours (torch.autocast), not Accelerate's: its process-wide state cannot change
     # between runs in one process (pretrain then heal, tests), and the fp32-master rule is explicit here.
     accelerator = accelerator or make_accelerator()
@@ -212,7 +213,7 @@ def train(
     for g in groups:
         g.setdefault("lr_scale", 1.0)
     if not any(p.requires_grad for g in groups for p in g["params"]):
-        raise ValueError("no trainable parameters: every parameter has requires_grad=False")
+        raise ConfigError("no trainable parameters: every parameter has requires_grad=False")
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
     step, tokens, elapsed_before = 0, 0, 0.0
@@ -226,7 +227,7 @@ def train(
     if hasattr(model, "gradient_checkpointing"):
         model.gradient_checkpointing = cfg.gradient_checkpointing  # type: ignore[assignment]  # any module with the switch
     elif cfg.gradient_checkpointing:
-        raise ValueError(f"gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing switch")
+        raise ConfigError(f"gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing switch")
     model, optimizer = accelerator.prepare(model, optimizer)
     log = RunLog(out_dir, enabled=accelerator.is_main_process)
     log.truncate_after(step)
@@ -382,7 +383,7 @@ def _check_config(out_dir: Path, cfg: TrainConfig, write: bool = True) -> dict[s
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if k not in _RESUME_FREE_FIELDS and theirs.get(k) != v}
         if diff and find_latest(out_dir) is not None:
             details = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(
+            raise ConfigError(
                 f"{out_dir} holds a run with a different training config ({details}); "
                 "resume with the same settings or choose another output directory"
             )

@@ -10,8 +10,9 @@ import numpy as np
 from accelerate import PartialState
 from tokenizers import Tokenizer
 
-from kvgraft.checks import check_writable
+from kvgraft.checks import check_int, check_writable
 from kvgraft.data import PackedDataset
+from kvgraft.errors import ConfigError
 from kvgraft.hf import save_pretrained
 from kvgraft.hf.config_map import natural_model_type
 from kvgraft.model import ModelConfig, Transformer
@@ -36,7 +37,7 @@ def check_data_vocab(data_dir: Path, config: ModelConfig, preset: str | None = N
     if tokenizer.is_file():
         size = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
         if size > config.vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"the data in {data_dir} uses a {size}-token vocabulary ({tokenizer}), but {name} has "
                 f"vocab_size {config.vocab_size}; {fix}"
             )
@@ -44,7 +45,7 @@ def check_data_vocab(data_dir: Path, config: ModelConfig, preset: str | None = N
         path = data_dir / "tokens" / f"{split}.npy"
         tokens = np.load(path, mmap_mode="r")
         if tokens.size and int(tokens.max()) >= config.vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"{path} holds token id {int(tokens.max())}, outside the vocabulary of {name} "
                 f"(vocab_size {config.vocab_size}); {fix}"
             )
@@ -70,10 +71,9 @@ def pretrain(
     train_config = train_config or TrainConfig(max_steps=1000)
     if seq_len is None:
         seq_len = config.max_position_embeddings
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len ({seq_len!r}) must be a positive integer")
+    check_int("seq_len", seq_len, low=1)
     if seq_len > config.max_position_embeddings:
-        raise ValueError(f"seq_len ({seq_len}) exceeds max_position_embeddings ({config.max_position_embeddings})")
+        raise ConfigError(f"seq_len ({seq_len}) exceeds max_position_embeddings ({config.max_position_embeddings})")
     for name in ("tokens/train.npy", "tokens/validation.npy"):
         if not (data_dir / name).exists():
             raise FileNotFoundError(f"{data_dir / name} is missing; run `kvgraft prepare-data --out {data_dir}` first")

@@ -26,6 +26,7 @@ import torch
 from kvgraft.adapters.fingerprint import resolve_base
 from kvgraft.adapters.lora import load_adapter, read_meta
 from kvgraft.adapters.optim import module_name
+from kvgraft.errors import ConfigError
 from kvgraft.hf import load_pretrained, load_tokenizer_dir
 from kvgraft.reference import resolve_model
 from kvgraft.train.adapt import encode_split, load_task_any, task_seq_len
@@ -53,7 +54,9 @@ def probe(
     """Gradient energy and zeroing ablation per module group (see the module docstring)."""
 
     if steps < 1 or micro_batch_size < 1 or val_examples < 1:
-        raise ValueError(f"steps ({steps}), micro_batch_size ({micro_batch_size}) and val_examples ({val_examples}) must be >= 1")
+        raise ConfigError(
+            f"steps ({steps}), micro_batch_size ({micro_batch_size}) and val_examples ({val_examples}) must be >= 1"
+        )
     meta = read_meta(adapter_dir)
     path = resolve_model(base) if base is not None else resolve_base(adapter_dir, meta)
     task_name, splits = load_task_any(task)

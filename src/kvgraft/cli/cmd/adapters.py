@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvgraft.adapters.placement import Placement
 from kvgraft.atomic import atomic_write_text
+from kvgraft.errors import ConfigError
 from kvgraft.train.adapt import DEFAULT_PRESET, AdaptConfig
 from kvgraft.train.adapt import adapt as run_adapt
 from kvgraft.train.experiment import DEFAULT_CONFIGS, SWEEP_LRS, placement_curve, placement_study
@@ -21,11 +22,11 @@ def adapt_config(args: argparse.Namespace) -> AdaptConfig:
     for item in args.lr_mult or ():
         glob, sep, factor = item.rpartition("=")
         if not sep or not glob:
-            raise ValueError(f"--lr-mult {item!r} must look like GLOB=FACTOR, e.g. '*.compressor.*=0.1'")
+            raise ConfigError(f"--lr-mult {item!r} must look like GLOB=FACTOR, e.g. '*.compressor.*=0.1'")
         try:
             mults.append((glob, float(factor)))
         except ValueError:
-            raise ValueError(f"--lr-mult {item!r}: {factor!r} is not a number") from None
+            raise ConfigError(f"--lr-mult {item!r}: {factor!r} is not a number") from None
     placement = None
     if args.layers is not None or args.modules is not None or args.include or args.exclude:
         layers = args.layers or "all"
@@ -33,7 +34,7 @@ def adapt_config(args: argparse.Namespace) -> AdaptConfig:
             try:
                 layers = tuple(int(x) for x in layers.split(","))
             except ValueError:
-                raise ValueError(
+                raise ConfigError(
                     f"--layers {args.layers!r}: all, encoder-half, decoder-half, from:K or a list like 4,5,6"
                 ) from None
         placement = Placement(
@@ -106,7 +107,7 @@ def adapt(args: argparse.Namespace) -> int:
 
 def experiment(args: argparse.Namespace) -> int:
     if args.first_layers and not args.sweep_first_layer:
-        raise ValueError("--first-layers needs --sweep-first-layer (it chooses the placement curve's k)")
+        raise ConfigError("--first-layers needs --sweep-first-layer (it chooses the placement curve's k)")
     if args.sweep_first_layer:
         curve = placement_curve(
             args.base,

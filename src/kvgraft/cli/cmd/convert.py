@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 
 from kvgraft.graft.convert import convert as run_convert
-from kvgraft.graft.options import options_from_cli
+from kvgraft.graft.options import ConvertOptions, options_from_cli
 
 
 def convert(args: argparse.Namespace) -> int:
-    record = run_convert(args.model, args.out, **options_from_cli(args))
+    record = run_convert(args.model, args.out, ConvertOptions(**options_from_cli(args)))
     if record["to"] == "ced":
         share = record["share_graft"]
         fits = ", ".join(f"layer {layer} <- {r['source']}: {r['relative_residual']:.3f}" for layer, r in share["readers"].items())

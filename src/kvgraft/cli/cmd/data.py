@@ -8,7 +8,7 @@ import sys
 from kvgraft.data import prepare_data as build_data
 from kvgraft.data.tasks import SIZED_TASKS, SPLITS, TASK_SUMMARIES, TASKS, load_sizing, read_task_info, write_task
 from kvgraft.data.tokenizer import load_tokenizer
-from kvgraft.errors import KvgraftError
+from kvgraft.errors import ConfigError, KvgraftError
 from kvgraft.reference import resolve_model
 
 
@@ -27,9 +27,9 @@ def tasks(args: argparse.Namespace) -> int:
             print(f"{name:>10}: {TASK_SUMMARIES[name]}")
         return 0
     if args.name is None or args.out is None:
-        raise ValueError(f"give a task name ({', '.join(TASKS)}) and --out DIR, or --list")
+        raise ConfigError(f"give a task name ({', '.join(TASKS)}) and --out DIR, or --list")
     if args.name not in TASKS:
-        raise ValueError(f"unknown task {args.name!r} (known: {', '.join(TASKS)})")
+        raise ConfigError(f"unknown task {args.name!r} (known: {', '.join(TASKS)})")
     sized = args.window is not None or args.max_tokens is not None or args.prompt_format is not None
     if sized:
         return _sized_task(args)
@@ -70,7 +70,7 @@ def tasks(args: argparse.Namespace) -> int:
 def _sized_task(args: argparse.Namespace) -> int:
     """``kvgraft tasks NAME --window/--max-tokens/--prompt-format``: sized for a model's tokenizer."""
     if args.name not in SIZED_TASKS:
-        raise ValueError(
+        raise ConfigError(
             f"--window, --max-tokens and --prompt-format size the tasks {', '.join(SIZED_TASKS)}; "
             f"{args.name} has no token budget or distance (drop them)"
         )

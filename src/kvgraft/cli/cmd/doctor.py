@@ -8,6 +8,7 @@ import json
 from kvgraft.atomic import atomic_write_text
 from kvgraft.checks import check_writable
 from kvgraft.cli.exit_codes import EXIT_BLOCKED
+from kvgraft.errors import ConfigError
 from kvgraft.graft.checklist import checklist, format_checklist
 from kvgraft.graft.doctor import doctor as run_doctor
 
@@ -15,7 +16,7 @@ from kvgraft.graft.doctor import doctor as run_doctor
 def doctor(args: argparse.Namespace) -> int:
     if args.after is not None:
         if args.original is None:
-            raise ValueError("--after needs --original (the model before conversion)")
+            raise ConfigError("--after needs --original (the model before conversion)")
         checks = checklist(args.after, args.original)
         print(format_checklist(checks))
         if args.json:

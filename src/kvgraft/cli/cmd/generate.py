@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvgraft.checks import check_text
+from kvgraft.errors import ConfigError, refusals_as_config_errors
 from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir
 from kvgraft.reference import resolve_model
 from kvgraft.runtime.detok import IncrementalText
@@ -18,25 +19,26 @@ def generate(args: argparse.Namespace) -> int:
     check_text("--prompt", args.prompt)  # argv bytes that are not UTF-8 arrive as lone surrogates
     for stop in args.stop or ():
         check_text("--stop", stop)
-    sampling = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=tuple(args.stop or ()),
-    )
+    with refusals_as_config_errors():  # the runtime refuses bad values with a plain ValueError
+        sampling = SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=tuple(args.stop or ()),
+        )
     if sampling.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens ({args.max_new_tokens}) must be >= 1")
+        raise ConfigError(f"--max-new-tokens ({args.max_new_tokens}) must be >= 1")
     path = resolve_model(args.model)
     tok = load_tokenizer_dir(path)
     if tok is None:
         raise FileNotFoundError(f"{path} has no tokenizer.json; generation needs one")
     ids = tok.encode(args.prompt)
     if not ids:
-        raise ValueError("the prompt is empty after tokenization; give a non-empty --prompt")
+        raise ConfigError("the prompt is empty after tokenization; give a non-empty --prompt")
     limit = load_config(path).max_position_embeddings  # checked on config.json, before the weights load
     if len(ids) + sampling.max_new_tokens > limit:
-        raise ValueError(
+        raise ConfigError(
             f"prompt ({len(ids)} tokens) + --max-new-tokens ({sampling.max_new_tokens}) exceeds the "
             f"model's max_position_embeddings ({limit})"
         )

@@ -19,8 +19,9 @@ from types import MappingProxyType
 from typing import Any
 
 from kvgraft.atomic import atomic_dir
+from kvgraft.checks import check_int, is_int
 from kvgraft.data.tokenizer import load_tokenizer
-from kvgraft.errors import KvgraftError
+from kvgraft.errors import ConfigError, KvgraftError
 from kvgraft.reference import reference_model_dir
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -88,10 +89,10 @@ class TaskSpec:
 
 
 def _check_seed(seed: object) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise TypeError(f"seed must be an int, not {type(seed).__name__} ({seed!r})")
     if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
+        raise ConfigError(f"seed must be >= 0, got {seed}")
     return seed
 
 
@@ -99,10 +100,9 @@ def _check_sizes(sizes: Mapping[str, int] | None) -> dict[str, int]:
     if sizes is None:
         return dict(SPLIT_SIZES)
     if not isinstance(sizes, Mapping) or set(sizes) != set(SPLITS):
-        raise ValueError(f"sizes must map exactly {', '.join(SPLITS)} to counts, got {sizes!r}")
+        raise ConfigError(f"sizes must map exactly {', '.join(SPLITS)} to counts, got {sizes!r}")
     for split, n in sizes.items():
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"sizes[{split!r}] must be an int >= 0, got {n!r}")
+        check_int(f"sizes[{split!r}]", n, low=0)
     return {s: sizes[s] for s in SPLITS}
 
 
@@ -151,17 +151,16 @@ def encode_example(tokenizer: Any, ex: Example, max_len: int, *, eos: bool | int
     appends that id. ``tokenizer`` is a ``tokenizers.Tokenizer`` or a transformers tokenizer.
     ValueError when the result is longer than ``max_len`` or the answer encodes to nothing.
     """
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    check_int("max_len", max_len, low=1)
     prompt_ids = _encode(tokenizer, ex.prompt)
     answer_ids = _encode(tokenizer, ex.answer)
     if not answer_ids:
-        raise ValueError("the example's answer encodes to no tokens")
+        raise ConfigError("the example's answer encodes to no tokens")
     eos_id = tokenizer_eos_id(tokenizer) if eos is True else None if eos is False else int(eos)
     tail = [eos_id] if eos_id is not None else []
     ids = prompt_ids + answer_ids + tail
     if len(ids) > max_len:
-        raise ValueError(
+        raise ConfigError(
             f"example is {len(ids)} tokens ({len(prompt_ids)} prompt + {len(answer_ids)} answer"
             f"{' + eos' if tail else ''}), longer than max_len={max_len}"
         )

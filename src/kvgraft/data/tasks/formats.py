@@ -26,7 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvgraft.checks import check_int
 from kvgraft.data.tasks.common import IGNORE_INDEX, Example, TaskError, _encode, encode_example, tokenizer_eos_id
+from kvgraft.errors import ConfigError
 
 PROMPT_FORMATS: tuple[str, ...] = ("plain", "chat", "auto")
 """The accepted ``--prompt-format`` values (``auto`` resolves to one of the other two)."""
@@ -182,14 +184,13 @@ class TaskEncoding:
     def encode(self, ex: Example, max_len: int) -> tuple[list[int], list[int]]:
         if self.chat is None:
             return encode_example(self.tokenizer, ex, max_len)
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        check_int("max_len", max_len, low=1)
         prompt = self.prompt_ids(ex.prompt)
         answer = self.answer_ids(ex.answer)
         if len(answer) < 2:
-            raise ValueError("the example's answer encodes to no tokens")
+            raise ConfigError("the example's answer encodes to no tokens")
         if len(prompt) + len(answer) > max_len:
-            raise ValueError(
+            raise ConfigError(
                 f"example is {len(prompt) + len(answer)} tokens ({len(prompt)} chat prompt + {len(answer) - 1} "
                 f"answer + end-of-turn), longer than max_len={max_len}"
             )

@@ -301,7 +301,7 @@ def _recall_info() -> dict[str, Any]:
 SPEC = TaskSpec(
     name="recall",
     summary="a ledger of codes and a question about a line at least 96 tokens above the answer, beyond "
-    "every layer's 64-token window (at most 500 tokens; kvgraft.data.recall)",
+    "every layer's 64-token window (at most 500 tokens; kvgraft.data.tasks.recall)",
     generator=_recall_generator,
     format={
         "fields": ["prompt", "answer", "target", "kind"],

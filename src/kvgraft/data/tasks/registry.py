@@ -31,6 +31,7 @@ from kvgraft.data.tasks.common import (
 from kvgraft.data.tasks.geometry import SPEC as _GEOMETRY
 from kvgraft.data.tasks.recall import SPEC as _RECALL
 from kvgraft.data.tasks.ui_reply import SPEC as _UI_REPLY
+from kvgraft.errors import ConfigError
 
 _SPECS: tuple[TaskSpec, ...] = (_GEOMETRY, _UI_REPLY, _RECALL)
 REGISTRY: Mapping[str, TaskSpec] = MappingProxyType({spec.name: spec for spec in _SPECS})
@@ -200,7 +201,7 @@ def accuracy(name: str, examples: Sequence[Example], generated: Iterable[str]) -
     """Fraction of ``examples`` that :func:`is_correct` accepts (``generated`` in the same order)."""
     outputs = list(generated)
     if len(outputs) != len(examples):
-        raise ValueError(f"{len(examples)} examples but {len(outputs)} generated texts")
+        raise ConfigError(f"{len(examples)} examples but {len(outputs)} generated texts")
     if not examples:
         return 0.0
     return sum(is_correct(name, e, g) for e, g in zip(examples, outputs)) / len(examples)

@@ -22,6 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from kvgraft.checks import is_int
 from kvgraft.data.tasks.common import Example, TaskError, _encode, _TokenCounter
 from kvgraft.data.tasks.formats import TaskEncoding, check_prompt_format
 from kvgraft.errors import KvgraftError
@@ -34,7 +35,7 @@ def check_positive(value: object, what: str, accepted: str) -> int | None:
     """``value`` when it is None or an int >= 1; :class:`TaskError` naming it and what is accepted otherwise."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise TaskError(f"{what} {value!r} is not accepted: {accepted}")
     return value
 

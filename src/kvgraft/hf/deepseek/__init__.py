@@ -67,15 +67,6 @@ from kvgraft.hf.deepseek.latent import (
     low_rank_query,
     pad_latent,
 )
-
-# The names of the single-module kvgraft.hf.deepseek, kept importable: the private helpers made public above
-# under new names, and those that stay private in their module.
-from kvgraft.hf.deepseek.latent import _least_squares_unit as _least_squares_unit
-from kvgraft.hf.deepseek.latent import _norm_scale as _norm_scale
-from kvgraft.hf.deepseek.latent import _pinned_constant as _pinned_constant
-from kvgraft.hf.deepseek.latent import _pow2_above as _pow2_above
-from kvgraft.hf.deepseek.measure import _kl as _kl
-from kvgraft.hf.deepseek.measure import _logits_pair as _logits_pair
 from kvgraft.hf.deepseek.measure import load_stock, measure_export, measure_export_error, perplexity
 from kvgraft.hf.deepseek.rope import (
     STOCK_ROPE_LAYOUTS,
@@ -84,7 +75,6 @@ from kvgraft.hf.deepseek.rope import (
     stock_rope_parameters,
     stride_rope_index,
 )
-from kvgraft.hf.deepseek.rope import _yarn_range_for_stock as _yarn_range_for_stock
 from kvgraft.hf.deepseek.tensors import (
     attention_bias_needed,
     deepseek_v3_config,
@@ -92,27 +82,6 @@ from kvgraft.hf.deepseek.tensors import (
     query_bias_layers,
     stock_tensors,
 )
-
-_stock_rope = stock_rope_parameters
-_config_problems = config_problems
-_weight_problems = weight_problems
-_nonzero = has_nonzero
-_Latent = Latent
-_LowRankQuery = LowRankQuery
-_pad_latent = pad_latent
-_low_rank_query = low_rank_query
-_collect_latents = collect_latents
-_approx_latent = approx_latent
-_exact_latent = exact_latent
-_latent_unit = latent_unit
-_collect_input_moments = collect_input_moments
-_EngineFold = EngineFold
-_engine_folds = engine_folds
-_interleave_perm = interleave_perm
-_stock_tensors = stock_tensors
-_attention_bias_needed = attention_bias_needed
-_q_bias_layers = query_bias_layers
-_perplexity = perplexity
 
 __all__ = [
     "ENGINE_LATENT_RMS",

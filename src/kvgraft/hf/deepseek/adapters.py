@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from kvgraft.adapters.fingerprint import relocate_reference
 from kvgraft.adapters.lora import META_FILE, base_fingerprint, check_base, read_meta
 from kvgraft.atomic import atomic_dir
+from kvgraft.errors import ConfigError
 from kvgraft.hf.deepseek.latent import LATENT_NORM_STRATEGIES, STOCK_LATENT_NORM_EPS
 from kvgraft.hf.deepseek.rope import stock_rope_parameters
 from kvgraft.hf.deepseek.tensors import interleave_perm, query_bias_layers
@@ -55,22 +56,22 @@ def export_adapter_deepseek_v3(
     cfg = model.config
     meta = read_meta(adapter_dir)
     if meta["base_fingerprint"] != base_fingerprint(cfg):
-        raise ValueError(f"adapter {adapter_dir} was not trained on this model")
+        raise ConfigError(f"adapter {adapter_dir} was not trained on this model")
     check_base(meta, model, adapter_dir)  # the same weights too (when the adapter records them)
     if set(cfg.attention_kinds) != {"mla"}:
-        raise ValueError("a stock DeepSeek-V3 export needs MLA on every layer")
+        raise ConfigError("a stock DeepSeek-V3 export needs MLA on every layer")
     if latent_norm not in LATENT_NORM_STRATEGIES:
-        raise ValueError(f"latent_norm {latent_norm!r} is not one of {', '.join(LATENT_NORM_STRATEGIES)}")
+        raise ConfigError(f"latent_norm {latent_norm!r} is not one of {', '.join(LATENT_NORM_STRATEGIES)}")
     pad = not cfg.mla_latent_norm
     if pad and latent_norm != "pad":
-        raise ValueError(
+        raise ConfigError(
             f"latent_norm {latent_norm!r}: the 'fit'/'scale' exports (the engine-safe default for a base "
             "without its own latent norm) change each layer's latent basis, which a kv_a/kv_b adapter "
             "would have to follow; export the base with target='transformers' (latent_norm 'pad', exact, "
             "transformers only) or give the base its own latent norm (mla_latent_norm, exact everywhere)"
         )
     if cfg.qkv_bias and query_bias_layers(model) and any(".self_attn.q_proj" in m for m in meta["modules"]):
-        raise ValueError(
+        raise ConfigError(
             f"adapter {adapter_dir} adapts q_proj of a base whose queries have a bias: stock DeepSeek-V3 "
             "takes them through its low-rank q_a_proj/q_b_proj path, which a q_proj delta cannot follow; "
             "train the adapter without q_proj (e.g. --modules kv_b_proj o_proj)"
@@ -82,7 +83,7 @@ def export_adapter_deepseek_v3(
     s = 1.0 if pad else (STOCK_LATENT_NORM_EPS / cfg.rms_norm_eps) ** 0.5
     mlp = [m for m in meta["modules"] if ".mlp." in m]
     if mlp:
-        raise ValueError(
+        raise ConfigError(
             f"adapter {adapter_dir} has MLP modules ({', '.join(mlp[:3])}{' ...' if len(mlp) > 3 else ''}): "
             "PEFT rewrites gate/up/down targets on deepseek_v3 into MoE expert parameters and would drop "
             "them silently; export an attention-only adapter (--modules attention)"

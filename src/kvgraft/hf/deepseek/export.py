@@ -16,7 +16,8 @@ from typing import cast
 
 import torch
 
-from kvgraft.errors import CheckpointError, UnsupportedModelError
+from kvgraft.checks import check_int
+from kvgraft.errors import CheckpointError, ConfigError, UnsupportedModelError
 from kvgraft.hf.deepseek.checks import (
     config_problems,
     deepseek_v3_fast_path,
@@ -279,23 +280,22 @@ def check_arguments(out_dir: Path, overwrite: bool, target: str, latent_norm: st
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"{out_dir} already exists; pass overwrite=True to replace it")
     if target not in STOCK_TARGETS:
-        raise ValueError(
+        raise ConfigError(
             f"target {target!r} is not one of {', '.join(STOCK_TARGETS)} ('engines': vLLM, SGLang and "
             "transformers; 'transformers': the exact bias constructions, transformers only)"
         )
     if latent_norm is None:
         latent_norm = "fit" if target == "engines" else "pad"
     if latent_norm not in LATENT_NORM_STRATEGIES:
-        raise ValueError(f"latent_norm {latent_norm!r} is not one of {', '.join(LATENT_NORM_STRATEGIES)}")
+        raise ConfigError(f"latent_norm {latent_norm!r} is not one of {', '.join(LATENT_NORM_STRATEGIES)}")
     if target == "engines" and latent_norm == "pad":
-        raise ValueError(
+        raise ConfigError(
             "latent_norm 'pad' holds its constant coordinate in kv_a_proj_with_mqa's bias, which vLLM "
             "and SGLang do not load (they would silently compute another model); use latent_norm 'fit' "
             "or 'scale' for target 'engines', or target='transformers' for the exact, transformers-only "
             "export"
         )
-    if isinstance(tail_sequences, bool) or not isinstance(tail_sequences, int) or tail_sequences < 1:
-        raise ValueError(f"tail_sequences ({tail_sequences!r}) must be a positive integer")
+    check_int("tail_sequences", tail_sequences, low=1)
     return latent_norm
 
 
@@ -311,7 +311,7 @@ def check_inputs(
     cannot be), the calibration's shape and the tokenizer directory checked."""
     rope_parameters, q_fold, rope_notes = stock_rope_parameters(cfg)
     if calibration is not None and (calibration.dim() != 2 or calibration.numel() == 0):
-        raise ValueError(f"calibration must be token ids of shape (N, T), got shape {tuple(calibration.shape)}")
+        raise ConfigError(f"calibration must be token ids of shape (N, T), got shape {tuple(calibration.shape)}")
     tokenizer_files: list[Path] = []
     if tokenizer_dir is not None:
         tokenizer_files = [Path(tokenizer_dir) / n for n in TOKENIZER_FILES if (Path(tokenizer_dir) / n).is_file()]
@@ -323,7 +323,7 @@ def check_inputs(
 def refuse_unfolded_biases(biased: list[int]) -> None:
     """``target="engines"`` without calibration: layers ``biased`` have attention biases it cannot fold."""
     if biased:
-        raise ValueError(
+        raise ConfigError(
             f"layers {biased} have attention biases: the engine-safe stock export folds them into bias-free weights "
             "through the attention input's mean direction, measured on calibration text; pass calibration token "
             "ids, or export with target='transformers' (exact, transformers only)"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgraft.errors import ConfigError
 from kvgraft.hf.deepseek.checks import has_nonzero, mla_layers
 from kvgraft.hf.deepseek.latent import run_with_kv_a_hooks
 from kvgraft.model.config import ModelConfig
@@ -92,7 +93,7 @@ def engine_fold(
     fold = EngineFold()
     if bq is not None or ba is not None:
         if moments is None:
-            raise ValueError(
+            raise ConfigError(
                 f"layer {i} has attention biases (q_proj / kv_a_proj): the engine-safe stock export folds them "
                 "into the weights through the attention input's mean direction, measured on calibration text; "
                 "pass calibration token ids, or export with target='transformers' (exact, transformers only)"
@@ -118,7 +119,7 @@ def engine_fold(
         value += v
     if bool(value.abs().max() > 0):
         if moments is None:
-            raise ValueError(
+            raise ConfigError(
                 f"layer {i} has a value or o_proj bias: the engine-safe stock export carries it as a constant "
                 "value through kv_b, fitted on calibration text; pass calibration token ids, or export with "
                 "target='transformers' (exact, transformers only)"

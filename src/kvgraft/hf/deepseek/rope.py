@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from kvgraft.errors import UnsupportedModelError
+from kvgraft.errors import ConfigError, UnsupportedModelError
 from kvgraft.model.config import ModelConfig, RopeConfig
 from kvgraft.model.fields import known
 from kvgraft.model.rope import rope_frequencies
@@ -136,7 +136,7 @@ def stock_rope_parameters(config: ModelConfig, layout: str | None = None) -> tup
     if layout is None:
         layout = stock_rope_layout(config) or "stride"
     if layout not in STOCK_ROPE_LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not one of {', '.join(STOCK_ROPE_LAYOUTS)}")
+        raise ConfigError(f"layout {layout!r} is not one of {', '.join(STOCK_ROPE_LAYOUTS)}")
     if layout == "prefix" and dr == d:
         layout = "stride"  # the same frequencies, at the model's own theta
     if kind == "dynamic" and dr != d:

@@ -54,6 +54,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from kvgraft.atomic import atomic_dir
+from kvgraft.checks import check_int
 from kvgraft.errors import CheckpointError
 from kvgraft.hf.deepseek.checks import MLP_PROJECTIONS, config_problems, deepseek_v3_fast_path, mlp_bias_problems
 from kvgraft.hf.deepseek.export import (
@@ -184,8 +185,7 @@ def export_deepseek_v3_streamed(
     largest output shard, the writer's memory. ``progress``: bars over the layers."""
     out_dir = Path(out_dir)
     latent_norm = check_arguments(out_dir, overwrite, target, latent_norm, tail_sequences)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size ({batch_size!r}) must be a positive integer")
+    check_int("batch_size", batch_size, low=1)
     cfg = config
     with CheckpointReader(model_dir) as reader:
         layers = ConvertedLayers(reader, cfg, device)
