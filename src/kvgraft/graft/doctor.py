@@ -466,77 +466,10 @@ def doctor(
         kind = f"{kind} + MLA on {len(mla_layers)}/{L} layers"
     sliding_layers = [i for i, t in enumerate(known(config.layer_types, "layer_types")) if t == "sliding_attention"]
 
-    fast_path = []
-    if (d_c, d_rope) == (FLASHMLA_KV_LORA_RANK, FLASHMLA_ROPE_DIM):
-        fast_path.append("d_c = 512 and d_rope = 64 match FlashMLA's decode kernels (576-wide cache rows)")
-    else:
-        fast_path.append(
-            f"FlashMLA's decode kernels need d_c = 512 and d_rope = 64; these ranks (d_c = {d_c}, "
-            f"d_rope = {d_rope}) miss them, so decode runs on the generic MLA path"
-        )
-
-    warnings = []
-    per_layer_after = d_c + d_rope
-    if per_layer_after > config.kv_width:
-        warnings.append(
-            f"d_c + d_rope = {d_c} + {d_rope} = {per_layer_after} values per layer is MORE than the "
-            f"model's current KV cache of {config.kv_width} per layer (2 x {K} kv heads x {hd}): "
-            f"the graft would grow the KV cache {per_layer_after / config.kv_width:.2f}x; choose "
-            f"d_c + d_rope < {config.kv_width}"
-        )
-    elif per_layer_after == config.kv_width:
-        warnings.append(
-            f"d_c + d_rope = {per_layer_after} values per layer equals the model's current KV cache "
-            f"({config.kv_width} per layer): the graft would not shrink the KV cache"
-        )
-
-    notes = []
-    if sliding_layers:
-        notes.append(
-            f"sliding window ({config.sliding_window} tokens on layers "
-            f"{_ranges(sliding_layers, L)}) is kept in kvgraft's format, but stock DeepSeek-V3 "
-            "export cannot express it"
-        )
-    if config.qkv_bias:
-        notes.append(
-            "q/k/v biases are folded into the MLA projections in kvgraft's format; the stock DeepSeek-V3 "
-            "export for engines (the default) folds them into bias-free weights through the attention "
-            "input's mean direction (approximate, error measured), --stock-construction exact keeps them "
-            "exact for transformers only (vLLM and SGLang load no attention bias)"
-        )
-    if config.o_bias:
-        notes.append("the o_proj bias is kept in kvgraft's format")
-    if config.qk_norm:
-        notes.append(
-            "per-head q/k RMSNorm (Qwen3): the query norm is kept (kvgraft format); the key norm sits "
-            "between k_proj and RoPE, so it is replaced by its least-squares linear fit on calibration "
-            "text (not exact: heal afterwards); the stock DeepSeek-V3 export linearises both (error "
-            "measured)"
-        )
-    if config.mlp_bias:
-        notes.append("MLP biases are kept in kvgraft's format; stock DeepSeek-V3 MLPs have no bias")
-    if config.rope.rope_type != "default":
-        rope = _rope_dict(config)
-        notes.append(f"RoPE scaling {_rope_text(rope)} is carried over to the MLA RoPE key")
-    if d_rope <= K * hd and (d_rope > hd or hd % d_rope):
-        notes.append(
-            f"d_rope ({d_rope}) does not divide head_dim ({hd}): the 'stride' RoPE selection cannot be "
-            "used; the 'prefix' one (the stock DeepSeek-V3 export's default) can"
-            + ("" if d_rope <= hd else f" only with d_rope <= head_dim ({hd})")
-            + ", and so can convert's default 'norm' selection (kvgraft format)"
-        )
-
+    fast_path, warnings, notes = _fast_path(d_c, d_rope), _warnings(config, d_c, d_rope), _notes(config, sliding_layers, d_rope)
     blockers = _blockers(config, d_c, d_rope)
-
     engines = [e.to_dict() for e in engine_support(d_c, d_rope, hd)]  # the graft keeps qk_nope = head_dim
-    params_after = None
-    if not blockers:
-        half = hd // 2
-        index = {layer: tuple(i % half for i in range(d_rope // 2)) for layer in range(L)}
-        try:
-            params_after = num_parameters(mla_model_config(config, GraftConfig(d_c, d_rope), index))
-        except ValueError:
-            params_after = None
+    params_after = None if blockers else _params_after(config, d_c, d_rope)
     verdict = "blocked" if blockers else "convertible with notes" if warnings or notes else "convertible"
     return DoctorReport(
         source=source,
@@ -575,6 +508,90 @@ def doctor(
         blockers=blockers,
         verdict=verdict,
     )
+
+
+def _fast_path(d_c: int, d_rope: int) -> list[str]:
+    """Whether the ranks match FlashMLA's decode kernels."""
+    fast_path = []
+    if (d_c, d_rope) == (FLASHMLA_KV_LORA_RANK, FLASHMLA_ROPE_DIM):
+        fast_path.append("d_c = 512 and d_rope = 64 match FlashMLA's decode kernels (576-wide cache rows)")
+    else:
+        fast_path.append(
+            f"FlashMLA's decode kernels need d_c = 512 and d_rope = 64; these ranks (d_c = {d_c}, "
+            f"d_rope = {d_rope}) miss them, so decode runs on the generic MLA path"
+        )
+    return fast_path
+
+
+def _warnings(config: ModelConfig, d_c: int, d_rope: int) -> list[str]:
+    """Ranks that would not shrink the KV cache."""
+    K, hd = config.num_kv_heads, known(config.head_dim, "head_dim")
+    warnings = []
+    per_layer_after = d_c + d_rope
+    if per_layer_after > config.kv_width:
+        warnings.append(
+            f"d_c + d_rope = {d_c} + {d_rope} = {per_layer_after} values per layer is MORE than the "
+            f"model's current KV cache of {config.kv_width} per layer (2 x {K} kv heads x {hd}): "
+            f"the graft would grow the KV cache {per_layer_after / config.kv_width:.2f}x; choose "
+            f"d_c + d_rope < {config.kv_width}"
+        )
+    elif per_layer_after == config.kv_width:
+        warnings.append(
+            f"d_c + d_rope = {per_layer_after} values per layer equals the model's current KV cache "
+            f"({config.kv_width} per layer): the graft would not shrink the KV cache"
+        )
+    return warnings
+
+
+def _notes(config: ModelConfig, sliding_layers: list[int], d_rope: int) -> list[str]:
+    """What the graft keeps, approximates or cannot carry to the stock export."""
+    L, K, hd = config.num_layers, config.num_kv_heads, known(config.head_dim, "head_dim")
+    notes = []
+    if sliding_layers:
+        notes.append(
+            f"sliding window ({config.sliding_window} tokens on layers "
+            f"{_ranges(sliding_layers, L)}) is kept in kvgraft's format, but stock DeepSeek-V3 "
+            "export cannot express it"
+        )
+    if config.qkv_bias:
+        notes.append(
+            "q/k/v biases are folded into the MLA projections in kvgraft's format; the stock DeepSeek-V3 "
+            "export for engines (the default) folds them into bias-free weights through the attention "
+            "input's mean direction (approximate, error measured), --stock-construction exact keeps them "
+            "exact for transformers only (vLLM and SGLang load no attention bias)"
+        )
+    if config.o_bias:
+        notes.append("the o_proj bias is kept in kvgraft's format")
+    if config.qk_norm:
+        notes.append(
+            "per-head q/k RMSNorm (Qwen3): the query norm is kept (kvgraft format); the key norm sits "
+            "between k_proj and RoPE, so it is replaced by its least-squares linear fit on calibration "
+            "text (not exact: heal afterwards); the stock DeepSeek-V3 export linearises both (error "
+            "measured)"
+        )
+    if config.mlp_bias:
+        notes.append("MLP biases are kept in kvgraft's format; stock DeepSeek-V3 MLPs have no bias")
+    if config.rope.rope_type != "default":
+        rope = _rope_dict(config)
+        notes.append(f"RoPE scaling {_rope_text(rope)} is carried over to the MLA RoPE key")
+    if d_rope <= K * hd and (d_rope > hd or hd % d_rope):
+        notes.append(
+            f"d_rope ({d_rope}) does not divide head_dim ({hd}): the 'stride' RoPE selection cannot be "
+            "used; the 'prefix' one (the stock DeepSeek-V3 export's default) can"
+            + ("" if d_rope <= hd else f" only with d_rope <= head_dim ({hd})")
+            + ", and so can convert's default 'norm' selection (kvgraft format)"
+        )
+    return notes
+
+
+def _params_after(config: ModelConfig, d_c: int, d_rope: int) -> int | None:
+    """The converted model's parameter count (None when its config cannot be built)."""
+    half = known(config.head_dim, "head_dim") // 2
+    index = {layer: tuple(i % half for i in range(d_rope // 2)) for layer in range(config.num_layers)}
+    try:
+        return num_parameters(mla_model_config(config, GraftConfig(d_c, d_rope), index))
+    except ValueError:
+        return None
 
 
 __all__ = [

@@ -276,40 +276,13 @@ def convert_layer(
     ``rope_rotation``: "real" (orthogonal head mixes per frequency) or "complex" (unitary: the kept rotated
     head is the best rank-1 complex fit of the KV heads' pair, see ``head_rotations``).
     """
-    H, K, d = num_heads, num_kv_heads, head_dim
-    h = w.q.shape[1]
-    group = H // K
-    dtype = torch.float64
-    dev = w.q.device if device is None else torch.device(device)  # where the fp64 math runs (CPU or a GPU)
-
-    def on_dev(t: Tensor) -> Tensor:
-        return t.to(device=dev, dtype=dtype)
-
-    def on_dev_or_none(t: Tensor | None) -> Tensor | None:
-        return None if t is None else on_dev(t)
-
-    w = GQAWeights(
-        on_dev(w.q),
-        on_dev(w.k),
-        on_dev(w.v),
-        on_dev(w.o),
-        on_dev_or_none(w.q_bias),
-        on_dev_or_none(w.k_bias),
-        on_dev_or_none(w.v_bias),
-        on_dev_or_none(w.o_bias),
-    )
+    sh = _Shape(num_heads, num_kv_heads, head_dim, w.q.shape[1], w.q.device if device is None else torch.device(device))
+    w = _on(w, sh.dev)  # where the fp64 math runs (CPU or a GPU)
     if rope_expectation is not None:
-        rope_expectation = rope_expectation.to(device=dev, dtype=dtype)
+        rope_expectation = rope_expectation.to(device=sh.dev, dtype=torch.float64)
     if q_norm_weight is not None:
-        q_norm_weight = q_norm_weight.to(dev)
-    if objective not in ("weights", "activations", "attention"):
-        raise ConfigError(f"unknown objective {objective!r}; expected weights, activations or attention")
-    if objective == "weights" or C is None:
-        if objective != "weights":
-            raise ConfigError(f"objective {objective!r} needs calibration statistics")
-        C = torch.eye(h, dtype=dtype, device=dev)
-    identity_C = objective == "weights"
-    C = C.to(device=dev, dtype=dtype)
+        q_norm_weight = q_norm_weight.to(sh.dev)
+    C, identity_C = _second_moment(C, objective, sh)
 
     # The h x h products with C, once per layer (the dominant cost at real widths: O(rows x h^2) each)
     def times_C(W: Tensor) -> Tensor:
@@ -320,10 +293,87 @@ def convert_layer(
     w_kC, w_vC = times_C(w.k), times_C(w.v)
 
     # ---- 1. RoPE decoupling ------------------------------------------------------------------
-    U = head_rotations(w.k, C, K, d, w_kC, rotation=rope_rotation)  # (d/2, K, K), complex128 if "complex"
+    U = head_rotations(w.k, C, sh.K, sh.d, w_kC, rotation=rope_rotation)  # (d/2, K, K), complex128 if "complex"
     if pairs is None:
-        scores = pair_scores(w, C, U, H, K, d, rope_expectation, w_qC=w_qC, w_kC=w_kC) if rope_selection == "norm" else None
-        pairs = choose_rope_pairs(rope_selection, d_rope, K, d, scores)
+        scores = (
+            pair_scores(w, C, U, sh.H, sh.K, sh.d, rope_expectation, w_qC=w_qC, w_kC=w_kC) if rope_selection == "norm" else None
+        )
+        pairs = choose_rope_pairs(rope_selection, d_rope, sh.K, sh.d, scores)
+    rope = _decouple_rope(w, w_kC, U, pairs, sh)
+    # ---- 2. joint K/V latent -----------------------------------------------------------------
+    A, B, b_y = _joint_latent(w, rope, w_qC, w_vC, objective, balance_kv, kv_lora_rank, sh)
+    # ---- 3. assemble MLA weights (per query head; GQA groups replicated) -----------------------
+    q_proj, q_bias, q_mix = _queries(w, U, pairs, rope_attention_scaling, rope_expectation, q_norm_weight, sh)
+    kv_a, kv_a_bias, kv_b, kv_b_bias = _latent_projections(w, rope, A, B, b_y, kv_lora_rank, sh)
+    return MLAWeights(
+        q_proj=q_proj,
+        kv_a_proj=kv_a,
+        kv_b_proj=kv_b,
+        o_proj=w.o,
+        rope_freq_index=tuple(f for _, f in pairs),
+        q_bias=q_bias,
+        kv_a_bias=kv_a_bias,
+        kv_b_bias=kv_b_bias,
+        o_bias=w.o_bias,
+        q_mix=q_mix,
+        q_norm=q_norm_weight,
+    )
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """One layer's sizes and where its fp64 math runs: H query heads, K KV heads of width d, hidden size h."""
+
+    H: int
+    K: int
+    d: int
+    h: int
+    dev: torch.device
+
+    @property
+    def group(self) -> int:
+        return self.H // self.K
+
+
+def _on(w: GQAWeights, dev: torch.device) -> GQAWeights:
+    """``w`` in float64 on ``dev``."""
+
+    def on_dev_or_none(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.to(device=dev, dtype=torch.float64)
+
+    q, k, v, o = (t.to(device=dev, dtype=torch.float64) for t in (w.q, w.k, w.v, w.o))
+    return GQAWeights(q, k, v, o, *(on_dev_or_none(b) for b in (w.q_bias, w.k_bias, w.v_bias, w.o_bias)))
+
+
+def _second_moment(C: Tensor | None, objective: str, sh: _Shape) -> tuple[Tensor, bool]:
+    """The layer input's E[x x^T] in float64 on the math device (the identity for objective "weights"), and
+    whether it is that identity."""
+    if objective not in ("weights", "activations", "attention"):
+        raise ConfigError(f"unknown objective {objective!r}; expected weights, activations or attention")
+    if objective == "weights" or C is None:
+        if objective != "weights":
+            raise ConfigError(f"objective {objective!r} needs calibration statistics")
+        C = torch.eye(sh.h, dtype=torch.float64, device=sh.dev)
+    return C.to(device=sh.dev, dtype=torch.float64), objective == "weights"
+
+
+@dataclass
+class _RopeSplit:
+    """Step 1's result: the shared RoPE key rows (2n, h) of the kept pairs (rotate-half: pair j -> rows j and
+    j + n) and the residual no-RoPE keys per group (K d, h), with ``k_resC`` = k_res @ C and the biases."""
+
+    n: int
+    k_rope: Tensor
+    k_rope_b: Tensor | None
+    k_res: Tensor
+    k_resC: Tensor
+    k_res_b: Tensor | None
+
+
+def _decouple_rope(w: GQAWeights, w_kC: Tensor, U: Tensor, pairs: list[tuple[int, int]], sh: _Shape) -> _RopeSplit:
+    """Step 1, RoPE decoupling: the kept (rotated head, frequency) pairs' key rows, and what remains of each
+    group's keys once they are taken out."""
+    K, d, dtype, dev = sh.K, sh.d, torch.float64, sh.dev
     n = len(pairs)
 
     # shared RoPE key rows: pair j -> rows j and j + n (rotate-half over d_rope)
@@ -334,7 +384,7 @@ def convert_layer(
     def back(m: int, f: int, g: int, rows: Tensor) -> Tensor:  # (2, ...): group g's part of k'_{m,f}, conj(U) k'
         return torch.stack(_mix(U[f][m, g].conj(), rows[0], rows[1]))
 
-    k_rope = torch.empty(2 * n, h, dtype=dtype, device=dev)
+    k_rope = torch.empty(2 * n, sh.h, dtype=dtype, device=dev)
     k_rope_b = torch.zeros(2 * n, dtype=dtype, device=dev) if w.k_bias is not None else None
     for j, (m, f) in enumerate(pairs):
         rows = rotated_k_rows(m, f, w.k)
@@ -355,13 +405,27 @@ def convert_layer(
             k_resC[_pair_rows(g, f, d)] -= back(m, f, g, rowsC)
             if k_res_b is not None and brow is not None:  # (both or neither)
                 k_res_b[_pair_rows(g, f, d)] -= back(m, f, g, brow)
+    return _RopeSplit(n, k_rope, k_rope_b, k_res, k_resC, k_res_b)
 
-    # ---- 2. joint K/V latent -----------------------------------------------------------------
-    W_y = torch.cat([k_res, w.v])  # (2Kd, h)
+
+def _joint_latent(
+    w: GQAWeights,
+    rope: _RopeSplit,
+    w_qC: Tensor | None,
+    w_vC: Tensor,
+    objective: str,
+    balance_kv: bool,
+    kv_lora_rank: int,
+    sh: _Shape,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Step 2, the joint K/V latent of [k_res; v]: (A (d_c, h) the down-projection, B (2Kd, d_c) the
+    up-projection back, the bias of [k_res; v] or None)."""
+    K, d, h, group, dtype, dev = sh.K, sh.d, sh.h, sh.group, torch.float64, sh.dev
+    W_y = torch.cat([rope.k_res, w.v])  # (2Kd, h)
     b_y = None
     if w.k_bias is not None or w.v_bias is not None:
         zeros = torch.zeros(K * d, dtype=dtype, device=dev)
-        b_y = torch.cat([k_res_b if k_res_b is not None else zeros, w.v_bias if w.v_bias is not None else zeros])
+        b_y = torch.cat([rope.k_res_b if rope.k_res_b is not None else zeros, w.v_bias if w.v_bias is not None else zeros])
     M = torch.eye(2 * K * d, dtype=dtype, device=dev)
     M_inv = torch.eye(2 * K * d, dtype=dtype, device=dev)
     if objective == "attention":
@@ -381,7 +445,7 @@ def convert_layer(
             s, s_inv = _sqrtm_psd(So)
             vr = slice(K * d + g * d, K * d + (g + 1) * d)
             M[vr, vr], M_inv[vr, vr] = s, s_inv
-    G = torch.cat([k_resC, w_vC]) @ W_y.T  # W_y C W_y^T, (2Kd, 2Kd)
+    G = torch.cat([rope.k_resC, w_vC]) @ W_y.T  # W_y C W_y^T, (2Kd, 2Kd)
     S = M @ ((G + G.T) / 2) @ M.T
     if balance_kv:
         e_k, e_v = torch.diagonal(S)[: K * d].sum(), torch.diagonal(S)[K * d :].sum()
@@ -396,8 +460,22 @@ def convert_layer(
     top = evecs[:, evals.argsort(descending=True)[:kv_lora_rank]]  # (2Kd, dc)
     A = top.T @ M @ W_y  # (dc, h): the latent down-projection
     B = M_inv @ top  # (2Kd, dc): up-projection back to [k_res; v]
+    return A, B, b_y
 
-    # ---- 3. assemble MLA weights (per query head; GQA groups replicated) -----------------------
+
+def _queries(
+    w: GQAWeights,
+    U: Tensor,
+    pairs: list[tuple[int, int]],
+    rope_attention_scaling: float,
+    rope_expectation: Tensor | None,
+    q_norm_weight: Tensor | None,
+    sh: _Shape,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Step 3, the queries: (q_proj, its bias, q_mix) per query head, [no-RoPE d | RoPE 2n] each; with a
+    query norm, q_proj stays the original and q_mix maps the normalised head."""
+    H, d, h, group, dtype, dev = sh.H, sh.d, sh.h, sh.group, torch.float64, sh.dev
+    n = len(pairs)
     scale = ((d + 2 * n) / d) ** 0.5  # new softmax scale 1/sqrt(d + d_rope) -> fold the ratio into q
     nope_scale = scale * rope_attention_scaling**2  # no-RoPE dims lose RoPE's cos/sin factor
     nope_map = torch.eye(d, dtype=dtype, device=dev)  # (d, d) applied to each head's query before the no-RoPE dot
@@ -435,30 +513,25 @@ def convert_layer(
                 q_mix[i, d + j, f], q_mix[i, d + j, f + d // 2] = cr, -ci
                 q_mix[i, d + n + j, f], q_mix[i, d + n + j, f + d // 2] = ci, cr
         q_proj, q_bias = w.q, w.q_bias
+    return q_proj, q_bias, q_mix
 
+
+def _latent_projections(
+    w: GQAWeights, rope: _RopeSplit, A: Tensor, B: Tensor, b_y: Tensor | None, kv_lora_rank: int, sh: _Shape
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """Step 3, the latent projections: (kv_a [A; k_rope], its bias, kv_b per query head, its bias)."""
+    K, d, dtype, dev = sh.K, sh.d, torch.float64, sh.dev
     B_k, B_v = B[: K * d].view(K, d, -1), B[K * d :].view(K, d, -1)
-    heads = torch.arange(H, device=dev) // group
-    kv_b = torch.cat([B_k[heads], B_v[heads]], dim=1).reshape(H * 2 * d, kv_lora_rank)
+    heads = torch.arange(sh.H, device=dev) // sh.group
+    kv_b = torch.cat([B_k[heads], B_v[heads]], dim=1).reshape(sh.H * 2 * d, kv_lora_rank)
     kv_b_bias = None
     if b_y is not None:
         bk, bv = b_y[: K * d].view(K, d), b_y[K * d :].view(K, d)
         kv_b_bias = torch.cat([bk[heads], bv[heads]], dim=1).reshape(-1)
-    kv_a = torch.cat([A, k_rope])
+    kv_a = torch.cat([A, rope.k_rope])
     kv_a_bias = None
-    if k_rope_b is not None:
-        kv_a_bias = torch.cat([torch.zeros(kv_lora_rank, dtype=dtype, device=dev), k_rope_b])
+    if rope.k_rope_b is not None:
+        kv_a_bias = torch.cat([torch.zeros(kv_lora_rank, dtype=dtype, device=dev), rope.k_rope_b])
     elif w.q_bias is not None or w.v_bias is not None:
-        kv_a_bias = torch.zeros(kv_lora_rank + 2 * n, dtype=dtype, device=dev)
-    return MLAWeights(
-        q_proj=q_proj,
-        kv_a_proj=kv_a,
-        kv_b_proj=kv_b,
-        o_proj=w.o,
-        rope_freq_index=tuple(f for _, f in pairs),
-        q_bias=q_bias,
-        kv_a_bias=kv_a_bias,
-        kv_b_bias=kv_b_bias,
-        o_bias=w.o_bias,
-        q_mix=q_mix,
-        q_norm=q_norm_weight,
-    )
+        kv_a_bias = torch.zeros(kv_lora_rank + 2 * rope.n, dtype=dtype, device=dev)
+    return kv_a, kv_a_bias, kv_b, kv_b_bias

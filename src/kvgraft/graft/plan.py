@@ -175,19 +175,16 @@ DEFAULT_NORM_REFINE_EPOCHS = 4  # refinement epochs when the graft has its own l
 def plan_conversion(model: str | Path | None, out: str | Path, options: ConvertOptions | None = None) -> ConvertPlan:
     """Check everything and decide everything for converting ``model`` to ``out``; load no weights.
 
-    ``options``: what ``convert`` is asked to do (None: ``ConvertOptions()``, the defaults). Reads the source's ``config.json``, its tokenizer (when it has one) and the calibration
-    tokens (``kvgraft.graft.calibration``), probes ``out`` for writing and checks the device. Raises what
-    ``convert`` raises for a bad argument, before any work."""
+    ``options``: what ``convert`` is asked to do (None: ``ConvertOptions()``, the defaults). Reads the
+    source's ``config.json``, its tokenizer (when it has one) and the calibration tokens
+    (``kvgraft.graft.calibration``), probes ``out`` for writing and checks the device. Raises what ``convert``
+    raises for a bad argument, before any work."""
 
     o = ConvertOptions() if options is None else options  # checked when built: the checks that need no model
     output_format, stock, to = o.resolved_format, o.stock, o.to
     check_device(o.device)
     src = resolve_model(model)
-    out = Path(out)
-    if out.exists() and not o.overwrite:
-        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
-    check_staging(out, o.resume, o.overwrite)  # an interrupted conversion's finished layers are not discarded silently
-    check_writable(out, what="output directory")
+    out = _check_output(Path(out), o)
     config = load_config(src)  # config.json only
     # the stock export always normalises the latent: graft that norm so the export is exact by construction. Not by
     # default with attention biases (Qwen2, Llama attention_bias): the engine-safe export folds them approximately
@@ -201,23 +198,108 @@ def plan_conversion(model: str | Path | None, out: str | Path, options: ConvertO
     hd = known(config.head_dim, "head_dim")
     kv_lora_rank, qk_rope_head_dim = o.kv_lora_rank, o.qk_rope_head_dim
     if o.target is not None:
-        problem = vllm_shape_problem(config.kv_width, hd)
-        if problem:
-            raise ConfigError(f"--target {o.target}: {problem}")
-        problem = vllm_rope_problem(config.rope.rope_type)
-        if problem:
-            raise ConfigError(
-                f"--target {o.target}: {problem}; --format deepseek_v3 without --target writes the "
-                "export exactly for transformers (with this warning)"
-            )
-        kv_lora_rank, qk_rope_head_dim = VLLM_PREFERRED
+        kv_lora_rank, qk_rope_head_dim = _target_ranks(o.target, config)
     seq_len = min(o.calibration_seq_len, config.max_position_embeddings)
     if o.calibration_tokens < seq_len and o.objective != "weights":
         raise ConfigError(
             f"calibration_tokens ({o.calibration_tokens}) must be at least one calibration sequence ({seq_len} tokens)"
         )
     already_mla = to == "ced" and set(known(config.attention_kinds, "attention_kinds")) == {"mla"}  # skip MLA step
-    rope_selection = o.rope_selection
+    d_c, d_rope, rank_notes = _ranks(config, o, already_mla, latent_norm, kv_lora_rank, qk_rope_head_dim)
+    rope_rotation = o.rope_rotation
+    if rope_rotation is None:  # complex measured better for MLA (bench/mla_ood.py); the share graft is unmeasured
+        rope_rotation = "real" if to == "ced" else "complex"
+    rope_selection = _rope_selection(o.rope_selection, o, config, d_rope)
+    graft = GraftConfig(
+        kv_lora_rank=d_c,
+        qk_rope_head_dim=d_rope,
+        objective=o.objective,
+        rope_selection=rope_selection,
+        layerwise=o.layerwise,
+        layers=o.layers,
+        rope_expectation=o.rope_expectation and o.objective != "weights",
+        calibration_shrinkage=o.calibration_shrinkage,
+        rope_rotation=rope_rotation,
+        refine_epochs=refine_epochs if o.objective != "weights" else 0,
+        refine_lr=o.refine_lr,
+        latent_norm=latent_norm,
+        # stock DeepSeek-V3 has no per-head q/k norms: the stock export takes their linear fits
+        qk_norm="linearise" if to == "ced" or (stock and config.qk_norm) else "keep",
+    )
+    if rope_selection == "stride" and (d_rope > hd or hd % d_rope):
+        note = " " + _STOCK_HEAD_NOTE.format(heads=config.num_kv_heads, head_dim=hd)
+        divisors = [v for v in range(2, hd + 1, 2) if hd % v == 0]
+        raise ConfigError(
+            f"rope selection 'stride' needs d_rope ({d_rope}) to divide head_dim ({hd}); "
+            f"pass --rope-dim with one of {divisors} or leave it to the default rule"
+            f"{note if stock and d_rope > hd else ''}"
+        )
+    predicted = config
+    if not already_mla:
+        graft.check_against(config)
+        predicted = _predicted_config(config, graft)
+    ced = None
+    if to == "ced":
+        sources = default_kv_sources(config.num_layers) if o.kv_source_layers is None else o.kv_source_layers
+        ced = CEDGraftConfig(kv_source_layers=sources, sliding_window=o.sliding_window, compress_rate=o.compress_rate)
+        ced.check_against(predicted)
+    if stock:
+        _check_stock(predicted, output_format)
+    tokenizer = load_tokenizer_dir(src)
+    calibration = None
+    if o.objective != "weights":
+        calibration = plan_calibration(src, o.calibration, o.calibration_tokens, seq_len, tokenizer, config.vocab_size)
+    return ConvertPlan(
+        source=src,
+        out=out,
+        options=o,
+        source_config=config,
+        output_format=output_format,
+        kv_lora_rank=d_c,
+        qk_rope_head_dim=d_rope,
+        rank_notes=rank_notes,
+        mla=None if already_mla else graft,
+        ced=ced,
+        calibration=calibration,
+        has_tokenizer=tokenizer is not None,
+    )
+
+
+def _check_output(out: Path, o: ConvertOptions) -> Path:
+    """``out`` when it may be written: refused when it exists (unless ``overwrite``), when an interrupted
+    conversion's finished layers would be discarded silently, or when it cannot be written."""
+    if out.exists() and not o.overwrite:
+        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+    check_staging(out, o.resume, o.overwrite)  # an interrupted conversion's finished layers are not discarded silently
+    check_writable(out, what="output directory")
+    return out
+
+
+def _target_ranks(target: str, config: ModelConfig) -> tuple[int, int]:
+    """(d_c, d_rope) a serve ``target`` asks for, or ConfigError saying why the model cannot take them."""
+    problem = vllm_shape_problem(config.kv_width, known(config.head_dim, "head_dim"))
+    if problem:
+        raise ConfigError(f"--target {target}: {problem}")
+    problem = vllm_rope_problem(config.rope.rope_type)
+    if problem:
+        raise ConfigError(
+            f"--target {target}: {problem}; --format deepseek_v3 without --target writes the "
+            "export exactly for transformers (with this warning)"
+        )
+    return VLLM_PREFERRED
+
+
+def _ranks(
+    config: ModelConfig,
+    o: ConvertOptions,
+    already_mla: bool,
+    latent_norm: bool,
+    kv_lora_rank: int | None,
+    qk_rope_head_dim: int | None,
+) -> tuple[int, int, tuple[str, ...]]:
+    """(d_c, d_rope, how they were chosen): an all-MLA source's own, else the default rule's
+    (``kvgraft.graft.ranks.default_ranks``) for what was given."""
+    stock, to, rope_selection = o.stock, o.to, o.rope_selection
     if already_mla:
         d_rope, d_c = known(config.qk_rope_head_dim, "qk_rope_head_dim"), known(config.kv_lora_rank, "kv_lora_rank")
         rank_notes: tuple[str, ...] = ()
@@ -243,9 +325,12 @@ def plan_conversion(model: str | Path | None, out: str | Path, options: ConvertO
                     f"RMSNorm exact, so the graft keeps d_c = {d_c} and the export caches {d_c + 1} + {d_rope}"
                 ),
             )
-    rope_rotation = o.rope_rotation
-    if rope_rotation is None:  # complex measured better for MLA (bench/mla_ood.py); the share graft is unmeasured
-        rope_rotation = "real" if to == "ced" else "complex"
+    return d_c, d_rope, rank_notes
+
+
+def _rope_selection(rope_selection: str, o: ConvertOptions, config: ModelConfig, d_rope: int) -> str:
+    """The RoPE selection ``auto`` stands for, checked against the stock export and the prefix layout."""
+    stock, to, output_format, hd = o.stock, o.to, o.resolved_format, known(config.head_dim, "head_dim")
     if rope_selection == "auto":  # the best measured ("norm") unless a stock export needs one of its layouts
         rope_selection = STOCK_ROPE_SELECTION if stock else "shared" if to == "ced" else "norm"
     if stock and rope_selection not in STOCK_LAYOUTS:
@@ -261,67 +346,21 @@ def plan_conversion(model: str | Path | None, out: str | Path, options: ConvertO
             f"one rotated head at the d_rope/2 fastest frequencies; pass --rope-dim with an even value <= "
             f"{hd} or leave it to the default rule{note if stock else ''}"
         )
-    graft = GraftConfig(
-        kv_lora_rank=d_c,
-        qk_rope_head_dim=d_rope,
-        objective=o.objective,
-        rope_selection=rope_selection,
-        layerwise=o.layerwise,
-        layers=o.layers,
-        rope_expectation=o.rope_expectation and o.objective != "weights",
-        calibration_shrinkage=o.calibration_shrinkage,
-        rope_rotation=rope_rotation,
-        refine_epochs=refine_epochs if o.objective != "weights" else 0,
-        refine_lr=o.refine_lr,
-        latent_norm=latent_norm,
-        # stock DeepSeek-V3 has no per-head q/k norms: the stock export takes their linear fits
-        qk_norm="linearise" if to == "ced" or (stock and config.qk_norm) else "keep",
-    )
-    if rope_selection == "stride" and (d_rope > hd or hd % d_rope):
-        divisors = [v for v in range(2, hd + 1, 2) if hd % v == 0]
-        raise ConfigError(
-            f"rope selection 'stride' needs d_rope ({d_rope}) to divide head_dim ({hd}); "
-            f"pass --rope-dim with one of {divisors} or leave it to the default rule"
-            f"{note if stock and d_rope > hd else ''}"
+    return rope_selection
+
+
+def _check_stock(predicted: ModelConfig, output_format: str) -> None:
+    """UnsupportedModelError when stock DeepSeek-V3 cannot hold the converted model."""
+    problems = config_problems(predicted)
+    if problems:
+        raise UnsupportedModelError(
+            "cannot export to stock DeepSeek-V3 (--format "
+            + output_format
+            + "): "
+            + "; ".join(problems)
+            + "; use --format kvgraft"
         )
-    predicted = config
-    if not already_mla:
-        graft.check_against(config)
-        predicted = _predicted_config(config, graft)
-    ced = None
-    if to == "ced":
-        sources = default_kv_sources(config.num_layers) if o.kv_source_layers is None else o.kv_source_layers
-        ced = CEDGraftConfig(kv_source_layers=sources, sliding_window=o.sliding_window, compress_rate=o.compress_rate)
-        ced.check_against(predicted)
-    if stock:
-        problems = config_problems(predicted)
-        if problems:
-            raise UnsupportedModelError(
-                "cannot export to stock DeepSeek-V3 (--format "
-                + output_format
-                + "): "
-                + "; ".join(problems)
-                + "; use --format kvgraft"
-            )
-        stock_rope_parameters(predicted)
-    tokenizer = load_tokenizer_dir(src)
-    calibration = None
-    if o.objective != "weights":
-        calibration = plan_calibration(src, o.calibration, o.calibration_tokens, seq_len, tokenizer, config.vocab_size)
-    return ConvertPlan(
-        source=src,
-        out=out,
-        options=o,
-        source_config=config,
-        output_format=output_format,
-        kv_lora_rank=d_c,
-        qk_rope_head_dim=d_rope,
-        rank_notes=rank_notes,
-        mla=None if already_mla else graft,
-        ced=ced,
-        calibration=calibration,
-        has_tokenizer=tokenizer is not None,
-    )
+    stock_rope_parameters(predicted)
 
 
 __all__ = ["ConvertPlan", "plan_conversion"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import cast
+from typing import NoReturn, cast
 
 from kvgraft.checks import check_int, is_number
 from kvgraft.errors import ConfigError, UnsupportedModelError
@@ -191,25 +191,7 @@ def default_ranks(
         d_rope = allowed[0]  # one frequency pair (or stock's smallest workable width) above the cap
         what += "; none fits, so the smallest workable d_rope"
     else:
-        reason, fix = "", "lower the compression"
-        if stock and allowed:  # only stock's widths are too wide: say which, why, and the budget they need
-            smaller = [v for v in range(2, allowed[0], 2) if stock_layout == "prefix" or hd % v == 0]
-            why = stock_rope_problem(config, smaller[-1], stock_layout) if smaller else None
-            need = allowed[0] + 1
-            reason = (
-                f"; a stock DeepSeek-V3 export of this model needs d_rope in {allowed}"
-                + (f" (at d_rope {smaller[-1]}: {why})" if why else "")
-                + f", so at least {need} values"
-            )
-            fix = f"pass --compression {math.floor(width / need * 1000) / 1000:g} or lower (or --kv-lora-rank with --rope-dim {allowed[0]})"
-        elif stock:
-            reason = "; stock DeepSeek-V3 export: " + (
-                stock_rope_problem(config, hd, stock_layout) or "no even divisor of head_dim fits"
-            )
-        raise ConfigError(
-            f"no RoPE width fits: compression leaves {budget} cached values per layer{reason}; {fix}, or export "
-            "kvgraft's own format (--format kvgraft)"
-        )
+        _refuse_rope_width(config, allowed, budget, stock, stock_layout)
     how.append(f"d_rope = largest {kind} <= {what}: {d_rope}")
     if budget is None:
         assert kv_lora_rank is not None  # no budget: d_c was given
@@ -218,6 +200,31 @@ def default_ranks(
     how.insert(0, f"budget = KV width / compression = {width} / {compression:g} = {budget} values per layer")
     how.append(f"d_c = budget - d_rope = {d_c}")
     return Ranks(d_c, d_rope, budget, tuple(how))
+
+
+def _refuse_rope_width(config: ModelConfig, allowed: list[int], budget: int | None, stock: bool, stock_layout: str) -> NoReturn:
+    """ConfigError: no RoPE width fits the budget; says which widths a stock export needs, why, and the
+    compression that would fit them."""
+    hd, width = known(config.head_dim, "head_dim"), config.kv_width
+    reason, fix = "", "lower the compression"
+    if stock and allowed:  # only stock's widths are too wide: say which, why, and the budget they need
+        smaller = [v for v in range(2, allowed[0], 2) if stock_layout == "prefix" or hd % v == 0]
+        why = stock_rope_problem(config, smaller[-1], stock_layout) if smaller else None
+        need = allowed[0] + 1
+        reason = (
+            f"; a stock DeepSeek-V3 export of this model needs d_rope in {allowed}"
+            + (f" (at d_rope {smaller[-1]}: {why})" if why else "")
+            + f", so at least {need} values"
+        )
+        fix = f"pass --compression {math.floor(width / need * 1000) / 1000:g} or lower (or --kv-lora-rank with --rope-dim {allowed[0]})"
+    elif stock:
+        reason = "; stock DeepSeek-V3 export: " + (
+            stock_rope_problem(config, hd, stock_layout) or "no even divisor of head_dim fits"
+        )
+    raise ConfigError(
+        f"no RoPE width fits: compression leaves {budget} cached values per layer{reason}; {fix}, or export "
+        "kvgraft's own format (--format kvgraft)"
+    )
 
 
 __all__ = [

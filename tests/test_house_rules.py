@@ -1,0 +1,110 @@
+"""House rules over ``src/kvgraft`` (issue 38): no function longer than 100 lines, none with more than 10
+parameters (``self``/``cls`` not counted; ``*args`` and ``**kwargs`` count one each), and no integer check
+written out by hand (``kvgraft.checks.check_int`` / ``is_int`` hold the one definition).
+
+``ALLOWED`` lists the functions that break a rule today, each with its reason. It can only shrink: a listed
+function that keeps the rule again fails the test until its entry is removed."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "kvgraft"
+MAX_LINES = 100
+MAX_PARAMS = 10
+ENGINE = "rewritten by the engine issue (37)"
+NOT_YET = "not yet split (issue 38 continues)"
+
+# (module path under src/kvgraft, qualified name, rule) -> reason
+ALLOWED: dict[tuple[str, str, str], str] = {
+    ("runtime/engine.py", "Engine.__init__", "lines"): ENGINE,
+    ("runtime/engine.py", "Engine.__init__", "params"): ENGINE,
+    ("model/cache.py", "PagedKVCache.__init__", "lines"): ENGINE,
+    ("model/plan.py", "_group", "params"): ENGINE,
+    ("model/rings.py", "WindowRings.__init__", "params"): "called by model/cache.py, " + ENGINE,
+    ("train/adapt.py", "adapt", "lines"): NOT_YET,
+    ("train/loop.py", "train", "lines"): NOT_YET,
+    ("train/loop.py", "train", "params"): NOT_YET,
+    ("train/heal.py", "heal", "lines"): NOT_YET,
+    ("train/heal.py", "heal", "params"): NOT_YET,
+    ("hf/deepseek/export.py", "export_deepseek_v3", "lines"): NOT_YET,
+    ("hf/deepseek/export.py", "export_deepseek_v3", "params"): NOT_YET,
+    ("hf/deepseek/export.py", "config_and_report", "params"): NOT_YET,
+    ("hf/deepseek/rope.py", "stock_rope_parameters", "lines"): NOT_YET,
+    ("hf/deepseek/stream.py", "export_deepseek_v3_streamed", "params"): NOT_YET,
+    ("hf/deepseek/stream.py", "_write_layers", "params"): NOT_YET,
+    ("data/tasks/ui_reply.py", "_component", "lines"): NOT_YET,
+    ("graft/ced_layerwise.py", "_ced_walk", "lines"): NOT_YET,
+    ("graft/mla_math.py", "convert_layer", "params"): "its keyword arguments are the tests' parity calls; " + NOT_YET,
+    ("train/experiment.py", "placement_study", "params"): NOT_YET,
+    ("train/experiment.py", "placement_curve", "lines"): NOT_YET,
+    ("train/experiment.py", "placement_curve", "params"): NOT_YET,
+    ("train/experiment.py", "lr_sweep", "params"): NOT_YET,
+    ("eval/report.py", "evaluate", "params"): NOT_YET,
+    ("serve/server.py", "build_server", "params"): "its keyword arguments are the tests' calls; " + NOT_YET,
+}
+# the files the engine issue rewrites: their hand-written integer checks go with them
+INT_CHECK_ALLOWED = {"model/batch.py", "model/cache.py", "model/plan.py", "runtime/", "vllm/"}
+
+
+def _functions(tree: ast.AST, prefix: str = ""):
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + node.name, node
+            yield from _functions(node, prefix + node.name + ".")
+        elif isinstance(node, ast.ClassDef):
+            yield from _functions(node, prefix + node.name + ".")
+        else:
+            yield from _functions(node, prefix)
+
+
+def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    names = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+    n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+    return n - 1 if a.args and a.args[0].arg in ("self", "cls") else n
+
+
+def _breaches() -> dict[tuple[str, str, str], int]:
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        for name, fn in _functions(ast.parse(path.read_text())):
+            lines = fn.end_lineno - fn.lineno + 1  # type: ignore[operator]
+            if lines > MAX_LINES:
+                found[(rel, name, "lines")] = lines
+            if _params(fn) > MAX_PARAMS:
+                found[(rel, name, "params")] = _params(fn)
+    return found
+
+
+def test_functions_fit_on_a_screen():
+    breaches = _breaches()
+    new = {k: v for k, v in breaches.items() if k not in ALLOWED}
+    assert not new, f"over {MAX_LINES} lines or {MAX_PARAMS} parameters (split it, or pass one options object): {new}"
+
+
+def test_the_allowlist_only_shrinks():
+    breaches = _breaches()
+    kept = [k for k in ALLOWED if k not in breaches]
+    assert not kept, f"these keep the rules now: remove them from ALLOWED: {kept}"
+
+
+@pytest.mark.parametrize("reason", sorted(set(ALLOWED.values())))
+def test_every_allowance_gives_a_known_reason(reason):
+    assert reason.endswith((ENGINE, NOT_YET))
+
+
+def test_integer_checks_have_one_definition():
+    pattern = re.compile(r"isinstance\(([^()]+), bool\) or not isinstance\(\1, ")
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if any(rel == a or (a.endswith("/") and rel.startswith(a)) for a in INT_CHECK_ALLOWED):
+            continue
+        found += [f"{rel}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, f"use kvgraft.checks.check_int / check_number / is_int: {found}"
