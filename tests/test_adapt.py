@@ -184,21 +184,23 @@ def test_cli_run_ends_with_the_sharing_verdict(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_study_table_and_probe_table(tmp_path):
-    from kvgraft.train.experiment import placement_study
+    from kvgraft.train.experiment import StudyOptions, placement_study
 
     study = placement_study(
         "kvgraft-ced-8m",
         "geometry",
         tmp_path / "study",
-        seeds=2,
-        steps=10,
-        configs=("encoder-half-r16", "decoder-half-r16"),
-        lr=2e-3,
-        micro_batch_size=4,
-        accuracy_examples=2,
-        progress=False,
-        val_examples=8,
-        test_examples=8,
+        StudyOptions(
+            seeds=2,
+            steps=10,
+            configs=("encoder-half-r16", "decoder-half-r16"),
+            lr=2e-3,
+            micro_batch_size=4,
+            accuracy_examples=2,
+            progress=False,
+            val_examples=8,
+            test_examples=8,
+        ),
     )
     assert len(study["decoder_minus_encoder_per_seed"]) == 2
     text = (tmp_path / "study" / "study.md").read_text()

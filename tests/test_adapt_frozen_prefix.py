@@ -13,7 +13,7 @@ from kvgraft.cli import main
 from kvgraft.cli.parser import build_parser
 from kvgraft.data.tasks import write_task
 from kvgraft.train.adapt import AdaptConfig, adapt
-from kvgraft.train.experiment import placement_curve, placement_study
+from kvgraft.train.experiment import CurveOptions, StudyOptions, placement_curve, placement_study
 from kvgraft.train.frozen_prefix import DEFAULT_MAX_MB, shared_cache
 
 # 3 epochs of a 16-example training split (micro-batches of 8, 6 steps), so later epochs read the cache
@@ -78,7 +78,7 @@ def test_the_cache_falls_back_with_a_note_or_is_refused_when_layer_0_trains(tmp_
     with pytest.raises(ValueError, match="frozen_cache 'yes' is not one of auto, on, off"):
         AdaptConfig(frozen_cache="yes")
     with pytest.raises(ValueError, match="frozen_cache 'sometimes'"):
-        placement_curve("kvgraft-ced-8m", "geometry", tmp_path / "curve", lr=1e-3, frozen_cache="sometimes")
+        placement_curve("kvgraft-ced-8m", "geometry", tmp_path / "curve", CurveOptions(lr=1e-3, frozen_cache="sometimes"))
     for sub in (["adapt", "x", "--task", "t", "--out", "o"], ["experiment", "placement", "--task", "t", "--out", "o"]):
         args = build_parser().parse_args(sub)
         assert (args.frozen_cache, args.frozen_cache_mb) == ("auto", DEFAULT_MAX_MB)  # the parser's literal default
@@ -99,7 +99,8 @@ def test_the_placement_study_with_the_cache_gives_the_same_table(tmp_path, small
     configs = ("decoder-half-r16+frozen-kv-writers", "all-linear-r16")
     kw = dict(seeds=1, steps=10, configs=configs, lr=2e-3, micro_batch_size=8, accuracy_examples=0, progress=False)
     studies = {
-        mode: placement_study("kvgraft-ced-8m", small_task, tmp_path / mode, frozen_cache=mode, **kw) for mode in ("off", "auto")
+        mode: placement_study("kvgraft-ced-8m", small_task, tmp_path / mode, StudyOptions(frozen_cache=mode, **kw))
+        for mode in ("off", "auto")
     }
     assert studies["off"]["table"] == {
         name: {**row, "step_time_s": studies["off"]["table"][name]["step_time_s"]}

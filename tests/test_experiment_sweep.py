@@ -10,6 +10,7 @@ import math
 import pytest
 
 from kvgraft.train import experiment
+from kvgraft.train.experiment import RunOptions
 
 
 def fake_adapt(optimum: float, calls: list[float]):
@@ -24,7 +25,7 @@ def fake_adapt(optimum: float, calls: list[float]):
 def test_a_pick_at_the_top_edge_extends_the_grid_until_it_is_inside(monkeypatch, tmp_path):
     calls: list[float] = []
     monkeypatch.setattr(experiment, "adapt", fake_adapt(2e-2, calls))
-    sweep = experiment.lr_sweep(None, "geometry", tmp_path, progress=False)
+    sweep = experiment.lr_sweep(None, "geometry", tmp_path, runs=RunOptions(progress=False))
     assert calls == [3e-4, 1e-3, 3e-3, 1e-2, 0.0333, 0.111]
     assert sweep["lr"] == 0.0333 and not sweep["at_edge"]
     assert sweep["extensions"] == {"low": 0, "high": 2}
@@ -34,7 +35,7 @@ def test_a_pick_at_the_top_edge_extends_the_grid_until_it_is_inside(monkeypatch,
 def test_a_pick_at_the_bottom_edge_extends_downwards(monkeypatch, tmp_path):
     calls: list[float] = []
     monkeypatch.setattr(experiment, "adapt", fake_adapt(1.5e-4, calls))
-    sweep = experiment.lr_sweep(None, "geometry", tmp_path, progress=False)
+    sweep = experiment.lr_sweep(None, "geometry", tmp_path, runs=RunOptions(progress=False))
     assert calls[4:] == [9e-05, 2.7e-05]
     assert sweep["lr"] == 9e-05 and not sweep["at_edge"] and sweep["extensions"] == {"low": 2, "high": 0}
 
@@ -42,13 +43,13 @@ def test_a_pick_at_the_bottom_edge_extends_downwards(monkeypatch, tmp_path):
 def test_an_interior_pick_runs_the_grid_only(monkeypatch, tmp_path):
     calls: list[float] = []
     monkeypatch.setattr(experiment, "adapt", fake_adapt(3e-3, calls))
-    sweep = experiment.lr_sweep(None, "geometry", tmp_path, progress=False)
+    sweep = experiment.lr_sweep(None, "geometry", tmp_path, runs=RunOptions(progress=False))
     assert calls == list(experiment.SWEEP_LRS) and sweep["lr"] == 3e-3 and not sweep["at_edge"]
 
 
 def test_without_extensions_the_result_says_the_pick_is_at_the_edge(monkeypatch, tmp_path):
     monkeypatch.setattr(experiment, "adapt", fake_adapt(1.0, []))
-    sweep = experiment.lr_sweep(None, "geometry", tmp_path, progress=False, max_extensions=0)
+    sweep = experiment.lr_sweep(None, "geometry", tmp_path, max_extensions=0, runs=RunOptions(progress=False))
     assert sweep["lr"] == 1e-2 and sweep["at_edge"]
     assert "still at the grid's edge" in experiment.study_markdown(
         {
@@ -69,5 +70,5 @@ def test_a_bad_grid_is_refused_before_any_run(monkeypatch, tmp_path, lrs):
     calls: list[float] = []
     monkeypatch.setattr(experiment, "adapt", fake_adapt(1e-3, calls))
     with pytest.raises(ValueError, match="at least two distinct positive"):
-        experiment.lr_sweep(None, "geometry", tmp_path, lrs=lrs, progress=False)
+        experiment.lr_sweep(None, "geometry", tmp_path, lrs=lrs, runs=RunOptions(progress=False))
     assert calls == []

@@ -9,7 +9,7 @@ import pytest
 
 from kvgraft.cli import main
 from kvgraft.data.tasks import write_task
-from kvgraft.train.experiment import placement_curve
+from kvgraft.train.experiment import CurveOptions, placement_curve
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def small_task(tmp_path_factory):
 
 def test_curve_on_chosen_first_layers(tmp_path, small_task):
     kw = dict(seeds=1, steps=10, lr=2e-3, micro_batch_size=8, val_examples=4, test_examples=4, progress=False)
-    curve = placement_curve("kvgraft-ced-8m", small_task, tmp_path / "c", first_layers=(7, 5), **kw)
+    curve = placement_curve("kvgraft-ced-8m", small_task, tmp_path / "c", CurveOptions(first_layers=(7, 5), **kw))
     assert [r["first_layer"] for r in curve["rows"]] == [5, 7]  # sorted
     assert sorted(p.name for p in (tmp_path / "c" / "runs").iterdir()) == ["from5", "from7"]
     # adapters on layers 5..7 hold more parameters than on layer 7 alone (same rank, all linear projections)
@@ -34,7 +34,7 @@ def test_curve_on_chosen_first_layers(tmp_path, small_task):
 @pytest.mark.parametrize("first_layers", [(8,), (-1,), (2, 2), ()])
 def test_curve_refuses_bad_first_layers(tmp_path, first_layers):
     with pytest.raises(ValueError, match=r"first_layers .* distinct layer index in 0\.\.7 \(the model has 8 layers\)"):
-        placement_curve("kvgraft-ced-8m", "geometry", tmp_path / "c", lr=1e-3, first_layers=first_layers)
+        placement_curve("kvgraft-ced-8m", "geometry", tmp_path / "c", CurveOptions(lr=1e-3, first_layers=first_layers))
     assert not (tmp_path / "c").exists()
 
 

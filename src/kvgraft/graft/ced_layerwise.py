@@ -157,21 +157,7 @@ def _ced_walk(
     ced_tail: _TailStack | None = None
     if checkpoint.state is None:
         start = 0
-        embed = src.tensor(EMBED)
-        writer.add(EMBED, embed)
-        hidden = F.embedding(calib.to(device), embed)
-        run = None if g is None else LayerGraft(config, g, rotary, hidden, clock={})
-        x_mla = hidden.float() if own_stream else None
-        del hidden
-        if run is not None and g is not None and g.rope_selection == "shared":  # a first pass: see _graft_layers
-            t0 = time.perf_counter()
-            run.shared_pairs = _shared_pairs(config, src.block, embed, rotary, g, sorted(run.layers), calib, 8, plan.progress)
-            run.clock["statistics"] += time.perf_counter() - t0
-        x = F.embedding(tail_ids, embed)
-        tails = [x, x]  # [original stack, CED stack]
-        del embed  # read again at the end when it is the head (tied)
-        clock = run.clock if run is not None else {}
-        clock.setdefault(SHARE_CLOCK, 0.0)
+        run, x_mla, tails, clock = _fresh_walk(plan, src, calib, writer, rotary, tail_ids, own_stream)
     else:
         start = int(checkpoint.state["next_layer"])
         run, tails, tensors = restore_walk(checkpoint, config, g, rotary, writer, src, times)
@@ -245,6 +231,37 @@ def _ced_walk(
         tail.add(i, *(F.linear(norm(x[i : i + 1]), head) for x in tails))
     times["tail"] += time.perf_counter() - t_tail
     return share.config, tail.record(), share.report
+
+
+def _fresh_walk(
+    plan: ConvertPlan,
+    src: SourceLayers,
+    calib: torch.Tensor,
+    writer: ShardWriter,
+    rotary: RotaryEmbedding,
+    tail_ids: torch.Tensor,
+    own_stream: bool,
+) -> tuple[LayerGraft | None, torch.Tensor | None, list[torch.Tensor], dict[str, float]]:
+    """The start of a walk that resumes nothing: the embedding written, the MLA graft's run over the
+    calibration states (None: the source is all MLA already), the walk's own MLA stream (None: the graft's is
+    used), the tail's states entering layer 0 ([original stack, CED stack]) and the clock."""
+    g, config, device = plan.mla, plan.source_config, torch.device(plan.device)
+    embed = src.tensor(EMBED)
+    writer.add(EMBED, embed)
+    hidden = F.embedding(calib.to(device), embed)
+    run = None if g is None else LayerGraft(config, g, rotary, hidden, clock={})
+    x_mla = hidden.float() if own_stream else None
+    del hidden
+    if run is not None and g is not None and g.rope_selection == "shared":  # a first pass: see _graft_layers
+        t0 = time.perf_counter()
+        run.shared_pairs = _shared_pairs(config, src.block, embed, rotary, g, sorted(run.layers), calib, 8, plan.progress)
+        run.clock["statistics"] += time.perf_counter() - t0
+    x = F.embedding(tail_ids, embed)
+    tails = [x, x]  # [original stack, CED stack]
+    del embed  # read again at the end when it is the head (tied)
+    clock = run.clock if run is not None else {}
+    clock.setdefault(SHARE_CLOCK, 0.0)
+    return run, x_mla, tails, clock
 
 
 __all__ = ["SHARE_CLOCK", "execute_layerwise_ced"]

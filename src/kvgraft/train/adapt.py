@@ -51,6 +51,7 @@ from kvgraft.data.tasks.sizing import TaskSizing, check_max_tokens, check_window
 from kvgraft.data.tasks.ui_reply import UI_MAX_TOKENS
 from kvgraft.errors import ConfigError
 from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir
+from kvgraft.model.config import ModelConfig
 from kvgraft.reference import resolve_model
 from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
@@ -307,26 +308,7 @@ def adapt(
     path = resolve_model(base)
     model_config = load_config(path)
     cfg = (cfg or AdaptConfig()).for_base(model_config)
-    placement = cfg.resolved_placement()
-    report = placement_dry_run(model_config, placement, cfg.adapter_config())  # validates before any work
-    modules = [row["module"].removeprefix("model.") for row in report["modules"]]
-    share = sharing(model_config, modules, path.name)
-    if cfg.require_sharing and not share["applies"]:
-        raise ConfigError(
-            f"sharing the cache was required, but it does not apply: {path.name} has no shared cache "
-            "(not a causal encoder-decoder: no kv_source layers)"
-        )
-    if cfg.require_sharing and not share["shares_cache"]:
-        raise ConfigError(f"sharing the cache was required, but this placement cannot share it: {share['why_not']}")
-    report["sharing"] = share
-    first = planned_boundary(modules)  # the first adapted layer (a --freeze glob can only move it later)
-    if cfg.frozen_cache == "on" and first == 0 and not cfg.freeze:
-        raise ConfigError(
-            "the frozen-prefix cache was required (frozen_cache 'on'), but this placement adapts layer 0 "
-            f"({next(m for m in modules if m.startswith('layers.0.'))}, ...): no frozen layer before it to cache; "
-            "adapt from a later layer (e.g. --layers decoder-half) or turn the cache off"
-        )
-    report["frozen_prefix_boundary"] = first
+    placement, report, share = _placement_report(cfg, model_config, path)
     tokenizer = load_tokenizer_dir(path)
     cfg, task_plan = _resolve_format_and_sizing(cfg, task, tokenizer, path, model_config)
     report["prompt_format"] = cfg.prompt_format
@@ -335,50 +317,15 @@ def adapt(
     if share["why_not"] and log is not None:
         log(f"note: this adapter will not share {path.name}'s cache: {share['why_not']}")
     out = Path(out_dir)
-    done = out / RESULT_FILE
-    now = json.loads(json.dumps(cfg.to_dict()))
-    if done.is_file():
-        finished = json.loads(done.read_text())
-        if _recorded(finished.get("config", {})) != now:
-            why = _format_differences(finished.get("config", {}), now)
-            raise ConfigError(
-                f"{out} holds a finished run with another configuration{' (' + '; '.join(why) + ')' if why else ''}; "
-                "choose another --out"
-            )
-        finished.setdefault("sharing", share)  # runs finished before the verdict was recorded
+    finished = _finished_run(out, cfg, share)
+    if finished is not None:
         return finished
-    latest = find_latest(out)
-    if latest is not None:  # an interrupted run: never resume it in another format or on another task sizing
-        state = json.loads((latest / "state.json").read_text())
-        why = _format_differences(state.get("adapt_config", {}), now)
-        if why:
-            raise ConfigError(
-                f"{out} holds an interrupted run with another prompt format or task sizing ({'; '.join(why)}); choose another --out"
-            )
     if tokenizer is None:
         raise FileNotFoundError(f"{path} has no tokenizer; adapting on a text task needs one")
-    encoding = TaskEncoding(tokenizer, cfg.prompt_format, where=str(path))
-    sizing = None
-    if task_plan["sized"]:
-        sizing = TaskSizing(
-            encoding,
-            path.name,
-            tokenizer_sha256=_tokenizer_sha(path),
-            window=cfg.task_window,
-            max_tokens=cfg.task_max_tokens,
-        )
-    task_name, splits = load_task_any(task, cfg.seed, sizing)
-    task_sizing: dict[str, Any] | None
-    if sizing is not None:  # what the task was sized for, defaults filled in
-        task_sizing = sizing.to_dict() | {"max_tokens": cfg.task_max_tokens or _DEFAULT_BUDGET[task_name]}
-    else:
-        task_sizing = _check_task_dir(task, cfg.prompt_format, path, log)
+    encoding, task_name, splits, task_sizing = _load_task(task, cfg, tokenizer, path, task_plan, log)
     model = load_pretrained(path).float()
     plain = cfg.prompt_format == "plain"  # today's encoding, bit for bit
-    seq_len = task_seq_len(tokenizer, splits, model.config.max_position_embeddings - 1, None if plain else encoding)
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else (model.config.eos_token_id or 0)
-    limits = {"train": None, "validation": cfg.val_examples, "test": cfg.test_examples}
-    data = {s: encode_split(tokenizer, exs[: limits[s]], seq_len, pad, None if plain else encoding) for s, exs in splits.items()}
+    seq_len, data = _encode_splits(tokenizer, splits, model.config, cfg, None if plain else encoding)
 
     torch.manual_seed(cfg.seed)  # the adapter's A matrices
     peft_model = add_adapter(model, placement, cfg.adapter_config())
@@ -388,24 +335,7 @@ def adapt(
     loss_fn, prefix = frozen_prefix_loss(peft_model, cfg, log)
     groups = adapter_param_groups(peft_model, 0.0, dict(cfg.lr_multipliers), cfg.loraplus_ratio)
     val_batches = math.ceil(len(data["validation"]) / cfg.micro_batch_size)
-    tcfg = TrainConfig(
-        max_steps=cfg.steps,
-        micro_batch_size=cfg.micro_batch_size,
-        lr=cfg.lr,
-        warmup_steps=cfg.warmup_steps,
-        weight_decay=0.0,
-        precision=cfg.precision,
-        eval_every=cfg.eval_every,
-        eval_batches=val_batches,
-        save_every=max(1, cfg.steps // 2),
-        keep_checkpoints=1,
-        log_every=1,
-        seed=cfg.seed,
-        max_time_s=cfg.max_time_s,
-        progress=cfg.progress,
-        grad_clip=1.0,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-    )
+    tcfg = _train_config(cfg, val_batches)
     t0 = time.perf_counter()
     result = train(
         peft_model,
@@ -436,20 +366,7 @@ def adapt(
         math.ceil(len(data["test"]) / cfg.micro_batch_size),
         precision=cfg.precision,
     )
-    accuracy = None
-    if cfg.accuracy_examples:
-        if plain:
-            answer_tokens = max(len(_ids(tokenizer, ex.answer)) for ex in splits["test"][: cfg.accuracy_examples])
-        else:
-            answer_tokens = max(len(encoding.answer_ids(ex.answer)) for ex in splits["test"][: cfg.accuracy_examples])
-        accuracy = answer_accuracy(
-            transformer_of(peft_model).eval(),
-            tokenizer,
-            task_name,
-            splits["test"][: cfg.accuracy_examples],
-            answer_tokens + 8,
-            None if plain else encoding,
-        )
+    accuracy = _accuracy(peft_model, tokenizer, task_name, splits["test"], cfg, None if plain else encoding)
     recorded = base_reference(path, out / "adapter")
     summary = {
         "task": task_name,
@@ -473,6 +390,138 @@ def adapt(
         "encoding": encoding.describe(),
         "task_sizing": task_sizing,
     }
+    return _write_result(peft_model, path, out, cfg, summary)
+
+
+def _encode_splits(
+    tokenizer: Any, splits: dict[str, list[Any]], config: ModelConfig, cfg: AdaptConfig, encoding: TaskEncoding | None
+) -> tuple[int, dict[str, list[Any]]]:
+    """(the sequence length, each split encoded to it): validation and test cut to ``cfg``'s limits;
+    ``encoding`` None: the plain encoding."""
+    seq_len = task_seq_len(tokenizer, splits, config.max_position_embeddings - 1, encoding)
+    pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
+    limits = {"train": None, "validation": cfg.val_examples, "test": cfg.test_examples}
+    return seq_len, {s: encode_split(tokenizer, exs[: limits[s]], seq_len, pad, encoding) for s, exs in splits.items()}
+
+
+def _placement_report(
+    cfg: AdaptConfig, model_config: ModelConfig, path: Path
+) -> tuple[Placement, dict[str, Any], dict[str, Any]]:
+    """(the placement, its dry-run report, the sharing verdict), or ConfigError when the run asks for what the
+    placement cannot give (a shared cache, a frozen layer 0 to cache)."""
+    placement = cfg.resolved_placement()
+    report = placement_dry_run(model_config, placement, cfg.adapter_config())  # validates before any work
+    modules = [row["module"].removeprefix("model.") for row in report["modules"]]
+    share = sharing(model_config, modules, path.name)
+    if cfg.require_sharing and not share["applies"]:
+        raise ConfigError(
+            f"sharing the cache was required, but it does not apply: {path.name} has no shared cache "
+            "(not a causal encoder-decoder: no kv_source layers)"
+        )
+    if cfg.require_sharing and not share["shares_cache"]:
+        raise ConfigError(f"sharing the cache was required, but this placement cannot share it: {share['why_not']}")
+    report["sharing"] = share
+    first = planned_boundary(modules)  # the first adapted layer (a --freeze glob can only move it later)
+    if cfg.frozen_cache == "on" and first == 0 and not cfg.freeze:
+        raise ConfigError(
+            "the frozen-prefix cache was required (frozen_cache 'on'), but this placement adapts layer 0 "
+            f"({next(m for m in modules if m.startswith('layers.0.'))}, ...): no frozen layer before it to cache; "
+            "adapt from a later layer (e.g. --layers decoder-half) or turn the cache off"
+        )
+    report["frozen_prefix_boundary"] = first
+    return placement, report, share
+
+
+def _finished_run(out: Path, cfg: AdaptConfig, share: dict[str, Any]) -> dict[str, Any] | None:
+    """The result of a finished run in ``out`` with this configuration (None: none there); ConfigError for a
+    finished or interrupted run with another one."""
+    done = out / RESULT_FILE
+    now = json.loads(json.dumps(cfg.to_dict()))
+    if done.is_file():
+        finished = json.loads(done.read_text())
+        if _recorded(finished.get("config", {})) != now:
+            why = _format_differences(finished.get("config", {}), now)
+            raise ConfigError(
+                f"{out} holds a finished run with another configuration{' (' + '; '.join(why) + ')' if why else ''}; "
+                "choose another --out"
+            )
+        finished.setdefault("sharing", share)  # runs finished before the verdict was recorded
+        return finished
+    latest = find_latest(out)
+    if latest is not None:  # an interrupted run: never resume it in another format or on another task sizing
+        state = json.loads((latest / "state.json").read_text())
+        why = _format_differences(state.get("adapt_config", {}), now)
+        if why:
+            raise ConfigError(
+                f"{out} holds an interrupted run with another prompt format or task sizing ({'; '.join(why)}); choose another --out"
+            )
+    return None
+
+
+def _load_task(
+    task: str | Path, cfg: AdaptConfig, tokenizer: Any, path: Path, task_plan: dict[str, Any], log: Callable[[str], None] | None
+) -> tuple[TaskEncoding, str, dict[str, list[Any]], dict[str, Any] | None]:
+    """(the encoding, the task's name, its splits, what it was sized for): a task generated by name is sized
+    with the base's tokenizer when ``task_plan`` says so."""
+    encoding = TaskEncoding(tokenizer, cfg.prompt_format, where=str(path))
+    sizing = None
+    if task_plan["sized"]:
+        sizing = TaskSizing(
+            encoding,
+            path.name,
+            tokenizer_sha256=_tokenizer_sha(path),
+            window=cfg.task_window,
+            max_tokens=cfg.task_max_tokens,
+        )
+    task_name, splits = load_task_any(task, cfg.seed, sizing)
+    task_sizing: dict[str, Any] | None
+    if sizing is not None:  # what the task was sized for, defaults filled in
+        task_sizing = sizing.to_dict() | {"max_tokens": cfg.task_max_tokens or _DEFAULT_BUDGET[task_name]}
+    else:
+        task_sizing = _check_task_dir(task, cfg.prompt_format, path, log)
+    return encoding, task_name, splits, task_sizing
+
+
+def _train_config(cfg: AdaptConfig, val_batches: int) -> TrainConfig:
+    """The loop's configuration for an adapter run."""
+    return TrainConfig(
+        max_steps=cfg.steps,
+        micro_batch_size=cfg.micro_batch_size,
+        lr=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=0.0,
+        precision=cfg.precision,
+        eval_every=cfg.eval_every,
+        eval_batches=val_batches,
+        save_every=max(1, cfg.steps // 2),
+        keep_checkpoints=1,
+        log_every=1,
+        seed=cfg.seed,
+        max_time_s=cfg.max_time_s,
+        progress=cfg.progress,
+        grad_clip=1.0,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
+
+
+def _accuracy(
+    peft_model: Any, tokenizer: Any, task_name: str, test: list[Any], cfg: AdaptConfig, encoding: TaskEncoding | None
+) -> float | None:
+    """Greedy answer accuracy on the first ``cfg.accuracy_examples`` test problems (None: 0 asked);
+    ``encoding`` None: the plain encoding."""
+    if not cfg.accuracy_examples:
+        return None
+    examples = test[: cfg.accuracy_examples]
+    if encoding is None:
+        answer_tokens = max(len(_ids(tokenizer, ex.answer)) for ex in examples)
+    else:
+        answer_tokens = max(len(encoding.answer_ids(ex.answer)) for ex in examples)
+    return answer_accuracy(transformer_of(peft_model).eval(), tokenizer, task_name, examples, answer_tokens + 8, encoding)
+
+
+def _write_result(peft_model: Any, path: Path, out: Path, cfg: AdaptConfig, summary: dict[str, Any]) -> dict[str, Any]:
+    """Save the adapter and ``result.json`` (then drop the resume checkpoints); the summary as written."""
+    done = out / RESULT_FILE
     save_adapter(
         peft_model,
         out / "adapter",

@@ -20,8 +20,10 @@ resumes from its checkpoint, so rerunning the same command continues the study.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,49 @@ DEFAULT_CONFIGS = (
     "all-linear-r8" + FROZEN,
 )
 SWEEP_LRS = (3e-4, 1e-3, 3e-3, 1e-2)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What every adapter run of an LR sweep, a placement study or a placement curve shares (``AdaptConfig``'s
+    fields of the same names; ``progress``: the study's own progress bar, the runs show none)."""
+
+    micro_batch_size: int = 16
+    val_examples: int | None = None  # validation problems scored per run (None: all)
+    frozen_cache: str = "auto"
+    frozen_cache_mb: int = DEFAULT_MAX_MB
+    prompt_format: str = "auto"
+    task_window: int | None = None
+    task_max_tokens: int | None = None
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class StudyOptions(RunOptions):
+    """:func:`placement_study`'s options (``lr`` None: picked by an LR sweep over ``sweep_lrs``)."""
+
+    seeds: int = 3
+    steps: int = 100
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    lr: float | None = None
+    sweep_lrs: tuple[float, ...] = SWEEP_LRS
+    sweep_steps: int = 30
+    accuracy_examples: int = 100
+    precision: str = "bf16"
+    test_examples: int | None = None
+
+
+@dataclass(frozen=True)
+class CurveOptions(RunOptions):
+    """:func:`placement_curve`'s options (``lr`` is required: the study's pick)."""
+
+    seeds: int = 3
+    steps: int = 100
+    rank: int = 16
+    lr: float | None = None
+    precision: str = "bf16"
+    first_layers: tuple[int, ...] | None = None
+    test_examples: int | None = None
 
 
 def parse_config(name: str) -> tuple[str, bool]:
@@ -119,25 +164,20 @@ def lr_sweep(
     steps: int = 30,
     preset: str = "all-linear-r16",
     max_extensions: int = 2,
-    micro_batch_size: int = 16,
-    progress: bool = True,
-    val_examples: int | None = None,
-    frozen_cache: str = "auto",
-    frozen_cache_mb: int = DEFAULT_MAX_MB,
-    prompt_format: str = "auto",
-    task_window: int | None = None,
-    task_max_tokens: int | None = None,
+    runs: RunOptions | None = None,
 ) -> dict[str, Any]:
     """Short runs at each LR; the pick is the lowest plateau (mean training loss over the last third). The
     runs score ``val_examples`` validation problems (None: all) and one test problem (the pick never
     reads the test split). A pick at an edge of the grid is not an optimum: the grid is extended past that
     edge by its own outer ratio and swept again, at most ``max_extensions`` times per edge (the result's
-    ``at_edge`` says whether the final pick is still at one)."""
+    ``at_edge`` says whether the final pick is still at one). ``runs``: what every run shares (None: the
+    defaults)."""
+    o = runs or RunOptions()
     lrs = _check_lrs(lrs)
     if max_extensions < 0:
         raise ConfigError(f"max_extensions ({max_extensions}) must be >= 0")
     rows: list[dict[str, Any]] = []
-    bar = _progress(len(lrs), "lr sweep", progress)
+    bar = _progress(len(lrs), "lr sweep", o.progress)
     extended = {"low": 0, "high": 0}
     pending = list(lrs)
     while pending:
@@ -151,16 +191,16 @@ def lr_sweep(
                 steps=steps,
                 lr=lr,
                 warmup_steps=max(1, steps // 10),
-                micro_batch_size=micro_batch_size,
+                micro_batch_size=o.micro_batch_size,
                 accuracy_examples=0,
                 progress=False,
-                val_examples=val_examples,
+                val_examples=o.val_examples,
                 test_examples=1,
-                frozen_cache=frozen_cache,
-                frozen_cache_mb=frozen_cache_mb,
-                prompt_format=prompt_format,
-                task_window=task_window,
-                task_max_tokens=task_max_tokens,
+                frozen_cache=o.frozen_cache,
+                frozen_cache_mb=o.frozen_cache_mb,
+                prompt_format=o.prompt_format,
+                task_window=o.task_window,
+                task_max_tokens=o.task_max_tokens,
             ),
         )
         losses = [loss for _, loss in r["train_curve"]]
@@ -212,65 +252,37 @@ def _round_lr(lr: float) -> float:
 
 
 def placement_study(
-    base: str | Path | None,
-    task: str | Path,
-    out_dir: str | Path,
-    seeds: int = 3,
-    steps: int = 100,
-    configs: tuple[str, ...] = DEFAULT_CONFIGS,
-    lr: float | None = None,
-    sweep_lrs: tuple[float, ...] = SWEEP_LRS,
-    sweep_steps: int = 30,
-    micro_batch_size: int = 16,
-    accuracy_examples: int = 100,
-    progress: bool = True,
-    precision: str = "bf16",
-    val_examples: int | None = None,
-    test_examples: int | None = None,
-    frozen_cache: str = "auto",
-    frozen_cache_mb: int = DEFAULT_MAX_MB,
-    prompt_format: str = "auto",
-    task_window: int | None = None,
-    task_max_tokens: int | None = None,
+    base: str | Path | None, task: str | Path, out_dir: str | Path, options: StudyOptions | None = None
 ) -> dict[str, Any]:
     """Run (or continue) the study; writes ``study.json``, ``study.md`` and ``curves.png`` to ``out_dir``.
     ``frozen_cache``/``frozen_cache_mb``: each run's frozen-prefix cache (``AdaptConfig``; 'auto' uses it
     for the configurations that leave layer 0 frozen; one cache for the process, so seeds share it).
     ``prompt_format`` (plain, chat, auto: chat when the base's tokenizer has a chat template) and
     ``task_window``/``task_max_tokens`` (a task generated by name, sized for the base): every run's, recorded
-    in ``study_config.json``; a rerun with another format or sizing is refused before any work."""
-
+    in ``study_config.json``; a rerun with another format or sizing is refused before any work. ``options``:
+    a :class:`StudyOptions` (None: the defaults)."""
+    o = options or StudyOptions()
+    configs, seeds, steps, lr = o.configs, o.seeds, o.steps, o.lr
     parsed = [parse_config(c) for c in configs]  # validate everything before any work
-    _check_frozen_cache(frozen_cache, frozen_cache_mb)
+    _check_frozen_cache(o.frozen_cache, o.frozen_cache_mb)
     if seeds < 1 or steps < 10 or steps % 10:
         raise ConfigError(f"seeds ({seeds}) must be >= 1 and steps ({steps}) a multiple of 10 (evaluations every 10)")
     if lr is not None and not lr > 0:
         raise ConfigError(f"lr ({lr}) must be > 0")
     if lr is None:
-        _check_lrs(sweep_lrs)
-    fmt = study_format(base, task, out_dir, prompt_format, task_window, task_max_tokens)
+        _check_lrs(o.sweep_lrs)
+    fmt = study_format(base, task, out_dir, o.prompt_format, o.task_window, o.task_max_tokens)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sweep = None
     if lr is None:
+        run_options = RunOptions(**{f.name: getattr(o, f.name) for f in dataclasses.fields(RunOptions)})
         sweep = lr_sweep(
-            base,
-            task,
-            out / "sweep",
-            sweep_lrs,
-            sweep_steps,
-            micro_batch_size=micro_batch_size,
-            progress=progress,
-            val_examples=val_examples,
-            frozen_cache=frozen_cache,
-            frozen_cache_mb=frozen_cache_mb,
-            prompt_format=fmt,
-            task_window=task_window,
-            task_max_tokens=task_max_tokens,
+            base, task, out / "sweep", o.sweep_lrs, o.sweep_steps, runs=dataclasses.replace(run_options, prompt_format=fmt)
         )
         lr = sweep["lr"]
     runs: dict[str, list[dict]] = {c: [] for c in configs}
-    bar = _progress(len(configs) * seeds, "placement study", progress)
+    bar = _progress(len(configs) * seeds, "placement study", o.progress)
     for seed in range(seeds):
         for name, (preset, frozen) in zip(configs, parsed):
             r = adapt(
@@ -283,17 +295,17 @@ def placement_study(
                     steps=steps,
                     lr=lr,
                     seed=seed,
-                    precision=precision,
-                    micro_batch_size=micro_batch_size,
-                    accuracy_examples=accuracy_examples,
-                    val_examples=val_examples,
-                    test_examples=test_examples,
+                    precision=o.precision,
+                    micro_batch_size=o.micro_batch_size,
+                    accuracy_examples=o.accuracy_examples,
+                    val_examples=o.val_examples,
+                    test_examples=o.test_examples,
                     progress=False,
-                    frozen_cache=frozen_cache,
-                    frozen_cache_mb=frozen_cache_mb,
+                    frozen_cache=o.frozen_cache,
+                    frozen_cache_mb=o.frozen_cache_mb,
                     prompt_format=fmt,
-                    task_window=task_window,
-                    task_max_tokens=task_max_tokens,
+                    task_window=o.task_window,
+                    task_max_tokens=o.task_max_tokens,
                 ),
             )
             runs[name].append(r)
@@ -412,31 +424,16 @@ def _save(fig, path: Path) -> None:
 
 
 def placement_curve(
-    base: str | Path | None,
-    task: str | Path,
-    out_dir: str | Path,
-    seeds: int = 3,
-    steps: int = 100,
-    rank: int = 16,
-    lr: float | None = None,
-    micro_batch_size: int = 16,
-    progress: bool = True,
-    precision: str = "bf16",
-    frozen_cache: str = "auto",
-    frozen_cache_mb: int = DEFAULT_MAX_MB,
-    first_layers: tuple[int, ...] | None = None,
-    val_examples: int | None = None,
-    test_examples: int | None = None,
-    prompt_format: str = "auto",
-    task_window: int | None = None,
-    task_max_tokens: int | None = None,
+    base: str | Path | None, task: str | Path, out_dir: str | Path, options: CurveOptions | None = None
 ) -> dict[str, Any]:
     """Adapters on layers k..L-1 for every k (all linear projections, the pivot's KV writers frozen); the
     runs with k >= 1 use the frozen-prefix cache unless ``frozen_cache`` is 'off' ('on': k = 0 is refused).
     ``first_layers``: the k to run (default every layer, 0..L-1; a subset makes a deep model's curve
-    affordable). ``val_examples``/``test_examples``: problems scored per run (default: all), as in the study."""
-
-    _check_frozen_cache(frozen_cache, frozen_cache_mb)
+    affordable). ``val_examples``/``test_examples``: problems scored per run (default: all), as in the study.
+    ``options``: a :class:`CurveOptions` (its ``lr`` is required)."""
+    o = options or CurveOptions()
+    seeds, steps, lr, frozen_cache, first_layers = o.seeds, o.steps, o.lr, o.frozen_cache, o.first_layers
+    _check_frozen_cache(frozen_cache, o.frozen_cache_mb)
     config = load_config(resolve_model(base))
     if lr is None:
         sweep_file = Path(out_dir).parent / "study" / "study.json"
@@ -453,11 +450,11 @@ def placement_curve(
     ks = tuple(sorted(ks))
     if frozen_cache == "on" and 0 in ks:
         raise ConfigError("frozen_cache 'on' refuses k = 0 (layer 0 adapted); drop 0 from first_layers or use 'auto'")
-    fmt = study_format(base, task, out_dir, prompt_format, task_window, task_max_tokens)
+    fmt = study_format(base, task, out_dir, o.prompt_format, o.task_window, o.task_max_tokens)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    bar = _progress(len(ks) * seeds, "placement curve", progress)
+    bar = _progress(len(ks) * seeds, "placement curve", o.progress)
     for k in ks:
         rs = []
         for seed in range(seeds):
@@ -469,21 +466,21 @@ def placement_curve(
                     AdaptConfig(
                         preset=None,
                         placement=Placement(f"from:{k}", ("all-linear",), freeze_kv_writers=True),
-                        rank=rank,
+                        rank=o.rank,
                         steps=steps,
                         lr=lr,
                         seed=seed,
-                        micro_batch_size=micro_batch_size,
-                        precision=precision,
+                        micro_batch_size=o.micro_batch_size,
+                        precision=o.precision,
                         accuracy_examples=0,
-                        val_examples=val_examples,
-                        test_examples=test_examples,
+                        val_examples=o.val_examples,
+                        test_examples=o.test_examples,
                         progress=False,
                         frozen_cache=frozen_cache,
-                        frozen_cache_mb=frozen_cache_mb,
+                        frozen_cache_mb=o.frozen_cache_mb,
                         prompt_format=fmt,
-                        task_window=task_window,
-                        task_max_tokens=task_max_tokens,
+                        task_window=o.task_window,
+                        task_max_tokens=o.task_max_tokens,
                     ),
                 )
             )
@@ -503,7 +500,7 @@ def placement_curve(
         "lr": lr,
         "steps": steps,
         "seeds": seeds,
-        "rank": rank,
+        "rank": o.rank,
         "prompt_format": fmt,
         "pivot": config.pivot_layer if config.is_ced else None,
         "rows": rows,

@@ -28,6 +28,7 @@ from kvgraft.errors import ConfigError
 from kvgraft.graft.convert import load_calibration
 from kvgraft.hf import load_pretrained, save_pretrained
 from kvgraft.hf.deepseek import export_deepseek_v3
+from kvgraft.model.transformer import Transformer
 from kvgraft.reference import resolve_model
 from kvgraft.train.checkpoint import find_latest, load_checkpoint
 from kvgraft.train.config import TrainConfig
@@ -148,13 +149,7 @@ def heal(
     """
 
     hc = heal_config or HealConfig()
-    if output_format not in ("kvgraft", "deepseek_v3", "both"):
-        raise ConfigError(f"format {output_format!r} is not one of kvgraft, deepseek_v3, both")
-    check_int("seq_len", seq_len, low=1, optional=True, accepted="a positive integer")
-    if hc.copy_span is not None and seq_len is not None and hc.copy_span > seq_len // 2:
-        raise ConfigError(
-            f"copy_span ({hc.copy_span}) must be at most half the sequence length ({seq_len} // 2 = {seq_len // 2})"
-        )
+    _check_heal_args(hc, output_format, seq_len)
     src = resolve_model(model)
     out, data = Path(out), Path(data)
     student = load_pretrained(src, dtype=dtype)
@@ -164,43 +159,13 @@ def heal(
         if teacher is None:
             raise ConfigError(f"loss {hc.loss!r} needs a teacher model (the original, before conversion)")
         teacher_model = load_pretrained(resolve_model(teacher), dtype=dtype)
-    record = original_training(resolve_model(teacher)) if teacher is not None else None
-    record = record or original_training(
-        Path(json.loads((src / "conversion.json").read_text())["source"]) if (src / "conversion.json").is_file() else src
-    )
-    if original_lr is None and record is not None:
-        original_lr = record["train_config"]["lr"]
-    if pretraining_tokens is None and record is not None:
-        pretraining_tokens = record["tokens_seen"]
+    original_lr, pretraining_tokens = _original_facts(src, teacher, original_lr, pretraining_tokens)
     if seq_len is None:
         seq_len = student.config.max_position_embeddings
-    if train_config is None:
-        lr = (train_overrides or {}).get("lr")
-        if lr is None:  # an explicit lr (even a bad one, which TrainConfig names) is never replaced
-            lr = original_lr / 10 if original_lr else None
-        if lr is None:
-            raise ConfigError("no learning rate: give one, or the original's (original_lr), or use a model whose card records it")
-        recipe = dict(max_steps=100, lr=lr, weight_decay=0.1, grad_clip=1.0, precision="bf16", warmup_steps=10)
-        train_config = TrainConfig(**{**recipe, **(train_overrides or {}), "lr": lr})
-    base = train_config
-    budget = hc.tokens
-    if budget is None and hc.fraction_of_pretraining is not None:
-        if pretraining_tokens is None:
-            raise ConfigError("fraction_of_pretraining needs the original's pretraining tokens (pass pretraining_tokens)")
-        budget = int(hc.fraction_of_pretraining * pretraining_tokens)
-    if budget is not None:
-        per_step = base.micro_batch_size * base.grad_accum * seq_len
-        steps = max(1, math.ceil(budget / per_step))
-        base = TrainConfig(**{**asdict(base), "max_steps": steps, "warmup_steps": min(base.warmup_steps, steps // 10)})
+    base = _loop_config(train_config, train_overrides, original_lr, hc, pretraining_tokens, seq_len)
     if hc.attention_only:
         freeze_outside_attention(student)
-    for name in ("tokens/train.npy", "tokens/validation.npy"):
-        if not (data / name).exists():
-            raise FileNotFoundError(f"{data / name} is missing; run `kvgraft prepare-data --out {data}` first")
-    train_ds: PackedDataset | CopyWindows = PackedDataset(data / "tokens" / "train.npy", seq_len)
-    if hc.copy_fraction > 0:
-        train_ds = CopyWindows(train_ds, hc.copy_fraction, hc.copy_span if hc.copy_span is not None else seq_len // 2)
-    val_ds = PackedDataset(data / "tokens" / "validation.npy", seq_len)
+    train_ds, val_ds = _datasets(data, seq_len, hc)
     if hc.loss == "lm":
         loss_fn = lm_loss
     else:
@@ -227,7 +192,6 @@ def heal(
     latest = find_latest(out)
     if latest is not None:
         load_checkpoint(latest, student)
-    tok_dir = src if (src / "tokenizer.json").is_file() else None
     summary = {
         **extra,
         "train_config": asdict(base),
@@ -240,6 +204,85 @@ def heal(
     if not PartialState().is_main_process:  # under a multi-process launch one process writes the result
         PartialState().wait_for_everyone()
         return result
+    _write_final(student, src, out, summary, output_format)
+    PartialState().wait_for_everyone()
+    return result
+
+
+def _check_heal_args(hc: HealConfig, output_format: str, seq_len: int | None) -> None:
+    """ConfigError for an output format, a sequence length or a copy span heal cannot take."""
+    if output_format not in ("kvgraft", "deepseek_v3", "both"):
+        raise ConfigError(f"format {output_format!r} is not one of kvgraft, deepseek_v3, both")
+    check_int("seq_len", seq_len, low=1, optional=True, accepted="a positive integer")
+    if hc.copy_span is not None and seq_len is not None and hc.copy_span > seq_len // 2:
+        raise ConfigError(
+            f"copy_span ({hc.copy_span}) must be at most half the sequence length ({seq_len} // 2 = {seq_len // 2})"
+        )
+
+
+def _original_facts(
+    src: Path, teacher: str | Path | None, original_lr: float | None, pretraining_tokens: int | None
+) -> tuple[float | None, int | None]:
+    """(the original's peak LR, its pretraining tokens): as given, else from the training record of the
+    teacher, or of the model the converted ``src`` came from (``conversion.json``), or of ``src`` itself."""
+    record = original_training(resolve_model(teacher)) if teacher is not None else None
+    record = record or original_training(
+        Path(json.loads((src / "conversion.json").read_text())["source"]) if (src / "conversion.json").is_file() else src
+    )
+    if original_lr is None and record is not None:
+        original_lr = record["train_config"]["lr"]
+    if pretraining_tokens is None and record is not None:
+        pretraining_tokens = record["tokens_seen"]
+    return original_lr, pretraining_tokens
+
+
+def _loop_config(
+    train_config: TrainConfig | None,
+    train_overrides: dict[str, Any] | None,
+    original_lr: float | None,
+    hc: HealConfig,
+    pretraining_tokens: int | None,
+    seq_len: int,
+) -> TrainConfig:
+    """The loop's settings: ``train_config``, else the recipe's with ``train_overrides`` and a peak LR of 1/10
+    of the original's; ``max_steps`` from the token budget when there is one."""
+    if train_config is None:
+        lr = (train_overrides or {}).get("lr")
+        if lr is None:  # an explicit lr (even a bad one, which TrainConfig names) is never replaced
+            lr = original_lr / 10 if original_lr else None
+        if lr is None:
+            raise ConfigError("no learning rate: give one, or the original's (original_lr), or use a model whose card records it")
+        recipe = dict(max_steps=100, lr=lr, weight_decay=0.1, grad_clip=1.0, precision="bf16", warmup_steps=10)
+        train_config = TrainConfig(**{**recipe, **(train_overrides or {}), "lr": lr})
+    base = train_config
+    budget = hc.tokens
+    if budget is None and hc.fraction_of_pretraining is not None:
+        if pretraining_tokens is None:
+            raise ConfigError("fraction_of_pretraining needs the original's pretraining tokens (pass pretraining_tokens)")
+        budget = int(hc.fraction_of_pretraining * pretraining_tokens)
+    if budget is not None:
+        per_step = base.micro_batch_size * base.grad_accum * seq_len
+        steps = max(1, math.ceil(budget / per_step))
+        base = TrainConfig(**{**asdict(base), "max_steps": steps, "warmup_steps": min(base.warmup_steps, steps // 10)})
+    return base
+
+
+def _datasets(data: Path, seq_len: int, hc: HealConfig) -> tuple[PackedDataset | CopyWindows, PackedDataset]:
+    """(the training windows, copy windows among them when ``hc.copy_fraction``; the validation windows)."""
+    for name in ("tokens/train.npy", "tokens/validation.npy"):
+        if not (data / name).exists():
+            raise FileNotFoundError(f"{data / name} is missing; run `kvgraft prepare-data --out {data}` first")
+    train_ds: PackedDataset | CopyWindows = PackedDataset(data / "tokens" / "train.npy", seq_len)
+    if hc.copy_fraction > 0:
+        train_ds = CopyWindows(train_ds, hc.copy_fraction, hc.copy_span if hc.copy_span is not None else seq_len // 2)
+    val_ds = PackedDataset(data / "tokens" / "validation.npy", seq_len)
+    return train_ds, val_ds
+
+
+def _write_final(student: Transformer, src: Path, out: Path, summary: dict[str, Any], output_format: str) -> None:
+    """``out/final``, written whole or not at all: the healed model in kvgraft's format and/or as stock
+    DeepSeek-V3, its card, ``heal.json`` and the source's eval slices."""
+    tok_dir = src if (src / "tokenizer.json").is_file() else None
     healed = student.float()
     what = "causal encoder-decoder (share graft)" if student.config.is_ced else "MLA graft"
     files = {"heal.json": json.dumps(summary, indent=2) + "\n", "README.md": heal_card(summary, src, what)}
@@ -256,8 +299,6 @@ def heal(
             export_deepseek_v3(healed, tmp / "deepseek_v3", tokenizer_dir=tok_dir, calibration=calib)
         if (src / "eval").is_dir():
             shutil.copytree(src / "eval", tmp / "eval")
-    PartialState().wait_for_everyone()
-    return result
 
 
 def _copy_row(hc: dict[str, Any]) -> str:

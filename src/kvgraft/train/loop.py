@@ -209,21 +209,8 @@ def train(
     # Mixed precision is ours (torch.autocast), not Accelerate's: its process-wide state cannot change
     # between runs in one process (pretrain then heal, tests), and the fp32-master rule is explicit here.
     accelerator = accelerator or make_accelerator()
-    groups = param_groups if param_groups is not None else default_param_groups(model, cfg.weight_decay)
-    for g in groups:
-        g.setdefault("lr_scale", 1.0)
-    if not any(p.requires_grad for g in groups for p in g["params"]):
-        raise ConfigError("no trainable parameters: every parameter has requires_grad=False")
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-
-    step, tokens, elapsed_before = 0, 0, 0.0
-    latest = find_latest(out_dir)
-    changed = _check_config(out_dir, cfg, write=accelerator.is_main_process)
-    if latest is not None:
-        state = load_checkpoint(latest, model, optimizer)
-        step, tokens, elapsed_before = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
-        if state.get("optimizer_reset") and not (latest / "optimizer.pt").is_file():
-            changed["optimizer"] = state["optimizer_reset"]
+    optimizer = _optimizer(model, cfg, param_groups)
+    step, tokens, elapsed_before, changed, latest = _resume(out_dir, cfg, model, optimizer, accelerator)
     if hasattr(model, "gradient_checkpointing"):
         model.gradient_checkpointing = cfg.gradient_checkpointing  # type: ignore[assignment]  # any module with the switch
     elif cfg.gradient_checkpointing:
@@ -235,8 +222,6 @@ def train(
         log.write({"step": step, "tokens": tokens, "resumed_with": changed})
 
     world = accelerator.num_processes
-    rank = accelerator.process_index
-    trainable = [p for g in optimizer.param_groups for p in g["params"]]
     model.train()
     t_start = time.perf_counter()
     last_loss: float | None = None
@@ -246,59 +231,19 @@ def train(
     if cfg.progress and accelerator.is_local_main_process:
         progress = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
 
-    def checkpoint_now() -> None:
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            save_checkpoint(
-                out_dir,
-                accelerator.unwrap_model(model),
-                optimizer,
-                step=step,
-                tokens=tokens,
-                elapsed_s=elapsed_before + time.perf_counter() - t_start,
-                keep=cfg.keep_checkpoints,
-                extra=extra_state,
-                trainable_only=checkpoint_trainable_only,
-            )
-            log.plot()
-
+    checkpoints = _Checkpoints(out_dir, cfg.keep_checkpoints, extra_state, checkpoint_trainable_only, log)
     with _StopRequested() as stop:
         t_window, tok_window = time.perf_counter(), 0
         while step < cfg.max_steps:
             lr = cfg.lr_at(step)
             t_step = time.perf_counter()
-            for g in optimizer.param_groups:
-                g["lr"] = lr * g["lr_scale"]
-            step_loss, step_metrics = 0.0, dict[str, float]()
-            for micro in range(cfg.grad_accum):
-                micro_index = (step * cfg.grad_accum + micro) * world + rank
-                idx = batch_indices(len(train_data), cfg.seed, micro_index, cfg.micro_batch_size)
-                batch = {k: v.to(accelerator.device) for k, v in collate(train_data, idx).items()}
-                sync = micro == cfg.grad_accum - 1
-                with nullcontext() if sync else accelerator.no_sync(model), autocast(cfg.precision, accelerator.device):
-                    loss, metrics = loss_fn(model, batch)
-                    aux = getattr(accelerator.unwrap_model(model), "aux_loss", None)
-                    if aux is not None:  # e.g. a causal encoder-decoder's indexers (their own loss)
-                        metrics = {**metrics, "aux_loss": float(aux.detach())}
-                        loss = loss + aux
-                    accelerator.backward(loss / cfg.grad_accum)
-                step_loss += float(loss.detach()) / cfg.grad_accum
-                for k, v in metrics.items():
-                    step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.grad_accum
-                n_tok = batch["input_ids"].numel() * world
-                tokens += n_tok
-                tok_window += n_tok
-            grad_norm = None
-            if cfg.grad_clip > 0:
-                grad_norm = float(accelerator.clip_grad_norm_(trainable, cfg.grad_clip))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            step_loss, step_metrics, n_tok, grad_norm = _update(model, optimizer, train_data, cfg, loss_fn, accelerator, step, lr)
+            tokens += n_tok
+            tok_window += n_tok
             step_s = time.perf_counter() - t_step  # this step's compute alone (no evaluation, no checkpoint)
             step += 1
             if world > 1:  # each process saw 1/world of the global batch: log (and check) the global mean
-                keys = sorted(step_metrics)
-                total = _sum_over_processes(accelerator, [step_loss] + [step_metrics[k] for k in keys])
-                step_loss, step_metrics = total[0] / world, {k: v / world for k, v in zip(keys, total[1:])}
+                step_loss, step_metrics = _global_mean(accelerator, step_loss, step_metrics)
             if not math.isfinite(step_loss):
                 raise FloatingPointError(f"loss is {step_loss} at step {step}; lower the learning rate")
             last_loss = step_loss
@@ -306,18 +251,9 @@ def train(
                 now = time.perf_counter()
                 rate = tok_window / max(now - t_window, 1e-9)
                 t_window, tok_window = now, 0
+                record = {"step": step, "loss": step_loss, "lr": lr, "tokens": tokens, "grad_norm": grad_norm}
                 log.write(
-                    {
-                        "step": step,
-                        "loss": step_loss,
-                        "lr": lr,
-                        "tokens": tokens,
-                        "grad_norm": grad_norm,
-                        "tokens_per_s": rate,
-                        "step_s": step_s,
-                        "elapsed_s": elapsed_before + now - t_start,
-                        **step_metrics,
-                    }
+                    record | {"tokens_per_s": rate, "step_s": step_s, "elapsed_s": elapsed_before + now - t_start, **step_metrics}
                 )
                 if progress is not None:
                     progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{rate:,.0f}", lr=f"{lr:.2e}")
@@ -325,25 +261,14 @@ def train(
                 progress.update(1)
             due = (cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps)) or step in eval_steps
             if val_data is not None and due:
-                val_loss = evaluate(
-                    model,
-                    val_data,
-                    val_loss_fn or loss_fn,
-                    cfg.micro_batch_size,
-                    cfg.eval_batches,
-                    accelerator.device,
-                    cfg.precision,
-                    accelerator=accelerator,
-                )
+                val_loss = _validate(model, val_data, val_loss_fn or loss_fn, cfg, accelerator)
                 log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)), "tokens": tokens})
                 if progress is not None:
                     progress.write(f"step {step}: val loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})")
             out_of_time = cfg.max_time_s is not None and time.perf_counter() - t_start >= cfg.max_time_s
-            stop_now = stop.flag
-            if world > 1:  # stop together: a process that stopped alone would leave the others waiting
-                stop_now, out_of_time = (v > 0 for v in _sum_over_processes(accelerator, [stop.flag, out_of_time]))
+            stop_now, out_of_time = _stop_together(accelerator, stop.flag, out_of_time)
             if step % cfg.save_every == 0 or step == cfg.max_steps or stop_now or out_of_time:
-                checkpoint_now()
+                checkpoints.save(accelerator, model, optimizer, step, tokens, elapsed_before + time.perf_counter() - t_start)
             if stop_now or out_of_time:
                 stopped_early = step < cfg.max_steps
                 break
@@ -351,6 +276,148 @@ def train(
         progress.close()
     return TrainResult(
         step=step, tokens=tokens, train_loss=last_loss, val_loss=val_loss, stopped_early=stopped_early, history=log.read()
+    )
+
+
+def _optimizer(model: nn.Module, cfg: TrainConfig, param_groups: list[dict[str, Any]] | None) -> torch.optim.AdamW:
+    """AdamW over ``param_groups`` (default: :func:`default_param_groups`), each group with an ``lr_scale``;
+    ConfigError when nothing is trainable."""
+    groups = param_groups if param_groups is not None else default_param_groups(model, cfg.weight_decay)
+    for g in groups:
+        g.setdefault("lr_scale", 1.0)
+    if not any(p.requires_grad for g in groups for p in g["params"]):
+        raise ConfigError("no trainable parameters: every parameter has requires_grad=False")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def _resume(
+    out_dir: Path, cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator
+) -> tuple[int, int, float, dict[str, Any], Path | None]:
+    """(step, tokens, elapsed seconds, what changed since the run started, the checkpoint) of the newest
+    checkpoint in ``out_dir``, loaded into ``model`` and ``optimizer`` (a fresh run: zeros and None)."""
+    step, tokens, elapsed_before = 0, 0, 0.0
+    latest = find_latest(out_dir)
+    changed = _check_config(out_dir, cfg, write=accelerator.is_main_process)
+    if latest is not None:
+        state = load_checkpoint(latest, model, optimizer)
+        step, tokens, elapsed_before = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
+        if state.get("optimizer_reset") and not (latest / "optimizer.pt").is_file():
+            changed["optimizer"] = state["optimizer_reset"]
+    return step, tokens, elapsed_before, changed, latest
+
+
+def _accumulate(
+    model: nn.Module, train_data: Sequence[Batch], cfg: TrainConfig, loss_fn: LossFn, accelerator: Accelerator, step: int
+) -> tuple[float, dict[str, float], int]:
+    """One optimizer step's gradients, accumulated over ``cfg.grad_accum`` micro-batches: (this process's mean
+    loss, its mean metrics, the tokens all processes saw)."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    step_loss, step_metrics, tokens = 0.0, dict[str, float](), 0
+    for micro in range(cfg.grad_accum):
+        micro_index = (step * cfg.grad_accum + micro) * world + rank
+        idx = batch_indices(len(train_data), cfg.seed, micro_index, cfg.micro_batch_size)
+        batch = {k: v.to(accelerator.device) for k, v in collate(train_data, idx).items()}
+        sync = micro == cfg.grad_accum - 1
+        with nullcontext() if sync else accelerator.no_sync(model), autocast(cfg.precision, accelerator.device):
+            loss, metrics = loss_fn(model, batch)
+            aux = getattr(accelerator.unwrap_model(model), "aux_loss", None)
+            if aux is not None:  # e.g. a causal encoder-decoder's indexers (their own loss)
+                metrics = {**metrics, "aux_loss": float(aux.detach())}
+                loss = loss + aux
+            accelerator.backward(loss / cfg.grad_accum)
+        step_loss += float(loss.detach()) / cfg.grad_accum
+        for k, v in metrics.items():
+            step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.grad_accum
+        tokens += batch["input_ids"].numel() * world
+    return step_loss, step_metrics, tokens
+
+
+@dataclass
+class _Checkpoints:
+    """Where and how the loop checkpoints: every process waits, the main one writes (and plots the loss)."""
+
+    out_dir: Path
+    keep: int
+    extra: dict[str, Any] | None
+    trainable_only: bool
+    log: RunLog
+
+    def save(
+        self,
+        accelerator: Accelerator,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        tokens: int,
+        elapsed_s: float,
+    ) -> None:
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            save_checkpoint(
+                self.out_dir,
+                accelerator.unwrap_model(model),
+                optimizer,
+                step=step,
+                tokens=tokens,
+                elapsed_s=elapsed_s,
+                keep=self.keep,
+                extra=self.extra,
+                trainable_only=self.trainable_only,
+            )
+            self.log.plot()
+
+
+def _update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_data: Sequence[Batch],
+    cfg: TrainConfig,
+    loss_fn: LossFn,
+    accelerator: Accelerator,
+    step: int,
+    lr: float,
+) -> tuple[float, dict[str, float], int, float | None]:
+    """One optimizer step at ``lr`` (times each group's ``lr_scale``): :func:`_accumulate`'s loss, metrics and
+    tokens, and the gradient norm before clipping (None without ``cfg.grad_clip``)."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr * g["lr_scale"]
+    step_loss, step_metrics, n_tok = _accumulate(model, train_data, cfg, loss_fn, accelerator, step)
+    grad_norm = None
+    if cfg.grad_clip > 0:
+        trainable = [p for g in optimizer.param_groups for p in g["params"]]
+        grad_norm = float(accelerator.clip_grad_norm_(trainable, cfg.grad_clip))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss, step_metrics, n_tok, grad_norm
+
+
+def _global_mean(accelerator: Accelerator, loss: float, metrics: dict[str, float]) -> tuple[float, dict[str, float]]:
+    """The loss and metrics averaged over every process."""
+    world, keys = accelerator.num_processes, sorted(metrics)
+    total = _sum_over_processes(accelerator, [loss] + [metrics[k] for k in keys])
+    return total[0] / world, {k: v / world for k, v in zip(keys, total[1:])}
+
+
+def _stop_together(accelerator: Accelerator, stop: bool, out_of_time: bool) -> tuple[bool, bool]:
+    """(stop now, out of time), true for every process when true for one: a process that stopped alone would
+    leave the others waiting."""
+    if accelerator.num_processes == 1:
+        return stop, out_of_time
+    stop_now, late = (v > 0 for v in _sum_over_processes(accelerator, [stop, out_of_time]))
+    return stop_now, late
+
+
+def _validate(model: nn.Module, val_data: Sequence[Batch], loss_fn: LossFn, cfg: TrainConfig, accelerator: Accelerator) -> float:
+    """The validation loss over ``cfg.eval_batches`` batches (every process's share)."""
+    return evaluate(
+        model,
+        val_data,
+        loss_fn,
+        cfg.micro_batch_size,
+        cfg.eval_batches,
+        accelerator.device,
+        cfg.precision,
+        accelerator=accelerator,
     )
 
 

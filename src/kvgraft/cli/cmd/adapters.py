@@ -11,7 +11,7 @@ from kvgraft.atomic import atomic_write_text
 from kvgraft.errors import ConfigError
 from kvgraft.train.adapt import DEFAULT_PRESET, AdaptConfig
 from kvgraft.train.adapt import adapt as run_adapt
-from kvgraft.train.experiment import DEFAULT_CONFIGS, SWEEP_LRS, placement_curve, placement_study
+from kvgraft.train.experiment import DEFAULT_CONFIGS, SWEEP_LRS, CurveOptions, StudyOptions, placement_curve, placement_study
 from kvgraft.train.probe import probe as run_probe
 from kvgraft.train.probe import probe_markdown
 
@@ -113,20 +113,22 @@ def experiment(args: argparse.Namespace) -> int:
             args.base,
             args.task,
             args.out,
-            seeds=args.seeds,
-            steps=args.steps,
-            rank=args.rank,
-            lr=args.lr,
-            micro_batch_size=args.micro_batch_size,
-            precision=args.precision,
-            frozen_cache=args.frozen_cache,
-            frozen_cache_mb=args.frozen_cache_mb,
-            first_layers=tuple(args.first_layers) if args.first_layers else None,
-            val_examples=args.val_examples,
-            test_examples=args.test_examples,
-            prompt_format=args.prompt_format or "auto",
-            task_window=args.window,
-            task_max_tokens=args.max_tokens,
+            CurveOptions(
+                seeds=args.seeds,
+                steps=args.steps,
+                rank=args.rank,
+                lr=args.lr,
+                micro_batch_size=args.micro_batch_size,
+                precision=args.precision,
+                frozen_cache=args.frozen_cache,
+                frozen_cache_mb=args.frozen_cache_mb,
+                first_layers=tuple(args.first_layers) if args.first_layers else None,
+                val_examples=args.val_examples,
+                test_examples=args.test_examples,
+                prompt_format=args.prompt_format or "auto",
+                task_window=args.window,
+                task_max_tokens=args.max_tokens,
+            ),
         )
         print((Path(args.out) / "curve.md").read_text())
         print(f"plot: {Path(args.out) / 'curve.png'}; pivot layer {curve['pivot']}")
@@ -135,21 +137,23 @@ def experiment(args: argparse.Namespace) -> int:
         args.base,
         args.task,
         args.out,
-        seeds=args.seeds,
-        steps=args.steps,
-        configs=tuple(args.configs or DEFAULT_CONFIGS),
-        lr=args.lr,
-        micro_batch_size=args.micro_batch_size,
-        accuracy_examples=args.accuracy_examples,
-        precision=args.precision,
-        val_examples=args.val_examples,
-        test_examples=args.test_examples,
-        frozen_cache=args.frozen_cache,
-        frozen_cache_mb=args.frozen_cache_mb,
-        sweep_lrs=tuple(args.sweep_lrs) if args.sweep_lrs else SWEEP_LRS,
-        prompt_format=args.prompt_format or "auto",
-        task_window=args.window,
-        task_max_tokens=args.max_tokens,
+        StudyOptions(
+            seeds=args.seeds,
+            steps=args.steps,
+            configs=tuple(args.configs or DEFAULT_CONFIGS),
+            lr=args.lr,
+            micro_batch_size=args.micro_batch_size,
+            accuracy_examples=args.accuracy_examples,
+            precision=args.precision,
+            val_examples=args.val_examples,
+            test_examples=args.test_examples,
+            frozen_cache=args.frozen_cache,
+            frozen_cache_mb=args.frozen_cache_mb,
+            sweep_lrs=tuple(args.sweep_lrs) if args.sweep_lrs else SWEEP_LRS,
+            prompt_format=args.prompt_format or "auto",
+            task_window=args.window,
+            task_max_tokens=args.max_tokens,
+        ),
     )
     print((Path(args.out) / "study.md").read_text())
     print(f"curves: {Path(args.out) / 'curves.png'}")

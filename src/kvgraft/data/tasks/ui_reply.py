@@ -218,112 +218,118 @@ def _button(r: random.Random, used: set[str]) -> _Component:
     )
 
 
-def _component(r: random.Random, used: set[str]) -> _Component:
-    kind = r.choice(
-        (
-            "input",
-            "input",
-            "input",
-            "textarea",
-            "checkbox",
-            "select",
-            "radio",
-            "slider",
-            "switch",
-            "button",
-            "button",
-            "text",
-            "image",
-            "link",
-            "row",
-        )
+def _input(r: random.Random, used: set[str]) -> _Component:
+    """An input field, required or optional, of its label's type."""
+    label = _pick(r, _INPUTS, used)
+    required = r.random() < 0.6
+    flag = "required" if required else "optional"
+    return _Component(
+        f'{_a(flag)} {flag} "{label}" field',
+        f'{_a(flag)} {flag} "{label}" input of type {_INPUTS[label]}',
+        {"type": "input", "label": label, "props": {"inputType": _INPUTS[label], "required": required}},
+        (label,),
     )
-    if kind == "input":
-        label = _pick(r, _INPUTS, used)
-        required = r.random() < 0.6
-        flag = "required" if required else "optional"
-        return _Component(
-            f'{_a(flag)} {flag} "{label}" field',
-            f'{_a(flag)} {flag} "{label}" input of type {_INPUTS[label]}',
-            {"type": "input", "label": label, "props": {"inputType": _INPUTS[label], "required": required}},
-            (label,),
-        )
-    if kind == "textarea":
-        label, rows = _pick(r, _TEXTAREAS, used), r.randint(2, 8)
-        return _Component(
-            f'a "{label}" text area with {rows} rows',
-            f'"{label}", a text area {rows} rows high',
-            {"type": "textarea", "label": label, "props": {"rows": rows}},
-            (label,),
-        )
-    if kind == "checkbox":
-        label, checked = _pick(r, _CHECKBOXES, used), r.random() < 0.5
-        state = "checked" if checked else "unchecked"
-        return _Component(
-            f'a "{label}" checkbox, {state}',
-            f'a "{label}" checkbox that starts {state}',
-            {"type": "checkbox", "label": label, "props": {"checked": checked}},
-            (label,),
-        )
-    if kind in ("select", "radio"):
-        table = _SELECTS if kind == "select" else _RADIOS
-        label = _pick(r, table, used)
-        pool = table[label]
-        options = sorted(r.sample(range(len(pool)), r.randint(2, min(4, len(pool)))))
-        opts = [pool[i] for i in options]
-        what = "dropdown" if kind == "select" else "radio group"
-        return _Component(
-            f'a "{label}" {what} with {_quote_list(opts)}',
-            f'a "{label}" {what} offering {_quote_list(opts)}',
-            {"type": kind, "label": label, "props": {"options": opts}},
-            (label,),
-        )
-    if kind == "slider":
-        label = _pick(r, _SLIDERS, used)
-        lo, hi = r.choice(_SLIDERS[label])
-        return _Component(
-            f'a "{label}" slider from {lo} to {hi}',
-            f'a "{label}" slider with range {lo} to {hi}',
-            {"type": "slider", "label": label, "props": {"min": lo, "max": hi}},
-            (label,),
-        )
-    if kind == "switch":
-        label, on = _pick(r, _SWITCHES, used), r.random() < 0.5
-        state = "on" if on else "off"
-        return _Component(
-            f'a "{label}" switch set {state}',
-            f'a "{label}" switch, {state} by default',
-            {"type": "switch", "label": label, "props": {"on": on}},
-            (label,),
-        )
-    if kind == "button":
-        return _button(r, used)
-    if kind == "text":
-        label, size = _pick(r, _HEADINGS, used), r.choice(_HEADING_SIZES)
-        return _Component(
-            f'a "{label}" heading in size {size}',
-            f'the heading "{label}" at size {size}',
-            {"type": "text", "label": label, "style": {"size": size}},
-            (label,),
-        )
-    if kind == "image":
-        label = _pick(r, _IMAGES, used)
-        w, h = r.choice(_IMAGE_SIZES)
-        return _Component(
-            f'a "{label}" image {w} by {h}',
-            f'a "{label}" image of {w} by {h} pixels',
-            {"type": "image", "label": label, "props": {"width": w, "height": h}},
-            (label,),
-        )
-    if kind == "link":
-        label = _pick(r, _LINKS, used)
-        return _Component(
-            f'a "{label}" link to {_LINKS[label]}',
-            f'a "{label}" link that opens {_LINKS[label]}',
-            {"type": "link", "label": label, "props": {"href": _LINKS[label]}},
-            (label,),
-        )
-    # a row of two or three buttons
+
+
+def _textarea(r: random.Random, used: set[str]) -> _Component:
+    """A text area of two to eight rows."""
+    label, rows = _pick(r, _TEXTAREAS, used), r.randint(2, 8)
+    return _Component(
+        f'a "{label}" text area with {rows} rows',
+        f'"{label}", a text area {rows} rows high',
+        {"type": "textarea", "label": label, "props": {"rows": rows}},
+        (label,),
+    )
+
+
+def _checkbox(r: random.Random, used: set[str]) -> _Component:
+    """A checkbox, checked or not."""
+    label, checked = _pick(r, _CHECKBOXES, used), r.random() < 0.5
+    state = "checked" if checked else "unchecked"
+    return _Component(
+        f'a "{label}" checkbox, {state}',
+        f'a "{label}" checkbox that starts {state}',
+        {"type": "checkbox", "label": label, "props": {"checked": checked}},
+        (label,),
+    )
+
+
+def _choice(r: random.Random, used: set[str], kind: str) -> _Component:
+    """A dropdown (``kind`` "select") or a radio group ("radio") of two to four options."""
+    table = _SELECTS if kind == "select" else _RADIOS
+    label = _pick(r, table, used)
+    pool = table[label]
+    options = sorted(r.sample(range(len(pool)), r.randint(2, min(4, len(pool)))))
+    opts = [pool[i] for i in options]
+    what = "dropdown" if kind == "select" else "radio group"
+    return _Component(
+        f'a "{label}" {what} with {_quote_list(opts)}',
+        f'a "{label}" {what} offering {_quote_list(opts)}',
+        {"type": kind, "label": label, "props": {"options": opts}},
+        (label,),
+    )
+
+
+def _slider(r: random.Random, used: set[str]) -> _Component:
+    """A slider over one of its label's ranges."""
+    label = _pick(r, _SLIDERS, used)
+    lo, hi = r.choice(_SLIDERS[label])
+    return _Component(
+        f'a "{label}" slider from {lo} to {hi}',
+        f'a "{label}" slider with range {lo} to {hi}',
+        {"type": "slider", "label": label, "props": {"min": lo, "max": hi}},
+        (label,),
+    )
+
+
+def _switch(r: random.Random, used: set[str]) -> _Component:
+    """A switch, on or off."""
+    label, on = _pick(r, _SWITCHES, used), r.random() < 0.5
+    state = "on" if on else "off"
+    return _Component(
+        f'a "{label}" switch set {state}',
+        f'a "{label}" switch, {state} by default',
+        {"type": "switch", "label": label, "props": {"on": on}},
+        (label,),
+    )
+
+
+def _heading(r: random.Random, used: set[str]) -> _Component:
+    """A heading in one of the sizes."""
+    label, size = _pick(r, _HEADINGS, used), r.choice(_HEADING_SIZES)
+    return _Component(
+        f'a "{label}" heading in size {size}',
+        f'the heading "{label}" at size {size}',
+        {"type": "text", "label": label, "style": {"size": size}},
+        (label,),
+    )
+
+
+def _image(r: random.Random, used: set[str]) -> _Component:
+    """An image of one of the sizes."""
+    label = _pick(r, _IMAGES, used)
+    w, h = r.choice(_IMAGE_SIZES)
+    return _Component(
+        f'a "{label}" image {w} by {h}',
+        f'a "{label}" image of {w} by {h} pixels',
+        {"type": "image", "label": label, "props": {"width": w, "height": h}},
+        (label,),
+    )
+
+
+def _link(r: random.Random, used: set[str]) -> _Component:
+    """A link to its label's address."""
+    label = _pick(r, _LINKS, used)
+    return _Component(
+        f'a "{label}" link to {_LINKS[label]}',
+        f'a "{label}" link that opens {_LINKS[label]}',
+        {"type": "link", "label": label, "props": {"href": _LINKS[label]}},
+        (label,),
+    )
+
+
+def _row(r: random.Random, used: set[str]) -> _Component:
+    """A row of two or three buttons."""
     buttons: list[_Component] = []
     inner = set(used)
     for _ in range(r.randint(2, 3)):
@@ -336,6 +342,45 @@ def _component(r: random.Random, used: set[str]) -> _Component:
         {"type": "row", "children": [b.spec for b in buttons]},
         tuple(b.labels[0] for b in buttons),
     )
+
+
+_KINDS = (
+    "input",
+    "input",
+    "input",
+    "textarea",
+    "checkbox",
+    "select",
+    "radio",
+    "slider",
+    "switch",
+    "button",
+    "button",
+    "text",
+    "image",
+    "link",
+    "row",
+)  # drawn uniformly: inputs 3x, buttons 2x as often
+
+_MAKERS: dict[str, Callable[[random.Random, set[str]], _Component]] = {
+    "input": _input,
+    "textarea": _textarea,
+    "checkbox": _checkbox,
+    "select": lambda r, used: _choice(r, used, "select"),
+    "radio": lambda r, used: _choice(r, used, "radio"),
+    "slider": _slider,
+    "switch": _switch,
+    "button": _button,
+    "text": _heading,
+    "image": _image,
+    "link": _link,
+    "row": _row,
+}
+
+
+def _component(r: random.Random, used: set[str]) -> _Component:
+    """One component of a random kind (``_KINDS``), its labels kept out of ``used``."""
+    return _MAKERS[r.choice(_KINDS)](r, used)
 
 
 _INTROS = (

@@ -19,6 +19,7 @@ import torch
 from kvgraft.checks import check_int
 from kvgraft.errors import CheckpointError, ConfigError, UnsupportedModelError
 from kvgraft.hf.deepseek.checks import (
+    MLALayer,
     config_problems,
     deepseek_v3_fast_path,
     has_nonzero,
@@ -189,56 +190,28 @@ def export_deepseek_v3(
     layers = mla_layers(model)  # every layer is MLA (config_problems)
     rope_parameters, q_fold, rope_notes, tokenizer_files = check_inputs(cfg, calibration, tokenizer_dir)
     if target == "engines" and calibration is None:
-        refuse_unfolded_biases(
-            [
-                i
-                for i, b in enumerate(layers)
-                if any(has_nonzero(getattr(b.attn, n).bias) for n in ("q_proj", "kv_a_proj", "o_proj"))
-                or (
-                    b.attn.kv_b_proj.bias is not None
-                    and has_nonzero(b.attn.kv_b_proj.bias.view(cfg.num_heads, -1)[:, cfg.latent_dims()[2] :])
-                )
-            ]
-        )
+        refuse_unfolded_biases(_biased_layers(layers, cfg))
     notes, approximations, window = opening_notes(cfg, target, rope_notes)
     folded: list[str] = []
     was_training = model.training
     model.eval()
     try:
         strategy = latent_strategy(cfg, latent_norm, calibration, notes, approximations, folded)
-        raw = (
-            collect_latents(model, calibration, max_fit_tokens)
-            if strategy in ("fit", "scale") and calibration is not None
-            else None
-        )
+        fit = strategy in ("fit", "scale")
+        raw = collect_latents(model, calibration, max_fit_tokens) if fit and calibration is not None else None
         latents = [layer_latent(strategy, b.block, cfg, None if raw is None else raw[i]) for i, b in enumerate(layers)]
         folds = None
         if target == "engines":
-            has_bias = any(
-                has_nonzero(getattr(b.attn, n).bias) for b in layers for n in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")
-            )
-            moments = collect_input_moments(model, calibration) if has_bias and calibration is not None else None
-            folds = engine_folds(model, moments)
-            if any(f is not None and f.value is not None for f in folds) and any(lat.unit is None for lat in latents):
-                assert calibration is not None  # engine_folds refuses a value fold without it
-                raw_c = collect_latents(model, calibration, max_fit_tokens)
-                for i, lat in enumerate(latents):
-                    if lat.unit is None:
-                        lat.unit = latent_unit(lat, raw_c[i])
-            fold_messages(folds, any(has_nonzero(b.attn.kv_b_proj.bias) for b in layers), approximations, folded)
+            folds = _engine_folds(model, latents, calibration, max_fit_tokens, approximations, folded)
         q_bias_layers = query_bias_layers(model) if cfg.qkv_bias and target == "transformers" else []
-        kv_a_bias = any(has_nonzero(b.attn.kv_a_proj.bias) for b in layers)
-        kv_b_bias = any(has_nonzero(b.attn.kv_b_proj.bias) for b in layers)
+        kv_a_bias, kv_b_bias = (any(has_nonzero(getattr(b.attn, n).bias) for b in layers) for n in ("kv_a_proj", "kv_b_proj"))
         low_rank_q, q_lora_rank, extra = bias_messages(cfg, target, strategy, q_bias_layers, kv_a_bias, kv_b_bias, folded)
         dc_out = latents[0].M.shape[0]
         notes = deepseek_v3_fast_path(cfg.replace(kv_lora_rank=dc_out), cfg.kv_width) + notes
         attention_bias = target == "transformers" and attention_bias_needed(model, latents, low_rank_q)
         dtype = dtype or model.embed_tokens.weight.dtype
         tensors = stock_tensors(model, latents, q_fold, attention_bias, low_rank_q, folds)
-        if target == "engines":
-            refuse_fp16_overflow({k: e for k, v in tensors.items() if (e := fp16_excess(v)) is not None})
-        tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
-        refuse_overflow([k for k, v in tensors.items() if not bool(torch.isfinite(v).all())], dtype)
+        tensors = _checked_dtype(tensors, dtype, fp16_safe=target == "engines")
         config_json, report = config_and_report(
             cfg,
             out_dir,
@@ -258,17 +231,68 @@ def export_deepseek_v3(
         )
         write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files, {"README.md": export_card(report)}, overwrite)
         if measure:
-            ids = measured_ids(report, cfg, calibration, tail_sequences)
-            m = measure_export(model, out_dir, ids, window=window)
-            report.max_abs_logit_diff, report.mean_kl = m["max_abs_logit_diff"], m["mean_kl"]
-            report.perplexity = m["perplexity"]
-            report.max_abs_logit_diff_within_window = m.get("max_abs_logit_diff_within_window")
-            (out_dir / "README.md").write_text(export_card(report), encoding="utf-8")
+            _measure(report, model, out_dir, measured_ids(report, cfg, calibration, tail_sequences), window)
     finally:
         model.train(was_training)
     if verbose:
         print("\n".join(report.summary()), flush=True)
     return report
+
+
+def _biased_layers(layers: list[MLALayer], cfg: ModelConfig) -> list[int]:
+    """The layers with a nonzero attention bias that only a fold through calibration statistics removes."""
+    return [
+        i
+        for i, b in enumerate(layers)
+        if any(has_nonzero(getattr(b.attn, n).bias) for n in ("q_proj", "kv_a_proj", "o_proj"))
+        or (
+            b.attn.kv_b_proj.bias is not None
+            and has_nonzero(b.attn.kv_b_proj.bias.view(cfg.num_heads, -1)[:, cfg.latent_dims()[2] :])
+        )
+    ]
+
+
+def _engine_folds(
+    model: Transformer,
+    latents: list[Latent],
+    calibration: torch.Tensor | None,
+    max_fit_tokens: int,
+    approximations: list[str],
+    folded: list[str],
+) -> list[EngineFold | None]:
+    """The engine-safe bias folds of every layer (``EngineFold``), the latents' units they need filled in, and
+    what they approximate added to ``approximations`` and ``folded``."""
+    layers = mla_layers(model)
+    has_bias = any(has_nonzero(getattr(b.attn, n).bias) for b in layers for n in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"))
+    moments = collect_input_moments(model, calibration) if has_bias and calibration is not None else None
+    folds = engine_folds(model, moments)
+    if any(f is not None and f.value is not None for f in folds) and any(lat.unit is None for lat in latents):
+        assert calibration is not None  # engine_folds refuses a value fold without it
+        raw_c = collect_latents(model, calibration, max_fit_tokens)
+        for i, lat in enumerate(latents):
+            if lat.unit is None:
+                lat.unit = latent_unit(lat, raw_c[i])
+    fold_messages(folds, any(has_nonzero(b.attn.kv_b_proj.bias) for b in layers), approximations, folded)
+    return folds
+
+
+def _checked_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype, fp16_safe: bool) -> dict[str, torch.Tensor]:
+    """``tensors`` in ``dtype``, refused when one overflows it (or, ``fp16_safe``, fp16's range)."""
+    if fp16_safe:
+        refuse_fp16_overflow({k: e for k, v in tensors.items() if (e := fp16_excess(v)) is not None})
+    tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+    refuse_overflow([k for k, v in tensors.items() if not bool(torch.isfinite(v).all())], dtype)
+    return tensors
+
+
+def _measure(report: ExportReport, model: Transformer, out_dir: Path, ids: torch.Tensor, window: int | None) -> None:
+    """Load the export with stock transformers, measure it against ``model`` on ``ids`` into ``report``, and
+    rewrite the card with the figures."""
+    m = measure_export(model, out_dir, ids, window=window)
+    report.max_abs_logit_diff, report.mean_kl = m["max_abs_logit_diff"], m["mean_kl"]
+    report.perplexity = m["perplexity"]
+    report.max_abs_logit_diff_within_window = m.get("max_abs_logit_diff_within_window")
+    (out_dir / "README.md").write_text(export_card(report), encoding="utf-8")
 
 
 # The steps of the export that the whole-model ``export_deepseek_v3`` and the streamed one

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NoReturn
 
 import torch
 
@@ -167,23 +168,7 @@ def stock_rope_parameters(config: ModelConfig, layout: str | None = None) -> tup
             stock_rope = dataclasses.replace(stock_rope, beta_fast=beta_fast, beta_slow=beta_slow, truncate=truncate)
     stock, stock_scale = rope_frequencies(stock_rope, dr, max_pos)
     if not torch.allclose(ours[idx].double(), stock.double(), rtol=2e-6, atol=0) or abs(our_scale - stock_scale) > 1e-9:
-        if layout == "stride":
-            fix = (
-                f"graft with --rope-selection prefix (rope_theta' = rope_theta^(d_rope/head_dim)) if it fits, "
-                f"--rope-dim {d} (qk_rope_head_dim = head_dim), or use --format kvgraft"
-            )
-        else:
-            fix = (
-                f"graft with --rope-selection stride (an even --rope-dim dividing head_dim {d}), --rope-dim {d} "
-                "(qk_rope_head_dim = head_dim), or use --format kvgraft"
-            )
-        raise UnsupportedModelError(
-            f"rope_type {kind!r} with these parameters cannot be exported exactly to stock DeepSeek-V3 at "
-            f"qk_rope_head_dim {dr} with the {layout} layout: stock computes its frequencies for dim = {dr}, kvgraft "
-            f"for dim = head_dim = {d} at frequencies {tuple(idx)}, and no stock {kind} setting gives the same ones "
-            f"(max relative difference {float(((ours[idx] - stock) / stock).abs().max()):.3g}; yarn's correction "
-            f"range would need to reach past pair {dr - 1}); {fix}"
-        )
+        _refuse_mismatch(kind, layout, d, dr, idx, ours, stock)
     params: dict = {"rope_type": kind, "rope_theta": stock_theta}
     if layout == "prefix":
         notes.append(
@@ -202,35 +187,9 @@ def stock_rope_parameters(config: ModelConfig, layout: str | None = None) -> tup
             ),
         }
     elif kind == "yarn":
-        original = rope.original_max_position_embeddings or max_pos
-        params["original_max_position_embeddings"] = int(original)
-        params["factor"] = float(rope.factor if rope.factor is not None else max_pos / original)
-        for name in ("beta_fast", "beta_slow"):
-            if getattr(stock_rope, name):
-                params[name] = float(getattr(stock_rope, name))
-        if solved is not None:
-            notes.append(
-                f"yarn: beta_fast/beta_slow re-expressed for dim = qk_rope_head_dim = {dr} ({params['beta_fast']:.6g} / "
-                f"{params['beta_slow']:.6g}, truncate {stock_rope.truncate}) so that stock's ramp falls on the same "
-                f"frequencies as kvgraft's at head_dim {d}: exact"
-            )
-        # Both mscales explicit, so that transformers and DeepSeek's own yarn (vLLM/SGLang: attention factor
-        # mscale(f, mscale) / mscale(f, mscale_all_dim), defaults 1 and 0) agree with kvgraft, which uses the
-        # ratio only when both are set and mscale(f, 1) otherwise.
-        if rope.mscale and rope.mscale_all_dim:
-            params["mscale"], params["mscale_all_dim"] = float(rope.mscale), float(rope.mscale_all_dim)
-        else:
-            params["mscale"], params["mscale_all_dim"] = 1.0, 0.0
-        if rope.attention_factor is not None:
-            params["attention_factor"] = float(rope.attention_factor)
-        if not stock_rope.truncate:
-            params["truncate"] = False
-        if rope.attention_factor is not None or not stock_rope.truncate:
-            notes.append(
-                "yarn attention_factor / truncate=false are honoured by transformers but not by DeepSeek's own yarn "
-                "(vLLM/SGLang 'deepseek_yarn'), which derives the attention factor from mscale/mscale_all_dim and "
-                "always truncates: serving stacks would run slightly different RoPE"
-            )
+        yarn_params, yarn_notes = _yarn_parameters(rope, stock_rope, max_pos, solved is not None, d, dr)
+        params |= yarn_params
+        notes += yarn_notes
     if kind not in ("default", "yarn"):
         notes.append(
             f"rope_type {kind!r} is exact in transformers, but vLLM's and SGLang's DeepSeek-V2/V3 code treat any "
@@ -245,6 +204,68 @@ def stock_rope_parameters(config: ModelConfig, layout: str | None = None) -> tup
         m = 1.0 if factor <= 1 else 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0
         fold = 1.0 / (m * m)
     return params, fold, notes
+
+
+def _refuse_mismatch(
+    kind: str, layout: str, d: int, dr: int, idx: list[int], ours: torch.Tensor, stock: torch.Tensor
+) -> NoReturn:
+    """UnsupportedModelError: no stock setting of ``kind`` gives kvgraft's frequencies at ``idx``; names the fix."""
+    if layout == "stride":
+        fix = (
+            f"graft with --rope-selection prefix (rope_theta' = rope_theta^(d_rope/head_dim)) if it fits, "
+            f"--rope-dim {d} (qk_rope_head_dim = head_dim), or use --format kvgraft"
+        )
+    else:
+        fix = (
+            f"graft with --rope-selection stride (an even --rope-dim dividing head_dim {d}), --rope-dim {d} "
+            "(qk_rope_head_dim = head_dim), or use --format kvgraft"
+        )
+    raise UnsupportedModelError(
+        f"rope_type {kind!r} with these parameters cannot be exported exactly to stock DeepSeek-V3 at "
+        f"qk_rope_head_dim {dr} with the {layout} layout: stock computes its frequencies for dim = {dr}, kvgraft "
+        f"for dim = head_dim = {d} at frequencies {tuple(idx)}, and no stock {kind} setting gives the same ones "
+        f"(max relative difference {float(((ours[idx] - stock) / stock).abs().max()):.3g}; yarn's correction "
+        f"range would need to reach past pair {dr - 1}); {fix}"
+    )
+
+
+def _yarn_parameters(
+    rope: RopeConfig, stock_rope: RopeConfig, max_pos: int, solved: bool, d: int, dr: int
+) -> tuple[dict[str, Any], list[str]]:
+    """Stock's yarn rope_parameters (``stock_rope``'s betas, both mscales explicit) and the notes they need;
+    ``solved``: the betas were re-expressed for dim = d_rope."""
+    params: dict[str, Any] = {}
+    notes: list[str] = []
+    original = rope.original_max_position_embeddings or max_pos
+    params["original_max_position_embeddings"] = int(original)
+    params["factor"] = float(rope.factor if rope.factor is not None else max_pos / original)
+    for name in ("beta_fast", "beta_slow"):
+        if getattr(stock_rope, name):
+            params[name] = float(getattr(stock_rope, name))
+    if solved:
+        notes.append(
+            f"yarn: beta_fast/beta_slow re-expressed for dim = qk_rope_head_dim = {dr} ({params['beta_fast']:.6g} / "
+            f"{params['beta_slow']:.6g}, truncate {stock_rope.truncate}) so that stock's ramp falls on the same "
+            f"frequencies as kvgraft's at head_dim {d}: exact"
+        )
+    # Both mscales explicit, so that transformers and DeepSeek's own yarn (vLLM/SGLang: attention factor
+    # mscale(f, mscale) / mscale(f, mscale_all_dim), defaults 1 and 0) agree with kvgraft, which uses the
+    # ratio only when both are set and mscale(f, 1) otherwise.
+    if rope.mscale and rope.mscale_all_dim:
+        params["mscale"], params["mscale_all_dim"] = float(rope.mscale), float(rope.mscale_all_dim)
+    else:
+        params["mscale"], params["mscale_all_dim"] = 1.0, 0.0
+    if rope.attention_factor is not None:
+        params["attention_factor"] = float(rope.attention_factor)
+    if not stock_rope.truncate:
+        params["truncate"] = False
+    if rope.attention_factor is not None or not stock_rope.truncate:
+        notes.append(
+            "yarn attention_factor / truncate=false are honoured by transformers but not by DeepSeek's own yarn "
+            "(vLLM/SGLang 'deepseek_yarn'), which derives the attention factor from mscale/mscale_all_dim and "
+            "always truncates: serving stacks would run slightly different RoPE"
+        )
+    return params, notes
 
 
 __all__ = [
