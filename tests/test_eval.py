@@ -13,6 +13,7 @@ import torch
 
 from kvgraft.data import DOC_SEPARATOR
 from kvgraft.eval import (
+    EvalOptions,
     KVMemory,
     PerplexityResult,
     SpeedPoint,
@@ -223,13 +224,9 @@ def _eval(model, tokens, tmp_path=None, name=None):
     return evaluate(
         model=model,
         tokens=tokens,
-        seq_len=16,
-        contexts=(8, 16),
-        batch_sizes=(1, 2),
-        new_tokens=4,
         json_out=None if tmp_path is None else tmp_path / "out" / "report.json",
-        progress=False,
         name=name,
+        options=EvalOptions(seq_len=16, contexts=(8, 16), batch_sizes=(1, 2), new_tokens=4, progress=False),
     )
 
 
@@ -270,7 +267,9 @@ def test_evaluate_uses_model_dir_heldout(tmp_path):
     tokens = stream(50)
     np.save(tmp_path / "eval" / "heldout.npy", tokens)
     model = tiny_model()
-    res = evaluate(tmp_path, model=model, seq_len=16, contexts=(4,), batch_sizes=(1,), new_tokens=2, progress=False)
+    res = evaluate(
+        tmp_path, model=model, options=EvalOptions(seq_len=16, contexts=(4,), batch_sizes=(1,), new_tokens=2, progress=False)
+    )
     assert res["eval_tokens"].endswith("heldout.npy")
     assert res["perplexity"]["tokens_scored"] == 3 * 16
 
@@ -284,7 +283,9 @@ def test_evaluate_loads_model_and_tokenizer_from_path(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "load_tokenizer_dir", lambda path: CharTokenizer())
     text = tmp_path / "doc.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 3, encoding="utf-8")
-    res = evaluate(tmp_path, text_file=text, seq_len=16, contexts=(4,), batch_sizes=(1,), new_tokens=2, progress=False)
+    res = evaluate(
+        tmp_path, text_file=text, options=EvalOptions(seq_len=16, contexts=(4,), batch_sizes=(1,), new_tokens=2, progress=False)
+    )
     ids = text_to_tokens(text, CharTokenizer())
     assert loaded == [tmp_path] and res["model"] == str(tmp_path)
     assert res["perplexity"]["loss"] == pytest.approx(perplexity(model, ids, seq_len=16, progress=False).loss)
@@ -292,8 +293,8 @@ def test_evaluate_loads_model_and_tokenizer_from_path(tmp_path, monkeypatch):
 
 def test_evaluate_without_tokens_raises(tmp_path):
     with pytest.raises(ValueError, match="tokens="):
-        evaluate(model=tiny_model(), progress=False)
+        evaluate(model=tiny_model(), options=EvalOptions(progress=False))
     with pytest.raises(ValueError, match="heldout.npy"):
-        evaluate(tmp_path, model=tiny_model(), progress=False)
+        evaluate(tmp_path, model=tiny_model(), options=EvalOptions(progress=False))
     with pytest.raises(ValueError, match="model_path"):
-        evaluate(progress=False)
+        evaluate(options=EvalOptions(progress=False))

@@ -26,7 +26,7 @@ import torch
 from kvgraft.atomic import atomic_write_text
 from kvgraft.checks import check_int, check_number, check_writable
 from kvgraft.errors import ConfigError
-from kvgraft.eval import compare_table, evaluate, format_report
+from kvgraft.eval import EvalOptions, compare_table, evaluate, format_report
 from kvgraft.graft.convert import convert
 from kvgraft.graft.doctor import doctor
 from kvgraft.graft.mla import GraftConfig
@@ -141,7 +141,7 @@ def demo(
     net = load_pretrained(path)
     tok = load_tokenizer_dir(path)
     ctx = net.config.max_position_embeddings
-    speed: dict[str, Any] = dict(
+    speed = EvalOptions(
         contexts=(ctx // 4, ctx - 16), batch_sizes=(1, 8), new_tokens=setting.speed_new_tokens, repeats=setting.speed_repeats
     )
     heldout = path / HELDOUT
@@ -161,7 +161,7 @@ def demo(
     print(f"kvgraft demo, {setting.describe()}{rerun}\n")
 
     print(f"== 1. the reference model: {path}")
-    original = evaluate(model_path=path, model=net, tokens=heldout, name="original", **speed)
+    original = evaluate(model_path=path, model=net, tokens=heldout, name="original", options=speed)
     print(format_report(original))
     print(f"\nsamples (temperature 0.8, top-p 0.95, seed {seed}):")
     original["samples"] = _samples(net, tok, max_new_tokens, seed) if tok is not None else []
@@ -183,7 +183,9 @@ def demo(
 
     print("\n== 4. the graft, measured the same way")
     mla = load_pretrained(converted_dir)
-    grafted = evaluate(model_path=converted_dir, model=mla, tokens=heldout, name=f"MLA {compression:g}x (one-shot)", **speed)
+    grafted = evaluate(
+        model_path=converted_dir, model=mla, tokens=heldout, name=f"MLA {compression:g}x (one-shot)", options=speed
+    )
     print(format_report(grafted))
     print("\nsamples from the graft:")
     grafted["samples"] = _samples(mla, tok, max_new_tokens, seed) if tok is not None else []

@@ -11,10 +11,11 @@ Typical use::
 
 from kvgraft.eval.memory import KVMemory, kv_memory
 from kvgraft.eval.perplexity import PerplexityResult, perplexity, text_to_tokens
-from kvgraft.eval.report import compare_table, config_summary, evaluate, format_ppl, format_report
+from kvgraft.eval.report import EvalOptions, compare_table, config_summary, evaluate, format_ppl, format_report
 from kvgraft.eval.speed import SpeedPoint, decode_speed
 
 __all__ = [
+    "EvalOptions",
     "KVMemory",
     "PerplexityResult",
     "SpeedPoint",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,25 +94,35 @@ def config_summary(config: Any) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class EvalOptions:
+    """How :func:`evaluate` measures: ``seq_len`` (perplexity window; None: the model's context),
+    ``batch_size``/``max_tokens`` for :func:`perplexity`; decode speed at every ``contexts`` x
+    ``batch_sizes`` point over ``new_tokens`` steps, ``warmup`` (capped at ``new_tokens - 1``) and ``repeats``
+    for :func:`decode_speed`; KV memory at ``kv_dtype`` (bf16 by default, the deployment dtype)."""
+
+    seq_len: int | None = None
+    contexts: Sequence[int] = (128, 512, 2048)
+    batch_sizes: Sequence[int] = (1, 8)
+    new_tokens: int = 32
+    batch_size: int = 8
+    max_tokens: int | None = None
+    kv_dtype: torch.dtype = torch.bfloat16
+    warmup: int = 4
+    repeats: int = 3
+    progress: bool = True
+
+
 def evaluate(
     model_path: str | Path | None = None,
     model: Transformer | None = None,
     tokens: np.ndarray | str | Path | None = None,
     text_file: str | Path | None = None,
-    seq_len: int | None = None,
-    contexts: Sequence[int] = (128, 512, 2048),
-    batch_sizes: Sequence[int] = (1, 8),
-    new_tokens: int = 32,
-    json_out: str | Path | None = None,
-    progress: bool = True,
+    options: EvalOptions | None = None,
     *,
     name: str | None = None,
-    batch_size: int = 8,
-    max_tokens: int | None = None,
-    kv_dtype: torch.dtype = torch.bfloat16,
+    json_out: str | Path | None = None,
     dtype: torch.dtype | None = None,
-    warmup: int = 4,
-    repeats: int = 3,
 ) -> dict[str, Any]:
     """Evaluate one model: perplexity, KV-cache memory and decode speed, as a JSON-ready dict.
 
@@ -119,14 +130,15 @@ def evaluate(
     dtype)``. Evaluation tokens, first match wins: ``tokens`` (array or ``.npy`` path); ``text_file``
     tokenized with the tokenizer in ``model_path``; ``model_path/eval/heldout.npy``. Without any of
     them a ``ValueError`` says what to pass (raised before loading the model). ``name`` labels the
-    model in tables (default: the path, else the class name). KV memory is reported at ``kv_dtype``
-    (bf16 by default, the deployment dtype); ``batch_size``/``max_tokens`` go to :func:`perplexity`,
-    ``warmup`` (capped at ``new_tokens - 1``)/``repeats`` to :func:`decode_speed`.
-    With ``json_out`` the dict is also written there atomically as JSON.
+    model in tables (default: the path, else the class name). ``options``: how it is measured
+    (:class:`EvalOptions`; None: its defaults). With ``json_out`` the dict is also written there atomically
+    as JSON.
     """
+    o = options or EvalOptions()
+    seq_len, max_tokens, new_tokens = o.seq_len, o.max_tokens, o.new_tokens
     if model is None and model_path is None:
         raise ConfigError("evaluate needs model_path (a model directory) or model (a loaded model)")
-    check_eval_args(seq_len, max_tokens, tuple(contexts), tuple(batch_sizes), new_tokens, batch_size)
+    check_eval_args(seq_len, max_tokens, tuple(o.contexts), tuple(o.batch_sizes), new_tokens, o.batch_size)
     if json_out is not None:
         check_writable(json_out, what="JSON report")
     path = Path(model_path) if model_path is not None else None
@@ -148,15 +160,15 @@ def evaluate(
 
     config = model.config
     param_dtype = next(model.parameters()).dtype
-    ppl = perplexity(model, payload, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens, progress=progress)
-    memory = kv_memory(model, dtype=kv_dtype)
+    ppl = perplexity(model, payload, seq_len=seq_len, batch_size=o.batch_size, max_tokens=max_tokens, progress=o.progress)
+    memory = kv_memory(model, dtype=o.kv_dtype)
     speed = decode_speed(
         model,
-        contexts=tuple(contexts),
-        batch_sizes=tuple(batch_sizes),
+        contexts=tuple(o.contexts),
+        batch_sizes=tuple(o.batch_sizes),
         new_tokens=new_tokens,
-        warmup=min(warmup, new_tokens - 1),
-        repeats=repeats,
+        warmup=min(o.warmup, new_tokens - 1),
+        repeats=o.repeats,
     )
     result: dict[str, Any] = {
         "model": name or (str(model_path) if model_path is not None else type(model).__name__),

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from kvgraft.checks import check_writable
-from kvgraft.eval import compare_table, evaluate, format_report
+from kvgraft.eval import EvalOptions, compare_table, evaluate, format_report
 from kvgraft.eval.compare import write_compare_report
 from kvgraft.eval.report import check_eval_args
 from kvgraft.reference import resolve_model
@@ -34,12 +34,14 @@ def eval_models(args: argparse.Namespace) -> int:
                 model_path=path,
                 text_file=args.text,
                 tokens=tokens,
-                seq_len=args.seq_len,
-                contexts=tuple(args.contexts),
-                batch_sizes=tuple(args.batch_sizes),
-                new_tokens=args.new_tokens,
                 json_out=json_out,
-                max_tokens=args.max_tokens,
+                options=EvalOptions(
+                    seq_len=args.seq_len,
+                    contexts=tuple(args.contexts),
+                    batch_sizes=tuple(args.batch_sizes),
+                    new_tokens=args.new_tokens,
+                    max_tokens=args.max_tokens,
+                ),
             )
         )
         print(format_report(results[-1]))

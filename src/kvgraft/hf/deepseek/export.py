@@ -212,23 +212,21 @@ def export_deepseek_v3(
         dtype = dtype or model.embed_tokens.weight.dtype
         tensors = stock_tensors(model, latents, q_fold, attention_bias, low_rank_q, folds)
         tensors = _checked_dtype(tensors, dtype, fp16_safe=target == "engines")
-        config_json, report = config_and_report(
-            cfg,
-            out_dir,
-            rope_parameters,
-            attention_bias,
-            dtype,
-            strategy=strategy,
-            target=target,
-            notes=notes,
-            approximations=approximations,
-            folded=folded,
-            window=window,
+        report = ExportReport(
+            path=out_dir,
+            latent_norm=strategy,
+            warnings=notes,
             latent_rms_cv=tuple(lat.cv for lat in latents),
+            exact=not approximations,
+            approximations=approximations,
+            exact_up_to_tokens=window,
             kv_lora_rank=dc_out,
             q_lora_rank=q_lora_rank,
-            extra=extra,
+            extra_parameters=extra,
+            folded=folded,
+            target=target,
         )
+        config_json = export_config(cfg, report, rope_parameters, attention_bias, dtype)
         write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files, {"README.md": export_card(report)}, overwrite)
         if measure:
             _measure(report, model, out_dir, measured_ids(report, cfg, calibration, tail_sequences), window)
@@ -537,26 +535,12 @@ def refuse_overflow(bad: list[str], dtype: torch.dtype) -> None:
         )
 
 
-def config_and_report(
-    cfg: ModelConfig,
-    out_dir: Path,
-    rope_parameters: dict,
-    attention_bias: bool,
-    dtype: torch.dtype,
-    *,
-    strategy: str,
-    target: str,
-    notes: list[str],
-    approximations: list[str],
-    folded: list[str],
-    window: int | None,
-    latent_rms_cv: tuple[float, ...],
-    kv_lora_rank: int,
-    q_lora_rank: int | None,
-    extra: int,
-) -> tuple[dict, ExportReport]:
-    """config.json of the export and its ``ExportReport`` (not yet measured)."""
-    info = {"exact": not approximations, "latent_norm": strategy, "target": target}
+def export_config(
+    cfg: ModelConfig, report: ExportReport, rope_parameters: dict, attention_bias: bool, dtype: torch.dtype
+) -> dict:
+    """config.json of the export ``report`` describes (not yet measured)."""
+    window = report.exact_up_to_tokens
+    info = {"exact": report.exact, "latent_norm": report.latent_norm, "target": report.target}
     if window is not None:
         info |= {
             "exact_up_to_tokens": window,
@@ -567,30 +551,15 @@ def config_and_report(
                 "different beyond"
             ),
         }
-    config_json = deepseek_v3_config(
+    return deepseek_v3_config(
         cfg,
         rope_parameters,
         attention_bias,
         str(dtype).removeprefix("torch."),
-        kv_lora_rank=kv_lora_rank,
-        q_lora_rank=q_lora_rank,
+        kv_lora_rank=report.kv_lora_rank,
+        q_lora_rank=report.q_lora_rank,
         export_info=info,
     )
-    report = ExportReport(
-        path=out_dir,
-        latent_norm=strategy,
-        warnings=notes,
-        latent_rms_cv=latent_rms_cv,
-        exact=not approximations,
-        approximations=approximations,
-        exact_up_to_tokens=window,
-        kv_lora_rank=kv_lora_rank,
-        q_lora_rank=q_lora_rank,
-        extra_parameters=extra,
-        folded=folded,
-        target=target,
-    )
-    return config_json, report
 
 
 def measured_ids(report: ExportReport, cfg: ModelConfig, calibration: torch.Tensor | None, tail_sequences: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -62,8 +63,8 @@ from kvgraft.hf.deepseek.export import (
     bias_messages,
     check_arguments,
     check_inputs,
-    config_and_report,
     export_card,
+    export_config,
     fold_messages,
     fp16_excess,
     latent_strategy,
@@ -209,35 +210,41 @@ def export_deepseek_v3_streamed(
         shard = max_shard_bytes or _shard_bytes(reader, cfg, dtype)
         with atomic_dir(out_dir, overwrite=overwrite) as tmp:
             writer = ShardWriter(tmp, max_shard_bytes=shard)
+            how = _Construction(strategy, target, q_fold, attention_bias, low_rank_q, dtype)
             walk = _write_layers(
-                layers, writer, cfg, calibration, strategy, target, biases, q_fold, attention_bias, low_rank_q, dtype,
-                max_fit_tokens=max_fit_tokens, batch_size=batch_size, progress=progress,
-            )  # fmt: skip
-            latent_cvs, folds, dc_out = walk["cvs"], walk["folds"], walk["dc_out"]
+                layers,
+                writer,
+                cfg,
+                calibration,
+                biases,
+                how,
+                max_fit_tokens=max_fit_tokens,
+                batch_size=batch_size,
+                progress=progress,
+            )
+            latent_cvs, folds, dc_out = walk.cvs, walk.folds, walk.dc_out
             if target == "engines":
                 fold_messages(folds, biases.any("kv_b_proj"), approximations, folded)
             bias_messages(cfg, target, strategy, q_bias_layers, biases.any("kv_a_proj"), biases.any("kv_b_proj"), folded)
             notes = deepseek_v3_fast_path(cfg.replace(kv_lora_rank=dc_out), cfg.kv_width) + notes
             if target == "engines":
-                refuse_fp16_overflow(walk["big"])
-            refuse_overflow(walk["bad"], dtype)
-            config_json, report = config_and_report(
-                cfg,
-                out_dir,
-                rope_parameters,
-                attention_bias,
-                dtype,
-                strategy=strategy,
-                target=target,
-                notes=notes,
-                approximations=approximations,
-                folded=folded,
-                window=window,
+                refuse_fp16_overflow(walk.big)
+            refuse_overflow(walk.bad, dtype)
+            report = ExportReport(
+                path=out_dir,
+                latent_norm=strategy,
+                warnings=notes,
                 latent_rms_cv=tuple(latent_cvs),
+                exact=not approximations,
+                approximations=approximations,
+                exact_up_to_tokens=window,
                 kv_lora_rank=dc_out,
                 q_lora_rank=q_lora_rank,
-                extra=extra,
+                extra_parameters=extra,
+                folded=folded,
+                target=target,
             )
+            config_json = export_config(cfg, report, rope_parameters, attention_bias, dtype)
             writer.close()
             write_side_files(tmp, config_json, cfg, tokenizer_files, {"README.md": export_card(report)})
             if measure:
@@ -266,27 +273,47 @@ def _shard_bytes(reader: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype)
     return min(DEFAULT_SHARD_BYTES, max(SHARD_FLOOR, layer * dtype.itemsize))
 
 
+@dataclass(frozen=True)
+class _Construction:
+    """How each layer's stock tensors are built: the latent norm ``strategy``, the ``target``, the factor
+    ``q_fold`` folded into the queries, whether attention biases and the low-rank query path are written, and
+    the written ``dtype``."""
+
+    strategy: str
+    target: str
+    q_fold: float
+    attention_bias: bool
+    low_rank_q: bool
+    dtype: torch.dtype
+
+
+@dataclass
+class _Walked:
+    """What the walk wrote: the per-layer latent cvs, the folds' summaries, the exported d_c, and the tensors
+    beyond fp16's range (``big``, by how much) or not finite in the written dtype (``bad``)."""
+
+    cvs: list[float]
+    folds: list[EngineFold | None]
+    dc_out: int
+    big: dict[str, float]
+    bad: list[str]
+
+
 def _write_layers(
     layers: ConvertedLayers,
     writer: ShardWriter,
     cfg: ModelConfig,
     calibration: torch.Tensor | None,
-    strategy: str,
-    target: str,
     biases: LayerBiases,
-    q_fold: float,
-    attention_bias: bool,
-    low_rank_q: bool,
-    dtype: torch.dtype,
+    how: _Construction,
     *,
     max_fit_tokens: int,
     batch_size: int,
     progress: bool,
-) -> dict[str, Any]:
+) -> _Walked:
     """The walk: the embedding, each layer's stock tensors (calibration statistics streamed through the
-    converted layers), the final norm and the untied head, all handed to ``writer``. Returns the per-layer
-    latent cvs, the folds' summaries, the exported d_c, and the tensors beyond fp16 ("big") or not finite
-    in ``dtype`` ("bad")."""
+    converted layers), the final norm and the untied head, all handed to ``writer``."""
+    strategy, target, dtype = how.strategy, how.target, how.dtype
     device = layers.device
     fit = strategy in ("fit", "scale") and calibration is not None
     # the whole-model export collects the input moments of every layer when any layer has a bias
@@ -330,7 +357,7 @@ def _write_layers(
             assert raw is not None  # engine_fold refuses a value fold without calibration
             lat.unit = latent_unit(lat, raw)
         del raw, moments
-        tensors = layer_tensors(cfg, i, block, lat, q_fold, attention_bias, low_rank_q, fold)
+        tensors = layer_tensors(cfg, i, block, lat, how.q_fold, how.attention_bias, how.low_rank_q, fold)
         del block
         for name in list(tensors):
             write(name, tensors.pop(name))
@@ -340,7 +367,7 @@ def _write_layers(
     del hidden
     write(NORM, layers.tensor(NORM))
     write(LM_HEAD, layers.head())  # untied even if tied
-    return {"cvs": cvs, "folds": folds, "dc_out": dc_out, "big": big, "bad": bad}
+    return _Walked(cvs, folds, dc_out, big, bad)
 
 
 class _LayerStats:
