@@ -19,8 +19,9 @@ import torch
 
 from kvgraft.atomic import atomic_write_json
 from kvgraft.data import PackedDataset
+from kvgraft.graft.calibration import load_calibration
 from kvgraft.graft.ced import CEDGraftConfig, graft_ced
-from kvgraft.graft.convert import convert, load_calibration
+from kvgraft.graft.convert import convert
 from kvgraft.graft.options import ConvertOptions
 from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvgraft.eval import perplexity
-from kvgraft.graft.convert import load_calibration
+from kvgraft.graft.calibration import load_calibration
 from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.graft.ranks import default_ranks
 from kvgraft.hf import load_pretrained

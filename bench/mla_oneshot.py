@@ -17,7 +17,8 @@ import torch
 
 from kvgraft.atomic import atomic_savefig, atomic_write_json
 from kvgraft.eval import perplexity
-from kvgraft.graft.convert import load_calibration, ranks_for_compression
+from kvgraft.graft.calibration import load_calibration
+from kvgraft.graft.convert import ranks_for_compression
 from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model

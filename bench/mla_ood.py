@@ -26,7 +26,7 @@ import torch
 
 from kvgraft.atomic import atomic_write_json
 from kvgraft.eval import perplexity
-from kvgraft.graft.convert import load_calibration
+from kvgraft.graft.calibration import load_calibration
 from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.graft.ranks import STOCK_ROPE_SELECTION, default_ranks
 from kvgraft.hf import load_pretrained

@@ -35,15 +35,15 @@ import torch
 
 from kvgraft.atomic import atomic_dir
 from kvgraft.errors import ConfigError
-from kvgraft.graft.calibration import CALIBRATION, calibration_ids, load_calibration
+from kvgraft.graft.calibration import calibration_ids
 from kvgraft.graft.ced import graft_ced
 from kvgraft.graft.ced_layerwise import execute_layerwise_ced
 from kvgraft.graft.layerwise import execute_layerwise
 from kvgraft.graft.mla import graft_mla
-from kvgraft.graft.options import FORMATS, SERVE_TARGETS, STOCK_CONSTRUCTIONS, TARGETS, ConvertOptions
+from kvgraft.graft.options import ConvertOptions
 from kvgraft.graft.plan import ConvertPlan, plan_conversion
 from kvgraft.graft.ranks import default_ranks
-from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output, tail_figures
+from kvgraft.graft.record import TAIL_SEQUENCES, conversion_record, finish_output, tail_figures
 from kvgraft.graft.stock import refuse_stock_weights, write_stock
 from kvgraft.hf import load_pretrained, save_pretrained
 from kvgraft.hf.deepseek import weight_problems
@@ -204,26 +204,13 @@ def write_outputs(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor
 
 
 __all__ = [
-    "CALIBRATION",
     "EXECUTORS",
-    "FORMATS",
-    "SERVE_TARGETS",
-    "STOCK_CONSTRUCTIONS",
-    "TAIL_SEQUENCES",
-    "TARGETS",
-    "ConvertPlan",
-    "conversion_record",
     "convert",
     "execute",
     "execute_whole",
-    "finish_output",
     "graft",
     "layerwise_applies",
-    "load_calibration",
     "load_source",
-    "plan_conversion",
     "ranks_for_compression",
-    "TailFigures",
-    "tail_figures",
     "write_outputs",
 ]

@@ -24,6 +24,7 @@ from typing import Any
 from kvgraft.checks import check_int
 from kvgraft.errors import ConfigError
 from kvgraft.graft.mla import GraftConfig, mla_model_config
+from kvgraft.graft.options import FORMATS
 from kvgraft.graft.ranks import default_ranks
 from kvgraft.hf.engines import EngineSupport, engine_support, format_engine_table
 from kvgraft.hf.load import CONFIG, load_config
@@ -437,9 +438,8 @@ def doctor(
     ``dtype_bytes``. Problems with the conversion itself are reported as blockers, not raised.
     """
 
-    formats = ("kvgraft", "deepseek_v3", "both")  # kvgraft.graft.convert.FORMATS (not imported: it needs torch)
-    if output_format not in formats:
-        raise ConfigError(f"format {output_format!r} is not one of {', '.join(formats)}")
+    if output_format not in FORMATS:
+        raise ConfigError(f"format {output_format!r} is not one of {', '.join(FORMATS)}")
     config, source, model_type = _load(model)
     dtype_bytes = _positive_int("dtype_bytes", dtype_bytes)
     ranks = default_ranks(

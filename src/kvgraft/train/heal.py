@@ -25,7 +25,7 @@ from kvgraft.atomic import atomic_dir
 from kvgraft.checks import check_int, check_number
 from kvgraft.data import CopyWindows, PackedDataset
 from kvgraft.errors import ConfigError
-from kvgraft.graft.convert import load_calibration
+from kvgraft.graft.calibration import load_calibration
 from kvgraft.hf import load_pretrained, save_pretrained
 from kvgraft.hf.deepseek import export_deepseek_v3
 from kvgraft.model.transformer import Transformer
