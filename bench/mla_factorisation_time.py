@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kvgraft.atomic import atomic_write_json
-from kvgraft.graft.mla_math import GQAWeights, convert_layer
+from kvgraft.graft.mla_math import GQAWeights, LayerSpec, convert_layer
 from kvgraft.graft.ranks import default_ranks
 from kvgraft.model import ModelConfig
 
@@ -60,19 +60,17 @@ def main() -> None:
         a = torch.randn(h, h, dtype=torch.float64, generator=gen)
         C = a @ a.T / h + torch.diag(torch.rand(h, dtype=torch.float64, generator=gen) * 10)  # anisotropic
         expectation = torch.stack([torch.rand(d // 2, generator=gen) * 0.9, torch.zeros(d // 2)], -1).double()
-        t0 = time.perf_counter()
-        convert_layer(
-            w,
+        spec = LayerSpec(
             num_heads=H,
             num_kv_heads=K,
             head_dim=d,
             kv_lora_rank=ranks.kv_lora_rank,
             d_rope=ranks.qk_rope_head_dim,
-            C=C,
             objective="attention",
             rope_selection="norm",
-            rope_expectation=expectation,
         )
+        t0 = time.perf_counter()
+        convert_layer(w, spec, C, rope_expectation=expectation)
         seconds = time.perf_counter() - t0
         rows.append(
             {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,7 +104,9 @@ def test_yarn_attention_factor_is_folded_into_the_no_rope_query(monkeypatch):
 
     assert error(graft_mla(scaled, g, _calibration(), progress=False).eval()) < 1e-4
     real = graft_module.convert_layer
-    monkeypatch.setattr(graft_module, "convert_layer", lambda *a, **k: real(*a, **{**k, "rope_attention_scaling": 1.0}))
+    monkeypatch.setattr(
+        graft_module, "convert_layer", lambda w, spec, **k: real(w, dataclasses.replace(spec, rope_attention_scaling=1.0), **k)
+    )
     assert error(graft_mla(scaled, g, _calibration(), progress=False).eval()) > 1e-3
 
 

@@ -126,24 +126,20 @@ def test_build_ood_eval_from_a_local_copy(tmp_path, monkeypatch):
 def test_convert_layer_on_an_explicit_device_matches_the_default():
     """``convert_layer(device=...)`` (what graft_mla uses to run the fp64 math on a CUDA model's GPU) gives
     the same weights as the default path; checked here with the CPU as the explicit device."""
-    from kvgraft.graft.mla_math import GQAWeights, convert_layer
+    from kvgraft.graft.mla_math import GQAWeights, LayerSpec, convert_layer
 
     gen = torch.Generator().manual_seed(3)
     h, H, K, d = 32, 4, 2, 8
     w = GQAWeights(*(torch.randn(s, generator=gen) for s in ((H * d, h), (K * d, h), (K * d, h), (h, H * d))))
     a = torch.randn(h, h, dtype=torch.float64, generator=gen)
+    spec = LayerSpec(
+        num_heads=H, num_kv_heads=K, head_dim=d, kv_lora_rank=12, d_rope=4, objective="attention", rope_selection="norm"
+    )
     kw = {
-        "num_heads": H,
-        "num_kv_heads": K,
-        "head_dim": d,
-        "kv_lora_rank": 12,
-        "d_rope": 4,
         "C": a @ a.T / h,
-        "objective": "attention",
-        "rope_selection": "norm",
         "rope_expectation": torch.tensor([[0.9, 0.1], [0.5, 0.2], [0.2, 0.0], [0.1, 0.0]], dtype=torch.float64),
     }
-    x, y = convert_layer(w, **kw), convert_layer(w, device="cpu", **kw)
+    x, y = convert_layer(w, spec, **kw), convert_layer(w, spec, device="cpu", **kw)
     assert x.rope_freq_index == y.rope_freq_index
     for name in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"):
         torch.testing.assert_close(getattr(x, name), getattr(y, name))

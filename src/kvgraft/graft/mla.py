@@ -27,6 +27,7 @@ from kvgraft.errors import ConfigError
 from kvgraft.graft.mla_math import (
     ROPE_ROTATIONS,
     GQAWeights,
+    LayerSpec,
     MLAWeights,
     convert_layer,
     head_rotations,
@@ -263,33 +264,35 @@ class LayerGraft:
             expectation = rope_expectation(profile, self.rotary.inv_freq.double().cpu())
         t1 = time.perf_counter()
         clock["statistics"] += t1 - t0
+        spec = LayerSpec(
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=known(config.head_dim, "head_dim"),
+            kv_lora_rank=g.kv_lora_rank,
+            d_rope=g.qk_rope_head_dim,
+            objective=g.objective,
+            rope_selection=g.rope_selection,
+            balance_kv=g.balance_kv,
+            rope_attention_scaling=self.rotary.attention_scaling,
+            rope_rotation=g.rope_rotation,
+        )
         layer_args: dict[str, Any] = {
-            "num_heads": config.num_heads,
-            "num_kv_heads": config.num_kv_heads,
-            "head_dim": known(config.head_dim, "head_dim"),
-            "kv_lora_rank": g.kv_lora_rank,
-            "d_rope": g.qk_rope_head_dim,
             "C": shrink_second_moment(C, g.calibration_shrinkage),
-            "objective": g.objective,
-            "rope_selection": g.rope_selection,
-            "balance_kv": g.balance_kv,
-            "rope_attention_scaling": self.rotary.attention_scaling,
             "q_norm_weight": q_norm,
             "rope_expectation": expectation,
             "pairs": self.shared_pairs.get(layer),
-            "rope_rotation": g.rope_rotation,
         }
         mla = None
         if self.math_device is not None:  # fp64 on the GPU: the O(rows x h^2) products and the eigh take seconds there
             try:
-                mla = convert_layer(weights, device=self.math_device, **layer_args)
+                mla = convert_layer(weights, spec, device=self.math_device, **layer_args)
             except RuntimeError as exc:  # e.g. no fp64 solver on this device: the CPU path always works
                 warnings.warn(
                     f"layer {layer}: the factorisation failed on {self.math_device} ({exc}); running it on the CPU", stacklevel=3
                 )
                 self.math_device = None
         if mla is None:
-            mla = convert_layer(weights, **layer_args)
+            mla = convert_layer(weights, spec, **layer_args)
         if g.latent_norm:
             mla.kv_a_norm = _latent_norm_init(block, mla, g.kv_lora_rank, source, config.rms_norm_eps, bs)
         self.converted[layer] = mla

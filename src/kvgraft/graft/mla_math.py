@@ -236,32 +236,46 @@ def _sqrtm_psd(A: Tensor, ridge: float = 1e-6) -> tuple[Tensor, Tensor]:
     return (evecs * evals.sqrt()) @ evecs.T, (evecs * evals.rsqrt()) @ evecs.T
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """What ``convert_layer`` makes of one layer: its sizes (``num_heads`` query heads, ``num_kv_heads`` KV
+    heads of width ``head_dim``), the ranks (``kv_lora_rank`` = d_c, ``d_rope``) and how the factorisation runs.
+
+    ``objective``: "weights" | "activations" | "attention" (see the module docstring). ``rope_selection``: how
+    the kept RoPE pairs are chosen when the caller gives none (``choose_rope_pairs``). ``balance_kv``: weigh
+    key against value energy in the joint latent. ``rope_attention_scaling``: the factor RoPE multiplies
+    cos/sin by (YaRN's attention factor); the original logits carry its square on every dimension, the
+    no-RoPE part must get it through q. ``rope_rotation``: "real" (orthogonal head mixes per frequency) or
+    "complex" (unitary: the kept rotated head is the best rank-1 complex fit of the KV heads' pair, see
+    ``head_rotations``)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_lora_rank: int
+    d_rope: int
+    objective: str = "activations"
+    rope_selection: str = "stride"
+    balance_kv: bool = True
+    rope_attention_scaling: float = 1.0
+    rope_rotation: str = "real"
+
+
 def convert_layer(
     w: GQAWeights,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    kv_lora_rank: int,
-    d_rope: int,
+    spec: LayerSpec,
     C: Tensor | None,
-    objective: str = "activations",
-    rope_selection: str = "stride",
-    balance_kv: bool = True,
-    rope_attention_scaling: float = 1.0,
+    *,
     q_norm_weight: Tensor | None = None,
     rope_expectation: Tensor | None = None,
     pairs: list[tuple[int, int]] | None = None,
     device: str | torch.device | None = None,
-    rope_rotation: str = "real",
 ) -> MLAWeights:
-    """Convert one GQA layer to MLA (kvgraft layout: d_nope = d_v = head_dim).
+    """Convert one GQA layer to MLA (kvgraft layout: d_nope = d_v = head_dim) as ``spec`` says.
 
     ``pairs``: the kept (rotated head, frequency) pairs, chosen by the caller (the "shared" selection);
     None: chosen here by ``rope_selection``.
 
-    ``rope_attention_scaling``: the factor RoPE multiplies cos/sin by (YaRN's attention factor). The
-    original logits carry its square on every dimension; the no-RoPE part must get it through q.
     ``q_norm_weight``: the per-head query RMSNorm of Qwen3-style models. Queries then stay in their
     original basis (q_proj unchanged, q_norm kept) and the MLA query is a per-head map ``q_mix`` of the
     normalised head. (Their key RMSNorm must already be linearised into ``w.k`` by the caller.)
@@ -271,12 +285,12 @@ def convert_layer(
     it folds into the no-RoPE query as M_f^T q. None: the identity (plain dropping).
 
     ``C``: E[x x^T] of the layer's attention input on calibration text, or None for weights only.
-    ``objective``: "weights" | "activations" | "attention" (see module docstring).
     ``device``: where the fp64 math runs (default: the weights' device); the returned weights live there.
-    ``rope_rotation``: "real" (orthogonal head mixes per frequency) or "complex" (unitary: the kept rotated
-    head is the best rank-1 complex fit of the KV heads' pair, see ``head_rotations``).
     """
-    sh = _Shape(num_heads, num_kv_heads, head_dim, w.q.shape[1], w.q.device if device is None else torch.device(device))
+    objective, rope_selection, kv_lora_rank = spec.objective, spec.rope_selection, spec.kv_lora_rank
+    sh = _Shape(
+        spec.num_heads, spec.num_kv_heads, spec.head_dim, w.q.shape[1], w.q.device if device is None else torch.device(device)
+    )
     w = _on(w, sh.dev)  # where the fp64 math runs (CPU or a GPU)
     if rope_expectation is not None:
         rope_expectation = rope_expectation.to(device=sh.dev, dtype=torch.float64)
@@ -293,17 +307,17 @@ def convert_layer(
     w_kC, w_vC = times_C(w.k), times_C(w.v)
 
     # ---- 1. RoPE decoupling ------------------------------------------------------------------
-    U = head_rotations(w.k, C, sh.K, sh.d, w_kC, rotation=rope_rotation)  # (d/2, K, K), complex128 if "complex"
+    U = head_rotations(w.k, C, sh.K, sh.d, w_kC, rotation=spec.rope_rotation)  # (d/2, K, K), complex128 if "complex"
     if pairs is None:
         scores = (
             pair_scores(w, C, U, sh.H, sh.K, sh.d, rope_expectation, w_qC=w_qC, w_kC=w_kC) if rope_selection == "norm" else None
         )
-        pairs = choose_rope_pairs(rope_selection, d_rope, sh.K, sh.d, scores)
+        pairs = choose_rope_pairs(rope_selection, spec.d_rope, sh.K, sh.d, scores)
     rope = _decouple_rope(w, w_kC, U, pairs, sh)
     # ---- 2. joint K/V latent -----------------------------------------------------------------
-    A, B, b_y = _joint_latent(w, rope, w_qC, w_vC, objective, balance_kv, kv_lora_rank, sh)
+    A, B, b_y = _joint_latent(w, rope, w_qC, w_vC, objective, spec.balance_kv, kv_lora_rank, sh)
     # ---- 3. assemble MLA weights (per query head; GQA groups replicated) -----------------------
-    q_proj, q_bias, q_mix = _queries(w, U, pairs, rope_attention_scaling, rope_expectation, q_norm_weight, sh)
+    q_proj, q_bias, q_mix = _queries(w, U, pairs, spec.rope_attention_scaling, rope_expectation, q_norm_weight, sh)
     kv_a, kv_a_bias, kv_b, kv_b_bias = _latent_projections(w, rope, A, B, b_y, kv_lora_rank, sh)
     return MLAWeights(
         q_proj=q_proj,
