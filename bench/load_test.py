@@ -46,10 +46,13 @@ SYSTEM = "You answer geometry questions with the arithmetic and the result."
 def _serve(conn, base: str, adapters: dict[str, str], options: dict) -> None:
     import uvicorn
 
-    from kvgraft.serve.server import build_server
+    from kvgraft.serve.server import EngineOptions, build_server
 
     try:
-        server = build_server(base, adapters, **options)
+        engine = EngineOptions(
+            max_seqs=options["max_seqs"], max_batch_tokens=options["max_batch_tokens"], prefix_cache=options["prefix_cache"]
+        )
+        server = build_server(base, adapters, engine_options=engine, max_queue=options["max_queue"])
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from kvgraft.adapters.placement import Placement
 from kvgraft.hf import load_pretrained, load_tokenizer_dir
 from kvgraft.runtime.engine import Engine
 from kvgraft.runtime.sampling import SamplingParams
-from kvgraft.serve.server import CHAT_STOP, build_server, render_chat
+from kvgraft.serve.server import CHAT_STOP, EngineOptions, build_server, render_chat
 
 BASE = Path(__file__).resolve().parents[1] / "models" / "kvgraft-ced-8m"
 NAME = "kvgraft-ced-8m"
@@ -46,9 +47,7 @@ def live(tmp_path_factory):
     server = build_server(
         BASE,
         {n: root / n for n in specs},
-        max_seqs=MAX_SEQS,
-        max_batch_tokens=64,
-        max_seq_len=MAX_LEN,
+        engine_options=EngineOptions(max_seqs=MAX_SEQS, max_batch_tokens=64, max_seq_len=MAX_LEN),
         max_queue=MAX_QUEUE,
         max_tokens_limit=64,
         max_request_bytes=4096,
@@ -480,8 +479,8 @@ def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
             "E", (), {"adapters": type("R", (), {"adapters": {}})(), "pool": "KV cache budget (fake)", "packed_linears": 0}
         )()
 
-    def fake_build(model, adapters, **kwargs):
-        seen.append((model, adapters, kwargs))
+    def fake_build(model, adapters, *, engine_options, **kwargs):  # the engine's options flattened beside the rest
+        seen.append((model, adapters, dataclasses.asdict(engine_options) | kwargs))
         return Fake()
 
     monkeypatch.setattr(command, "build_server", fake_build)
@@ -498,8 +497,8 @@ def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
 
 
 def test_build_server_passes_prefix_cache_to_the_engine():
-    on = build_server(BASE, max_seqs=1, max_seq_len=64)
-    off = build_server(BASE, max_seqs=1, max_seq_len=64, prefix_cache=False)
+    on = build_server(BASE, engine_options=EngineOptions(max_seqs=1, max_seq_len=64))
+    off = build_server(BASE, engine_options=EngineOptions(max_seqs=1, max_seq_len=64, prefix_cache=False))
     assert on.engine.prefix is not None and off.engine.prefix is None
 
 
@@ -522,12 +521,14 @@ def test_the_shipped_geometry_adapter_is_served_out_of_the_box():
         assert str(Path.home()) not in text and "/tmp/" not in text and str(BASE.parents[1]) not in text, name
     load_adapter(load_pretrained(BASE), shipped)  # the weights fingerprint matches the shipped base
 
-    server = build_server(BASE, with_shipped_adapters=True, max_seqs=2, max_seq_len=64)
+    server = build_server(BASE, with_shipped_adapters=True, engine_options=EngineOptions(max_seqs=2, max_seq_len=64))
     assert [m["id"] for m in server.models()["data"]] == [NAME, "kvgraft-ced-8m-geometry"]
     ids = server.tokenizer.encode("Q: A square has side 7. Area?\nA:")
     out = server.engine.generate([ids, ids], SamplingParams(max_new_tokens=8), adapters=[None, "kvgraft-ced-8m-geometry"])
     assert out[0] != out[1]
-    given = build_server(BASE, {"geo": shipped}, with_shipped_adapters=True, max_seqs=1, max_seq_len=64)
+    given = build_server(
+        BASE, {"geo": shipped}, with_shipped_adapters=True, engine_options=EngineOptions(max_seqs=1, max_seq_len=64)
+    )
     assert list(given.worker.adapters) == ["geo"]  # not twice under two names
     llama = BASE.parent / "kvgraft-llama-8m"
     assert shipped_adapters(llama, load_pretrained(llama).config) == {}

@@ -35,7 +35,7 @@ from factories import live_uvicorn
 from kvgraft.adapters.lora import AdapterConfig, add_adapter, randomize_adapter, save_adapter
 from kvgraft.adapters.placement import Placement
 from kvgraft.hf import load_pretrained
-from kvgraft.serve.server import build_server
+from kvgraft.serve.server import EngineOptions, build_server
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "models" / "kvgraft-ced-8m"
@@ -173,9 +173,7 @@ def churned(tmp_path_factory):
     server = build_server(
         BASE,
         {"geometry": SHIPPED},
-        max_seqs=8,
-        max_batch_tokens=256,
-        max_seq_len=128,
+        engine_options=EngineOptions(max_seqs=8, max_batch_tokens=256, max_seq_len=128),
         max_queue=32,
         max_tokens_limit=16,
         adapter_dir=root,

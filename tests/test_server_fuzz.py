@@ -30,7 +30,7 @@ from factories import live_uvicorn
 
 pytest.importorskip("schemathesis")
 
-from kvgraft.serve.server import build_server  # noqa: E402
+from kvgraft.serve.server import EngineOptions, build_server  # noqa: E402
 
 pytestmark = pytest.mark.fuzz
 
@@ -77,9 +77,7 @@ def fuzzed(tmp_path_factory):
     server = build_server(
         BASE,
         {"geometry": ADAPTER},
-        max_seqs=4,
-        max_batch_tokens=512,
-        max_seq_len=MAX_LEN,
+        engine_options=EngineOptions(max_seqs=4, max_batch_tokens=512, max_seq_len=MAX_LEN),
         max_tokens_limit=MAX_TOKENS,
         max_prompt_tokens=MAX_LEN - MAX_TOKENS,
         adapter_dir=adapter_dir,

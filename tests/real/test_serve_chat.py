@@ -76,17 +76,16 @@ def reference(model_dir) -> dict[str, list[int]]:
 def client(model_dir):
     import openai
 
-    from kvgraft.serve.server import build_server
+    from kvgraft.serve.server import EngineOptions, build_server
 
     server = build_server(
         model_dir,
         {},
         model_name=NAME,
-        max_seqs=CONCURRENCY,
-        max_seq_len=256,
+        # dtype float32: as transformers computes here; the checkpoint's bf16 flips near-ties with the batch
+        engine_options=EngineOptions(max_seqs=CONCURRENCY, max_seq_len=256, dtype="float32"),
         max_queue=REQUESTS,
         max_tokens_limit=64,
-        dtype="float32",  # as transformers computes here; the checkpoint's bf16 flips near-ties with the batch
     )
     with live_uvicorn(server.app) as port:
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)

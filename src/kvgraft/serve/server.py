@@ -112,6 +112,24 @@ class ServerConfig:
                 raise ConfigError(f"adapter directory {self.adapter_dir} does not exist")
 
 
+@dataclass
+class EngineOptions:
+    """How ``build_server`` sizes and loads the engine (``kvgraft.runtime.engine.Engine``'s arguments).
+    ``kv_budget``: the engine's pools' memory budget (bytes, ``"4GiB"``, a fraction of available memory, or
+    None for the default; see :mod:`kvgraft.runtime.budget`; ``server.engine.pool`` says what it bought).
+    ``dtype``: the weights' and cache's dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"`` (None: as the
+    checkpoint stores them). ``prefix_cache``: the engine's prefix cache (``kvgraft serve
+    --no-prefix-cache`` turns it off)."""
+
+    max_seqs: int = 32
+    max_batch_tokens: int = 512
+    max_seq_len: int | None = None
+    num_blocks: int | None = None
+    kv_budget: KVBudget = None
+    dtype: str | None = None
+    prefix_cache: bool = True
+
+
 def _check_unicode(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
@@ -510,31 +528,23 @@ def build_server(
     adapters: dict[str, str | Path] | None = None,
     *,
     model_name: str | None = None,
-    max_seqs: int = 32,
-    max_batch_tokens: int = 512,
-    max_seq_len: int | None = None,
-    num_blocks: int | None = None,
-    kv_budget: KVBudget = None,
-    dtype: str | None = None,
-    prefix_cache: bool = True,
+    engine_options: EngineOptions | None = None,
     with_shipped_adapters: bool = False,
     **config: Any,
 ) -> KvgraftServer:
     """Load ``base`` (a model directory or shipped reference name) and its tokenizer, start adapters, build
-    the server (not started: run it with uvicorn, or :func:`serve`). ``kv_budget``: the engine's pools' memory
-    budget (bytes, ``"4GiB"``, a fraction of available memory, or None for the default; see
-    :mod:`kvgraft.runtime.budget`; ``server.engine.pool`` says what it bought). ``dtype``: the weights' and
-    cache's dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"`` (None: as the checkpoint stores them).
-    ``prefix_cache``: the engine's prefix
-    cache (on by default; ``kvgraft serve --no-prefix-cache`` turns it off). ``with_shipped_adapters``: also
-    load the example adapters shipped for this base (:func:`shipped_adapters`; ``adapters`` win on a name).
-    ``config``: :class:`ServerConfig` fields."""
+    the server (not started: run it with uvicorn, or :func:`serve`). ``engine_options``: the engine's sizes,
+    memory budget, dtype and prefix cache (:class:`EngineOptions`; None: its defaults).
+    ``with_shipped_adapters``: also load the example adapters shipped for this base (:func:`shipped_adapters`;
+    ``adapters`` win on a name). ``config``: :class:`ServerConfig` fields."""
 
     path = resolve_model(base)
     tokenizer: Tokenizer | None = load_tokenizer_dir(path)
     if tokenizer is None:
         raise FileNotFoundError(f"{path} has no tokenizer.json; the server needs one")
     cfg = ServerConfig(model_name=model_name or Path(path).resolve().name, **config)
+    eo = engine_options or EngineOptions()
+    dtype = eo.dtype
     if dtype is not None and dtype not in _DTYPES:
         raise ConfigError(f"dtype ({dtype!r}) must be one of {sorted(_DTYPES)} or None")
     model = load_pretrained(path, dtype=None if dtype is None else _DTYPES[dtype]).eval()
@@ -544,13 +554,13 @@ def build_server(
 
     engine = Engine(
         model,
-        max_seqs=max_seqs,
-        max_batch_tokens=max_batch_tokens,
-        max_seq_len=max_seq_len,
-        num_blocks=num_blocks,
-        kv_budget=kv_budget,
+        max_seqs=eo.max_seqs,
+        max_batch_tokens=eo.max_batch_tokens,
+        max_seq_len=eo.max_seq_len,
+        num_blocks=eo.num_blocks,
+        kv_budget=eo.kv_budget,
         detokenize=detok,
-        prefix_cache=prefix_cache,
+        prefix_cache=eo.prefix_cache,
     )
     adapters = dict(adapters or {})
     if with_shipped_adapters:

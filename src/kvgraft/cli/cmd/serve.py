@@ -8,7 +8,7 @@ from pathlib import Path
 from kvgraft.errors import ConfigError, refusals_as_config_errors
 from kvgraft.model.packed import packed_bytes
 from kvgraft.runtime.budget import KVBudget, parse_kv_budget
-from kvgraft.serve.server import KvgraftServer, build_server
+from kvgraft.serve.server import EngineOptions, KvgraftServer, build_server
 from kvgraft.serve.server import serve as run_server
 
 
@@ -47,15 +47,17 @@ def _build(args: argparse.Namespace, adapters: dict[str, str | Path], kv_budget:
         args.model,
         adapters,
         model_name=args.model_name,
-        max_seqs=args.max_seqs,
-        max_batch_tokens=args.max_batch_tokens,
-        max_seq_len=args.max_seq_len,
-        kv_budget=kv_budget,
-        dtype=args.dtype,
+        engine_options=EngineOptions(
+            max_seqs=args.max_seqs,
+            max_batch_tokens=args.max_batch_tokens,
+            max_seq_len=args.max_seq_len,
+            kv_budget=kv_budget,
+            dtype=args.dtype,
+            prefix_cache=not args.no_prefix_cache,
+        ),
         max_queue=args.max_queue,
         max_tokens_limit=args.max_tokens_limit,
         max_request_bytes=args.max_request_bytes,
         adapter_dir=args.adapter_dir,
-        prefix_cache=not args.no_prefix_cache,
         with_shipped_adapters=not args.no_shipped_adapters,
     )
