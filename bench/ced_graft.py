@@ -28,7 +28,7 @@ from kvgraft.graft.convert import convert
 from kvgraft.graft.options import ConvertOptions
 from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
-from kvgraft.train.heal import HealConfig, heal, original_training
+from kvgraft.train.heal import HealConfig, HealOptions, heal, original_training
 from kvgraft.train.loop import evaluate, lm_loss
 
 
@@ -100,10 +100,12 @@ def main() -> None:
         converted,
         run,
         args.data,
-        teacher=src,
-        heal_config=HealConfig(loss=args.loss, tokens=args.tokens),
-        train_overrides=overrides,
-        original_lr=orig_record["train_config"]["lr"],
+        HealOptions(
+            teacher=src,
+            heal_config=HealConfig(loss=args.loss, tokens=args.tokens),
+            train_overrides=overrides,
+            original_lr=orig_record["train_config"]["lr"],
+        ),
     )
     rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     healed_curve = [(0, one_shot)] + [(r["tokens"], math.exp(r["val_loss"])) for r in rows if "val_loss" in r]

@@ -172,7 +172,7 @@ def run_once(args: argparse.Namespace, config: Any, variant: str) -> dict[str, A
                 overwrite=True,
             ),
         )
-        record = execute(plan)
+        record = execute(plan).to_dict()
         wall = time.perf_counter() - t0
     layers = [k for k in profile.seconds if isinstance(k, int)]
     starts = [profile.layer_start[k] for k in layers] + [t0 + wall]

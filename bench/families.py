@@ -126,7 +126,7 @@ def run_case(root: Path, name: str) -> list[dict]:
                 # written whatever it measures (the table reports the error; a windowed case is far off beyond W)
                 record = convert(
                     path, out, ConvertOptions(output_format="deepseek_v3", progress=True, accept_export_error=True, **kwargs)
-                )
+                ).to_dict()
         except Exception as exc:  # a refusal: its message is the result
             row["stock"] = "refused"
             row["stock_refusal"] = f"{type(exc).__name__}: {exc}"

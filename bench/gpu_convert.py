@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             overwrite=True,
         ),
-    )
+    ).to_dict()
     seconds = record["seconds"]
     result = {
         "shape": args.shape,

@@ -25,7 +25,7 @@ from kvgraft.graft.convert import convert
 from kvgraft.graft.options import ConvertOptions
 from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
-from kvgraft.train.heal import HealConfig, heal, original_training
+from kvgraft.train.heal import HealConfig, HealOptions, heal, original_training
 from kvgraft.train.loop import evaluate, lm_loss
 
 VARIANTS = {
@@ -61,7 +61,9 @@ def main() -> None:
     convert_record = None
     if not converted.exists():
         t0 = time.perf_counter()
-        convert_record = convert(src, converted, ConvertOptions(compression=4.0, progress=False))  # the convert defaults
+        convert_record = convert(
+            src, converted, ConvertOptions(compression=4.0, progress=False)
+        ).to_dict()  # the convert defaults
         print(
             f"converted at the defaults in {time.perf_counter() - t0:.1f} s wall "
             f"(graft {convert_record['seconds']['convert']:.1f} s; ranks d_c "
@@ -90,11 +92,13 @@ def main() -> None:
             start,
             run,
             args.data,
-            teacher=src,
-            heal_config=HealConfig(**{**VARIANTS[name].__dict__, "fraction_of_pretraining": args.fraction}),
-            train_overrides=overrides,
-            original_lr=record["train_config"]["lr"],
-            pretraining_tokens=pre_tokens,
+            HealOptions(
+                teacher=src,
+                heal_config=HealConfig(**{**VARIANTS[name].__dict__, "fraction_of_pretraining": args.fraction}),
+                train_overrides=overrides,
+                original_lr=record["train_config"]["lr"],
+                pretraining_tokens=pre_tokens,
+            ),
         )
         rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
         first = math.exp(base_loss) if name.startswith("control") else math.exp(one_shot)

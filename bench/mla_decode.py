@@ -145,13 +145,13 @@ def hf_part(original, mla, path: Path, args, dtype) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     try:
-        from kvgraft.hf.deepseek import export_deepseek_v3
+        from kvgraft.hf.deepseek import ExportOptions, export_deepseek_v3
     except ImportError:
         print("\n(stock DeepSeek-V3 export not available: skipping the transformers comparison)")
         return []
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        export_deepseek_v3(mla.float(), Path(tmp) / "ds", latent_norm="scale")
+        export_deepseek_v3(mla.float(), Path(tmp) / "ds", ExportOptions(latent_norm="scale"))
         hf_llama = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         hf_ds = AutoModelForCausalLM.from_pretrained(Path(tmp) / "ds", dtype=dtype).eval()
         print("\nstock transformers: ms per decode step, ratio = Llama time / DeepseekV3 time")

@@ -125,12 +125,12 @@ def main() -> None:
     def stock_score(new, construction: str = "engines") -> tuple[dict, dict]:
         import warnings
 
-        from kvgraft.hf.deepseek import export_deepseek_v3, load_stock
+        from kvgraft.hf.deepseek import ExportOptions, export_deepseek_v3, load_stock
 
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the transformers construction warns that it is transformers-only
             report = export_deepseek_v3(
-                new, Path(tmp) / "ds", calibration=calib, tail_sequences=4, verbose=False, target=construction
+                new, Path(tmp) / "ds", ExportOptions(tail_sequences=4, verbose=False, target=construction), calibration=calib
             )
             params = json.loads((Path(tmp) / "ds" / "config.json").read_text())["rope_parameters"]
             extra = {

@@ -273,12 +273,15 @@ def test_adapter_carries_to_the_stock_deepseek_v3_export(tmp_path, latent_norm):
     from transformers import AutoModelForCausalLM
 
     from kvgraft.hf import export_deepseek_v3
+    from kvgraft.hf.deepseek import ExportOptions
     from kvgraft.hf.deepseek.adapters import export_adapter_deepseek_v3
 
     cfg = MLA.replace(qk_nope_head_dim=8, rms_norm_eps=1e-6, mla_latent_norm=latent_norm)
     base = build(cfg)
     # the exact latent for a base without its own norm is the transformers-only "pad" construction
-    export_deepseek_v3(base, tmp_path / "stock", measure=False, target="engines" if latent_norm else "transformers")
+    export_deepseek_v3(
+        base, tmp_path / "stock", ExportOptions(measure=False, target="engines" if latent_norm else "transformers")
+    )
     with pytest.raises(ValueError, match="MLP modules"):  # PEFT would drop them on deepseek_v3 (see export.py)
         mlp = add_adapter(build(cfg), Placement("all", ("all-linear",)), AdapterConfig(rank=4))
         save_adapter(mlp, tmp_path / "mlp")

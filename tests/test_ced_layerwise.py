@@ -27,8 +27,8 @@ OPTIONS = dict(progress=False, calibration_tokens=1024, calibration_seq_len=32, 
 def _both(tmp_path, path, **options):
     """Convert ``path`` --to ced with each executor; (whole record, layerwise record, whole dir, layerwise dir)."""
     options = OPTIONS | options
-    whole = execute(plan_conversion(path, tmp_path / "whole", ConvertOptions(**options)), executor="whole")
-    layer = execute(plan_conversion(path, tmp_path / "layer", ConvertOptions(**options)))  # the default executor
+    whole = execute(plan_conversion(path, tmp_path / "whole", ConvertOptions(**options)), executor="whole").to_dict()
+    layer = execute(plan_conversion(path, tmp_path / "layer", ConvertOptions(**options))).to_dict()  # the default executor
     return whole, layer, tmp_path / "whole", tmp_path / "layer"
 
 
@@ -83,7 +83,7 @@ def test_default_executor_for_ced_reads_no_whole_model(tmp_path, monkeypatch):
         raise AssertionError("the whole model was loaded")
 
     monkeypatch.setattr(conv, "load_source", tripwire)
-    record = execute(plan_conversion(_checkpoint(tmp_path, "llama"), tmp_path / "ced", ConvertOptions(**OPTIONS)))
+    record = execute(plan_conversion(_checkpoint(tmp_path, "llama"), tmp_path / "ced", ConvertOptions(**OPTIONS))).to_dict()
     assert record["to"] == "ced" and (tmp_path / "ced" / "model.safetensors").is_file()
 
 
@@ -99,7 +99,7 @@ def test_ced_layerwise_equals_whole_model_on_the_reference(tmp_path):
 def _interrupted_then_resumed(tmp_path, monkeypatch, path, k: int, **options):
     """(uninterrupted record, resumed record, uninterrupted dir, resumed dir); the --to ced run fails after layer k."""
     options = OPTIONS | options
-    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(**options)))
+    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(**options))).to_dict()
     out = tmp_path / "out"
     first_pass = options.get("rope_selection", "auto") in ("auto", "shared")  # the shared layout reads every layer first
     with monkeypatch.context() as m:
@@ -108,7 +108,7 @@ def _interrupted_then_resumed(tmp_path, monkeypatch, path, k: int, **options):
             execute(plan_conversion(path, out, ConvertOptions(**options)))
     assert json.loads((staging_path(out) / STATE).read_text())["next_layer"] == k + 1
     read = _fail_at(monkeypatch, -1)  # counts only
-    resumed = execute(plan_conversion(path, out, ConvertOptions(resume=True, **options)))
+    resumed = execute(plan_conversion(path, out, ConvertOptions(resume=True, **options))).to_dict()
     assert min(read) == k + 1, "a finished layer was read again"
     assert not staging_path(out).exists() and not list(out.glob("state*"))
     return reference, resumed, tmp_path / "reference", out

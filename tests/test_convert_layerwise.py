@@ -53,8 +53,8 @@ def _checkpoint(tmp_path, family: str, max_shard_size: str | None = None, **extr
 def _both(tmp_path, path, **options):
     """Convert ``path`` with each executor; (whole record, layerwise record, whole dir, layerwise dir)."""
     options = dict(progress=False, calibration_tokens=1024, calibration_seq_len=32) | options
-    whole = execute(plan_conversion(path, tmp_path / "whole", ConvertOptions(**options)), executor="whole")
-    layer = execute(plan_conversion(path, tmp_path / "layer", ConvertOptions(**options)), executor="layerwise")
+    whole = execute(plan_conversion(path, tmp_path / "whole", ConvertOptions(**options)), executor="whole").to_dict()
+    layer = execute(plan_conversion(path, tmp_path / "layer", ConvertOptions(**options)), executor="layerwise").to_dict()
     return whole, layer, tmp_path / "whole", tmp_path / "layer"
 
 
@@ -255,10 +255,10 @@ def test_tail_states_read_off_the_stream_are_the_ones_run_again(tmp_path, monkey
     run_block = lw._run_block
     monkeypatch.setattr(lw, "_run_block", lambda *a, **k: calls.append(1) or run_block(*a, **k))
     options = dict(progress=False, calibration_tokens=1024, calibration_seq_len=32, layerwise=layerwise)
-    read = execute(plan_conversion(path, tmp_path / "read", ConvertOptions(**options)))
+    read = execute(plan_conversion(path, tmp_path / "read", ConvertOptions(**options))).to_dict()
     assert len(calls) == 3 + 1  # one stack every layer, the other only at the last layer (2: not propagated)
     monkeypatch.setattr(lw, "REUSE_TAIL", False)
-    again = execute(plan_conversion(path, tmp_path / "again", ConvertOptions(**options)))
+    again = execute(plan_conversion(path, tmp_path / "again", ConvertOptions(**options))).to_dict()
     assert len(calls) == 4 + 6
     assert read["calibration_tail"] == again["calibration_tail"]
     sa, sb = read_state(tmp_path / "read"), read_state(tmp_path / "again")

@@ -118,9 +118,9 @@ def test_plan_reads_no_weights_and_is_validated_and_serialisable(tiny_dir, tmp_p
 
 def test_execute_writes_what_convert_writes(tiny_dir, tmp_path):
     options = dict(kv_lora_rank=16, qk_rope_head_dim=16, calibration_tokens=1024, progress=False)
-    record = convert(tiny_dir, tmp_path / "a", ConvertOptions(**options))
+    record = convert(tiny_dir, tmp_path / "a", ConvertOptions(**options)).to_dict()
     plan = plan_conversion(tiny_dir, tmp_path / "b", ConvertOptions(**options))
-    again = execute(plan)
+    again = execute(plan).to_dict()
     assert again["plan"] == plan.to_dict()
     strip = {"seconds", "convert_seconds_per_million_params", "plan"}
     assert {k: v for k, v in record.items() if k not in strip} == {k: v for k, v in again.items() if k not in strip}

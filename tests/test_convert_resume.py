@@ -44,7 +44,7 @@ def _fail_at(monkeypatch, layer: int, occurrence: int = 1) -> list[int]:
 def _interrupted_then_resumed(tmp_path, monkeypatch, path, k: int, **options):
     """(uninterrupted record, resumed record, uninterrupted dir, resumed dir); the run fails after layer k."""
     options = OPTIONS | options
-    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(**options)))
+    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(**options))).to_dict()
     out = tmp_path / "out"
     with monkeypatch.context() as m:
         _fail_at(m, k + 1, 2 if options.get("rope_selection") == "shared" else 1)  # after the shared layout's pass
@@ -54,7 +54,7 @@ def _interrupted_then_resumed(tmp_path, monkeypatch, path, k: int, **options):
     assert not out.exists() and staging.is_dir()
     assert json.loads((staging / STATE).read_text())["next_layer"] == k + 1
     read = _fail_at(monkeypatch, -1)  # counts only
-    resumed = execute(plan_conversion(path, out, ConvertOptions(resume=True, **options)))
+    resumed = execute(plan_conversion(path, out, ConvertOptions(resume=True, **options))).to_dict()
     assert min(read) == k + 1, "a finished layer was read again"
     assert not staging.exists() and not list(out.glob("state*")), "the checkpoint's files left in the output"
     return reference, resumed, tmp_path / "reference", out
@@ -139,13 +139,13 @@ def test_staging_left_behind_is_refused_without_resume_and_discarded_with_overwr
     read = _fail_at(monkeypatch, -1)
     execute(plan_conversion(path, out, ConvertOptions(overwrite=True, **OPTIONS)))  # started over
     assert read[0] == 0 and not staging_path(out).exists()
-    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(overwrite=True, **OPTIONS)))
+    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(overwrite=True, **OPTIONS))).to_dict()
     _assert_same(reference, json.loads((out / "conversion.json").read_text()), tmp_path / "reference", out)
 
 
 def test_resume_without_a_checkpoint_converts_from_the_start(tmp_path):
     path = _checkpoint(tmp_path, "llama")
-    record = execute(plan_conversion(path, tmp_path / "out", ConvertOptions(resume=True, **OPTIONS)))
+    record = execute(plan_conversion(path, tmp_path / "out", ConvertOptions(resume=True, **OPTIONS))).to_dict()
     assert "resume" not in record["plan"]["options"]  # how it ran, not what it wrote
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
@@ -186,6 +186,6 @@ def test_checkpoint_survives_a_kill_between_its_files(tmp_path, monkeypatch):
         with pytest.raises(Interrupt):
             execute(plan_conversion(path, out, ConvertOptions(**OPTIONS)))
     assert json.loads((staging_path(out) / STATE).read_text())["next_layer"] == 1
-    resumed = execute(plan_conversion(path, out, ConvertOptions(resume=True, **OPTIONS)))
-    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(**OPTIONS)))
+    resumed = execute(plan_conversion(path, out, ConvertOptions(resume=True, **OPTIONS))).to_dict()
+    reference = execute(plan_conversion(path, tmp_path / "reference", ConvertOptions(**OPTIONS))).to_dict()
     _assert_same(reference, resumed, tmp_path / "reference", out)

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from kvgraft.errors import UnsupportedModelError
 from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.hf.deepseek import (
+    ExportOptions,
     deepseek_v3_fast_path,
     export_deepseek_v3,
     load_stock,
@@ -186,7 +187,7 @@ def test_exact_export_parity_variants(case, tmp_path):
             report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL)
     else:  # biases: exact through attention bias tensors, i.e. for transformers only
         report = export_deepseek_v3(
-            model, tmp_path / "ds", calibration=CAL, target="transformers" if case == "biases" else "engines"
+            model, tmp_path / "ds", ExportOptions(target="transformers" if case == "biases" else "engines"), calibration=CAL
         )
     assert report.latent_norm == "exact"
     assert report.max_abs_logit_diff <= 1e-4, report
@@ -219,7 +220,7 @@ def test_fit_beats_scale_and_the_reported_errors(tmp_path):
             graft_err = float((model(HELD_OUT) - base(HELD_OUT)).abs().max())
         for strategy in ("scale", "fit"):
             out = tmp_path / f"{rank}-{strategy}"
-            report = export_deepseek_v3(model, out, latent_norm=strategy, calibration=CAL_FIT)
+            report = export_deepseek_v3(model, out, ExportOptions(latent_norm=strategy), calibration=CAL_FIT)
             assert report.latent_norm == strategy and report.measured_on.startswith("the calibration tail")
             held = measure_export_error(model, out, HELD_OUT)
             results[budget, strategy] = (report.max_abs_logit_diff, report.mean_kl, *held)
@@ -237,7 +238,7 @@ def test_fit_beats_scale_and_the_reported_errors(tmp_path):
 def test_fit_without_calibration_falls_back_to_scale(tmp_path):
     model = _graft(_base(2), kv_lora_rank=24)
     with pytest.warns(UserWarning, match="falling back to 'scale'"):
-        report = export_deepseek_v3(model, tmp_path / "ds", latent_norm="fit")
+        report = export_deepseek_v3(model, tmp_path / "ds", ExportOptions(latent_norm="fit"))
     assert not report.exact and any("latent RMSNorm approximated" in a for a in report.approximations)
     assert report.latent_norm == "scale" and report.measured_on.startswith("random")
     assert math.isfinite(report.max_abs_logit_diff) and math.isfinite(report.mean_kl)
@@ -363,9 +364,9 @@ def test_prefix_layout_exports_exactly(rope, tmp_path):
     assert model.config.rope_freq_index == ((0, 1, 2, 3, 4, 5),) * 2
     if rope == "llama3":  # exact in transformers; vLLM/SGLang's DeepSeek code would read it as yarn
         with pytest.warns(UserWarning, match="deepseek_yarn"):
-            report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, target="transformers")
+            report = export_deepseek_v3(model, tmp_path / "ds", ExportOptions(target="transformers"), calibration=CAL)
     else:
-        report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, target="transformers")
+        report = export_deepseek_v3(model, tmp_path / "ds", ExportOptions(target="transformers"), calibration=CAL)
     assert report.exact and report.latent_norm == "pad"
     assert report.max_abs_logit_diff <= 1e-4 and report.mean_kl <= 1e-9, report
     assert any("prefix RoPE layout" in w for w in report.warnings)
@@ -394,7 +395,7 @@ def test_pad_latent_is_exact_without_a_latent_norm(tmp_path):
     model = _graft(_base(2), kv_lora_rank=24)
     assert not model.config.mla_latent_norm
     with pytest.warns(UserWarning, match="only transformers computes"):
-        report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, target="transformers")
+        report = export_deepseek_v3(model, tmp_path / "ds", ExportOptions(target="transformers"), calibration=CAL)
     assert report.latent_norm == "pad" and report.exact and report.kv_lora_rank == 25
     assert report.max_abs_logit_diff <= 1e-4 and report.mean_kl <= 1e-9
     assert report.perplexity["deepseek_v3"] == pytest.approx(report.perplexity["kvgraft"], rel=1e-5)
@@ -438,7 +439,7 @@ def test_qwen2_style_biases_export_exactly(tmp_path):
     q_lora_rank = hidden + 1, exact."""
     model = _graft(_base(2, bias=True, q_bias=True), kv_lora_rank=24)
     assert model.layers[0].self_attn.q_proj.bias.abs().max() > 0
-    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, target="transformers")
+    report = export_deepseek_v3(model, tmp_path / "ds", ExportOptions(target="transformers"), calibration=CAL)
     assert report.exact and report.q_lora_rank == 64 + 1 and report.extra_parameters > 0
     assert any("query bias" in f for f in report.folded)
     assert report.max_abs_logit_diff <= 1e-4, report
@@ -457,7 +458,7 @@ def test_qwen2_style_biases_export_exactly(tmp_path):
 
 def test_sliding_window_is_exact_up_to_the_window(tmp_path):
     model = _graft(_base(2, window=8), kv_lora_rank=24)
-    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, target="transformers")
+    report = export_deepseek_v3(model, tmp_path / "ds", ExportOptions(target="transformers"), calibration=CAL)
     assert not report.exact and report.exact_up_to_tokens == 8
     assert report.max_abs_logit_diff_within_window <= 1e-4
     assert report.max_abs_logit_diff > 1e-3  # CAL is 32 tokens long: beyond the window the two differ
@@ -474,7 +475,9 @@ def test_sliding_window_is_exact_up_to_the_window(tmp_path):
 def test_bfloat16_export_of_the_pinned_constructions(tmp_path):
     """The pinned constants (powers of two) fit bf16; the export loads and tracks the fp32 model."""
     model = _graft(_base(2, bias=True, q_bias=True), kv_lora_rank=24)
-    report = export_deepseek_v3(model, tmp_path / "ds", calibration=CAL, dtype=torch.bfloat16, target="transformers")
+    report = export_deepseek_v3(
+        model, tmp_path / "ds", ExportOptions(dtype=torch.bfloat16, target="transformers"), calibration=CAL
+    )
     assert report.max_abs_logit_diff < 0.1 * float(model(IDS).abs().max()), report
 
 
@@ -483,11 +486,11 @@ def test_existing_output_needs_overwrite(norm_model, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError, match="overwrite"):
-        export_deepseek_v3(norm_model, out, measure=False)
+        export_deepseek_v3(norm_model, out, ExportOptions(measure=False))
     assert (out / "keep.txt").exists()
     with pytest.raises(ValueError, match="latent_norm"):
-        export_deepseek_v3(norm_model, tmp_path / "other", latent_norm="bogus")
-    report = export_deepseek_v3(norm_model, out, overwrite=True, measure=False)
+        export_deepseek_v3(norm_model, tmp_path / "other", ExportOptions(latent_norm="bogus"))
+    report = export_deepseek_v3(norm_model, out, ExportOptions(overwrite=True, measure=False))
     assert report.max_abs_logit_diff is None and not (out / "keep.txt").exists()
     assert (out / "model.safetensors").is_file()
 
@@ -536,7 +539,7 @@ def test_engine_safe_default_writes_no_bias_and_stays_in_fp16(tmp_path):
                 bias = getattr(b.self_attn, name).bias
                 if bias is not None:
                     bias.zero_()
-    export_deepseek_v3(dropped, tmp_path / "dropped", calibration=CAL_FIT, measure=False)
+    export_deepseek_v3(dropped, tmp_path / "dropped", ExportOptions(measure=False), calibration=CAL_FIT)
     ids = CAL_FIT[-8:]
     folded_kl = measure_export(model, tmp_path / "ds", ids)["mean_kl"]
     dropped_kl = measure_export(model, tmp_path / "dropped", ids)["mean_kl"]
@@ -552,11 +555,11 @@ def test_engine_safe_latent_model_is_exact(norm_model, tmp_path):
 def test_engine_and_transformers_targets_are_checked(tmp_path):
     model = _graft(_base(2, bias=True, q_bias=True), kv_lora_rank=24)
     with pytest.raises(ValueError, match="target 'vllm' is not one of engines, transformers"):
-        export_deepseek_v3(model, tmp_path / "a", calibration=CAL, target="vllm")
+        export_deepseek_v3(model, tmp_path / "a", ExportOptions(target="vllm"), calibration=CAL)
     with pytest.raises(ValueError, match="latent_norm 'pad' .* vLLM"):
-        export_deepseek_v3(model, tmp_path / "b", calibration=CAL, latent_norm="pad")
+        export_deepseek_v3(model, tmp_path / "b", ExportOptions(latent_norm="pad"), calibration=CAL)
     with pytest.raises(ValueError, match="attention biases: .* pass calibration token ids"):
         export_deepseek_v3(model, tmp_path / "c")
     assert not any((tmp_path / n).exists() for n in "abc")
     with pytest.warns(UserWarning, match="vLLM and SGLang skip attention biases"):
-        export_deepseek_v3(model, tmp_path / "d", calibration=CAL, target="transformers", measure=False)
+        export_deepseek_v3(model, tmp_path / "d", ExportOptions(target="transformers", measure=False), calibration=CAL)

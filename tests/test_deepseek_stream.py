@@ -22,7 +22,7 @@ from kvgraft.graft.convert import execute
 from kvgraft.graft.options import ConvertOptions
 from kvgraft.graft.plan import plan_conversion
 from kvgraft.hf import load_pretrained
-from kvgraft.hf.deepseek import export_deepseek_v3, load_stock
+from kvgraft.hf.deepseek import ExportOptions, export_deepseek_v3, load_stock
 from kvgraft.hf.deepseek.stream import export_deepseek_v3_streamed
 from kvgraft.hf.load import read_state
 
@@ -84,8 +84,10 @@ def _both(conv, calib, tmp_path, target):
     model = load_pretrained(conv, dtype=torch.float32, check_weights=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        whole = export_deepseek_v3(model, tmp_path / "whole", calibration=calib, target=target)
-        streamed = export_deepseek_v3_streamed(conv, model.config, tmp_path / "streamed", calibration=calib, target=target)
+        whole = export_deepseek_v3(model, tmp_path / "whole", ExportOptions(target=target), calibration=calib)
+        streamed = export_deepseek_v3_streamed(
+            conv, model.config, tmp_path / "streamed", ExportOptions(target=target), calibration=calib
+        )
     return model, whole, streamed
 
 
@@ -144,9 +146,9 @@ def test_streamed_export_refuses_bad_arguments_before_work(tmp_path):
     with pytest.raises(ValueError, match="batch_size"):
         export_deepseek_v3_streamed(conv, cfg, tmp_path / "x", calibration=calib, batch_size=0)
     with pytest.raises(ValueError, match="target 'vllm'"):
-        export_deepseek_v3_streamed(conv, cfg, tmp_path / "x", calibration=calib, target="vllm")
+        export_deepseek_v3_streamed(conv, cfg, tmp_path / "x", ExportOptions(target="vllm"), calibration=calib)
     with pytest.raises(ValueError, match="latent_norm 'pad'"):
-        export_deepseek_v3_streamed(conv, cfg, tmp_path / "x", calibration=calib, latent_norm="pad")
+        export_deepseek_v3_streamed(conv, cfg, tmp_path / "x", ExportOptions(latent_norm="pad"), calibration=calib)
     assert not (tmp_path / "x").exists()
 
 

@@ -96,7 +96,7 @@ def test_accept_export_error_writes_it_marked_as_such(tmp_path, capsys, executor
     path = _checkpoint(tmp_path, "llama")
     out = tmp_path / "out"
     plan = plan_conversion(path, out, ConvertOptions(output_format="both", accept_export_error=True, **OPTIONS, **TIGHT))
-    record = execute(plan, executor=executor)
+    record = execute(plan, executor=executor).to_dict()
     err = capsys.readouterr().err
     assert "kvgraft: WARNING: This stock DeepSeek-V3 export is further from the kvgraft model" in err
     assert "--accept-export-error" in err

@@ -19,7 +19,7 @@ from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.hf import load_pretrained, save_pretrained
 from kvgraft.model import ModelConfig, Transformer
 from kvgraft.train.config import TrainConfig
-from kvgraft.train.heal import HealConfig, heal
+from kvgraft.train.heal import HealConfig, HealOptions, heal
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -78,7 +78,7 @@ def _losses(run: Path) -> dict[int, float]:
 def test_heal_runs_and_writes_a_loadable_model(setup, tmp_path, loss):
     orig_dir, mla_dir, data = setup
     out = tmp_path / f"heal-{loss}"
-    result = heal(mla_dir, out, data, teacher=orig_dir, heal_config=HealConfig(loss=loss), train_config=_tc())
+    result = heal(mla_dir, out, data, HealOptions(teacher=orig_dir, heal_config=HealConfig(loss=loss), train_config=_tc()))
     assert result.step == 6
     losses = _losses(out)
     assert losses[6] < losses[1]
@@ -91,7 +91,7 @@ def test_heal_runs_and_writes_a_loadable_model(setup, tmp_path, loss):
 def test_kl_needs_a_teacher(setup, tmp_path):
     _, mla_dir, data = setup
     with pytest.raises(ValueError, match="needs a teacher"):
-        heal(mla_dir, tmp_path / "x", data, heal_config=HealConfig(loss="kl"), train_config=_tc())
+        heal(mla_dir, tmp_path / "x", data, HealOptions(heal_config=HealConfig(loss="kl"), train_config=_tc()))
 
 
 def test_kl_of_a_model_against_itself_is_zero(setup):
@@ -109,7 +109,7 @@ def test_attention_only_freezes_everything_else(setup, tmp_path):
     orig_dir, mla_dir, data = setup
     before = load_pretrained(mla_dir).state_dict()
     out = tmp_path / "attn"
-    heal(mla_dir, out, data, heal_config=HealConfig(attention_only=True), train_config=_tc(max_steps=3))
+    heal(mla_dir, out, data, HealOptions(heal_config=HealConfig(attention_only=True), train_config=_tc(max_steps=3)))
     after = load_pretrained(out / "final").state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(".self_attn." in k for k in changed)
@@ -128,7 +128,7 @@ def test_attention_only_checkpoints_hold_the_attention_and_resume(setup, tmp_pat
     _, mla_dir, data = setup
     straight = tmp_path / "straight"
     tc = _tc(max_steps=4, save_every=2, eval_every=2)
-    heal(mla_dir, straight, data, heal_config=HealConfig(attention_only=True), train_config=tc)
+    heal(mla_dir, straight, data, HealOptions(heal_config=HealConfig(attention_only=True), train_config=tc))
     ckpts = checkpoint_dirs(straight)
     assert [c.name for c in ckpts][-1].endswith("00000004")
     saved = load_file(str(ckpts[-1] / "model.safetensors"))
@@ -139,7 +139,7 @@ def test_attention_only_checkpoints_hold_the_attention_and_resume(setup, tmp_pat
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "final")
     shutil.rmtree(checkpoint_dirs(resumed)[-1])  # back to step 2: the rerun trains steps 3 and 4 again
-    heal(mla_dir, resumed, data, heal_config=HealConfig(attention_only=True), train_config=tc)
+    heal(mla_dir, resumed, data, HealOptions(heal_config=HealConfig(attention_only=True), train_config=tc))
     a, b = load_pretrained(straight / "final").state_dict(), load_pretrained(resumed / "final").state_dict()
     assert a.keys() == b.keys()
     for k in a:
@@ -156,15 +156,15 @@ def test_a_weights_only_checkpoint_resumes_only_when_it_says_so(setup, tmp_path)
 
     run = tmp_path / "run"
     longer = _tc(max_steps=4, save_every=2)
-    heal(mla_dir, run, data, heal_config=HealConfig(attention_only=True), train_config=longer)
+    heal(mla_dir, run, data, HealOptions(heal_config=HealConfig(attention_only=True), train_config=longer))
     shutil.rmtree(checkpoint_dirs(run)[-1])  # back to step 2
     ckpt = checkpoint_dirs(run)[-1]
     (ckpt / "optimizer.pt").unlink()
     with pytest.raises(FileNotFoundError, match="optimizer_reset"):
-        heal(mla_dir, run, data, heal_config=HealConfig(attention_only=True), train_config=longer)
+        heal(mla_dir, run, data, HealOptions(heal_config=HealConfig(attention_only=True), train_config=longer))
     state = json.loads((ckpt / "state.json").read_text())
     (ckpt / "state.json").write_text(json.dumps({**state, "optimizer_reset": "carried without it"}))
-    result = heal(mla_dir, run, data, heal_config=HealConfig(attention_only=True), train_config=longer)
+    result = heal(mla_dir, run, data, HealOptions(heal_config=HealConfig(attention_only=True), train_config=longer))
     assert result.step == 4
     rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     assert any(r.get("resumed_with", {}).get("optimizer") == "carried without it" for r in rows)
@@ -184,7 +184,7 @@ def test_down_projections_stay_fp32_with_bf16_weights(setup, tmp_path, monkeypat
 
     monkeypatch.setattr(heal_mod, "train", spy)
     _, mla_dir, data = setup
-    heal(mla_dir, tmp_path / "bf16", data, train_config=_tc(max_steps=2, precision="bf16"), dtype=torch.bfloat16)
+    heal(mla_dir, tmp_path / "bf16", data, HealOptions(train_config=_tc(max_steps=2, precision="bf16"), dtype=torch.bfloat16))
     down = [n for n in seen if "kv_a_proj" in n]
     assert down and all(seen[n] == torch.float32 for n in down)
     assert seen["layers.0.mlp.up_proj.weight"] == torch.bfloat16
@@ -192,7 +192,12 @@ def test_down_projections_stay_fp32_with_bf16_weights(setup, tmp_path, monkeypat
 
 def test_token_budget_sets_the_steps(setup, tmp_path):
     _, mla_dir, data = setup
-    result = heal(mla_dir, tmp_path / "budget", data, heal_config=HealConfig(tokens=5 * 4 * 32), train_config=_tc(max_steps=1000))
+    result = heal(
+        mla_dir,
+        tmp_path / "budget",
+        data,
+        HealOptions(heal_config=HealConfig(tokens=5 * 4 * 32), train_config=_tc(max_steps=1000)),
+    )
     assert result.step == 5
 
 
@@ -209,7 +214,7 @@ CHILD = textwrap.dedent(
     heal_mod.lm_loss = slow
     tc = TrainConfig(max_steps=8, micro_batch_size=4, lr=3e-3, warmup_steps=1, eval_every=4, eval_batches=2,
                      save_every=2, log_every=1, precision="fp32", progress=False)
-    heal_mod.heal(Path({mla!r}), Path({out!r}), Path({data!r}), train_config=tc)
+    heal_mod.heal(Path({mla!r}), Path({out!r}), Path({data!r}), heal_mod.HealOptions(train_config=tc))
     """
 )
 
@@ -218,7 +223,7 @@ CHILD = textwrap.dedent(
 def test_heal_resumes_exactly_after_sigkill(setup, tmp_path):
     _, mla_dir, data = setup
     straight = tmp_path / "straight"
-    heal(mla_dir, straight, data, train_config=_tc(max_steps=8, eval_every=4))
+    heal(mla_dir, straight, data, HealOptions(train_config=_tc(max_steps=8, eval_every=4)))
     resumed = tmp_path / "resumed"
     env = {**os.environ, "PYTHONPATH": str(SRC)}
 
@@ -304,15 +309,17 @@ def test_heal_with_copy_windows_trains_and_records_them(setup, tmp_path):
             mla_dir,
             tmp_path / "bad",
             data,
-            teacher=orig_dir,
-            heal_config=HealConfig(loss="kl", copy_fraction=0.5, copy_span=20),
-            train_config=_tc(),
-            seq_len=32,
+            HealOptions(
+                teacher=orig_dir,
+                heal_config=HealConfig(loss="kl", copy_fraction=0.5, copy_span=20),
+                train_config=_tc(),
+                seq_len=32,
+            ),
         )
     assert not (tmp_path / "bad").exists()
     out = tmp_path / "copy"
     hc = HealConfig(loss="kl", copy_fraction=0.5, copy_span=12)
-    result = heal(mla_dir, out, data, teacher=orig_dir, heal_config=hc, train_config=_tc())
+    result = heal(mla_dir, out, data, HealOptions(teacher=orig_dir, heal_config=hc, train_config=_tc()))
     assert result.step == 6
     record = json.loads((out / "final" / "heal.json").read_text())
     assert record["heal"]["copy_fraction"] == 0.5 and record["heal"]["copy_span"] == 12

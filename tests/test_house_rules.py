@@ -27,9 +27,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("model/plan.py", "_group", "params"): ENGINE,
     ("model/rings.py", "WindowRings.__init__", "params"): "called by model/cache.py, " + ENGINE,
     ("train/loop.py", "train", "params"): NOT_YET,
-    ("train/heal.py", "heal", "params"): NOT_YET,
-    ("hf/deepseek/export.py", "export_deepseek_v3", "params"): NOT_YET,
-    ("hf/deepseek/stream.py", "export_deepseek_v3_streamed", "params"): NOT_YET,
 }
 # the files the engine issue rewrites: their hand-written integer checks go with them
 INT_CHECK_ALLOWED = {"model/batch.py", "model/cache.py", "model/plan.py", "runtime/", "vllm/"}

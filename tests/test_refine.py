@@ -28,8 +28,10 @@ OPTIONS = dict(progress=False, calibration_tokens=1024, calibration_seq_len=32)
 
 def test_refinement_lowers_each_layers_held_out_error_and_the_tail_perplexity(tmp_path):
     path = _checkpoint(tmp_path, "llama")
-    plain = execute(plan_conversion(path, tmp_path / "plain", ConvertOptions(**OPTIONS)))
-    refined = execute(plan_conversion(path, tmp_path / "refined", ConvertOptions(refine_epochs=6, refine_lr=3e-3, **OPTIONS)))
+    plain = execute(plan_conversion(path, tmp_path / "plain", ConvertOptions(**OPTIONS))).to_dict()
+    refined = execute(
+        plan_conversion(path, tmp_path / "refined", ConvertOptions(refine_epochs=6, refine_lr=3e-3, **OPTIONS))
+    ).to_dict()
     assert plain["calibration_tail"].get("refinement") is None
     record = refined["calibration_tail"]["refinement"]
     assert record["epochs"] == 6 and record["lr"] == 3e-3 and refined["graft"]["refine_epochs"] == 6
@@ -76,13 +78,13 @@ def test_refined_graft_resumes_bit_for_bit(tmp_path, monkeypatch):
 
 def test_stock_export_grafts_a_latent_norm_by_default_and_exports_exactly(tmp_path):
     path = _checkpoint(tmp_path, "llama")
-    record = execute(plan_conversion(path, tmp_path / "out", ConvertOptions(output_format="both", **OPTIONS)))
+    record = execute(plan_conversion(path, tmp_path / "out", ConvertOptions(output_format="both", **OPTIONS))).to_dict()
     assert record["graft"]["latent_norm"] is True
     assert record["graft"]["refine_epochs"] == 4  # the norm starts as a constant scale: refined by default
     assert record["calibration_tail"]["refinement"]["epochs"] == 4
     assert record["deepseek_v3"]["exact"] is True
     assert record["deepseek_v3"]["error_check"]["relative_perplexity_difference"] < 1e-6
-    plain = execute(plan_conversion(path, tmp_path / "kvgraft", ConvertOptions(**OPTIONS)))
+    plain = execute(plan_conversion(path, tmp_path / "kvgraft", ConvertOptions(**OPTIONS))).to_dict()
     assert plain["graft"]["latent_norm"] is False and plain["graft"]["refine_epochs"] == 0  # kvgraft format: neither
 
 

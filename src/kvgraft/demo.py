@@ -178,8 +178,8 @@ def demo(
         {} if calibration is None else {"calibration": calibration, "calibration_tokens": setting.calibration_tokens}
     )
     record = convert(path, converted_dir, ConvertOptions(compression=compression, **convert_args))
-    kv = record["kv_bytes_per_token_bf16"]
-    print(f"KV bytes/token (bf16) {kv['original']:,} -> {kv['converted']:,}; converted in {record['seconds']['convert']:.1f} s")
+    kv = record.kv_bytes_per_token_bf16
+    print(f"KV bytes/token (bf16) {kv['original']:,} -> {kv['converted']:,}; converted in {record.seconds['convert']:.1f} s")
 
     print("\n== 4. the graft, measured the same way")
     mla = load_pretrained(converted_dir)
@@ -196,7 +196,7 @@ def demo(
         "setting": asdict(setting),
         "original": original,
         "doctor": report.to_dict(),
-        "conversion": record,
+        "conversion": record.to_dict(),
         "converted": grafted,
     }
     atomic_write_text(out / "report.json", json.dumps(result, indent=2, default=str) + "\n")

@@ -90,7 +90,7 @@ def export(request, tmp_path_factory):
         ConvertOptions(
             target="vllm", calibration_tokens=1024, calibration_seq_len=128, progress=False, accept_export_error=accept
         ),
-    )
+    ).to_dict()
     return request.param, out / "deepseek_v3", record
 
 

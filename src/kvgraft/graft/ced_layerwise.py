@@ -60,7 +60,7 @@ from kvgraft.graft.mla import (
     rope_tables,
 )
 from kvgraft.graft.plan import ConvertPlan
-from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures
+from kvgraft.graft.record import TAIL_SEQUENCES, ConversionReport, TailFigures
 from kvgraft.graft.resume import Checkpoint
 from kvgraft.hf.shards import ShardWriter
 from kvgraft.model import ModelConfig
@@ -73,7 +73,7 @@ SHARE_CLOCK = "share graft"  # the walk's seconds in the share graft (latents, f
 
 
 @torch.no_grad()
-def execute_layerwise_ced(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str, Any]:
+def execute_layerwise_ced(plan: ConvertPlan, calib: torch.Tensor | None) -> ConversionReport:
     """Convert ``plan`` (``to == "ced"``) one layer at a time and write ``plan.out`` atomically; returns the
     ``conversion.json`` record (what ``execute_whole`` returns, the share graft's report in it)."""
     if plan.to != "ced" or plan.ced is None:

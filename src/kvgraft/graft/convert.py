@@ -43,7 +43,7 @@ from kvgraft.graft.mla import graft_mla
 from kvgraft.graft.options import ConvertOptions
 from kvgraft.graft.plan import ConvertPlan, plan_conversion
 from kvgraft.graft.ranks import default_ranks
-from kvgraft.graft.record import TAIL_SEQUENCES, conversion_record, finish_output, tail_figures
+from kvgraft.graft.record import TAIL_SEQUENCES, ConversionReport, conversion_record, finish_output, tail_figures
 from kvgraft.graft.stock import refuse_stock_weights, write_stock
 from kvgraft.hf import load_pretrained, save_pretrained
 from kvgraft.hf.deepseek import weight_problems
@@ -56,7 +56,7 @@ def ranks_for_compression(config: ModelConfig, compression: float, qk_rope_head_
     return default_ranks(config, compression=compression, qk_rope_head_dim=qk_rope_head_dim).kv_lora_rank
 
 
-def convert(model: str | Path | None, out: str | Path, options: ConvertOptions | None = None) -> dict[str, Any]:
+def convert(model: str | Path | None, out: str | Path, options: ConvertOptions | None = None) -> ConversionReport:
     """Convert ``model`` (a local checkpoint directory) to MLA and write it to ``out``.
 
     Ranks not given come from the one rule of ``kvgraft.graft.ranks.default_ranks`` (shared with ``doctor``):
@@ -71,7 +71,7 @@ def convert(model: str | Path | None, out: str | Path, options: ConvertOptions |
     KV heads' RoPE pairs are mixed per frequency before the kept ones are chosen (``GraftConfig``); the complex
     mix (each kept pair the best rank-1 complex fit of the heads' pairs) measured far better in both formats.
     ``device`` holds the model and the calibration activations (e.g. "cuda" for a 7B model); the
-    per-layer factorisations run on the CPU in fp64. Returns the record written to ``conversion.json``.
+    per-layer factorisations run on the CPU in fp64. Returns the ``ConversionReport`` written to ``conversion.json``.
     ``options``: a :class:`kvgraft.graft.options.ConvertOptions` (None: its defaults), whose fields are:
 
     ``output_format`` (None: "deepseek_v3" with ``target``, else "kvgraft"). ``stock_construction``: how the
@@ -100,9 +100,9 @@ def convert(model: str | Path | None, out: str | Path, options: ConvertOptions |
 EXECUTORS = ("auto", "layerwise", "whole")
 
 
-def execute(plan: ConvertPlan, executor: str = "auto") -> dict[str, Any]:
+def execute(plan: ConvertPlan, executor: str = "auto") -> ConversionReport:
     """Do the conversion ``plan`` describes and write ``plan.out`` atomically; return the ``conversion.json``
-    record. Raises ``kvgraft.errors`` errors for weights the plan could not check (NaN/Inf, naming the
+    record (``kvgraft.graft.record.ConversionReport``). Raises ``kvgraft.errors`` errors for weights the plan could not check (NaN/Inf, naming the
     tensor; what a stock export cannot hold), before any work.
 
     ``executor``: "layerwise" (``kvgraft.graft.layerwise.execute_layerwise``: the source read one decoder
@@ -127,7 +127,7 @@ def layerwise_applies(plan: ConvertPlan) -> bool:
     return plan.to in ("mla", "ced")
 
 
-def execute_whole(plan: ConvertPlan, calib: torch.Tensor | None) -> dict[str, Any]:
+def execute_whole(plan: ConvertPlan, calib: torch.Tensor | None) -> ConversionReport:
     """The whole-model executor: the source is loaded once (fp32) and grafted in memory, the converted model
     built beside it. Each step is a function of the plan (and of what the steps before it made)."""
     t0 = time.perf_counter()
@@ -189,7 +189,7 @@ def graft(
     return ced, report, refinement or None
 
 
-def write_outputs(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor | None, record: dict[str, Any]) -> None:
+def write_outputs(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor | None, record: ConversionReport) -> None:
     """Write ``plan.out`` atomically: the kvgraft-format model and/or the stock DeepSeek-V3 export (whose
     report is added to ``record`` and printed with ``plan.progress``), the eval slices, conversion.json."""
 
@@ -197,7 +197,7 @@ def write_outputs(plan: ConvertPlan, converted: Transformer, calib: torch.Tensor
         tok_dir = plan.source if plan.has_tokenizer else None
         if plan.output_format in ("kvgraft", "both"):  # the output directory itself is the kvgraft model
             save_pretrained(converted, tmp, tokenizer_dir=tok_dir, model_type="kvgraft", overwrite=True)
-            record["formats"].append("kvgraft")
+            record.formats.append("kvgraft")
         if plan.stock:
             write_stock(plan, converted, calib, record, tmp, tok_dir)
         finish_output(plan, tmp, record)

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from kvgraft.errors import ConfigError
 from kvgraft.graft.mla import TAIL_ROWS, GraftConfig, LayerGraft, _run_block, _shared_pairs, layer_postfix, rope_tables
 from kvgraft.graft.plan import ConvertPlan
-from kvgraft.graft.record import TAIL_SEQUENCES, TailFigures, conversion_record, finish_output
+from kvgraft.graft.record import TAIL_SEQUENCES, ConversionReport, TailFigures, conversion_record, finish_output
 from kvgraft.graft.refine import RefineResult
 from kvgraft.graft.resume import Checkpoint, fingerprint, staging_dir
 from kvgraft.graft.stock import refuse_stock_weights, write_stock_streamed
@@ -134,7 +134,7 @@ Walk = Callable[..., tuple[ModelConfig, dict[str, Any] | None, dict[str, Any] | 
 
 
 @torch.no_grad()
-def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None, walk: Walk | None = None) -> dict[str, Any]:
+def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None, walk: Walk | None = None) -> ConversionReport:
     """Convert ``plan`` one layer at a time and write ``plan.out`` atomically; returns the ``conversion.json``
     record (what ``execute_whole`` returns). ``walk``: the walk up the layers (default the MLA graft's, for
     ``to == "mla"``; ``kvgraft.graft.ced_layerwise`` passes the share graft's for ``--to ced``). Its
@@ -179,7 +179,7 @@ def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None, walk: Walk 
             tok_dir = plan.source if plan.has_tokenizer else None
             write_side_files(model_dir, hf_config, new_config, tokenizer_files_of(tok_dir if kvgraft_format else None))
             if kvgraft_format:
-                record["formats"].append("kvgraft")
+                record.formats.append("kvgraft")
             if plan.stock:  # the export reads the converted model from its shards, one layer at a time
                 write_stock_streamed(plan, model_dir, new_config, calib, record, tmp, tok_dir)
                 if not kvgraft_format:

@@ -1,12 +1,13 @@
 """What both executors of ``kvgraft convert`` report and write last: the calibration-tail figures
-(``TailFigures``, one sequence at a time), the ``conversion.json`` record, and the output's final files."""
+(``TailFigures``, one sequence at a time), the ``conversion.json`` record (``ConversionReport``), and the
+output's final files."""
 
 from __future__ import annotations
 
 import json
 import math
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,42 @@ class TailFigures:
         }
 
 
+@dataclass
+class ConversionReport:
+    """What a conversion did: the ``conversion.json`` record, one field per key in the file's order
+    (``to_dict()``). The nested figures stay as written to the file: ``graft`` (the MLA graft's settings),
+    ``share_graft`` (the share graft's report), ``calibration`` and ``calibration_tail`` (the figures on the
+    last calibration sequences), ``plan`` (``ConvertPlan.to_dict()``) and ``deepseek_v3`` (the stock export's
+    report, only when one was written: the key is absent from the file otherwise)."""
+
+    source: str
+    to: str
+    graft: dict[str, Any] | None
+    ranks_chosen: list[str]
+    qk_norm_linearised_for_stock_export: bool
+    share_graft: dict[str, Any] | None
+    kv_cache_bytes_bf16: dict[str, dict[str, int]]
+    kv_bytes_per_token_bf16: dict[str, float]
+    compression: float
+    calibration: dict[str, Any] | None
+    seconds: dict[str, float]
+    parameters: dict[str, int]
+    convert_seconds_per_million_params: float
+    calibration_tail: dict[str, Any] | None
+    serve_target: str | None
+    stock_construction: str | None
+    formats: list[str]
+    plan: dict[str, Any]
+    deepseek_v3: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as ``conversion.json`` holds it (the nested values themselves, not copies)."""
+        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.deepseek_v3 is None:
+            del record["deepseek_v3"]
+        return record
+
+
 def conversion_record(
     plan: ConvertPlan,
     converted: ModelConfig,
@@ -92,40 +129,40 @@ def conversion_record(
     tail: dict[str, Any] | None,
     seconds: dict[str, float],
     parameters: dict[str, int],
-) -> dict[str, Any]:
-    """The ``conversion.json`` record of ``plan`` executed (``converted``: the result's config; ``seconds``:
-    "load" and "convert"); ``write_outputs`` adds "formats" and, for a stock export, "deepseek_v3"."""
+) -> ConversionReport:
+    """The report of ``plan`` executed (``converted``: the result's config; ``seconds``: "load" and
+    "convert"); ``write_outputs`` adds to ``formats`` and, for a stock export, sets ``deepseek_v3``."""
     config, cal = plan.source_config, plan.calibration
-    return {
-        "source": str(plan.source),
-        "to": plan.to,
-        "graft": None if plan.mla is None else asdict(plan.mla),
-        "ranks_chosen": list(plan.rank_notes),
-        "qk_norm_linearised_for_stock_export": plan.qk_norm_linearised_for_stock_export,
-        "share_graft": share_report,
-        "kv_cache_bytes_bf16": {
+    return ConversionReport(
+        source=str(plan.source),
+        to=plan.to,
+        graft=None if plan.mla is None else asdict(plan.mla),
+        ranks_chosen=list(plan.rank_notes),
+        qk_norm_linearised_for_stock_export=plan.qk_norm_linearised_for_stock_export,
+        share_graft=share_report,
+        kv_cache_bytes_bf16={
             str(n): {"original": config.kv_cache_bytes(n, 2), "converted": converted.kv_cache_bytes(n, 2)} for n in (512, 4096)
         },
-        "kv_bytes_per_token_bf16": {"original": config.kv_bytes_per_token(2), "converted": converted.kv_bytes_per_token(2)},
-        "compression": config.kv_bytes_per_token(2) / converted.kv_bytes_per_token(2),
-        "calibration": None if cal is None else {"sequences": cal.sequences, "seq_len": cal.seq_len, "source": cal.source},
-        "seconds": dict(seconds),
-        "parameters": dict(parameters),
-        "convert_seconds_per_million_params": seconds["convert"] / (parameters["original"] / 1e6),
-        "calibration_tail": tail,
-        "serve_target": plan.serve_target,
-        "stock_construction": plan.stock_construction if plan.stock else None,
-        "formats": [],
-        "plan": plan.to_dict(),
-    }
+        kv_bytes_per_token_bf16={"original": config.kv_bytes_per_token(2), "converted": converted.kv_bytes_per_token(2)},
+        compression=config.kv_bytes_per_token(2) / converted.kv_bytes_per_token(2),
+        calibration=None if cal is None else {"sequences": cal.sequences, "seq_len": cal.seq_len, "source": cal.source},
+        seconds=dict(seconds),
+        parameters=dict(parameters),
+        convert_seconds_per_million_params=seconds["convert"] / (parameters["original"] / 1e6),
+        calibration_tail=tail,
+        serve_target=plan.serve_target,
+        stock_construction=plan.stock_construction if plan.stock else None,
+        formats=[],
+        plan=plan.to_dict(),
+    )
 
 
-def finish_output(plan: ConvertPlan, tmp: Path, record: dict[str, Any]) -> None:
+def finish_output(plan: ConvertPlan, tmp: Path, record: ConversionReport) -> None:
     """The last files of the output directory (``tmp``, renamed into place after): the source's eval
     slices and conversion.json."""
     if (plan.source / "eval").is_dir():
         shutil.copytree(plan.source / "eval", tmp / "eval")
-    (tmp / "conversion.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    (tmp / "conversion.json").write_text(json.dumps(record.to_dict(), indent=2, default=str) + "\n")
 
 
-__all__ = ["TAIL_SEQUENCES", "TailFigures", "conversion_record", "finish_output", "tail_figures"]
+__all__ = ["TAIL_SEQUENCES", "ConversionReport", "TailFigures", "conversion_record", "finish_output", "tail_figures"]

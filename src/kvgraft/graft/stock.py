@@ -22,8 +22,8 @@ import torch
 
 from kvgraft.errors import ExportError, UnsupportedModelError
 from kvgraft.graft.plan import ConvertPlan
-from kvgraft.graft.record import TAIL_SEQUENCES
-from kvgraft.hf.deepseek import ExportReport, export_deepseek_v3
+from kvgraft.graft.record import TAIL_SEQUENCES, ConversionReport
+from kvgraft.hf.deepseek import ExportOptions, ExportReport, export_deepseek_v3
 from kvgraft.hf.deepseek.stream import export_deepseek_v3_streamed
 from kvgraft.hf.engines import engine_support
 from kvgraft.model import ModelConfig, Transformer
@@ -41,18 +41,21 @@ def refuse_stock_weights(plan: ConvertPlan, problems: list[str]) -> None:
 
 
 def write_stock(
-    plan: ConvertPlan, converted: Transformer, calib: torch.Tensor | None, record: dict[str, Any], tmp: Path, tok_dir: Path | None
+    plan: ConvertPlan,
+    converted: Transformer,
+    calib: torch.Tensor | None,
+    record: ConversionReport,
+    tmp: Path,
+    tok_dir: Path | None,
 ) -> None:
-    """The stock DeepSeek-V3 export into ``tmp/deepseek_v3``, its report into ``record["deepseek_v3"]``."""
+    """The stock DeepSeek-V3 export into ``tmp/deepseek_v3``, its report into ``record.deepseek_v3``."""
 
     report = export_deepseek_v3(
         converted,
         tmp / "deepseek_v3",
+        ExportOptions(tail_sequences=TAIL_SEQUENCES, verbose=False, target=plan.stock_construction),
         tokenizer_dir=tok_dir,
         calibration=calib,
-        tail_sequences=TAIL_SEQUENCES,
-        verbose=False,
-        target=plan.stock_construction,
     )
     _record(plan, converted.config, report, record, tmp)
 
@@ -62,7 +65,7 @@ def write_stock_streamed(
     model_dir: Path,
     config: ModelConfig,
     calib: torch.Tensor | None,
-    record: dict[str, Any],
+    record: ConversionReport,
     tmp: Path,
     tok_dir: Path | None,
 ) -> None:
@@ -72,23 +75,21 @@ def write_stock_streamed(
         model_dir,
         config,
         tmp / "deepseek_v3",
+        ExportOptions(tail_sequences=TAIL_SEQUENCES, verbose=False, target=plan.stock_construction),
         tokenizer_dir=tok_dir,
         calibration=calib,
-        tail_sequences=TAIL_SEQUENCES,
-        verbose=False,
-        target=plan.stock_construction,
         device=plan.device,
         progress=plan.progress,
     )
     _record(plan, config, report, record, tmp)
 
 
-def _record(plan: ConvertPlan, cfg: ModelConfig, report: ExportReport, record: dict[str, Any], tmp: Path) -> None:
-    """The export's report into ``record["deepseek_v3"]`` (printed with ``plan.progress``), then the gate
+def _record(plan: ConvertPlan, cfg: ModelConfig, report: ExportReport, record: ConversionReport, tmp: Path) -> None:
+    """The export's report into ``record.deepseek_v3`` (printed with ``plan.progress``), then the gate
     (``gate_export``; the export is at ``tmp / "deepseek_v3"`` until the output is renamed into place)."""
     report.path = plan.out / "deepseek_v3"  # where it ends up, not the temporary directory
-    record["formats"].append("deepseek_v3")
-    stock = record["deepseek_v3"] = report.to_dict()
+    record.formats.append("deepseek_v3")
+    stock = record.deepseek_v3 = report.to_dict()
     d_c, d_rope = known(report.kv_lora_rank, "kv_lora_rank"), known(cfg.qk_rope_head_dim, "qk_rope_head_dim")
     stock_bytes = cfg.num_layers * (d_c + d_rope) * 2
     stock["kv_bytes_per_token_bf16"] = stock_bytes
@@ -96,7 +97,7 @@ def _record(plan: ConvertPlan, cfg: ModelConfig, report: ExportReport, record: d
     stock["engines"] = [e.to_dict() for e in engine_support(d_c, d_rope, known(cfg.qk_nope_head_dim, "qk_nope_head_dim"))]
     if plan.progress:
         print("\n".join(report.summary()), flush=True)
-        tail = record["calibration_tail"]
+        tail = record.calibration_tail
         if tail is not None:
             print(
                 f"  calibration tail, against the original: perplexity {tail['original_perplexity']:.4g} "

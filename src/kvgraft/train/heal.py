@@ -71,6 +71,26 @@ class HealConfig:
             raise ConfigError(f"copy_span ({self.copy_span}) needs a copy_fraction above 0 (no window copies at 0)")
 
 
+@dataclass(frozen=True)
+class HealOptions:
+    """How ``heal`` runs: the recipe (``heal_config``; None: ``HealConfig()``), the loop (``train_config``
+    replaces the recipe's loop settings, ``train_overrides`` changes some of them, e.g. from the CLI),
+    ``teacher`` (the original model, for loss "kl" and "mix"), the original's facts when its training record
+    does not hold them (``original_lr``, ``pretraining_tokens``), ``seq_len`` (None: the model's
+    max_position_embeddings), the student's ``dtype`` and the ``output_format`` ("kvgraft", "deepseek_v3" or
+    "both")."""
+
+    teacher: str | Path | None = None
+    heal_config: HealConfig | None = None
+    train_config: TrainConfig | None = None
+    train_overrides: dict[str, Any] | None = None
+    original_lr: float | None = None
+    pretraining_tokens: int | None = None
+    seq_len: int | None = None
+    dtype: torch.dtype = torch.float32
+    output_format: str = "kvgraft"
+
+
 def keep_fp32(model: nn.Module, suffixes: tuple[str, ...] = FP32_MODULES) -> list[str]:
     """Cast the modules whose names end with ``suffixes`` to fp32 in place; return their parameter names."""
     names = []
@@ -125,21 +145,12 @@ def heal(
     model: str | Path,
     out: str | Path,
     data: str | Path,
-    *,
-    teacher: str | Path | None = None,
-    heal_config: HealConfig | None = None,
-    train_config: TrainConfig | None = None,
-    train_overrides: dict[str, Any] | None = None,
-    original_lr: float | None = None,
-    pretraining_tokens: int | None = None,
-    seq_len: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    output_format: str = "kvgraft",
+    options: HealOptions | None = None,
 ) -> TrainResult:
-    """Heal a converted model (``kvgraft convert`` output) by continued pretraining on ``data``.
+    """Heal a converted model (``kvgraft convert`` output) by continued pretraining on ``data``, as
+    ``options`` (a :class:`HealOptions`; None: its defaults) say.
 
-    ``data`` is a ``kvgraft prepare-data`` directory. ``train_config`` replaces the recipe's loop
-    settings; ``train_overrides`` changes some of them (e.g. from the CLI). ``teacher`` (the original model) is needed for
+    ``data`` is a ``kvgraft prepare-data`` directory. ``teacher`` (the original model) is needed for
     loss "kl" and "mix". The peak LR defaults to 1/10 of the original's (``original_lr``, else the
     teacher's or the model's training record). The budget is ``heal_config.tokens``, or a fraction of
     ``pretraining_tokens`` (else the record's tokens_seen), else ``train_config.max_steps``.
@@ -148,7 +159,9 @@ def heal(
     ``out/final/deepseek_v3``, with a card (README.md) and ``heal.json``.
     """
 
-    hc = heal_config or HealConfig()
+    o = options or HealOptions()
+    teacher, seq_len, dtype, output_format = o.teacher, o.seq_len, o.dtype, o.output_format
+    hc = o.heal_config or HealConfig()
     _check_heal_args(hc, output_format, seq_len)
     src = resolve_model(model)
     out, data = Path(out), Path(data)
@@ -159,10 +172,10 @@ def heal(
         if teacher is None:
             raise ConfigError(f"loss {hc.loss!r} needs a teacher model (the original, before conversion)")
         teacher_model = load_pretrained(resolve_model(teacher), dtype=dtype)
-    original_lr, pretraining_tokens = _original_facts(src, teacher, original_lr, pretraining_tokens)
+    original_lr, pretraining_tokens = _original_facts(src, teacher, o.original_lr, o.pretraining_tokens)
     if seq_len is None:
         seq_len = student.config.max_position_embeddings
-    base = _loop_config(train_config, train_overrides, original_lr, hc, pretraining_tokens, seq_len)
+    base = _loop_config(o.train_config, o.train_overrides, original_lr, hc, pretraining_tokens, seq_len)
     if hc.attention_only:
         freeze_outside_attention(student)
     train_ds, val_ds = _datasets(data, seq_len, hc)

@@ -10,7 +10,7 @@ from pathlib import Path
 from accelerate import PartialState
 
 from kvgraft.train.config import TrainConfig
-from kvgraft.train.heal import HealConfig
+from kvgraft.train.heal import HealConfig, HealOptions
 from kvgraft.train.heal import heal as run_heal
 from kvgraft.train.pretrain import pretrain as run_pretrain
 from kvgraft.train.ship import ship_reference
@@ -61,13 +61,15 @@ def heal(args: argparse.Namespace) -> int:
         args.model,
         args.out,
         args.data,
-        teacher=args.teacher,
-        heal_config=hc,
-        train_overrides=overrides,
-        original_lr=args.original_lr,
-        pretraining_tokens=args.pretraining_tokens,
-        output_format=args.format,
-        seq_len=args.seq_len,
+        HealOptions(
+            teacher=args.teacher,
+            heal_config=hc,
+            train_overrides=overrides,
+            original_lr=args.original_lr,
+            pretraining_tokens=args.pretraining_tokens,
+            output_format=args.format,
+            seq_len=args.seq_len,
+        ),
     )
     print(
         json.dumps(

@@ -50,7 +50,7 @@ from kvgraft.hf.deepseek.checks import (
     has_nonzero,
     weight_problems,
 )
-from kvgraft.hf.deepseek.export import FP16_MAX, STOCK_TARGETS, ExportReport, export_card, export_deepseek_v3
+from kvgraft.hf.deepseek.export import FP16_MAX, STOCK_TARGETS, ExportOptions, ExportReport, export_card, export_deepseek_v3
 from kvgraft.hf.deepseek.folds import EngineFold, collect_input_moments, engine_folds
 from kvgraft.hf.deepseek.latent import (
     ENGINE_LATENT_RMS,
@@ -94,6 +94,7 @@ __all__ = [
     "STOCK_ROPE_LAYOUTS",
     "STOCK_TARGETS",
     "EngineFold",
+    "ExportOptions",
     "ExportReport",
     "Latent",
     "LowRankQuery",

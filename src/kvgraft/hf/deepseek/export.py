@@ -57,6 +57,24 @@ STOCK_TARGETS = ("engines", "transformers")
 FP16_MAX = 65504.0
 
 
+@dataclass(frozen=True)
+class ExportOptions:
+    """How ``export_deepseek_v3`` (and the streamed export) write and check the stock checkpoint; the meaning
+    of each is in ``export_deepseek_v3``'s docstring. ``overwrite``: replace an existing ``out_dir``.
+    ``dtype``: of the written tensors (None: the model's). ``measure``: load the result with stock
+    transformers and measure it. ``max_fit_tokens``: calibration tokens the latent fit and the engine folds
+    read. ``verbose``: print the report. ``tail_sequences``: the calibration rows the error is measured on."""
+
+    overwrite: bool = False
+    latent_norm: str | None = None
+    target: str = "engines"
+    dtype: torch.dtype | None = None
+    measure: bool = True
+    max_fit_tokens: int = 8192
+    verbose: bool = False
+    tail_sequences: int = 8
+
+
 @dataclass
 class ExportReport:
     """What ``export_deepseek_v3`` wrote and how far the checkpoint is from the kvgraft model.
@@ -140,19 +158,13 @@ class ExportReport:
 def export_deepseek_v3(
     model: Transformer,
     out_dir: str | Path,
-    tokenizer_dir: str | Path | None = None,
-    overwrite: bool = False,
-    latent_norm: str | None = None,
-    calibration: torch.Tensor | None = None,
+    options: ExportOptions | None = None,
     *,
-    target: str = "engines",
-    dtype: torch.dtype | None = None,
-    measure: bool = True,
-    max_fit_tokens: int = 8192,
-    verbose: bool = False,
-    tail_sequences: int = 8,
+    tokenizer_dir: str | Path | None = None,
+    calibration: torch.Tensor | None = None,
 ) -> ExportReport:
-    """Write ``model`` (every layer MLA) as a stock DeepSeek-V3 checkpoint at ``out_dir``.
+    """Write ``model`` (every layer MLA) as a stock DeepSeek-V3 checkpoint at ``out_dir``, as ``options`` (an
+    :class:`ExportOptions`; None: its defaults) say.
 
     ``target``: "engines" (default) writes what vLLM and SGLang load as transformers does: no attention bias
     tensors (``attention_bias: false``; those engines build the projections without biases and skip bias
@@ -183,8 +195,10 @@ def export_deepseek_v3(
     ``measure``: load the result with stock transformers and measure it. ``verbose``: print the report.
     Raises UnsupportedModelError naming what stock DeepSeek-V3 cannot express and what would make it possible.
     """
+    o = options or ExportOptions()
+    target, dtype, max_fit_tokens, tail_sequences = o.target, o.dtype, o.max_fit_tokens, o.tail_sequences
     out_dir = Path(out_dir)
-    latent_norm = check_arguments(out_dir, overwrite, target, latent_norm, tail_sequences)
+    latent_norm = check_arguments(out_dir, o.overwrite, target, o.latent_norm, tail_sequences)
     cfg = model.config
     refuse_problems(config_problems(cfg) + weight_problems(model))
     layers = mla_layers(model)  # every layer is MLA (config_problems)
@@ -227,12 +241,12 @@ def export_deepseek_v3(
             target=target,
         )
         config_json = export_config(cfg, report, rope_parameters, attention_bias, dtype)
-        write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files, {"README.md": export_card(report)}, overwrite)
-        if measure:
+        write_checkpoint_dir(out_dir, config_json, tensors, cfg, tokenizer_files, {"README.md": export_card(report)}, o.overwrite)
+        if o.measure:
             _measure(report, model, out_dir, measured_ids(report, cfg, calibration, tail_sequences), window)
     finally:
         model.train(was_training)
-    if verbose:
+    if o.verbose:
         print("\n".join(report.summary()), flush=True)
     return report
 

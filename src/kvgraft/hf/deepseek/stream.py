@@ -59,6 +59,7 @@ from kvgraft.checks import check_int
 from kvgraft.errors import CheckpointError
 from kvgraft.hf.deepseek.checks import MLP_PROJECTIONS, config_problems, deepseek_v3_fast_path, mlp_bias_problems
 from kvgraft.hf.deepseek.export import (
+    ExportOptions,
     ExportReport,
     bias_messages,
     check_arguments,
@@ -161,17 +162,10 @@ def export_deepseek_v3_streamed(
     model_dir: str | Path,
     config: ModelConfig,
     out_dir: str | Path,
-    tokenizer_dir: str | Path | None = None,
-    overwrite: bool = False,
-    latent_norm: str | None = None,
-    calibration: torch.Tensor | None = None,
+    options: ExportOptions | None = None,
     *,
-    target: str = "engines",
-    dtype: torch.dtype | None = None,
-    measure: bool = True,
-    max_fit_tokens: int = 8192,
-    verbose: bool = False,
-    tail_sequences: int = 8,
+    tokenizer_dir: str | Path | None = None,
+    calibration: torch.Tensor | None = None,
     device: str | torch.device = "cpu",
     batch_size: int = 8,
     max_shard_bytes: int | None = None,
@@ -179,13 +173,15 @@ def export_deepseek_v3_streamed(
 ) -> ExportReport:
     """Write the all-MLA kvgraft checkpoint at ``model_dir`` (its ``config``) as a stock DeepSeek-V3 checkpoint
     at ``out_dir``, one layer in memory at a time: ``export_deepseek_v3``'s arguments and result (see there and
-    this module's docstring), the model read from its files. ``dtype``: of the written tensors (default: the
-    model's embedding's in the file). ``device``: where the layers and calibration states are computed.
+    this module's docstring), the model read from its files. ``options.dtype``: of the written tensors
+    (default: the model's embedding's in the file). ``device``: where the layers and calibration states are computed.
     ``batch_size``: calibration sequences per forward (the whole-model export's 8). ``max_shard_bytes``
     (default: one exported layer's bytes, at least ``SHARD_FLOOR``, at most ``DEFAULT_SHARD_BYTES``): the
     largest output shard, the writer's memory. ``progress``: bars over the layers."""
+    o = options or ExportOptions()
+    target, dtype, tail_sequences = o.target, o.dtype, o.tail_sequences
     out_dir = Path(out_dir)
-    latent_norm = check_arguments(out_dir, overwrite, target, latent_norm, tail_sequences)
+    latent_norm = check_arguments(out_dir, o.overwrite, target, o.latent_norm, tail_sequences)
     check_int("batch_size", batch_size, low=1)
     cfg = config
     with CheckpointReader(model_dir) as reader:
@@ -208,7 +204,7 @@ def export_deepseek_v3_streamed(
         if dtype is None:
             dtype = reader.get(NORM).dtype  # the file's dtype (the whole-model export: the model's)
         shard = max_shard_bytes or _shard_bytes(reader, cfg, dtype)
-        with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        with atomic_dir(out_dir, overwrite=o.overwrite) as tmp:
             writer = ShardWriter(tmp, max_shard_bytes=shard)
             how = _Construction(strategy, target, q_fold, attention_bias, low_rank_q, dtype)
             walk = _write_layers(
@@ -218,7 +214,7 @@ def export_deepseek_v3_streamed(
                 calibration,
                 biases,
                 how,
-                max_fit_tokens=max_fit_tokens,
+                max_fit_tokens=o.max_fit_tokens,
                 batch_size=batch_size,
                 progress=progress,
             )
@@ -247,14 +243,14 @@ def export_deepseek_v3_streamed(
             config_json = export_config(cfg, report, rope_parameters, attention_bias, dtype)
             writer.close()
             write_side_files(tmp, config_json, cfg, tokenizer_files, {"README.md": export_card(report)})
-            if measure:
+            if o.measure:
                 ids = measured_ids(report, cfg, calibration, tail_sequences)
                 m = measure_streamed(layers, tmp, ids, window=window, device=device, progress=progress)
                 report.max_abs_logit_diff, report.mean_kl = m["max_abs_logit_diff"], m["mean_kl"]
                 report.perplexity = m["perplexity"]
                 report.max_abs_logit_diff_within_window = m.get("max_abs_logit_diff_within_window")
                 (tmp / "README.md").write_text(export_card(report), encoding="utf-8")
-    if verbose:
+    if o.verbose:
         print("\n".join(report.summary()), flush=True)
     return report
 
