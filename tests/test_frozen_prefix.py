@@ -16,7 +16,7 @@ from kvgraft.adapters.placement import Placement
 from kvgraft.model.presets import get_preset
 from kvgraft.train.config import TrainConfig
 from kvgraft.train.frozen_prefix import CachedLMLoss, FrozenPrefixCache, boundary, cache_obstacle, read_keys
-from kvgraft.train.loop import lm_loss, train
+from kvgraft.train.loop import TrainOptions, lm_loss, train
 
 CED = get_preset("ced-tiny").replace(num_layers=8, kv_source_layers=(1, 3, 4), qkv_bias=True)  # the reference's layout
 LLAMA_SHARED = get_preset("llama-tiny").replace(num_layers=4, kv_slots=(0, 1, 1, 2))  # layer 2 reads layer 1's KV
@@ -167,7 +167,9 @@ def test_training_with_the_cache_logs_the_same_losses(tmp_path):
     for name in ("plain", "cached"):
         pm = adapted(CED, DECODER)
         fn = lm_loss if name == "plain" else CachedLMLoss(pm, FrozenPrefixCache(1 << 24))
-        r = train(pm, data, cfg, tmp_path / name, val_data=data[:4], loss_fn=fn, checkpoint_trainable_only=True)
+        r = train(
+            pm, data, cfg, tmp_path / name, val_data=data[:4], options=TrainOptions(loss_fn=fn, checkpoint_trainable_only=True)
+        )
         runs.append((r, {n: p.detach().clone() for n, p in pm.named_parameters() if p.requires_grad}, fn))
     (plain, wp, _), (cached, wc, fn) = runs
     losses = [[(h["step"], h.get("loss"), h.get("val_loss")) for h in r.history] for r in (plain, cached)]

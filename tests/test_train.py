@@ -86,13 +86,13 @@ CHILD = textwrap.dedent(
     import sys, time, torch
     sys.path.insert(0, {tests!r})
     from test_train import Patterned, _model, _cfg
-    from kvgraft.train.loop import lm_loss, train
+    from kvgraft.train.loop import TrainOptions, lm_loss, train
 
     def slow_loss(model, batch):
         time.sleep({sleep})  # leave the parent time to kill us mid-run
         return lm_loss(model, batch)
 
-    train(_model(), Patterned(), _cfg(), {out!r}, val_data=Patterned(8), loss_fn=slow_loss)
+    train(_model(), Patterned(), _cfg(), {out!r}, val_data=Patterned(8), options=TrainOptions(loss_fn=slow_loss))
     """
 )
 

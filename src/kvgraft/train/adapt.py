@@ -58,7 +58,7 @@ from kvgraft.runtime.sampling import SamplingParams
 from kvgraft.train.checkpoint import find_latest
 from kvgraft.train.config import TrainConfig
 from kvgraft.train.frozen_prefix import DEFAULT_MAX_MB, MODES, CachedLMLoss, cache_obstacle, planned_boundary, shared_cache
-from kvgraft.train.loop import evaluate, lm_loss, train
+from kvgraft.train.loop import TrainOptions, evaluate, lm_loss, train
 
 RESULT_FILE = "result.json"
 _DEFAULT_BUDGET = {"recall": RECALL_MAX_TOKENS, "ui-reply": UI_MAX_TOKENS}
@@ -337,18 +337,12 @@ def adapt(
     val_batches = math.ceil(len(data["validation"]) / cfg.micro_batch_size)
     tcfg = _train_config(cfg, val_batches)
     t0 = time.perf_counter()
-    result = train(
-        peft_model,
-        data["train"],
-        tcfg,
-        out,
-        val_data=data["validation"],
-        loss_fn=loss_fn,
-        param_groups=groups,
-        checkpoint_trainable_only=True,
-        eval_steps=sorted({max(1, round(cfg.steps * f)) for f in (0.1, 0.3)} | set(cfg.eval_steps())),
-        extra_state={"adapt_config": cfg.to_dict()},
+    eval_steps = sorted({max(1, round(cfg.steps * f)) for f in (0.1, 0.3)} | set(cfg.eval_steps()))
+    extra = {"adapt_config": cfg.to_dict()}
+    run = TrainOptions(
+        loss_fn=loss_fn, param_groups=groups, extra_state=extra, checkpoint_trainable_only=True, eval_steps=eval_steps
     )
+    result = train(peft_model, data["train"], tcfg, out, val_data=data["validation"], options=run)
     wall = time.perf_counter() - t0
     if result.stopped_early:
         return {"stopped_early": True, "step": result.step}

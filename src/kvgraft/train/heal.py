@@ -32,7 +32,7 @@ from kvgraft.model.transformer import Transformer
 from kvgraft.reference import resolve_model
 from kvgraft.train.checkpoint import find_latest, load_checkpoint
 from kvgraft.train.config import TrainConfig
-from kvgraft.train.loop import TrainResult, lm_loss, train
+from kvgraft.train.loop import TrainOptions, TrainResult, lm_loss, train
 
 LOSSES = ("lm", "kl", "mix")
 FP32_MODULES = ("self_attn.kv_a_proj", "compressor.kv_a_proj")  # module-name suffixes: latent down-projections
@@ -191,17 +191,11 @@ def heal(
         "original_lr": original_lr,
         "pretraining_tokens": pretraining_tokens,
     }
-    result = train(  # validation is always next-token perplexity; attention-only checkpoints hold what trains
-        student,
-        train_ds,
-        base,
-        out,
-        val_data=val_ds,
-        loss_fn=loss_fn,
-        extra_state=extra,
-        val_loss_fn=lm_loss,
-        checkpoint_trainable_only=hc.attention_only,
+    # validation is always next-token perplexity; attention-only checkpoints hold what trains
+    loop_options = TrainOptions(
+        loss_fn=loss_fn, extra_state=extra, val_loss_fn=lm_loss, checkpoint_trainable_only=hc.attention_only
     )
+    result = train(student, train_ds, base, out, val_data=val_ds, options=loop_options)
     latest = find_latest(out)
     if latest is not None:
         load_checkpoint(latest, student)

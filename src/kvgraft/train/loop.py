@@ -87,6 +87,25 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass
+class TrainOptions:
+    """What ``train`` is given beside its data and ``TrainConfig`` (the JSON-able recipe a resume checks):
+    the Python objects of the run. ``loss_fn`` (default ``lm_loss``); ``val_loss_fn`` scores validation
+    (default ``loss_fn``; distillation validates with ``lm_loss``); ``param_groups`` override the default
+    AdamW groups (each group may carry ``lr_scale``); ``extra_state`` (JSON-able) is stored in every
+    checkpoint, e.g. the model config; ``accelerator`` (default ``make_accelerator()``);
+    ``checkpoint_trainable_only``: checkpoints hold only trainable parameters (adapters over a frozen base);
+    ``eval_steps``: validate after these steps too (besides every ``cfg.eval_every``)."""
+
+    loss_fn: LossFn = lm_loss
+    val_loss_fn: LossFn | None = None
+    param_groups: list[dict[str, Any]] | None = None
+    extra_state: dict[str, Any] | None = None
+    accelerator: Accelerator | None = None
+    checkpoint_trainable_only: bool = False
+    eval_steps: Sequence[int] = ()
+
+
 class _StopRequested:
     """SIGTERM/SIGINT set a flag; the loop checkpoints at the end of the current step and exits."""
 
@@ -184,32 +203,25 @@ def train(
     cfg: TrainConfig,
     out_dir: str | Path,
     val_data: Sequence[Batch] | None = None,
-    loss_fn: LossFn = lm_loss,
-    param_groups: list[dict[str, Any]] | None = None,
-    extra_state: dict[str, Any] | None = None,
-    accelerator: Accelerator | None = None,
-    val_loss_fn: LossFn | None = None,
-    checkpoint_trainable_only: bool = False,
-    eval_steps: Sequence[int] = (),
+    options: TrainOptions | None = None,
 ) -> TrainResult:
     """Train ``model`` in place; checkpoints, ``log.jsonl`` and ``loss.png`` go to ``out_dir``.
 
     Resumes from the newest checkpoint in ``out_dir/checkpoints`` when one exists (the run's
     ``train_config.json`` must then match ``cfg`` except for ``max_time_s`` and ``progress``).
-    ``param_groups`` override the default AdamW groups (each group may carry ``lr_scale``).
-    ``extra_state`` (JSON-able) is stored in every checkpoint, e.g. the model config.
-    ``val_loss_fn`` scores validation (default ``loss_fn``; distillation validates with ``lm_loss``).
-    ``checkpoint_trainable_only``: checkpoints hold only trainable parameters (adapters over a frozen base).
-    ``eval_steps``: validate after these steps too (besides every ``cfg.eval_every``).
+    ``options``: the loss functions, parameter groups, checkpoint extras and accelerator
+    (:class:`TrainOptions`; None: its defaults).
     """
+    o = options or TrainOptions()
+    loss_fn, val_loss_fn, eval_steps = o.loss_fn, o.val_loss_fn, o.eval_steps
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if len(train_data) == 0:
         raise ConfigError("train_data is empty")
     # Mixed precision is ours (torch.autocast), not Accelerate's: its process-wide state cannot change
     # between runs in one process (pretrain then heal, tests), and the fp32-master rule is explicit here.
-    accelerator = accelerator or make_accelerator()
-    optimizer = _optimizer(model, cfg, param_groups)
+    accelerator = o.accelerator or make_accelerator()
+    optimizer = _optimizer(model, cfg, o.param_groups)
     step, tokens, elapsed_before, changed, latest = _resume(out_dir, cfg, model, optimizer, accelerator)
     if hasattr(model, "gradient_checkpointing"):
         model.gradient_checkpointing = cfg.gradient_checkpointing  # type: ignore[assignment]  # any module with the switch
@@ -231,7 +243,7 @@ def train(
     if cfg.progress and accelerator.is_local_main_process:
         progress = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
 
-    checkpoints = _Checkpoints(out_dir, cfg.keep_checkpoints, extra_state, checkpoint_trainable_only, log)
+    checkpoints = _Checkpoints(out_dir, cfg.keep_checkpoints, o.extra_state, o.checkpoint_trainable_only, log)
     with _StopRequested() as stop:
         t_window, tok_window = time.perf_counter(), 0
         while step < cfg.max_steps:

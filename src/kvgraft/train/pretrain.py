@@ -19,7 +19,7 @@ from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.presets import get_preset
 from kvgraft.train.checkpoint import find_latest, load_checkpoint
 from kvgraft.train.config import TrainConfig
-from kvgraft.train.loop import TrainResult, train
+from kvgraft.train.loop import TrainOptions, TrainResult, train
 
 
 def check_data_vocab(data_dir: Path, config: ModelConfig, preset: str | None = None) -> None:
@@ -91,7 +91,7 @@ def pretrain(
         train_config,
         out_dir,
         val_data=val_ds,
-        extra_state={"model_config": config.to_dict(), "seq_len": seq_len},
+        options=TrainOptions(extra_state={"model_config": config.to_dict(), "seq_len": seq_len}),
     )
 
     state = PartialState()  # the launch's processes (one unless torchrun / accelerate launch): one writer
