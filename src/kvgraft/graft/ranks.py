@@ -19,11 +19,9 @@ the rule picks what was not given:
 
 So d_c always gets at least half of the budget, and all of it beyond 128 values: at DeepSeek's own
 budget (576) the rule gives DeepSeek's 512 + 64, the shape FlashMLA's kernels are built for. The
-half-head cap with its floor of 32 fits the two models measured (bench/RESULTS.md): on the reference model
-(head_dim 32, 64 values at 4x) the even split 32 + 32 measured 1.039x the original's perplexity one-shot
-against 1.140x for 48 + 16, while on SmolLM2-135M (head_dim 64, 96 values at 4x, refined) 64 + 32 measured
-4.51x / 2.60x on two held-out texts against 7.32x / 3.33x for the even 48 + 48: a real model's latent is the
-scarce part. ``docs/ranks.md`` tabulates what the rule picks for common checkpoints.
+half-head cap with its floor of 32 fits the two models measured (bench/RESULTS.md: the even split on the
+reference model, head_dim 32; 64 + 32 rather than 48 + 48 on SmolLM2-135M, head_dim 64, whose latent is the
+scarce part). ``docs/ranks.md`` tabulates what the rule picks for common checkpoints.
 """
 
 from __future__ import annotations

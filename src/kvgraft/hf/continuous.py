@@ -2,44 +2,19 @@
 kvgraft's own format (:class:`kvgraft.hf.auto.KvgraftForCausalLM`).
 
 transformers' continuous-batching manager schedules requests, gives each one blocks of its
-``PagedAttentionCache`` and calls ``model(**kwargs)`` with the rows of a step packed on one token axis:
-``input_ids`` / ``position_ids`` (1, N), ``cu_seq_lens_q`` (row boundaries), ``write_index`` /
-``read_index`` (where each token's keys and values go in *its* cache and what to read back),
-``logits_indices`` and, for eager/sdpa, an attention mask over those reads. Its cache holds, per layer
-and token, keys and values of ``num_key_value_heads x head_dim`` in full-attention pages or a
-sliding-window ring.
-
-What kvgraft's attention kinds store does not fit that (``kvgraft.model.cache.cache_layout``):
-
-- the causal encoder-decoder's **shared compressed stream**: a kv_source layer writes one pooled entry
-  (latent + RoPE key, ``d_c + d_rope``) per ``compress_rate`` tokens, with a gated pool over those
-  tokens, and keeps the < m tokens of an incomplete block pending per sequence; later layers read it.
-  transformers' allocators store one key/value row per token per layer and have no pooled, cross-layer
-  or per-sequence pending storage;
-- its **per-layer windows** (keys ``d_nope + d_rope`` and values ``d_v`` wide per kv head) could sit in
-  transformers' sliding-window allocator only where both widths equal ``head_dim`` (they do in
-  kvgraft-ced-8m), and even then a layer reads its window *and* the shared stream under one softmax
-  (absorbed latent attention): transformers' attention interface (one function of q, k, v and a mask per
-  layer) has no place for the second stream, so windows and stream stay together in kvgraft's cache;
-- MLA's latent cache (``d_c + d_rope`` per token, not per head) and cross-layer KV sharing likewise.
+``PagedAttentionCache`` and calls ``model(**kwargs)`` with the rows of a step packed on one token axis
+(``input_ids`` / ``position_ids`` (1, N), ``cu_seq_lens_q``, ``write_index`` / ``read_index``,
+``logits_indices``); its cache holds one key and value row of ``num_key_value_heads x head_dim`` per token
+and layer. What kvgraft's attention kinds store does not fit that (``kvgraft.model.cache.cache_layout``):
+the causal encoder-decoder's pooled, cross-layer shared stream with per-sequence pending tokens, its
+per-layer windows read under one softmax with that stream, MLA's latent cache, cross-layer KV sharing.
 
 So the wrapper **does not use transformers' paged cache** (transformers still allocates it, sized by the
 ``ContinuousBatchingConfig``; it is never read or written). It uses the request bookkeeping only: each
-row is matched to its transformers request through the block its last token is written to (the
-request's block table in the cache the forward receives), and every request gets a sequence of
-kvgraft's own :class:`~kvgraft.model.cache.PagedKVCache` (the engine's cache: paged shared segments,
-window rings, pending tokens), kept from step to step. A step's rows then run as one kvgraft
+row is matched to its transformers request through the block its last token is written to, and every
+request gets a sequence of kvgraft's own :class:`~kvgraft.model.cache.PagedKVCache` (the engine's cache),
+kept from step to step (:class:`ContinuousRequests`). A step's rows then run as one kvgraft
 ``BatchContext`` per cache shard, exactly as kvgraft's engine runs them, so the tokens are the engine's.
-
-Lifecycle: a request whose blocks transformers freed (finished, failed, cancelled, soft-reset) loses its
-sequence at the next step; a request seen again at position 0 (a soft reset re-prefills from scratch)
-starts a fresh one. What cannot be followed is refused by name: a row that continues at a position
-kvgraft holds no state for (a fork for ``num_return_sequences > 1``, a prefix-cache hit, a CPU-offloaded
-request restored); :func:`kvgraft_cb_config` turns off the features that would produce them (block
-sharing, CPU offloading) and those that need a static, capturable forward (CUDA graphs, torch.compile,
-async double-buffering), since this forward keeps Python-side state per request. One request may hold up
-to ``max_position_embeddings`` tokens (the engine's default ``max_seq_len``; :func:`guard_request_length`
-refuses longer ones when they are added).
 """
 
 from __future__ import annotations
@@ -128,7 +103,18 @@ def is_continuous_batching_call(kwargs: dict) -> bool:
 class ContinuousRequests:
     """kvgraft KV state for the requests of one transformers ``PagedAttentionCache``: request id -> a sequence
     of one of a few kvgraft caches (shards: a shard holds ``slots`` sequences of up to ``max_seq_len``
-    tokens each, so a sequence admitted never runs short; a new shard is added when every slot is taken)."""
+    tokens each, so a sequence admitted never runs short; a new shard is added when every slot is taken).
+
+    Lifecycle: a request whose blocks transformers freed (finished, failed, cancelled, soft-reset) loses its
+    sequence at the next step; a request seen again at position 0 (a soft reset re-prefills from scratch)
+    starts a fresh one. What cannot be followed is refused by name: a row that continues at a position
+    kvgraft holds no state for (a fork for ``num_return_sequences > 1``, a prefix-cache hit, a CPU-offloaded
+    request restored); :func:`kvgraft_cb_config` turns off the features that would produce them (block
+    sharing, CPU offloading) and those that need a static, capturable forward (CUDA graphs, torch.compile,
+    async double-buffering), since this forward keeps Python-side state per request. One request may hold up
+    to ``max_position_embeddings`` tokens (the engine's default ``max_seq_len``; :func:`guard_request_length`
+    refuses longer ones when they are added).
+    """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.config, self.dtype, self.device = config, dtype, device

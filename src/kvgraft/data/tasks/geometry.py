@@ -10,35 +10,8 @@ last ``=`` of the answer line::
     answer  " 6^2+8^2=100, c=10"                              target "10"
 
 ``target`` is that number as text (integers plainly, otherwise at most two decimals, e.g.
-``"153.86"``). Templates (``Example.kind``); the numbers appear in the prompt in the order named
-here, and the answer is computed exactly (no floating point surprises: every answer is a whole
-number or has at most two decimals):
-
-===================  ==========================================  ===========================
-kind                 numbers in the prompt (ranges)              answer
-===================  ==========================================  ===========================
-triangle-third       angles a in 20..100, b in 20..150-a         180 - a - b
-straight-line        angle a in 10..170                          180 - a
-complementary        angle a in 5..85                            90 - a
-isosceles-base       apex angle a, even, in 20..160              (180 - a) / 2
-isosceles-apex       base angle b in 20..85                      180 - 2 b
-polygon-sum          n sides in 3..30                            (n - 2) 180
-regular-interior     n sides, a divisor of 360 in 3..36          (n - 2) 180 / n
-regular-exterior     n sides, a divisor of 360 in 3..36          360 / n
-hypotenuse           legs a, b: k(3,4) k<=10, k(5,12), k(8,15)   sqrt(a^2 + b^2) (a whole
-                     k<=3, (7,24), (20,21); either order         number)
-leg                  hypotenuse c, leg a of the same triples     sqrt(c^2 - a^2)
-rectangle-area       w, h in 2..30                               w h
-rectangle-perimeter  w, h in 2..40                               2 (w + h)
-triangle-area        base b, height h in 2..30                   b h / 2
-circle-area          radius r in 1..20 (pi = 3.14 is given)      3.14 r^2
-circumference        radius r in 1..30 (pi = 3.14 is given)      2 (3.14) r
-square-area          perimeter p = 4 s, s in 2..30               (p / 4)^2
-triangle-perimeter   sides a, b, c in 2..30, a strict triangle   a + b + c
-similar-side         AB = a in 2..12, DE = k a (whole),          BC DE / AB
-                     BC in 2..15, k in {0.5, 1.5, 2, 2.5, 3, 4}
-scale-factor         matching sides a in 2..20 and k a (whole)   (k a) / a
-===================  ==========================================  ===========================
+``"153.86"``); the answer is computed exactly. The templates, one per ``Example.kind``, are
+``GEOMETRY_KINDS`` (its docstring gives each one's numbers and formula).
 
 Each draw picks a kind uniformly; a problem whose prompt was drawn before is dropped, so the
 small kinds (regular polygons, Pythagorean triples) saturate and the large ones fill the rest.
@@ -218,7 +191,35 @@ GEOMETRY_KINDS: Mapping[str, Callable[[random.Random], _Geo]] = {
     "similar-side": _g_similar_side,
     "scale-factor": _g_scale_factor,
 }
-"""Geometry templates by kind (see the module docstring for ranges and formulas)."""
+"""Geometry templates by kind. The numbers appear in the prompt in the order named here, and the answer is
+computed exactly (no floating point surprises: every answer is a whole number or has at most two decimals):
+
+===================  ==========================================  ===========================
+kind                 numbers in the prompt (ranges)              answer
+===================  ==========================================  ===========================
+triangle-third       angles a in 20..100, b in 20..150-a         180 - a - b
+straight-line        angle a in 10..170                          180 - a
+complementary        angle a in 5..85                            90 - a
+isosceles-base       apex angle a, even, in 20..160              (180 - a) / 2
+isosceles-apex       base angle b in 20..85                      180 - 2 b
+polygon-sum          n sides in 3..30                            (n - 2) 180
+regular-interior     n sides, a divisor of 360 in 3..36          (n - 2) 180 / n
+regular-exterior     n sides, a divisor of 360 in 3..36          360 / n
+hypotenuse           legs a, b: k(3,4) k<=10, k(5,12), k(8,15)   sqrt(a^2 + b^2) (a whole
+                     k<=3, (7,24), (20,21); either order         number)
+leg                  hypotenuse c, leg a of the same triples     sqrt(c^2 - a^2)
+rectangle-area       w, h in 2..30                               w h
+rectangle-perimeter  w, h in 2..40                               2 (w + h)
+triangle-area        base b, height h in 2..30                   b h / 2
+circle-area          radius r in 1..20 (pi = 3.14 is given)      3.14 r^2
+circumference        radius r in 1..30 (pi = 3.14 is given)      2 (3.14) r
+square-area          perimeter p = 4 s, s in 2..30               (p / 4)^2
+triangle-perimeter   sides a, b, c in 2..30, a strict triangle   a + b + c
+similar-side         AB = a in 2..12, DE = k a (whole),          BC DE / AB
+                     BC in 2..15, k in {0.5, 1.5, 2, 2.5, 3, 4}
+scale-factor         matching sides a in 2..20 and k a (whole)   (k a) / a
+===================  ==========================================  ===========================
+"""
 
 
 def _geometry_example(r: random.Random) -> Example:

@@ -3,32 +3,12 @@
 It writes what ``export_deepseek_v3`` writes for the same model (every tensor bit for bit, config.json, the
 report and README card; ``tests/test_deepseek_stream.py``), but reads the converted model from its
 checkpoint directory one decoder layer at a time (``kvgraft.hf.shards.CheckpointReader``, memory-mapped,
-unmapped after each layer) instead of taking it whole in memory:
-
-1. a first look at every layer's bias tensors (small) decides what the whole-model export decides from the
-   whole model before any work: what stock cannot hold (MLP biases), the engine-safe refusals, which layers
-   need calibration statistics, the low-rank query path, whether attention bias tensors are written;
-2. the walk: the calibration hidden states (N x T x hidden fp32, in memory) go through each converted
-   layer in batches of ``batch_size`` sequences, as the whole model's forward runs them, with a hook at
-   kv_a_proj collecting that layer's raw latents (the "fit"/"scale" latent norm, and the unit of a value
-   fold) and its attention input's moments (``EngineFold``); the layer's stock tensors are computed
-   (``layer_tensors``) and handed to a ``ShardWriter`` in the atomic output, and the layer is dropped;
-3. the check, after everything is written: stock transformers' own ``DeepseekV3DecoderLayer`` (built from
-   the written config.json, loaded strictly with that layer's written tensors) runs over the calibration
-   tail's hidden states one layer at a time, beside the kvgraft converted layer, then transformers' final
-   norm and head; the written names and shapes are checked against transformers' ``DeepseekV3ForCausalLM``
-   built from the config on the meta device (what ``from_pretrained`` would call missing, unexpected or
-   mismatched). The figures are those of ``measure_export``: the logits agree bit for bit with the whole
-   models' (the layers run the same batches; the head runs one sequence and ``HEAD_POSITIONS`` positions at
-   a time, which gives the same rows on the CPU BLAS tested), and the KL and perplexity are reduced over the
-   same (B, T) values in the same order (tests: equal, not merely close).
-
-What differs from the whole-model export: a tensor beyond fp16's range ("engines") or not finite in the
-written dtype is found while the layers are written, so the refusal (the same message, counting every
-tensor) comes after the walk instead of before any writing (nothing is left behind: the output is
-atomic); an export larger than ``max_shard_bytes`` is written in shards with an index
-(``model-0000k-of-0000n.safetensors``, as transformers writes them) where the whole-model export writes one
-``model.safetensors``; the tensors are the same.
+unmapped after each layer) instead of taking it whole in memory. Three steps: a first look at the bias
+tensors (``LayerBiases``), the walk that writes (``_write_layers``), the check of what was written
+(``measure_streamed``). Its output
+differs from the whole-model export's only in being sharded (with an index, as transformers writes them)
+above ``max_shard_bytes``; a tensor beyond fp16's range ("engines") or not finite in the written dtype is
+refused (the same message) after the walk instead of before any writing; nothing is left behind then.
 
 Peak memory (fp32 unless said), none of it growing with depth: the embedding (vocab x hidden, written and
 dropped before the walk; read again for the check) + the calibration hidden states 2 x N x T x hidden (the
@@ -130,7 +110,10 @@ class ConvertedLayers:
 
 
 class LayerBiases:
-    """What the export decides before any work, from the bias tensors alone (read one at a time)."""
+    """What the export decides before any work, from the bias tensors alone (read one at a time): what the
+    whole-model export decides from the whole model: what stock cannot hold (MLP biases), the engine-safe
+    refusals, which layers need calibration statistics, the low-rank query path, whether attention bias
+    tensors are written."""
 
     def __init__(self, layers: ConvertedLayers) -> None:
         cfg = layers.config
@@ -173,7 +156,7 @@ def export_deepseek_v3_streamed(
 ) -> ExportReport:
     """Write the all-MLA kvgraft checkpoint at ``model_dir`` (its ``config``) as a stock DeepSeek-V3 checkpoint
     at ``out_dir``, one layer in memory at a time: ``export_deepseek_v3``'s arguments and result (see there and
-    this module's docstring), the model read from its files. ``options.dtype``: of the written tensors
+    the module docstring), the model read from its files. ``options.dtype``: of the written tensors
     (default: the model's embedding's in the file). ``device``: where the layers and calibration states are computed.
     ``batch_size``: calibration sequences per forward (the whole-model export's 8). ``max_shard_bytes``
     (default: one exported layer's bytes, at least ``SHARD_FLOOR``, at most ``DEFAULT_SHARD_BYTES``): the
@@ -308,7 +291,12 @@ def _write_layers(
     progress: bool,
 ) -> _Walked:
     """The walk: the embedding, each layer's stock tensors (calibration statistics streamed through the
-    converted layers), the final norm and the untied head, all handed to ``writer``."""
+    converted layers), the final norm and the untied head, all handed to ``writer``. The calibration hidden
+    states (N x T x hidden fp32, in memory) go through each converted layer in batches of ``batch_size``
+    sequences, as the whole model's forward runs them, with a hook at kv_a_proj collecting that layer's raw
+    latents (the "fit"/"scale" latent norm, and the unit of a value fold) and its attention input's moments
+    (``EngineFold``); the layer's stock tensors are computed (``layer_tensors``) and written, and the layer
+    is dropped."""
     strategy, target, dtype = how.strategy, how.target, how.dtype
     device = layers.device
     fit = strategy in ("fit", "scale") and calibration is not None
@@ -427,7 +415,16 @@ def measure_streamed(
 ) -> dict:
     """``measure_export``'s figures for the export written at ``export_dir`` against the converted model read
     by ``layers``, one layer of each in memory at a time (stock transformers' decoder layers loaded with the
-    written tensors; fp32, CPU for stock as ``measure_export`` runs it)."""
+    written tensors; fp32, CPU for stock as ``measure_export`` runs it).
+
+    Stock transformers' own ``DeepseekV3DecoderLayer`` (built from the written config.json, loaded strictly
+    with that layer's written tensors) runs over the calibration tail's hidden states one layer at a time,
+    beside the kvgraft converted layer, then transformers' final norm and head; the written names and shapes
+    are checked against transformers' ``DeepseekV3ForCausalLM`` built from the config on the meta device
+    (what ``from_pretrained`` would call missing, unexpected or mismatched). The logits agree bit for bit
+    with the whole models' (the layers run the same batches; the head runs one sequence and
+    ``HEAD_POSITIONS`` positions at a time, which gives the same rows on the CPU BLAS tested), and the KL and
+    perplexity are reduced over the same (B, T) values in the same order (tests: equal, not merely close)."""
     cfg = layers.config
     stock_cfg = AutoConfig.from_pretrained(str(export_dir))
     with torch.device("meta"):  # transformers' model, no weights: the names and shapes it loads
