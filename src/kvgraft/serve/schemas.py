@@ -3,8 +3,9 @@
 documentation of each error status in ``/openapi.json`` (:func:`_responses`).
 
 The request models are what the server accepts, exactly: a schema-valid body is accepted, an invalid one is
-refused with 400 (see the comment above :class:`_Common`). The response models only document: the endpoints
-return plain dicts of that shape.
+refused with 400 (see the comment above :class:`_Common`). The response models are what the endpoints answer:
+``Completion`` and ``ChatCompletion`` (documented in ``/openapi.json``), and each event of their streams
+(``CompletionChunk``, ``ChatCompletionChunk``; a key left unset is absent from the event).
 """
 
 from __future__ import annotations
@@ -225,6 +226,18 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class CompletionChunk(BaseModel):
+    """One event of a streamed completion; the last one, with ``stream_options.include_usage``, has no choices
+    and the usage."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"]
     content: str
@@ -244,6 +257,32 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
+
+
+class ChatCompletionDelta(BaseModel):
+    """What a chat stream's event adds: its text, and the role in the first event only."""
+
+    content: str
+    role: Literal["assistant"] | None = None
+
+
+class ChatCompletionChunkChoice(BaseModel):
+    index: int
+    delta: ChatCompletionDelta
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a streamed chat completion; the last one, with ``stream_options.include_usage``, has no
+    choices and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: Usage | None = None
 
 
 class AdapterInfo(BaseModel):

@@ -52,11 +52,21 @@ from kvgraft.serve import routes
 from kvgraft.serve.bridge import EngineStopped, EngineWorker, QueueFull, RequestStream
 from kvgraft.serve.metrics import metrics_registry
 from kvgraft.serve.schemas import (
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionDelta,
+    ChatCompletionMessage,
     ChatRequest,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
     CompletionRequest,
     HTTPError,
     LoadAdapterRequest,
     UnloadAdapterRequest,
+    Usage,
     _Common,
 )
 from kvgraft.serve.streaming import TextStream, collect, sse_events
@@ -272,8 +282,8 @@ class KvgraftServer:
         return stream
 
     @staticmethod
-    def _usage(n_prompt: int, n_out: int) -> dict[str, int]:
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    def _usage(n_prompt: int, n_out: int) -> Usage:
+        return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
 
     # -- endpoints --
     async def completions(self, body: CompletionRequest, request: Request) -> dict[str, Any] | StreamingResponse:
@@ -288,28 +298,34 @@ class KvgraftServer:
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         text = TextStream(self.decode, stops)
 
+        def event(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionChunk:
+            head = CompletionChunk(id=rid, object="text_completion", created=created, model=body.model, choices=choices)
+            return head if usage is None else head.model_copy(update={"usage": usage})
+
+        def choice(delta: str, reason: str | None) -> CompletionChoice:
+            return CompletionChoice(index=0, text=delta, logprobs=None, finish_reason=reason)
+
         def chunk(delta: str, reason: str | None) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": body.model,
-                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}],
-            }
+            return event([choice(delta, reason)]).model_dump(exclude_unset=True)
 
         if body.stream:
             usage: Callable[[list[int]], dict[str, Any]] | None = None
             if (body.stream_options or {}).get("include_usage"):
 
                 def usage_chunk(out: list[int]) -> dict[str, Any]:
-                    return dict(chunk("", None), choices=[], usage=self._usage(len(ids), len(out)))
+                    return event([], self._usage(len(ids), len(out))).model_dump()
 
                 usage = usage_chunk
             return StreamingResponse(sse_events(self.worker, stream, text, chunk, usage), media_type="text/event-stream")
         out, reason = await collect(self.worker, stream, request)
-        result = chunk(text.text(out, True), reason)
-        result["usage"] = self._usage(len(ids), len(out))
-        return result
+        return Completion(
+            id=rid,
+            object="text_completion",
+            created=created,
+            model=body.model,
+            choices=[choice(text.text(out, True), reason)],
+            usage=self._usage(len(ids), len(out)),
+        ).model_dump()
 
     async def chat(self, body: ChatRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         body.check_supported()
@@ -335,51 +351,35 @@ class KvgraftServer:
         text = TextStream(self.decode, stops)
         first = [True]
 
+        def event(choices: list[ChatCompletionChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+            head = ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created, model=body.model, choices=choices)
+            return head if usage is None else head.model_copy(update={"usage": usage})
+
         def chunk(delta: str, reason: str | None) -> dict[str, Any]:
-            d = {"content": delta}
-            if first[0]:
-                d["role"] = "assistant"
-                first[0] = False
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": body.model,
-                "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}],
-            }
+            d = ChatCompletionDelta(content=delta, role="assistant") if first[0] else ChatCompletionDelta(content=delta)
+            first[0] = False
+            choice = ChatCompletionChunkChoice(index=0, delta=d, logprobs=None, finish_reason=reason)
+            return event([choice]).model_dump(exclude_unset=True)
 
         if body.stream:
             usage: Callable[[list[int]], dict[str, Any]] | None = None
             if (body.stream_options or {}).get("include_usage"):
 
                 def usage_chunk(out: list[int]) -> dict[str, Any]:
-                    return {
-                        "id": rid,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": body.model,
-                        "choices": [],
-                        "usage": self._usage(len(ids), len(out)),
-                    }
+                    return event([], self._usage(len(ids), len(out))).model_dump()
 
                 usage = usage_chunk
             return StreamingResponse(sse_events(self.worker, stream, text, chunk, usage), media_type="text/event-stream")
         out, reason = await collect(self.worker, stream, request)
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": body.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text.text(out, True)},
-                    "logprobs": None,
-                    "finish_reason": reason,
-                }
-            ],
-            "usage": self._usage(len(ids), len(out)),
-        }
+        message = ChatCompletionMessage(role="assistant", content=text.text(out, True))
+        return ChatCompletion(
+            id=rid,
+            object="chat.completion",
+            created=created,
+            model=body.model,
+            choices=[ChatCompletionChoice(index=0, message=message, logprobs=None, finish_reason=reason)],
+            usage=self._usage(len(ids), len(out)),
+        ).model_dump()
 
     def models(self) -> dict[str, Any]:
         base = {
