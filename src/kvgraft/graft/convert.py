@@ -6,9 +6,8 @@
 Both targets run layer by layer (``kvgraft.graft.layerwise``: one decoder layer in memory at a time, the
 output written as layers finish; ``--to ced`` with the share graft's walk of ``kvgraft.graft.ced_layerwise``);
 the stock DeepSeek-V3 export (``--format deepseek_v3``/``both``) then reads the converted model's shards one
-layer at a time too (``kvgraft.hf.deepseek.stream``). The whole-model executor (``execute_whole``, in small steps: ``load_source``,
-``graft``, ``tail_figures``, ``conversion_record``, ``write_outputs``) loads the whole source model; it is the
-reference the layer-by-layer one is tested against.
+layer at a time too (``kvgraft.hf.deepseek.stream``). The whole-model executor (``execute_whole``) loads the
+whole source model; it is the reference the layer-by-layer one is tested against.
 
 The output directory is written atomically: it appears complete or not at all. The layer-by-layer executor
 stages it in ``.<out>.partial`` with a checkpoint after each layer, which a conversion interrupted after its
@@ -16,13 +15,13 @@ first layer leaves behind for ``--resume`` (``kvgraft.graft.resume``); the whole
 A stock export measured above its tolerance (``--export-tolerance``, ``--export-kl-tolerance``) fails the
 conversion before the rename, in both executors: nothing is left, not even the kvgraft part of ``--format
 both`` or the staging directory (the checkpoint is dropped once the walk is done, before the export).
-The output is itself the converted model in kvgraft's own format (``model_type: kvgraft``; ``kvgraft eval OUT`` works), plus
-``conversion.json`` (what was done, with timings, and the plan), the tokenizer and the eval slices of the input
-when it has them, and, with ``--format deepseek_v3`` or ``both``, a stock DeepSeek-V3 export in ``deepseek_v3/``
-(``kvgraft.hf.deepseek``; what is exact for each family: ``docs/export.md``). For that format the graft keeps
-one latent value for the export's constant coordinate (its exact latent norm), linearises Qwen3's q/k norms,
-and the export's report (exactness, measured error and calibration-tail perplexities) is printed and
-recorded in ``conversion.json``.
+The output is itself the converted model in kvgraft's own format (``model_type: kvgraft``; ``kvgraft eval
+OUT`` works), plus ``conversion.json`` (``kvgraft.graft.record.ConversionReport``: what was done, with
+timings, and the plan), the tokenizer and the eval slices of the input when it has them, and, with
+``--format deepseek_v3`` or ``both``, a stock DeepSeek-V3 export in ``deepseek_v3/`` (``kvgraft.hf.deepseek``;
+what is exact for each family: ``docs/export.md``). For that format the graft keeps one latent value for the
+export's constant coordinate (its exact latent norm), linearises Qwen3's q/k norms, and the export's report
+(exactness, measured error and calibration-tail perplexities) is printed and recorded in ``conversion.json``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 r"""The ``ui-reply`` task: an assistant reply describing a requested screen, prose plus a JSON component tree.
 
 A small analogue of the long structured-output task (a "UI reply") of the LoRA study the tasks stand in
-for; with the reference tokenizer an example is about 461 tokens, about 15x a geometry example
-(``docs/tasks.md`` has the measurements).
+for (its measured lengths: ``docs/tasks.md``).
 
-A user asks for a screen (signup form, settings page, profile card, ...) with a list of
-components; the assistant replies with prose (a sentence about the screen, one bullet per
-component), a fenced JSON block describing the screen, and a closing sentence::
+A user asks for a screen with a list of components; the assistant replies with prose (a sentence about
+the screen, one bullet per component), a fenced JSON block describing the screen, and a closing sentence::
 
     prompt  'User: Build a signup form titled "Join us" with a white background, 16 px padding
              and a vertical layout. Include a required "Email" field; ...; and a blue "Sign up"
@@ -16,26 +14,15 @@ component), a fenced JSON block describing the screen, and a closing sentence::
              "form", "title": "Join us", "style": {...}, "children": [\n  {...},\n  ...\n]}\n```\n
              The components are listed in the order you asked for.'
 
-The JSON object is ``{"type", "title", "style": {"background", "padding", "layout"}, "children"}``
-and each child one of: ``input`` (``props.inputType`` follows from the label by a fixed table,
-e.g. "Email" -> "email"; ``props.required``), ``textarea`` (``props.rows``), ``checkbox``
-(``props.checked``), ``select`` and ``radio`` (``props.options``), ``slider`` (``props.min``,
-``props.max``), ``switch`` (``props.on``), ``button`` (``style.color``), ``text`` (a heading,
-``style.size``), ``image`` (``props.width``, ``props.height``), ``link`` (``props.href``) and
-``row`` (``children``: two or three buttons). The request lists the components separated by
-semicolons, the reply has one bullet per component in the same order. Labels are unique on a screen. Every value is
-stated in the request or follows from a label, so the JSON is a function of the prompt.
+The JSON object is ``{"type", "title", "style": {"background", "padding", "layout"}, "children"}``, a child
+per component (kinds and props: ``_Component``); every value is in the request or follows from a label.
 
-Length: components are drawn one after another (at most :data:`UI_MAX_COMPONENTS`) and the example
-keeps the longest run of them (at least :data:`UI_MIN_COMPONENTS`) whose prompt + answer + EOS fits
-:data:`UI_MAX_TOKENS` = 500 tokens of the shipped reference tokenizer, counted exactly (the
-tokenizer's pieces, cached). So ui-reply needs ``models/*/tokenizer.json`` (or
-``KVGRAFT_MODELS_DIR``) to generate; its output depends on that file, which is fixed.
+At most :data:`UI_MAX_TOKENS` tokens of the shipped reference tokenizer (``_ui_example``): ui-reply needs
+``models/*/tokenizer.json`` (or ``KVGRAFT_MODELS_DIR``) to generate.
 
-``target`` is the canonical JSON (:func:`canonical_json`: sorted keys, no spaces). A reply is
-correct when its last ```json block (or else the text from its first ``{`` to its last ``}``)
-parses and its canonical form equals the target: same screen, style and components, in the
-same order, with the same labels, props and styles (``true`` and ``1`` differ).
+``target`` is the canonical JSON (:func:`canonical_json`: sorted keys, no spaces). A reply is correct when
+its last ```json block (or else the text from its first ``{`` to its last ``}``) parses and its canonical
+form equals the target: same components in the same order, labels, props and styles (``true`` != ``1``).
 """
 
 from __future__ import annotations
@@ -180,6 +167,17 @@ def _quote_list(items: Sequence[str], sep: str = ", ") -> str:
 
 @dataclass(frozen=True)
 class _Component:
+    """One component of a screen: its phrase in the request, its bullet in the reply, its JSON object.
+
+    A child of the screen's JSON object is one of: ``input`` (``props.inputType`` follows from the label by a fixed table,
+    e.g. "Email" -> "email"; ``props.required``), ``textarea`` (``props.rows``), ``checkbox``
+    (``props.checked``), ``select`` and ``radio`` (``props.options``), ``slider`` (``props.min``,
+    ``props.max``), ``switch`` (``props.on``), ``button`` (``style.color``), ``text`` (a heading,
+    ``style.size``), ``image`` (``props.width``, ``props.height``), ``link`` (``props.href``) and
+    ``row`` (``children``: two or three buttons). The request lists the components separated by
+    semicolons, the reply has one bullet per component in the same order. Labels are unique on a screen.
+    """
+
     request: str  # phrase in the user's request
     bullet: str  # the assistant's bullet for it
     spec: dict[str, Any]  # its JSON object
@@ -435,6 +433,11 @@ def canonical_json(obj: Any) -> str:
 
 
 def _ui_example(r: random.Random, count: Callable[[str], int]) -> Example:
+    """One example, its tokens counted by ``count``. Components are drawn one after another (at most
+    :data:`UI_MAX_COMPONENTS`) and the example keeps the longest run of them (at least
+    :data:`UI_MIN_COMPONENTS`) whose prompt + answer + EOS fits :data:`UI_MAX_TOKENS` = 500 tokens of the
+    shipped reference tokenizer, counted exactly (the tokenizer's pieces, cached); its output depends on
+    that file, which is fixed."""
     while True:  # a screen whose first UI_MIN_COMPONENTS components overflow the budget is drawn again
         ex = _ui_attempt(r, count)
         if ex is not None:
