@@ -15,14 +15,15 @@ Two students (``--student``, each with its own model and run directories, pack a
 
 The teacher is SmolLM2 itself; the data
 is ``kvgraft prepare-data --out runs/smol-data --sources kjv web python-docs fortunes`` (5.31M training tokens,
-the held-out texts of bench/real_texts.py excluded). The run is ``kvgraft heal`` with the recipe in ``RECIPE``
-(attention only, KL, 512-token sequences, 8,192 tokens a step, cosine over a 5M-token budget), stopped after
+the held-out texts of bench/real_texts.py excluded). The run is ``kvgraft heal`` with the student's recipe (``RECIPE``:
+attention only, KL, 512-token sequences, 8,192 tokens a step, cosine over a 5M-token budget; ``CED_RECIPE``: the
+same with half the windows copy windows, 4,096 tokens a step, cosine over 700K tokens), stopped after
 ``--hours`` by its own ``--max-time-s`` (a checkpoint is written on the way out, and on SIGTERM).
 
 What lasts across machines is committed in the student's pack directory: the latest checkpoint's trainable weights (the
-attention, bf16, in shards under 40 MB), its state, the run's config and log. On a fresh machine ``run``
-rebuilds the student by converting again, unpacks the committed checkpoint (weights rounded to bf16, AdamW's
-moments restarted: the one step where the resumed run differs from an uninterrupted one, recorded in the log)
+attention, int8 in groups of 64 with fp16 scales, in shards under 40 MB), its state, the run's config and log. On a
+fresh machine ``run`` rebuilds the student by converting again, unpacks the committed checkpoint (weights as packed,
+AdamW's moments restarted: the one step where the resumed run differs from an uninterrupted one, recorded in the log)
 and goes on. The curve is the run's validation perplexity (the data's held-out split, 16,384 tokens, bf16
 autocast as in training) against training tokens, beside the teacher's on the same tokens.
 """
@@ -50,13 +51,17 @@ from kvgraft.train.loop import evaluate, lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 TEACHER = "smollm2-135m-instruct"
-# the causal encoder-decoder's conversion: the seed's layout scaled to 30 layers (bench/real_ced_layouts.py)
+# the causal encoder-decoder's conversion: writers every fourth layer up to a pivot at 18 (bench/RESULTS.md, "Which
+# layouts can copy at all?": the seed's 2, 6, 10, 15 cannot copy beyond its window even uncompressed, because
+# SmolLM2's layer 18 reads what layer 17 writes; a pivot at 18 keeps it)
 CED_CONVERT = [
-    "--to", "ced", "--kv-source-layers", "2", "6", "10", "15", "--sliding-window", "128", "--kv-lora-rank", "320", "--rope-dim", "64",
+    "--to", "ced", "--kv-source-layers", "2", "6", "10", "14", "18", "--sliding-window", "128", "--kv-lora-rank", "320",
+    "--rope-dim", "64",
 ]  # fmt: skip
 STUDENTS = {
     "mla": {
         "convert": ["--format", "both"],
+        "recipe": "RECIPE",
         "pack": ROOT / "bench" / "real_heal",
         "dir": ROOT / "runs" / "real-heal",
         "png": ROOT / "bench" / "real_heal.png",
@@ -64,6 +69,7 @@ STUDENTS = {
     },
     "ced": {
         "convert": CED_CONVERT,
+        "recipe": "CED_RECIPE",
         "pack": ROOT / "bench" / "real_ced",
         "dir": ROOT / "runs" / "real-ced",
         "png": ROOT / "bench" / "real_ced.png",
@@ -78,7 +84,45 @@ RECIPE = [
     "--grad-accum", "4", "--lr", "2e-4", "--warmup-steps", "20", "--eval-every", "10", "--eval-batches", "8",
     "--save-every", "25", "--keep-checkpoints", "2", "--log-every", "1",
 ]  # fmt: skip
+# the encoder-decoder's: half the windows repeat their first 256 tokens (beyond its 128-token window, so the copy
+# is read through the shared stream: distilled copying), 4,096 tokens a step, cosine to 0.1x over 700K tokens
+CED_RECIPE = [
+    "--loss", "kl", "--attention-only", "--copy-fraction", "0.5", "--tokens", "700000", "--seq-len", "512",
+    "--micro-batch-size", "4", "--grad-accum", "2", "--lr", "2e-4", "--warmup-steps", "10", "--eval-every", "10",
+    "--eval-batches", "8", "--save-every", "10", "--keep-checkpoints", "2", "--log-every", "1",
+]  # fmt: skip
+RECIPES = {"RECIPE": RECIPE, "CED_RECIPE": CED_RECIPE}
 TEXTS = ("manual", "glossary")
+# packed 2-D weights: int8 in groups of GROUP input columns, each group with its own fp16 scale (absmax / 127); a
+# weight's error is at most half a step of its group, about 0.4% of the group's largest entry
+GROUP = 64
+SCALE = ".int8_scale"
+
+
+def quantize(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One trainable tensor as packed: 2-D weights whose width GROUP divides as int8 plus scales, others in fp32."""
+    if t.dim() != 2 or t.shape[1] % GROUP:
+        return {name: t.float().contiguous()}
+    g = t.float().reshape(t.shape[0], t.shape[1] // GROUP, GROUP)
+    scale = (g.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(1e-12).half()
+    q = torch.round(g / scale.float()).clamp(-127, 127).to(torch.int8)
+    return {name: q.reshape(t.shape).contiguous(), name + SCALE: scale.squeeze(-1).contiguous()}
+
+
+def load_pack(src: Path) -> dict[str, torch.Tensor]:
+    """The packed trainable weights in fp32 (int8 groups with their scales, or the bf16 shards of older packs)."""
+    raw: dict[str, torch.Tensor] = {}
+    for shard in sorted(src.glob("attention-*.safetensors")):
+        raw.update(load_file(str(shard)))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        if name.endswith(SCALE):
+            continue
+        if t.dtype == torch.int8:
+            scale = raw[name + SCALE].float().unsqueeze(-1)
+            t = (t.float().reshape(t.shape[0], -1, GROUP) * scale).reshape(t.shape)
+        out[name] = t.float()
+    return out
 
 
 def convert(model: Path, args: list[str]) -> None:
@@ -90,7 +134,7 @@ def convert(model: Path, args: list[str]) -> None:
 
 
 def pack(run: Path) -> Path | None:
-    """The run's latest checkpoint -> the pack directory (bf16 shards, state, config, log), atomically."""
+    """The run's latest checkpoint -> the pack directory (int8 shards, state, config, log), atomically."""
     latest = find_latest(run)
     if latest is None:
         return None
@@ -101,12 +145,13 @@ def pack(run: Path) -> Path | None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(weights):
-        t = weights[name].to(torch.bfloat16).contiguous()
-        if size + t.numel() * 2 > SHARD_BYTES and shards[-1]:
+        packed = quantize(name, weights[name])
+        nbytes = sum(t.numel() * t.element_size() for t in packed.values())
+        if size + nbytes > SHARD_BYTES and shards[-1]:
             shards.append({})
             size = 0
-        shards[-1][name] = t
-        size += t.numel() * 2
+        shards[-1].update(packed)
+        size += nbytes
     with atomic_dir(PACK / "checkpoint", overwrite=True) as tmp:
         for i, shard in enumerate(shards):
             save_file(shard, str(tmp / f"attention-{i:02d}.safetensors"))
@@ -129,14 +174,15 @@ def unpack(run: Path) -> None:
     latest = find_latest(run)
     if latest is not None and json.loads((latest / "state.json").read_text())["step"] >= state["step"]:
         return
-    weights: dict[str, torch.Tensor] = {}
-    for shard in sorted(src.glob("attention-*.safetensors")):
-        weights.update({k: v.float() for k, v in load_file(str(shard)).items()})
+    weights = load_pack(src)
     target = run / "checkpoints" / f"{PREFIX}{state['step']:08d}"
     run.mkdir(parents=True, exist_ok=True)
     with atomic_dir(target, overwrite=True) as tmp:
         save_file(weights, str(tmp / "model.safetensors"))
-        state = {**state, "optimizer_reset": f"unpacked from {PACK.relative_to(ROOT)}: weights in bf16, AdamW moments restarted"}
+        state = {
+            **state,
+            "optimizer_reset": f"unpacked from {PACK.relative_to(ROOT)}: weights as packed (int8 groups), AdamW moments restarted",
+        }
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
     shutil.copy(src / "train_config.json", run / "train_config.json")
     shutil.copy(src / "log.jsonl", run / "log.jsonl")
@@ -145,7 +191,7 @@ def unpack(run: Path) -> None:
 
 def build(model: Path, args: list[str], out: Path) -> None:
     """A fresh clone's healed student without training: convert, then the committed checkpoint's trainable
-    weights (bf16, as packed) over it, written as a complete kvgraft checkpoint at ``out`` (atomically)."""
+    weights (as packed) over it, written as a complete kvgraft checkpoint at ``out`` (atomically)."""
     from kvgraft.hf.save import save_pretrained
 
     src = PACK / "checkpoint"
@@ -155,16 +201,15 @@ def build(model: Path, args: list[str], out: Path) -> None:
     student = load_pretrained(model, dtype=torch.float32)
     params = dict(student.named_parameters())
     with torch.no_grad():
-        for shard in sorted(src.glob("attention-*.safetensors")):
-            for name, t in load_file(str(shard)).items():
-                if name not in params:
-                    raise SystemExit(f"{shard} holds {name}, which the converted model has not: was it converted otherwise?")
-                params[name].copy_(t.float())
+        for name, t in load_pack(src).items():
+            if name not in params:
+                raise SystemExit(f"{src} holds {name}, which the converted model has not: was it converted otherwise?")
+            params[name].copy_(t)
     state = json.loads((src / "state.json").read_text())
     card = (
         f"# {STUDENT_LABEL}, healed\n\nBuilt by `bench/real_heal.py build`: `kvgraft convert {TEACHER} {' '.join(args)}`, "
         f"then the attention weights of `{PACK.relative_to(ROOT)}/checkpoint` (step {state['step']}, "
-        f"{state['tokens']:,} tokens of KL healing from {TEACHER}; bf16-rounded). The card of the run: "
+        f"{state['tokens']:,} tokens of KL healing from {TEACHER}; as packed, int8 groups of {GROUP}). The card of the run: "
         f"`{PACK.relative_to(ROOT)}/README.md`.\n"
     )
     with atomic_dir(out, overwrite=True) as tmp:
@@ -190,6 +235,7 @@ def val_loss(name: str, model: Path, data: Path, threads: int) -> float:
 
 def plot(model: Path, data: Path, threads: int, png: Path, label: str) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -207,8 +253,11 @@ def plot(model: Path, data: Path, threads: int, png: Path, label: str) -> None:
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # plain numbers, not 2 x 10^1
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_title(f"Healing SmolLM2-135M's {label} (2 CPU cores)")
     ax.legend()
+    fig.tight_layout()
     atomic_savefig(fig, png)
     lines = ["| tokens | validation ppl | x teacher |", "|---|---|---|"]
     lines += [f"| {t:,} | {p:.2f} | {p / teacher:.3f}x |" for t, p in points]
@@ -272,7 +321,7 @@ def main() -> None:
         unpack(a.run)
         val_loss("teacher", resolve_model(TEACHER), a.data, a.threads)
         cmd = [sys.executable, "-m", "kvgraft", "heal", str(a.model), "--out", str(a.run), "--data", str(a.data)]
-        cmd += ["--teacher", TEACHER, *RECIPE, "--max-time-s", str(int(a.hours * 3600)), "--no-progress"]
+        cmd += ["--teacher", TEACHER, *RECIPES[student["recipe"]], "--max-time-s", str(int(a.hours * 3600)), "--no-progress"]
         print("healing:", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
         pack(a.run)
