@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-full test test-slow real-model test-real install clean vllm-env test-vllm clean-vllm
+.PHONY: demo demo-full test test-slow real-model real-ced test-real install clean vllm-env test-vllm clean-vllm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test-slow: $(STAMP)
 # $KVGRAFT_CACHE_DIR/models (default .cache/models, git-ignored); returns at once when it is there
 real-model: $(STAMP)
 	$(PY) -m kvgraft fetch smollm2-135m-instruct
+
+# The real causal encoder-decoder (issue 35, bench/real_ced/README.md): SmolLM2 converted with the pivot-18 layout,
+# then the committed int8 pack of its healed attention loaded over it -> runs/real-ced/healed (~5 min on 2 cores)
+real-ced: real-model
+	$(PY) bench/real_heal.py build --student ced
 
 test-real: real-model
 	$(PY) -m pytest -q -m real tests/real

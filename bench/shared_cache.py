@@ -2,8 +2,8 @@
 
 On the reference causal encoder-decoder (``kvgraft-ced-8m``; ``--base kvgraft-llama-8m`` for the Llama)
 with N = 1, 2, 4, 8 random certified decoder-side adapters (decoder-half, rank 16, the pivot's KV writers
-frozen; random weights: cost does not depend on what an adapter learned), one shared prompt of
-``--prompt`` tokens:
+frozen; random weights: cost does not depend on what an adapter learned; ``--adapters`` uses trained ones,
+e.g. the placement study's), one shared prompt of ``--prompt`` random tokens (``--prompt-ids``: a given one):
 
 - **shared**: kvgraft's engine with the prefix cache: the base computes the prompt once; every adapter's
   request reuses its blocks (segments and encoder windows; on the Llama, the KV of the layers below the
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import tempfile
 import time
@@ -99,6 +100,21 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512, help="max tokens per engine step (prefill chunk)")
     ap.add_argument("--repeats", type=int, default=3, help="adapter-switch timings")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--adapters",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="trained adapter directories (kvgraft adapt's OUT/adapter), at least max(--ns) of them, used in order "
+        "instead of random ones",
+    )
+    ap.add_argument(
+        "--prompt-ids",
+        type=Path,
+        default=None,
+        help="a JSON list of token ids: the shared prompt (e.g. a task's) instead of --prompt random tokens",
+    )
     args = ap.parse_args()
     for name in ("prompt", "new_tokens", "chunk", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -108,6 +124,15 @@ def main() -> None:
     if any(n < 1 for n in args.ns):
         ap.error(f"--ns {args.ns}: every N must be >= 1")
     args.max_n = max(args.ns)
+    if args.adapters is not None:
+        missing = [str(a) for a in args.adapters if not (a / "adapter_config.json").is_file()]
+        if missing or len(args.adapters) < args.max_n:
+            ap.error(f"--adapters: {len(args.adapters)} given, {args.max_n} needed, not adapter directories: {missing}")
+    if args.prompt_ids is not None:
+        ids = json.loads(args.prompt_ids.read_text())
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+            ap.error(f"--prompt-ids {args.prompt_ids}: not a non-empty JSON list of token ids")
+        args.prompt = len(ids)
     torch.set_num_threads(args.threads)
 
     from kvgraft.hf import load_pretrained
@@ -118,6 +143,8 @@ def main() -> None:
     base = load_pretrained(resolve_model(args.base)).eval()
     cfg = base.config
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    if args.prompt_ids is not None:
+        prompt = json.loads(args.prompt_ids.read_text())
     sp = SamplingParams(max_new_tokens=args.new_tokens)
     rounds = (args.new_tokens - 3) // 4
     shape = (
@@ -127,7 +154,10 @@ def main() -> None:
     )
     print(f"{args.base}: prompt {args.prompt} tokens, {args.new_tokens} new, {shape}, {args.threads} threads, fp32")
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = make_adapters(base, args.max_n, Path(tmp))
+        if args.adapters is None:
+            adapters = make_adapters(base, args.max_n, Path(tmp))
+        else:
+            adapters = {f"a{i}": path for i, path in enumerate(args.adapters[: args.max_n])}
         rows = []
         for n in args.ns:
             names = [f"a{i}" for i in range(n)]

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from kvgraft.errors import Interrupted
 from kvgraft.train import experiment
 from kvgraft.train.experiment import RunOptions
 
@@ -72,3 +73,33 @@ def test_a_bad_grid_is_refused_before_any_run(monkeypatch, tmp_path, lrs):
     with pytest.raises(ValueError, match="at least two distinct positive"):
         experiment.lr_sweep(None, "geometry", tmp_path, lrs=lrs, runs=RunOptions(progress=False))
     assert calls == []
+
+
+def test_a_run_stopped_by_a_signal_stops_the_sweep_with_a_line_to_rerun(monkeypatch, tmp_path):
+    """``adapt`` returns ``stopped_early`` when SIGTERM/SIGINT stopped its loop after a checkpoint; the sweep
+    (and the study, the curve) stops there with :class:`Interrupted` naming the run, not a KeyError."""
+    calls: list[float] = []
+    inner = fake_adapt(1e-3, calls)
+
+    def adapt(base, task, out_dir, cfg):
+        return {"stopped_early": True, "step": 7} if len(calls) == 1 else inner(base, task, out_dir, cfg)
+
+    monkeypatch.setattr(experiment, "adapt", adapt)
+    with pytest.raises(Interrupted, match=r"lr_0.001 stopped at step 7 .*rerun the same command"):
+        experiment.lr_sweep(None, "geometry", tmp_path, runs=RunOptions(progress=False))
+    assert calls == [3e-4]  # nothing after the stopped run
+
+
+def test_the_cli_exits_130_after_one_line_when_a_study_is_stopped(monkeypatch, capsys):
+    from kvgraft import cli
+    from kvgraft.cli.cmd import adapters
+
+    def stopped(args):
+        raise Interrupted("the run in runs/x stopped at step 3 (checkpointed); rerun the same command to continue")
+
+    monkeypatch.setattr(adapters, "experiment", stopped)
+    assert cli.run(["experiment", "placement", "--task", "geometry", "--out", "unused"]) == cli.EXIT_INTERRUPTED == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "kvgraft: stopped: the run in runs/x stopped at step 3 (checkpointed); rerun the same command to continue"
+    ]

@@ -25,6 +25,11 @@ class UnsupportedModelError(CheckpointError):
     """The checkpoint's architecture or one of its options is not supported."""
 
 
+class Interrupted(KvgraftError):
+    """A long job stopped by a signal (SIGTERM, SIGINT) after writing its checkpoint: rerunning the same
+    command continues it. The CLI prints one line and exits with status 130."""
+
+
 class ExportError(KvgraftError):
     """A stock DeepSeek-V3 export measured further from the model it was converted from than the stated
     tolerance (``kvgraft convert --export-tolerance`` / ``--export-kl-tolerance``); nothing was written.

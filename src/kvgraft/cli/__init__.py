@@ -12,6 +12,8 @@ other exception is a bug: ``main`` lets it propagate, and the program (:func:`ru
 ``--json``, are written first), so a script can tell a blocked conversion.
 ``kvgraft convert`` exits with status 4 (``EXIT_EXPORT_ERROR``) when its stock DeepSeek-V3 export measured
 above the stated tolerance (``kvgraft.errors.ExportError``; nothing is written).
+A long job stopped by a signal after its checkpoint (``kvgraft.errors.Interrupted``: a placement study) exits
+with status 130 (``EXIT_INTERRUPTED``) after one line; rerunning the same command continues it.
 """
 
 from __future__ import annotations
@@ -21,11 +23,20 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_BUG, EXIT_ERROR, EXIT_EXPORT_ERROR
+from kvgraft.cli.exit_codes import EXIT_BLOCKED, EXIT_BUG, EXIT_ERROR, EXIT_EXPORT_ERROR, EXIT_INTERRUPTED
 from kvgraft.cli.parser import build_parser
-from kvgraft.errors import ExportError, KvgraftError
+from kvgraft.errors import ExportError, Interrupted, KvgraftError
 
-__all__ = ["EXIT_BLOCKED", "EXIT_BUG", "EXIT_ERROR", "EXIT_EXPORT_ERROR", "build_parser", "main", "run"]
+__all__ = [
+    "EXIT_BLOCKED",
+    "EXIT_BUG",
+    "EXIT_ERROR",
+    "EXIT_EXPORT_ERROR",
+    "EXIT_INTERRUPTED",
+    "build_parser",
+    "main",
+    "run",
+]
 
 BUG_NOTE = (
     "kvgraft: internal error: this is a bug in kvgraft, not a mistake in the command. Please report it with "
@@ -42,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         command = getattr(importlib.import_module(f"kvgraft.cli.cmd.{module}"), name)  # the heavy imports, now
         return int(command(args))
+    except Interrupted as exc:  # stopped by a signal after its checkpoint: not an error in the command
+        print(f"kvgraft: stopped: {exc}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ExportError as exc:  # measured, not refused: its own status, so a script can tell it from a bad argument
         print(f"kvgraft: error: {exc}", file=sys.stderr)
         return EXIT_EXPORT_ERROR

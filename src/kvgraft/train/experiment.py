@@ -33,7 +33,7 @@ from kvgraft.adapters.placement import PRESETS, Placement
 from kvgraft.atomic import atomic_write_text
 from kvgraft.checks import is_int
 from kvgraft.data.tasks.formats import resolve_prompt_format
-from kvgraft.errors import ConfigError
+from kvgraft.errors import ConfigError, Interrupted
 from kvgraft.hf import load_config
 from kvgraft.reference import resolve_model
 from kvgraft.train.adapt import AdaptConfig, adapt
@@ -95,6 +95,15 @@ class CurveOptions(RunOptions):
     precision: str = "bf16"
     first_layers: tuple[int, ...] | None = None
     test_examples: int | None = None
+
+
+def _run(base, task, out: Path, cfg: AdaptConfig) -> dict[str, Any]:
+    """One adapter run of a study, sweep or curve; a run stopped by a signal (checkpointed) stops them all:
+    :class:`~kvgraft.errors.Interrupted`, naming the run (rerunning the same command resumes it)."""
+    r = adapt(base, task, out, cfg)
+    if r.get("stopped_early"):
+        raise Interrupted(f"the run in {out} stopped at step {r['step']} (checkpointed); rerun the same command to continue")
+    return r
 
 
 def parse_config(name: str) -> tuple[str, bool]:
@@ -182,7 +191,7 @@ def lr_sweep(
     pending = list(lrs)
     while pending:
         lr = pending.pop(0)
-        r = adapt(
+        r = _run(
             base,
             task,
             out_dir / f"lr_{lr:g}",
@@ -285,7 +294,7 @@ def placement_study(
     bar = _progress(len(configs) * seeds, "placement study", o.progress)
     for seed in range(seeds):
         for name, (preset, frozen) in zip(configs, parsed):
-            r = adapt(
+            r = _run(
                 base,
                 task,
                 out / "runs" / name / f"seed{seed}",
@@ -459,7 +468,7 @@ def placement_curve(
         rs = []
         for seed in range(seeds):
             rs.append(
-                adapt(
+                _run(
                     base,
                     task,
                     out / "runs" / f"from{k}" / f"seed{seed}",
