@@ -14,9 +14,14 @@ the study where it stopped (finished runs are read back)::
 
     .venv/bin/python bench/real_placement.py run --task recall        # runs/real-placement/recall
     .venv/bin/python bench/real_placement.py collect --task recall    # raw runs -> bench/real_ced/placement-recall
+    .venv/bin/python bench/real_placement.py report --task recall     # per-seed gaps from the committed raw runs
 
 ``collect`` copies what a reader needs of every finished run (``result.json``, ``log.jsonl``; not the
-adapters) and the study's summary, when it is complete, into ``bench/real_ced/placement-<task>/``.
+adapters) and the study's summary, when it is complete, into ``bench/real_ced/placement-<task>/``. ``report``
+reads those committed runs and prints, per seed, every configuration's validation loss (the protocol's mean),
+test loss and accuracy, and the three differences the issue asks for: decoder half minus encoder half, decoder
+half minus all-linear r16, and the cost of freezing the pivot's KV writers (decoder half frozen minus decoder
+half); negative loss differences favour the first named. Writes ``gaps.json`` beside the runs.
 """
 
 from __future__ import annotations
@@ -80,14 +85,66 @@ def collect(task: str) -> None:
     print(f"{copied} files -> {dst.relative_to(ROOT)}")
 
 
+GAPS = {
+    "decoder - encoder": ("decoder-half-r16", "encoder-half-r16"),
+    "decoder - all-linear": ("decoder-half-r16", "all-linear-r16"),
+    "frozen writers - trained": ("decoder-half-r16+frozen-kv-writers", "decoder-half-r16"),
+}
+METRICS = (("val", "val_loss_protocol"), ("test", "test_loss"), ("accuracy", "test_accuracy"))
+
+
+def report(task: str) -> None:
+    import json
+    import statistics
+
+    from kvgraft.atomic import atomic_write_json
+
+    src = ROOT / "bench/real_ced" / f"placement-{task}"
+    runs: dict[str, dict[int, dict]] = {}
+    for f in sorted(src.glob("runs/*/seed*/result.json")):
+        runs.setdefault(f.parent.parent.name, {})[int(f.parent.name.removeprefix("seed"))] = json.loads(f.read_text())
+    if not runs:
+        raise SystemExit(f"no finished runs in {src.relative_to(ROOT)}: `collect --task {task}` after the study ran")
+    print(f"| {task}: configuration | seed | validation (mean of 50/70/100) | test loss | accuracy | trainable |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in CONFIGS:
+        for seed, r in sorted(runs.get(name, {}).items()):
+            acc = r["test_accuracy"]
+            print(
+                f"| {name} | {seed} | {r['val_loss_protocol']:.3f} | {r['test_loss']:.3f} | "
+                f"{'-' if acc is None else f'{acc:.3f}'} | {r['trainable_parameters']:,} |"
+            )
+    out: dict[str, list[dict]] = {}
+    print(f"\n| {task}: per-seed difference | seed | validation | test loss | accuracy |")
+    print("|---|---:|---:|---:|---:|")
+    for label, (a, b) in GAPS.items():
+        rows = out.setdefault(label, [])
+        for seed in sorted(set(runs.get(a, {})) & set(runs.get(b, {}))):
+            ra, rb = runs[a][seed], runs[b][seed]
+            row = {"seed": seed}
+            for key, field in METRICS:
+                row[key] = None if ra[field] is None or rb[field] is None else ra[field] - rb[field]
+            rows.append(row)
+            cells = " | ".join("-" if row[k] is None else f"{row[k]:+.3f}" for k, _ in METRICS)
+            print(f"| {label} | {seed} | {cells} |")
+        if len(rows) > 1:
+            means = [statistics.fmean(r[k] for r in rows) if all(r[k] is not None for r in rows) else None for k, _ in METRICS]
+            print(f"| {label} | mean | " + " | ".join("-" if m is None else f"{m:+.3f}" for m in means) + " |")
+    atomic_write_json(src / "gaps.json", {"task": task, "differences": out, "pairs": GAPS})
+    print(f"\n-> {(src / 'gaps.json').relative_to(ROOT)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("action", choices=["run", "collect"])
+    p.add_argument("action", choices=["run", "collect", "report"])
     p.add_argument("--task", required=True, choices=sorted(STUDIES))
     args = p.parse_args()
     if args.action == "run":
         raise SystemExit(run(args.task))
-    collect(args.task)
+    if args.action == "collect":
+        collect(args.task)
+    else:
+        report(args.task)
 
 
 if __name__ == "__main__":
