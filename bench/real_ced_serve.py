@@ -9,8 +9,14 @@ local port. Each adapter gets ``--n`` of its own run's test problems (the task a
 study's sizing and the run's seed) as chat completions (the prompt as one user message, temperature 0), all sent
 at once from threads so the server batches requests of different adapters together. The same prompts, through
 the tokenizer's chat template, run greedily on ``kvgraft.runtime.Engine`` in this process with the same
-adapters loaded. Prints, per adapter, the replies equal to the engine's and the answers the task's checker accepts
-(served and engine); writes ``--out`` (JSON, atomically). Exit status 1 when any reply differs.
+adapters loaded. The base model answers each task's seed-0 problems too (zero-shot, beside the adapters).
+
+Then one cache for all: a recall problem none of the above asked is sent to the base alone (its prompt is then in the server's
+prefix cache), then to every adapter at once; the server's ``/metrics`` counters say how many of those requests
+found the cached prefix and were served by a decoder replay (the adapters change only the decoder layers, so the
+encoder's windows and the shared stream are reused, not recomputed). Their replies are compared with the engine's
+too. Prints, per model, the replies equal to the engine's and the answers the task's checker accepts (served and
+engine); writes ``--out`` (JSON, atomically). Exit status 1 when any reply differs.
 """
 
 from __future__ import annotations
@@ -79,6 +85,17 @@ def wait_ready(client, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     raise SystemExit(f"kvgraft serve was not ready after {timeout:.0f} s")
 
 
+def counters(port: int) -> dict[str, float]:
+    """The server's prefix-cache hits and decoder replays so far (its /metrics, Prometheus text)."""
+    import httpx
+
+    names = {"hits": "kvgraft_prefix_cache_hits_total", "replays": "kvgraft_decoder_replays_total"}
+    names["replayed_tokens"] = "kvgraft_decoder_replayed_tokens_total"
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    return {k: values[v] for k, v in names.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--study", type=Path, default=ROOT / "runs" / "real-placement")
@@ -106,10 +123,17 @@ def main() -> None:
     from kvgraft.runtime.sampling import SamplingParams
 
     tokenizer = load_tokenizer_dir(BASE)
-    jobs = []  # (adapter name, task, example, encoding)
+    jobs = []  # (model name: an adapter or the base, task, example, encoding)
+    fresh = {}  # per task, a problem no request of the first phase asks (its prompt is not cached yet)
+    for task in sorted({t for t, _, _ in adapters.values()}):
+        examples, encoding = problems(args.study / task, task, 0, args.n + 1, BASE)
+        jobs += [(BASE.name, task, ex, encoding) for ex in examples[:-1]]
+        fresh[task] = (task, examples[-1], encoding)
     for name, (task, seed, _) in adapters.items():
         examples, encoding = problems(args.study / task, task, seed, args.n, BASE)
         jobs += [(name, task, ex, encoding) for ex in examples]
+    shared_task = "recall" if any(t == "recall" for t, _, _ in adapters.values()) else jobs[0][1]
+    shared = fresh[shared_task]  # (task, example, encoding): one prompt for all
     print(f"{len(adapters)} adapters ({', '.join(adapters)}), {len(jobs)} requests", flush=True)
 
     port = free_port()
@@ -132,6 +156,13 @@ def main() -> None:
         with ThreadPoolExecutor(len(jobs)) as pool:
             served = list(pool.map(ask, jobs))
         served_s = time.perf_counter() - t0
+        # one prompt, the base first, then every adapter at once over the cached prefix
+        ask((BASE.name, *shared))
+        before = counters(port)
+        with ThreadPoolExecutor(len(adapters)) as pool:
+            shared_served = list(pool.map(ask, [(name, *shared) for name in adapters]))
+        after = counters(port)
+        reuse = {k: after[k] - before[k] for k in after}
     finally:
         proc.terminate()
         proc.wait(60)
@@ -142,8 +173,11 @@ def main() -> None:
     engine = Engine(model, max_seqs=len(jobs), max_batch_tokens=2048, max_seq_len=max(map(len, prompts)) + max(MAX_NEW.values()))
     for name, (_, _, path) in adapters.items():
         engine.load_adapter(name, path)
+    jobs += [(name, *shared) for name in adapters]
+    served += shared_served
+    prompts = [enc.prompt_ids(ex.prompt) for _, _, ex, enc in jobs]
     params = [SamplingParams(max_new_tokens=MAX_NEW[task], stop_token_ids=enc.stop_ids) for _, task, _, enc in jobs]
-    outs = engine.generate(prompts, params, [name for name, *_ in jobs])
+    outs = engine.generate(prompts, params, [None if name == BASE.name else name for name, *_ in jobs])
     ours = [tokenizer.decode(enc.cut_at_stop(o), skip_special_tokens=True) for o, (*_, enc) in zip(outs, jobs)]
 
     rows, differ = [], 0
@@ -166,14 +200,22 @@ def main() -> None:
             print(f"DIFFERS ({name}): served {text!r}\n  engine {mine!r}")
     print("| adapter | replies equal to the engine's | served correct | engine correct |")
     print("|---|---:|---:|---:|")
-    for name in adapters:
+    for name in [BASE.name, *adapters]:
         rs = [r for r in rows if r["adapter"] == name]
         print(
             f"| {name} | {sum(r['same'] for r in rs)}/{len(rs)} | {sum(r['served_correct'] for r in rs)}/{len(rs)} | "
             f"{sum(r['engine_correct'] for r in rs)}/{len(rs)} |"
         )
     print(f"{len(jobs) - differ}/{len(jobs)} replies equal; served in {served_s:.1f} s (not a benchmark)")
-    atomic_write_json(args.out, {"adapters": {k: str(v[2]) for k, v in adapters.items()}, "rows": rows})
+    print(
+        f"one {shared[0]} prompt ({len(shared[2].prompt_ids(shared[1].prompt))} tokens), the base first, then {len(adapters)} "
+        f"adapters at once: prefix-cache hits {reuse['hits']}, decoder replays {reuse['replays']} "
+        f"({reuse['replayed_tokens']} token positions replayed)"
+    )
+    atomic_write_json(
+        args.out,
+        {"adapters": {k: str(v[2]) for k, v in adapters.items()}, "rows": rows, "shared_prompt_reuse": reuse},
+    )
     raise SystemExit(1 if differ else 0)
 
 

@@ -95,6 +95,8 @@ def main() -> int:
         for name, path in adapters.items():
             engine.load_adapter(name, path)
         ours = engine.generate(prompts, SamplingParams(max_new_tokens=a.new_tokens), use)
+        base = engine.generate(prompts, SamplingParams(max_new_tokens=a.new_tokens)) if adapters else ours
+    changed = [u is not None and x != y for u, x, y in zip(use, ours, base)]  # so the check can fail
     same = [x == y for x, y in zip(theirs, ours)]
     result = dict(
         model=str(a.model),
@@ -104,10 +106,14 @@ def main() -> int:
         adapter_per_prompt=use,
         same_tokens=same,
         first_divergence=vllm_check._divergence(theirs, ours),
+        adapter_changed_tokens=changed,
     )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(a.out, result, indent=2)
     print(f"same greedy tokens as kvgraft's engine on {sum(same)}/{len(same)} prompts of {a.lengths} tokens")
+    if adapters:
+        n = sum(u is not None for u in use)
+        print(f"{n} prompts went to adapters; on {sum(changed)} of them the adapter changed the base's tokens")
     return 0 if all(same) else 1
 
 
