@@ -15,6 +15,8 @@ the study where it stopped (finished runs are read back)::
     .venv/bin/python bench/real_placement.py run --task recall        # runs/real-placement/recall
     .venv/bin/python bench/real_placement.py collect --task recall    # raw runs -> bench/real_ced/placement-recall
     .venv/bin/python bench/real_placement.py report --task recall     # per-seed gaps from the committed raw runs
+    .venv/bin/python bench/real_placement.py curve --task recall      # the placement curve at the study's LR
+    .venv/bin/python bench/real_placement.py collect --task recall --curve
 
 ``collect`` copies what a reader needs of every finished run (``result.json``, ``log.jsonl``; not the
 adapters) and the study's summary, when it is complete, into ``bench/real_ced/placement-<task>/``. ``report``
@@ -22,6 +24,11 @@ reads those committed runs and prints, per seed, every configuration's validatio
 test loss and accuracy, and the three differences the issue asks for: decoder half minus encoder half, decoder
 half minus all-linear r16, and the cost of freezing the pivot's KV writers (decoder half frozen minus decoder
 half); negative loss differences favour the first named. Writes ``gaps.json`` beside the runs.
+
+``curve``: adapters on layers k..29 at rank 16 with the pivot's KV writers frozen (every one shares the cache),
+for k = 20, 22, 24, 26, 28 (k = 18 is the study's frozen decoder half), one seed, at the LR the study's sweep
+picked -> ``runs/real-placement/<task>-curve``; validation and test loss against k (no accuracy: the curve's
+runs answer no problems).
 """
 
 from __future__ import annotations
@@ -41,41 +48,53 @@ CONFIGS = [
     "all-linear-r16",
     "all-linear-r8",
 ]
-COMMON = ["--prompt-format", "chat", "--seeds", "3", "--steps", "100", "--micro-batch-size", "4", "--configs", *CONFIGS]
-STUDIES = {
-    "recall": [
-        "--window", "128", "--max-tokens", "256", "--sweep-lrs", "1e-3", "3e-3", "1e-2",
-        "--val-examples", "32", "--test-examples", "128", "--accuracy-examples", "64",
-    ],
-    "ui-reply": [
-        "--max-tokens", "384", "--sweep-lrs", "3e-4", "1e-3", "3e-3",
-        "--val-examples", "32", "--test-examples", "64", "--accuracy-examples", "16",
-    ],
-}  # fmt: skip
+COMMON = ["--prompt-format", "chat", "--steps", "100", "--micro-batch-size", "4"]
+SIZING = {"recall": ["--window", "128", "--max-tokens", "256"], "ui-reply": ["--max-tokens", "384"]}
+SWEEP_LRS = {"recall": ["1e-3", "3e-3", "1e-2"], "ui-reply": ["3e-4", "1e-3", "3e-3"]}
+SCORED = {  # validation, test and greedy-answered problems per run
+    "recall": ["--val-examples", "32", "--test-examples", "128", "--accuracy-examples", "64"],
+    "ui-reply": ["--val-examples", "32", "--test-examples", "64", "--accuracy-examples", "16"],
+}
 KEEP = ("result.json", "log.jsonl", "study.json", "study.md", "study_config.json", "curves.png")
+KEEP_CURVE = ("curve.json", "curve.md", "curve.png")
+CURVE_LAYERS = ["20", "22", "24", "26", "28"]
 
 
-def command(task: str) -> list[str]:
-    out = f"runs/real-placement/{task}"
+def command(task: str, out: str) -> list[str]:
     return [sys.executable, "-m", "kvgraft", "experiment", "placement", "--base", BASE, "--task", task, "--out", out]
 
 
 def run(task: str) -> int:
     if not (ROOT / BASE / "config.json").is_file():
-        raise SystemExit(f"{BASE} is missing: build it first with `.venv/bin/python bench/real_heal.py build --student ced`")
-    cmd = command(task) + COMMON + STUDIES[task]
+        raise SystemExit(f"{BASE} is missing: build it first with `make real-ced`")
+    cmd = command(task, f"runs/real-placement/{task}") + COMMON + ["--seeds", "3", "--configs", *CONFIGS]
+    cmd += SIZING[task] + ["--sweep-lrs", *SWEEP_LRS[task]] + SCORED[task]
     print("running:", " ".join(cmd[1:]), flush=True)
     return subprocess.call(cmd, cwd=ROOT)
 
 
-def collect(task: str) -> None:
-    src, dst = ROOT / "runs/real-placement" / task, ROOT / "bench/real_ced" / f"placement-{task}"
+def curve(task: str) -> int:
+    import json
+
+    study = ROOT / "runs/real-placement" / task / "study.json"
+    if not study.is_file():
+        raise SystemExit(f"{study.relative_to(ROOT)} is missing: the curve runs at the study's LR; finish the study first")
+    lr = json.loads(study.read_text())["lr"]
+    cmd = command(task, f"runs/real-placement/{task}-curve") + COMMON + ["--seeds", "1", "--sweep-first-layer"]
+    cmd += ["--lr", str(lr), "--first-layers", *CURVE_LAYERS] + SIZING[task] + SCORED[task][:4]
+    print("running:", " ".join(cmd[1:]), flush=True)
+    return subprocess.call(cmd, cwd=ROOT)
+
+
+def collect(task: str, is_curve: bool = False) -> None:
+    name = f"{task}-curve" if is_curve else task
+    src, dst = ROOT / "runs/real-placement" / name, ROOT / "bench/real_ced" / f"placement-{name}"
     if not src.is_dir():
         raise SystemExit(f"{src.relative_to(ROOT)} does not exist: run the study first")
     copied = 0
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
-        if path.name not in KEEP or "checkpoints" in rel.parts or "adapter" in rel.parts:
+        if path.name not in KEEP + KEEP_CURVE or "checkpoints" in rel.parts or "adapter" in rel.parts:
             continue
         if path.name == "log.jsonl" and not (path.parent / "result.json").is_file():
             continue  # a run still going: its log is not final
@@ -136,13 +155,16 @@ def report(task: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("action", choices=["run", "collect", "report"])
-    p.add_argument("--task", required=True, choices=sorted(STUDIES))
+    p.add_argument("action", choices=["run", "collect", "report", "curve"])
+    p.add_argument("--task", required=True, choices=sorted(SIZING))
+    p.add_argument("--curve", action="store_true", help="collect: the placement curve's runs")
     args = p.parse_args()
     if args.action == "run":
         raise SystemExit(run(args.task))
+    if args.action == "curve":
+        raise SystemExit(curve(args.task))
     if args.action == "collect":
-        collect(args.task)
+        collect(args.task, args.curve)
     else:
         report(args.task)
 
