@@ -36,14 +36,17 @@ SHARING = "decoder-half-r16+frozen-kv-writers"
 MAX_NEW = {"recall": 8, "ui-reply": 320}
 
 
-def study_adapters(study: Path) -> dict[str, tuple[str, int, Path]]:
-    """name -> (task, seed, adapter directory) of every finished cache-sharing run under ``study``."""
+def study_adapters(study: Path) -> dict[str, tuple[str, int, Path, Path]]:
+    """name -> (task, seed, adapter directory) of every finished cache-sharing run under ``study``: the study's
+    frozen decoder halves and the placement curve's runs (layers k..29, writers frozen)."""
     found = {}
     for task_dir in sorted(p for p in study.iterdir() if (p / "study_config.json").is_file()):
-        for run in sorted((task_dir / "runs" / SHARING).glob("seed*")):
+        task = json.loads((task_dir / "study_config.json").read_text())["task"]
+        for run in sorted([*(task_dir / "runs" / SHARING).glob("seed*"), *(task_dir / "runs").glob("from*/seed*")]):
             if (run / "result.json").is_file() and (run / "adapter").is_dir():
                 seed = int(run.name.removeprefix("seed"))
-                found[f"{task_dir.name}-s{seed}"] = (task_dir.name, seed, run / "adapter")
+                where = f"-{run.parent.name}" if run.parent.name.startswith("from") else ""
+                found[f"{task}{where}-s{seed}"] = (task, seed, run / "adapter", task_dir)
     return found
 
 
@@ -64,9 +67,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(adapters: dict[str, tuple[str, int, Path]], port: int, threads: int) -> subprocess.Popen:
+def start_server(adapters: dict[str, tuple[str, int, Path, Path]], port: int, threads: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvgraft", "serve", str(BASE), "--port", str(port), "--log-level", "warning"]
-    for name, (_, _, path) in adapters.items():
+    for name, (_, _, path, _) in adapters.items():
         cmd += ["--adapter", f"{name}={path}"]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": str(threads)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env)
@@ -125,14 +128,14 @@ def main() -> None:
     tokenizer = load_tokenizer_dir(BASE)
     jobs = []  # (model name: an adapter or the base, task, example, encoding)
     fresh = {}  # per task, a problem no request of the first phase asks (its prompt is not cached yet)
-    for task in sorted({t for t, _, _ in adapters.values()}):
-        examples, encoding = problems(args.study / task, task, 0, args.n + 1, BASE)
+    for task, task_dir in sorted({t: d for t, _, _, d in adapters.values()}.items()):
+        examples, encoding = problems(task_dir, task, 0, args.n + 1, BASE)
         jobs += [(BASE.name, task, ex, encoding) for ex in examples[:-1]]
         fresh[task] = (task, examples[-1], encoding)
-    for name, (task, seed, _) in adapters.items():
-        examples, encoding = problems(args.study / task, task, seed, args.n, BASE)
+    for name, (task, seed, _, task_dir) in adapters.items():
+        examples, encoding = problems(task_dir, task, seed, args.n, BASE)
         jobs += [(name, task, ex, encoding) for ex in examples]
-    shared_task = "recall" if any(t == "recall" for t, _, _ in adapters.values()) else jobs[0][1]
+    shared_task = "recall" if any(t == "recall" for t, *_ in adapters.values()) else jobs[0][1]
     shared = fresh[shared_task]  # (task, example, encoding): one prompt for all
     print(f"{len(adapters)} adapters ({', '.join(adapters)}), {len(jobs)} requests", flush=True)
 
@@ -171,7 +174,7 @@ def main() -> None:
     model = load_pretrained(BASE).eval()
     prompts = [enc.prompt_ids(ex.prompt) for _, _, ex, enc in jobs]
     engine = Engine(model, max_seqs=len(jobs), max_batch_tokens=2048, max_seq_len=max(map(len, prompts)) + max(MAX_NEW.values()))
-    for name, (_, _, path) in adapters.items():
+    for name, (_, _, path, _) in adapters.items():
         engine.load_adapter(name, path)
     jobs += [(name, *shared) for name in adapters]
     served += shared_served
