@@ -10,7 +10,7 @@ Two studies, each one ``kvgraft experiment placement`` command over the healed p
 Five configurations (the pivot's KV writers frozen first: the cheapest, and the one the product serves),
 3 seeds, 100 steps of 4 examples, LR by plateau from a sweep of 30-step all-linear-r16 runs, validation
 the mean of the evaluations at steps 50, 70 and 100. Every run is resumable: rerunning ``run`` continues
-the study where it stopped (finished runs are read back)::
+the study where it stopped (finished runs are read back; on a fresh machine, from the committed raw runs)::
 
     .venv/bin/python bench/real_placement.py run --task recall        # runs/real-placement/recall
     .venv/bin/python bench/real_placement.py collect --task recall    # raw runs -> bench/real_ced/placement-recall
@@ -64,9 +64,27 @@ def command(task: str, out: str) -> list[str]:
     return [sys.executable, "-m", "kvgraft", "experiment", "placement", "--base", BASE, "--task", task, "--out", out]
 
 
+def restore(name: str) -> None:
+    """Copy the committed raw runs (``bench/real_ced/placement-<name>``) into ``runs/real-placement/<name>``
+    where that has no such file: a finished run is read back from its ``result.json`` alone, so a study
+    continued on a fresh machine skips what was committed."""
+    src, dst = ROOT / "bench/real_ced" / f"placement-{name}", ROOT / "runs/real-placement" / name
+    restored = 0
+    for path in sorted(src.glob("**/result.json")) if src.is_dir() else []:
+        for f in (path, path.parent / "log.jsonl"):
+            target = dst / f.relative_to(src)
+            if f.is_file() and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, target)
+                restored += f.name == "result.json"
+    if restored:
+        print(f"{restored} finished runs restored from {src.relative_to(ROOT)}", flush=True)
+
+
 def run(task: str) -> int:
     if not (ROOT / BASE / "config.json").is_file():
         raise SystemExit(f"{BASE} is missing: build it first with `make real-ced`")
+    restore(task)
     cmd = command(task, f"runs/real-placement/{task}") + COMMON + ["--seeds", "3", "--configs", *CONFIGS]
     cmd += SIZING[task] + ["--sweep-lrs", *SWEEP_LRS[task]] + SCORED[task]
     print("running:", " ".join(cmd[1:]), flush=True)
@@ -80,6 +98,7 @@ def curve(task: str) -> int:
     if not study.is_file():
         raise SystemExit(f"{study.relative_to(ROOT)} is missing: the curve runs at the study's LR; finish the study first")
     lr = json.loads(study.read_text())["lr"]
+    restore(f"{task}-curve")
     cmd = command(task, f"runs/real-placement/{task}-curve") + COMMON + ["--seeds", "1", "--sweep-first-layer"]
     cmd += ["--lr", str(lr), "--first-layers", *CURVE_LAYERS] + SIZING[task] + SCORED[task][:4]
     print("running:", " ".join(cmd[1:]), flush=True)
