@@ -143,15 +143,28 @@ def report(task: str) -> None:
         runs.setdefault(f.parent.parent.name, {})[int(f.parent.name.removeprefix("seed"))] = json.loads(f.read_text())
     if not runs:
         raise SystemExit(f"no finished runs in {src.relative_to(ROOT)}: `collect --task {task}` after the study ran")
-    print(f"| {task}: configuration | seed | validation (mean of 50/70/100) | test loss | accuracy | trainable |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        f"| {task}: configuration | seed | validation (mean of 50/70/100) | test loss | accuracy | trainable | s a step | run |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in CONFIGS:
         for seed, r in sorted(runs.get(name, {}).items()):
             acc = r["test_accuracy"]
             print(
                 f"| {name} | {seed} | {r['val_loss_protocol']:.3f} | {r['test_loss']:.3f} | "
-                f"{'-' if acc is None else f'{acc:.3f}'} | {r['trainable_parameters']:,} |"
+                f"{'-' if acc is None else f'{acc:.3f}'} | {r['trainable_parameters']:,} | {r['step_time_s']:.2f} | "
+                f"{r['wall_s'] / 60:.1f} min |"
             )
+    print(f"\n| {task}: configuration | validation, mean (min-max) over seeds | test loss | accuracy |")
+    print("|---|---:|---:|---:|")
+    for name in CONFIGS:
+        rs = list(runs.get(name, {}).values())
+        if rs:
+            cells = []
+            for _, field in METRICS:
+                v = [r[field] for r in rs if r[field] is not None]
+                cells.append(f"{statistics.fmean(v):.3f} ({min(v):.3f}-{max(v):.3f})" if v else "-")
+            print(f"| {name} ({len(rs)} seeds) | " + " | ".join(cells) + " |")
     out: dict[str, list[dict]] = {}
     print(f"\n| {task}: per-seed difference | seed | validation | test loss | accuracy |")
     print("|---|---:|---:|---:|---:|")
