@@ -26,7 +26,7 @@ half minus all-linear r16, and the cost of freezing the pivot's KV writers (deco
 half); negative loss differences favour the first named. Writes ``gaps.json`` beside the runs.
 
 ``curve``: adapters on layers k..29 at rank 16 with the pivot's KV writers frozen (every one shares the cache),
-for k = 20, 22, 24, 26, 28 (k = 18 is the study's frozen decoder half), one seed, at the LR the study's sweep
+for k = 20, 24 and 28 (k = 18 is the study's frozen decoder half), one seed, at the LR the study's sweep
 picked -> ``runs/real-placement/<task>-curve``; validation and test loss against k (no accuracy: the curve's
 runs answer no problems).
 """
@@ -57,7 +57,7 @@ SCORED = {  # validation, test and greedy-answered problems per run
 }
 KEEP = ("result.json", "log.jsonl", "study.json", "study.md", "study_config.json", "curves.png")
 KEEP_CURVE = ("curve.json", "curve.md", "curve.png")
-CURVE_LAYERS = ["20", "22", "24", "26", "28"]
+CURVE_LAYERS = ["20", "24", "28"]
 
 
 def command(task: str, out: str) -> list[str]:
