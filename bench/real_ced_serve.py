@@ -217,7 +217,11 @@ def main() -> None:
     )
     atomic_write_json(
         args.out,
-        {"adapters": {k: str(v[2].resolve().relative_to(ROOT)) for k, v in adapters.items()}, "rows": rows, "shared_prompt_reuse": reuse},
+        {
+            "adapters": {k: str(v[2].resolve().relative_to(ROOT)) for k, v in adapters.items()},
+            "rows": rows,
+            "shared_prompt_reuse": reuse,
+        },
     )
     raise SystemExit(1 if differ else 0)
 
