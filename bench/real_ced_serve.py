@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -71,7 +72,7 @@ def start_server(adapters: dict[str, tuple[str, int, Path, Path]], port: int, th
     cmd = [sys.executable, "-m", "kvgraft", "serve", str(BASE), "--port", str(port), "--log-level", "warning"]
     for name, (_, _, path, _) in adapters.items():
         cmd += ["--adapter", f"{name}={path}"]
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env)
 
 
