@@ -15,7 +15,7 @@ the study where it stopped (finished runs are read back; on a fresh machine, fro
     .venv/bin/python bench/real_placement.py run --task recall        # runs/real-placement/recall
     .venv/bin/python bench/real_placement.py collect --task recall    # raw runs -> bench/real_ced/placement-recall
     .venv/bin/python bench/real_placement.py report --task recall     # per-seed gaps from the committed raw runs
-    .venv/bin/python bench/real_placement.py curve --task recall      # the placement curve at the study's LR
+    .venv/bin/python bench/real_placement.py curve --task recall      # the placement curve at the study's LR (3 seeds)
     .venv/bin/python bench/real_placement.py collect --task recall --curve
 
 ``collect`` copies what a reader needs of every finished run (``result.json``, ``log.jsonl``; not the
@@ -26,9 +26,9 @@ half minus all-linear r16, and the cost of freezing the pivot's KV writers (deco
 half); negative loss differences favour the first named. Writes ``gaps.json`` beside the runs.
 
 ``curve``: adapters on layers k..29 at rank 16 with the pivot's KV writers frozen (every one shares the cache),
-for k = 20, 24 and 28 (k = 18 is the study's frozen decoder half), one seed, at the LR the study's sweep
-picked -> ``runs/real-placement/<task>-curve``; validation and test loss against k (no accuracy: the curve's
-runs answer no problems).
+for k = 20, 24 and 28 (k = 18 is the study's frozen decoder half), ``--seeds`` seeds (3; 1 for a first look),
+at the LR the study's sweep picked -> ``runs/real-placement/<task>-curve``; validation and test loss against k
+(no accuracy: the curve's runs answer no problems). Finished seeds are read back, so more seeds extend it.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def run(task: str) -> int:
     return subprocess.call(cmd, cwd=ROOT)
 
 
-def curve(task: str) -> int:
+def curve(task: str, seeds: int) -> int:
     import json
 
     study = ROOT / "runs/real-placement" / task / "study.json"
@@ -99,7 +99,7 @@ def curve(task: str) -> int:
         raise SystemExit(f"{study.relative_to(ROOT)} is missing: the curve runs at the study's LR; finish the study first")
     lr = json.loads(study.read_text())["lr"]
     restore(f"{task}-curve")
-    cmd = command(task, f"runs/real-placement/{task}-curve") + COMMON + ["--seeds", "1", "--sweep-first-layer"]
+    cmd = command(task, f"runs/real-placement/{task}-curve") + COMMON + ["--seeds", str(seeds), "--sweep-first-layer"]
     cmd += ["--lr", str(lr), "--first-layers", *CURVE_LAYERS] + SIZING[task] + SCORED[task][:4]
     print("running:", " ".join(cmd[1:]), flush=True)
     return subprocess.call(cmd, cwd=ROOT)
@@ -190,11 +190,12 @@ def main() -> None:
     p.add_argument("action", choices=["run", "collect", "report", "curve"])
     p.add_argument("--task", required=True, choices=sorted(SIZING))
     p.add_argument("--curve", action="store_true", help="collect: the placement curve's runs")
+    p.add_argument("--seeds", type=int, default=3, choices=[1, 2, 3], help="curve: seeds per layer k (3)")
     args = p.parse_args()
     if args.action == "run":
         raise SystemExit(run(args.task))
     if args.action == "curve":
-        raise SystemExit(curve(args.task))
+        raise SystemExit(curve(args.task, args.seeds))
     if args.action == "collect":
         collect(args.task, args.curve)
     else:

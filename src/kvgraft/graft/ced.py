@@ -1,7 +1,6 @@
 """The share graft: an MLA model (every layer grafted, one RoPE layout) -> a causal encoder-decoder.
 
-Nobody else converts a pretrained model to cross-layer shared compressed KV. Per layer l of the MLA
-model (latent ``c_l = W_a,l x``, RoPE key ``k_r,l``, up-projection ``kv_b,l``):
+Per layer l of the MLA model (latent ``c_l = W_a,l x``, RoPE key ``k_r,l``, up-projection ``kv_b,l``):
 
 - its **window** keeps exactly the keys and values it computed before: ``k_proj`` = ``[W_UK,l W_a,l ;
   W_r,l]`` per head (the latent folded in, the RoPE key repeated per head), ``v_proj`` = ``W_UV,l W_a,l``;
@@ -17,10 +16,8 @@ model (latent ``c_l = W_a,l x``, RoPE key ``k_r,l``, up-projection ``kv_b,l``):
   of the reader's RoPE pairs fitted as a complex multiple ``a_f`` of the source's pair of the same frequency
   (least squares on the unrotated keys; a complex scalar is the only linear map that commutes with the
   rotation at every position), folded into the reader's queries (``conj(a_f)`` on each head's RoPE rows) and
-  undone in its window keys (``1 / a_f``), so the window's logits are unchanged. On SmolLM2 it cuts the
-  RoPE keys' relative error from 1.1-3.4 to 0.22-0.46 yet raises held-out perplexity (layout 2, 6, 10, 15,
-  window 128: 4.87x / 4.36x -> 5.06x / 4.80x; ``bench/real_ced_layouts.py``): the least-squares scales
-  shrink the distant tokens' positional logits. The per-reader relative residuals are reported.
+  undone in its window keys (``1 / a_f``), so the window's logits are unchanged (what it costs on SmolLM2:
+  bench/RESULTS.md). The per-reader relative residuals are reported.
 - layers before the first kv_source layer keep only their window.
 
 With every layer a kv_source layer and m = 1 the result equals the MLA model exactly (tested): the

@@ -21,11 +21,6 @@ entries pass from its kv_source layers to its readers in one step context per ta
 checkpoint keeps (a few (T / m) x (d_c + d_rope) tensors). The tensors written, the config and
 ``conversion.json`` (apart from timings) are the whole-model executor's bit for bit
 (``tests/test_ced_layerwise.py``).
-
-Peak memory: the ``--to mla`` walk's (``kvgraft.graft.layerwise``) with the CED layer beside the original and
-MLA ones (its attention fp32: about the MLA layer's plus window keys and values, H x (d_nope + d_rope + d_v)
-x hidden), plus the held latents N x T x d_c x 4 B (+ N x T x hidden x 4 B for the walk's own stream where it
-runs one). None of it grows with depth.
 """
 
 from __future__ import annotations
@@ -75,7 +70,12 @@ SHARE_CLOCK = "share graft"  # the walk's seconds in the share graft (latents, f
 @torch.no_grad()
 def execute_layerwise_ced(plan: ConvertPlan, calib: torch.Tensor | None) -> ConversionReport:
     """Convert ``plan`` (``to == "ced"``) one layer at a time and write ``plan.out`` atomically; returns the
-    ``conversion.json`` record (what ``execute_whole`` returns, the share graft's report in it)."""
+    ``conversion.json`` record (what ``execute_whole`` returns, the share graft's report in it).
+
+    Peak memory: the ``--to mla`` walk's (``kvgraft.graft.layerwise``) with the CED layer beside the original and
+    MLA ones (its attention fp32: about the MLA layer's plus window keys and values, H x (d_nope + d_rope + d_v)
+    x hidden), plus the held latents N x T x d_c x 4 B (+ N x T x hidden x 4 B for the walk's own stream where it
+    runs one). None of it grows with depth."""
     if plan.to != "ced" or plan.ced is None:
         raise ConfigError(f"the share graft's walk converts --to ced only, not --to {plan.to}")
     if calib is None:  # ConvertPlan refuses this; said again for the type checker

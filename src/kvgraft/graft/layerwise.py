@@ -15,14 +15,6 @@ With ``--format deepseek_v3``/``both`` the stock export then reads the converted
 written one layer at a time (``kvgraft.hf.deepseek.stream``: its calibration statistics streamed through the
 converted layers, its tensors written shard by shard, its error measured by transformers' own decoder
 layers one at a time), so it does not grow with depth either. Its files are the whole-model executor's too.
-
-Peak memory, roughly, the larger of two moments. During the walk: one layer's original and converted weights
-(fp32) + the calibration states (2-3 x N x T x hidden fp32 while a layer runs: the stream, the layer's output
-and the statistics' batches) + the tail's (2 x 8 x T x hidden fp32) + one pending output shard
-(``shard_bytes``: about one layer, at least 256 MiB; twice while it is written) + the checkpoint's write (no
-copy). At the end: the head (vocab x hidden fp32; the embedding is read again for a tied head, not held
-through the walk) + one tail sequence's logits of both stacks (2 x T x vocab fp32). None of it grows with
-depth; the embedding (vocab x hidden fp32) is held only until the first shard is written.
 """
 
 from __future__ import annotations
@@ -143,7 +135,15 @@ def execute_layerwise(plan: ConvertPlan, calib: torch.Tensor | None, walk: Walk 
     of a resumed conversion).
 
     The output is staged in ``.<out>.partial`` with a checkpoint after each layer (``kvgraft.graft.resume``):
-    with ``plan.options.resume`` a conversion interrupted after layer k continues at layer k + 1."""
+    with ``plan.options.resume`` a conversion interrupted after layer k continues at layer k + 1.
+
+    Peak memory, roughly, the larger of two moments. During the walk: one layer's original and converted weights
+    (fp32) + the calibration states (2-3 x N x T x hidden fp32 while a layer runs: the stream, the layer's output
+    and the statistics' batches) + the tail's (2 x 8 x T x hidden fp32) + one pending output shard
+    (``shard_bytes``: about one layer, at least 256 MiB; twice while it is written) + the checkpoint's write (no
+    copy). At the end: the head (vocab x hidden fp32; the embedding is read again for a tied head, not held
+    through the walk) + one tail sequence's logits of both stacks (2 x T x vocab fp32). None of it grows with
+    depth; the embedding (vocab x hidden fp32) is held only until the first shard is written."""
     config = plan.source_config
     if walk is None:
         if plan.mla is None or plan.to != "mla":

@@ -8,20 +8,10 @@ before ``k``; for a GQA/MLA model with shared KV slots, a slot written before ``
 adapter with the pivot's KV writers frozen has ``k`` = the pivot: the whole encoder half is skipped once
 an example has been seen. Layers ``k``.. recompute their own windows and, at the pivot, its segment.
 
-:class:`FrozenPrefixCache` holds one entry per example (its own tensors, not views of a batch), least
-recently used first out, in at most ``max_bytes``; each entry is keyed by a digest of the base's weights
-fingerprint (``kvgraft.adapters.fingerprint``), the boundary, the autocast precision, the dtype, any
-frozen adapter weights in the prefix, and the example's token ids. :class:`CachedLMLoss` is the training
-loop's ``loss_fn`` (``kvgraft.train.loop.lm_loss``'s loss, the same numbers): it looks each row up; when
-one is missing it runs the prefix over the whole batch (under ``torch.no_grad``, as ``Transformer.forward``
-does for the layers below the first trainable one) and keeps the missing rows; then layers ``k``.., the
-final norm and the LM head, with activation checkpointing and the indexers' ``aux_loss`` as
-``Transformer.forward`` has them. :func:`run_prefix` and :func:`run_suffix` rebuild that forward's
-cache-free path from the model's public modules (embedding, rotary tables, blocks, step context); the
-tests compare them with ``Transformer.forward`` bit for bit, so a change there that they miss fails.
-
-The cache of :func:`shared_cache` lives as long as the process (a study's runs share it) and holds at most
-its bound; ``shared_cache(n).clear()`` frees it.
+:class:`FrozenPrefixCache` holds the entries (one per example, keyed by the base's weights, the boundary,
+precision and token ids); :class:`CachedLMLoss` is the training loop's ``loss_fn`` through it;
+:func:`run_prefix` and :func:`run_suffix` rebuild ``Transformer.forward``'s cache-free path from the model's
+public modules (tested bit for bit against it); :func:`shared_cache` is the process's one cache.
 
 Exactness: every training item of a task has the same length (``kvgraft.train.adapt.encode_split``), so a
 batch's shapes never change; the cached rows were computed in a batch of the same shape, and no
@@ -157,7 +147,11 @@ class CacheStats:
 
 
 class FrozenPrefixCache:
-    """Per-example prefix outputs, least recently used evicted first, at most ``max_bytes`` in all."""
+    """Per-example prefix outputs, least recently used evicted first, at most ``max_bytes`` in all.
+
+    Each entry holds its own tensors (not views of a batch) and is keyed by a digest of the base's weights
+    fingerprint (``kvgraft.adapters.fingerprint``), the boundary, the autocast precision, the dtype, any frozen
+    adapter weights in the prefix, and the example's token ids."""
 
     def __init__(self, max_bytes: int) -> None:
         check_int("max_bytes", max_bytes, low=1)
@@ -226,7 +220,12 @@ def shared_cache(max_bytes: int) -> FrozenPrefixCache:
 
 class CachedLMLoss:
     """``lm_loss`` through the frozen-prefix cache: a ``loss_fn`` for ``kvgraft.train.loop.train`` (and its
-    evaluations). Built for one model; refuses one whose prefix cannot be cached (:func:`cache_obstacle`)."""
+    evaluations). Built for one model; refuses one whose prefix cannot be cached (:func:`cache_obstacle`).
+
+    The same numbers as ``kvgraft.train.loop.lm_loss``: each row is looked up; when one is missing the prefix
+    runs over the whole batch (under ``torch.no_grad``, as ``Transformer.forward`` does for the layers below the
+    first trainable one) and the missing rows are kept; then layers ``k``.., the final norm and the LM head, with
+    activation checkpointing and the indexers' ``aux_loss`` as ``Transformer.forward`` has them."""
 
     def __init__(
         self, model: nn.Module, cache: FrozenPrefixCache, precision: str = "fp32", fingerprint: str | None = None

@@ -7,27 +7,12 @@ One module per task family, each documenting its own task (templates, ranges, sc
 * :mod:`kvgraft.data.tasks.recall`: a question about a ledger line beyond every layer's window, so only
   the shared compressed stream of the causal encoder-decoder can carry the answer;
 
-and beneath them :mod:`kvgraft.data.tasks.common` (:class:`Example`, :class:`TaskError`, the splits, the
-exact token counter, encoding, the files), above them :mod:`kvgraft.data.tasks.registry` (name -> generator,
-summary, format, answer extraction, correctness, and :func:`generate_task`, :func:`write_task`,
-:func:`extract_answer`, :func:`is_correct` dispatching through it). This package re-exports the public API.
-
-``geometry`` and ``ui-reply`` are small analogues of the two tasks of a published LoRA study, sized for the
-shipped reference models (8192-token byte-level BPE, 512 positions): a short-answer maths task (Geometry3K
-there) and a long structured-output task (a "UI reply" there). With the reference tokenizer a geometry
-example is about 31 tokens and a ui-reply example about 461 (about 15x; ``docs/tasks.md`` has the
-measurements).
-
-Every generator is deterministic in ``(name, seed)`` (``random.Random`` seeded with the string
-``"kvgraft-task:<name>:<seed>"``), standard library only apart from the token budgets of ui-reply and recall
-(counted with the shipped reference tokenizer). Examples are deduplicated on their prompt text *before* the
-split, so no prompt is in two splits. Split sizes are Geometry3K's for every task: :data:`SPLIT_SIZES` =
-1,472 train / 224 validation / 601 test (``generate_task(..., sizes=...)`` makes smaller sets for quick runs).
-
-Encoding for training (:func:`encode_example`): ``ids = enc(prompt) + enc(answer) + [eos]`` (prompt
-and answer encoded separately, so the boundary is exact), and ``labels`` are ``ids`` with -100 on the
-prompt tokens, aligned with ``ids`` (the Hugging Face convention: the model shifts). For kvgraft's
-own loss on pre-shifted targets take ``ids[:-1]`` as inputs and ``labels[1:]`` as targets.
+beneath them :mod:`kvgraft.data.tasks.common` (:class:`Example`, :class:`TaskError`, the splits, the exact
+token counter, :func:`encode_example`, the files), above them :mod:`kvgraft.data.tasks.registry` (name ->
+generator, summary, format, answer extraction, correctness; :func:`generate_task`, :func:`write_task`,
+:func:`extract_answer`, :func:`is_correct`). This package re-exports the public API. Every generator is
+deterministic in ``(name, seed)``, and prompts are deduplicated before the split (:data:`SPLIT_SIZES`:
+Geometry3K's 1,472 / 224 / 601). ``docs/tasks.md`` has the formats, encodings and measured lengths.
 """
 
 from __future__ import annotations

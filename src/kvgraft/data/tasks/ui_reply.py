@@ -1,10 +1,8 @@
 r"""The ``ui-reply`` task: an assistant reply describing a requested screen, prose plus a JSON component tree.
 
-A small analogue of the long structured-output task (a "UI reply") of the LoRA study the tasks stand in
-for (its measured lengths: ``docs/tasks.md``).
-
-A user asks for a screen with a list of components; the assistant replies with prose (a sentence about
-the screen, one bullet per component), a fenced JSON block describing the screen, and a closing sentence::
+A small analogue of the LoRA study's long structured-output task (measured lengths: ``docs/tasks.md``). A user
+asks for a screen with a list of components; the assistant replies with prose (a sentence about the screen, one
+bullet per component), a fenced JSON block describing the screen, and a closing sentence::
 
     prompt  'User: Build a signup form titled "Join us" with a white background, 16 px padding
              and a vertical layout. Include a required "Email" field; ...; and a blue "Sign up"
@@ -17,12 +15,11 @@ the screen, one bullet per component), a fenced JSON block describing the screen
 The JSON object is ``{"type", "title", "style": {"background", "padding", "layout"}, "children"}``, a child
 per component (kinds and props: ``_Component``); every value is in the request or follows from a label.
 
-At most :data:`UI_MAX_TOKENS` tokens of the shipped reference tokenizer (``_ui_example``): ui-reply needs
-``models/*/tokenizer.json`` (or ``KVGRAFT_MODELS_DIR``) to generate.
-
-``target`` is the canonical JSON (:func:`canonical_json`: sorted keys, no spaces). A reply is correct when
-its last ```json block (or else the text from its first ``{`` to its last ``}``) parses and its canonical
-form equals the target: same components in the same order, labels, props and styles (``true`` != ``1``).
+At most :data:`UI_MAX_TOKENS` tokens of the shipped reference tokenizer (``models/*/tokenizer.json`` or
+``KVGRAFT_MODELS_DIR``). ``target`` is the canonical JSON (:func:`canonical_json`: sorted keys, no spaces). A
+reply is correct when its last ```json block (or else the text from its first ``{`` to its last ``}``) parses
+and its canonical form equals the target: same components in the same order, labels, props and styles
+(``true`` != ``1``).
 """
 
 from __future__ import annotations

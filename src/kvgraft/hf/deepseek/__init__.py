@@ -1,43 +1,26 @@
 """Export an all-MLA kvgraft model as a stock DeepSeek-V3 checkpoint (``model_type: deepseek_v3``).
 
-The directory (config.json, model.safetensors, generation_config.json, tokenizer files) loads with
-unmodified ``transformers.AutoModelForCausalLM.from_pretrained`` (no remote code, no kvgraft) and uses
-DeepSeek's own tensor names, so MLA serving stacks (vLLM, SGLang) read it as they read DeepSeek's
-checkpoints: dense SwiGLU MLPs only (``first_k_dense_replace = num_hidden_layers``, no MoE layer, no MTP
-layer), ``q_lora_rank: null`` (a plain ``q_proj``), ``num_key_value_heads = num_attention_heads``,
-``rope_interleave: true``.
+The directory loads with unmodified ``transformers.AutoModelForCausalLM.from_pretrained`` (no remote code) and
+uses DeepSeek's own tensor names, so vLLM and SGLang read it as DeepSeek's checkpoints: dense SwiGLU MLPs only
+(``first_k_dense_replace = num_hidden_layers``, no MoE, no MTP), ``q_lora_rank: null``, ``num_key_value_heads =
+num_attention_heads``, ``rope_interleave: true``.
 
-Two constructions (``target``): "engines" (the default) writes nothing vLLM or SGLang drop or overflow: no
-attention bias tensor (their DeepSeek models build the projections bias=False and skip bias tensors), every
-weight within fp16's range (checked), the latent norm fitted ("fit") and biases folded into the weights
-(``EngineFold``), its error measured; "transformers" writes the exact constructions, which hold
-constants in attention biases and only transformers computes as written (a warning says so).
+Two constructions (``target``): "engines" (the default) writes nothing vLLM or SGLang drop or overflow (no
+attention bias, weights within fp16, the latent norm fitted, biases folded: ``EngineFold``), its error measured;
+"transformers" writes the exact constructions, which only transformers computes as written (a warning says so).
 
-What is exact and what is not in the "transformers" construction (``docs/export.md`` has the per-family table)
-is said in the module that builds it. One concept per module; imports run one way (rope <- checks <- folds
-<- tensors <- export; latent <- tensors, export; measure <- export):
+``docs/export.md`` has what is exact per family and what each engine loads. One concept per module;
+imports run one way (rope <- checks <- folds <- tensors <- export; latent <- tensors, export; measure <- export):
 
-- ``rope``: the kvgraft RoPE layouts stock can hold ('prefix', 'stride') and their scaling (yarn)
-  re-expressed for stock.
-- ``checks``: what stock cannot express (refused, naming the fix) and the serving kernels' fast path.
+- ``rope``: the RoPE layouts stock can hold ('prefix', 'stride') and their scaling (yarn) re-expressed;
+  ``checks``: what stock cannot express (refused, naming the fix) and the serving kernels' fast path.
 - ``latent``: the latent RMSNorm constructions (exact, "pad", "fit" with ``fit_latent_metric``, "scale")
   and the low-rank query path that carries a query bias.
-- ``folds``: the engine-safe bias folds (``target="engines"``).
-- ``tensors``: the tensors under DeepSeek-V3's names and config.json.
-- ``export``: ``export_deepseek_v3``, its ``ExportReport`` and README card (a sliding window).
-- ``measure``: loading the export with stock transformers and measuring it against the kvgraft model.
-- ``stream``: ``export_deepseek_v3_streamed``, the same export from a converted checkpoint's files one layer
-  at a time (calibration statistics streamed through the layers, tensors written shard by shard, the error
-  measured by transformers' decoder layers one at a time; what ``kvgraft convert`` uses; imported by its own
-  path: stream <- export's steps, tensors, folds, latent).
-- ``adapters``: ``export_adapter_deepseek_v3``, a kvgraft LoRA adapter carried to the stock export (imported
-  by its own path, not from this package).
-
-transformers builds ``kv_a_layernorm`` with eps 1e-6 whatever ``rms_norm_eps`` says, while vLLM and SGLang
-use ``rms_norm_eps``. The export is exact in transformers; when ``rms_norm_eps != 1e-6`` the serving stacks
-see the latent norm with a slightly different eps (the report says so). Older vLLM releases refuse a
-DeepSeek-V2/V3 model without any MoE layer ("No DeepseekV2MoE layer found in model.layers"); newer ones
-log a warning and load it.
+- ``folds``: the engine-safe bias folds; ``tensors``: the tensors under DeepSeek-V3's names and config.json.
+- ``export``: ``export_deepseek_v3``, its ``ExportReport`` and card; ``measure``: the export loaded with stock
+  transformers and measured against the kvgraft model.
+- by their own paths, not from this package: ``stream`` (``export_deepseek_v3_streamed``, the same export one
+  layer at a time, what ``kvgraft convert`` uses) and ``adapters`` (a LoRA adapter carried to the export).
 """
 
 from __future__ import annotations

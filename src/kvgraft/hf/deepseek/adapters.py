@@ -10,12 +10,9 @@
   acts as kvgraft's, the RoPE-key rows permuted: the same on ``lora_B``, and the module is renamed;
 - ``kv_b_proj``, ``o_proj``, the MLP: unchanged.
 
-**MLP adapters cannot be carried (a PEFT limitation, PEFT 0.21):** when PEFT loads an adapter onto a
-``deepseek_v3`` model it rewrites every ``gate_proj``/``up_proj``/``down_proj`` target into the fused MoE
-experts' parameters (its transformers-v5 MoE conversion), even for DeepSeek-V3's dense MLP layers, so an
-MLP adapter would be dropped silently (measured: logits off by 3.1). Such adapters are refused here,
-naming the modules; attention adapters (q, kv_a, kv_b, o: where a decoder-side adapter carries most of
-what it learns) carry exactly.
+**MLP adapters cannot be carried (PEFT 0.21):** PEFT rewrites every ``gate_proj``/``up_proj``/``down_proj``
+target of a ``deepseek_v3`` model into fused MoE experts' parameters, dense layers too, so an MLP adapter would
+be dropped silently: refused here, naming the modules. Attention adapters (q, kv_a, kv_b, o) carry exactly.
 
 Supported for exports whose latent norm is exact: a base with its own latent RMSNorm (``mla_latent_norm``),
 or the "pad" export (``target="transformers"``, transformers only) of a base without one (one constant latent
