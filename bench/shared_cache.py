@@ -3,7 +3,8 @@
 On the reference causal encoder-decoder (``kvgraft-ced-8m``; ``--base kvgraft-llama-8m`` for the Llama)
 with N = 1, 2, 4, 8 random certified decoder-side adapters (decoder-half, rank 16, the pivot's KV writers
 frozen; random weights: cost does not depend on what an adapter learned; ``--adapters`` uses trained ones,
-e.g. the placement study's), one shared prompt of ``--prompt`` random tokens (``--prompt-ids``: a given one):
+e.g. the placement study's), one shared prompt of ``--prompt`` random tokens (``--prompt-ids``: a given one;
+``--task-prompt STUDY_DIR``: a placement study's first test prompt, chat template included):
 
 - **shared**: kvgraft's engine with the prefix cache: the base computes the prompt once; every adapter's
   request reuses its blocks (segments and encoder windows; on the Llama, the KV of the layers below the
@@ -91,6 +92,23 @@ def step_times(e, steps: int) -> list[float]:
     return times
 
 
+def task_prompt(study: Path, base: str) -> list[int]:
+    """The first seed-0 test prompt of the study under ``study`` (its ``study_config.json``: task, sizing, prompt
+    format), token ids as the model reads it (the chat template applied in the chat format)."""
+    from kvgraft.data.tasks import generate_task, load_sizing
+    from kvgraft.reference import resolve_model
+
+    config = study / "study_config.json"
+    if not config.is_file():
+        raise SystemExit(f"--task-prompt {study}: no study_config.json there (a kvgraft experiment placement --out)")
+    cfg = json.loads(config.read_text())
+    sizing = load_sizing(
+        resolve_model(base), window=cfg["task_window"], max_tokens=cfg["task_max_tokens"], prompt_format=cfg["prompt_format"]
+    )
+    example = generate_task(cfg["task"], seed=0, sizing=sizing)["test"][0]
+    return list(sizing.encoding.prompt_ids(example.prompt))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", default="kvgraft-ced-8m")
@@ -115,7 +133,18 @@ def main() -> None:
         default=None,
         help="a JSON list of token ids: the shared prompt (e.g. a task's) instead of --prompt random tokens",
     )
+    ap.add_argument(
+        "--task-prompt",
+        type=Path,
+        default=None,
+        metavar="STUDY_DIR",
+        help="a placement study's directory (kvgraft experiment placement --out): the shared prompt is its task's "
+        "first seed-0 test prompt at the study's sizing, as the model reads it (chat template included)",
+    )
+    ap.add_argument("--out", type=Path, default=None, help="also write the figures here (JSON, atomically)")
     args = ap.parse_args()
+    if args.task_prompt is not None and args.prompt_ids is not None:
+        ap.error("--task-prompt and --prompt-ids both name the prompt: give one")
     for name in ("prompt", "new_tokens", "chunk", "repeats", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
@@ -133,6 +162,9 @@ def main() -> None:
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
             ap.error(f"--prompt-ids {args.prompt_ids}: not a non-empty JSON list of token ids")
         args.prompt = len(ids)
+    if args.task_prompt is not None:
+        args.prompt_list = task_prompt(args.task_prompt, args.base)
+        args.prompt = len(args.prompt_list)
     torch.set_num_threads(args.threads)
 
     from kvgraft.hf import load_pretrained
@@ -145,6 +177,8 @@ def main() -> None:
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     if args.prompt_ids is not None:
         prompt = json.loads(args.prompt_ids.read_text())
+    if args.task_prompt is not None:
+        prompt = args.prompt_list
     sp = SamplingParams(max_new_tokens=args.new_tokens)
     rounds = (args.new_tokens - 3) // 4
     shape = (
@@ -255,6 +289,27 @@ def main() -> None:
             f"adapter switch on a cached {args.prompt}-token prompt (time to first token, median of {args.repeats}): "
             f"decoder replay {rt * 1e3:.1f} ms vs full prefill {ft * 1e3:.1f} ms: {ft / rt:.1f}x faster"
         )
+    if args.out is not None:
+        from kvgraft.atomic import atomic_write_json
+
+        keys = ("n", "shared_bytes", "prefix_entry_bytes", "private_bytes", "prefix_hits", "replays", "mixed_tok_s")
+        root = Path(__file__).resolve().parent.parent
+        record = {
+            "base": args.base,
+            "prompt_tokens": args.prompt,
+            "new_tokens": args.new_tokens,
+            "threads": args.threads,
+            "adapters": [
+                str(Path(a).resolve().relative_to(root)) if Path(a).resolve().is_relative_to(root) else str(a)
+                for a in (args.adapters or [])[: args.max_n]
+            ]
+            or "random",
+            "one_request_bytes": one,
+            "rows": [dict(zip((*keys, "single_tok_s"), row)) for row in rows],
+            "switch_ms": {"replay": rt * 1e3, "prefill": ft * 1e3, "repeats": args.repeats},
+        }
+        atomic_write_json(args.out, record)
+        print(f"-> {args.out}")
 
 
 if __name__ == "__main__":
