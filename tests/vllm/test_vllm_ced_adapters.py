@@ -42,6 +42,22 @@ def _negated(src: Path, out: Path) -> Path:
     return out
 
 
+def _with_kv_b(src: Path, out: Path) -> Path:
+    """A copy of the adapter at ``src`` whose ``kv_b_proj`` B factors (zero in the shipped adapter: its short
+    training examples never read the stream) are seeded random: the stream read's up-projection changes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    weights = load_file(str(src / "adapter_model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for k, v in weights.items():
+        if "kv_b_proj.lora_B" in k:
+            weights[k] = torch.randn(v.shape, generator=gen, dtype=v.dtype) * 0.5
+    save_file(weights, str(out / "adapter_model.safetensors"))
+    return out
+
+
 def _kv_neutral(src: Path, out: Path, layer: int) -> Path:
     """The adapter at ``src`` cut down to ``layer``'s modules that write no cache (all but k/v), with its
     certificate recomputed: it changes no cached row of the base."""
@@ -72,6 +88,7 @@ def adapters(tmp_path_factory):
     return {
         "geo": GEO,
         "neg": _negated(GEO, root / "geometry-negated"),
+        "kvb": _with_kv_b(GEO, root / "geometry-kv-b"),
         "last": last,
         "last-neg": _negated(last, root / "last-neg"),
     }
@@ -106,19 +123,27 @@ def _scheduler_block() -> int:
     return math.lcm(g.window_block, g.stream_block, g.pending_block or 1)
 
 
-def test_mixed_batch_of_base_and_two_adapters_matches_kvgraft_engine(adapters, prompts):
+@pytest.mark.parametrize("path", ["batched", "per-request"])
+def test_mixed_batch_of_base_and_two_adapters_matches_kvgraft_engine(adapters, prompts, path, monkeypatch):
     """In vLLM's default compiled mode (no ``enforce_eager``): with ``enable_lora`` the plugin asks vLLM not to
-    compile the model (adapter steps run kvgraft's layer code per request), and the tokens are the engine's."""
-    use = [None, "geo", "neg", "geo", None, "neg"]
-    with VllmRunner(CED, max_model_len=512, enable_lora=True, max_lora_rank=16, max_loras=2, enforce_eager=False) as runner:
+    compile the model, and the tokens are the engine's, on the batched path (the adapters' deltas per token of
+    the packed axis, their kv_b per tile in the stream read) and on kvgraft's layer code per request."""
+    monkeypatch.setenv("KVGRAFT_VLLM_CED_PATH", path)
+    use = [None, "geo", "neg", "kvb", None, "neg"]
+    with VllmRunner(CED, max_model_len=512, enable_lora=True, max_lora_rank=16, max_loras=3, enforce_eager=False) as runner:
         assert runner.apply_model(lambda model: model.do_not_compile), "compiled with enable_lora"
         theirs, _ = _generate(runner, prompts, _requests(adapters, use))
+        steps = runner.apply_model(lambda model: dict(model.steps))
+    print(f"\nforwards per path ({path}):", steps)
+    assert steps.get("batched+adapters", 0) > 0 if path == "batched" else steps.get("per-request", 0) > 0, steps
     ours = kvgraft_engine_greedy(load_kvgraft(CED), prompts, N_NEW, adapters=adapters, use=use)
     base = kvgraft_engine_greedy(load_kvgraft(CED), prompts, N_NEW)
     assert theirs == ours
     # the adapters change what is generated (so the check above can fail), and differently
     assert all(ours[i] != base[i] for i, u in enumerate(use) if u is not None and len(prompts[i]) > 5)
-    assert ours[3] != kvgraft_engine_greedy(load_kvgraft(CED), [prompts[3]], N_NEW, adapters=adapters, use=["neg"])[0]
+    assert ours[2] != kvgraft_engine_greedy(load_kvgraft(CED), [prompts[2]], N_NEW, adapters=adapters, use=["geo"])[0]
+    # the kv_b delta of the stream's readers changes what is generated (so the batched path's kv_b term is checked)
+    assert ours[3] != kvgraft_engine_greedy(load_kvgraft(CED), [prompts[3]], N_NEW, adapters=adapters, use=["geo"])[0]
 
 
 def test_prefix_cache_is_salted_per_adapter(adapters, monkeypatch):

@@ -221,8 +221,8 @@ class MultiLoraLinear(nn.Module):
         """The (weight, bias) the current group's rows see: the one door of ``kvgraft.model.latent``."""
         weight, bias = linear_weight(self.base_layer)
         ctx = current_context()
-        if not self.loras or ctx is None or not ctx.has_adapters:
-            return weight, bias
+        if not self.loras or ctx is None or not ctx.has_adapters or ctx.active_adapter is None:
+            return weight, bias  # no adapter in the step, or inside ``base_weights``
         if ctx.active_group is None:
             mine = sorted(str(a) for a in ctx.adapter_tokens() if a in self.loras)
             if mine:

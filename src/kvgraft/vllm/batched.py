@@ -19,8 +19,9 @@ CUDA/Triton kernels on GPUs) joins them:
 Every index (tiles, gathers, masks, write slots) is computed on the host by the cache groups' metadata
 builders (:func:`build_indices`), once per group and step, from the scheduler's query offsets and sequence
 lengths: the forward (:func:`ced_attention`) is tensor ops over fixed indices, with no host sync and no
-data-dependent Python. Steps with adapters and configs with an indexer take the per-request path
-(``kvgraft.vllm.context``), which runs kvgraft's own layer code.
+data-dependent Python. With adapters, each tile's request's ``kv_b`` delta joins the stream read (the
+projections' deltas are applied per token by kvgraft's adapter layers); configs with an indexer take the
+per-request path (``kvgraft.vllm.context``), which runs kvgraft's own layer code.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvgraft.model.batch import current_context
 from kvgraft.vllm.geometry import PENDING, STREAM, WINDOW
 
 TILE = 16  # queries per prefill tile: 16 x (W + 15) window scores instead of a request's T x (T + W)
@@ -91,6 +93,7 @@ class BatchIndex:
     entry_at: tuple[torch.Tensor, torch.Tensor] | None = None  # stream: (tiles, N) entries read per tile
     entry_ok: torch.Tensor | None = None  # stream: (tiles, N, 1) entry visible to the tile's last query
     visible: torch.Tensor | None = None  # stream: (tiles, Q, N) query q sees entry b (b m <= i - W)
+    tile_req: torch.Tensor | None = None  # stream: (tiles,) each tile's request (its adapter's kv_b delta)
     done_tok: torch.Tensor | None = None  # stream, m == 1: the tokens whose entries are written
     done_at: tuple[torch.Tensor, torch.Tensor] | None = None  # stream: (C,) rows of the completed entries
     pool_at: tuple[torch.Tensor, torch.Tensor] | None = None  # pending: (C, m) rows pooled per entry
@@ -144,6 +147,7 @@ def build_indices(
         out.entry_ok = torch.from_numpy((b < n[:, None])[..., None]).to(dev)
         qpos = t.p0[:, None] + np.arange(Q)[None]
         out.visible = torch.from_numpy((b * m)[:, None, :] <= qpos[:, :, None] - W).to(dev)
+        out.tile_req = torch.from_numpy(t.req.astype(np.int64)).to(dev)
     if kind in (STREAM, PENDING):
         done = np.flatnonzero((t.pos + 1) % m == 0)  # tokens that complete a pooling block
         first = t.pos[done] - m + 1
@@ -195,6 +199,15 @@ def compress(
     stream[done_at] = comp.pool(got[..., :E], got[..., E:])[0].to(stream.dtype)
 
 
+def _kv_b(attn: Any, base: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``attn.split_kv_b()``; ``base``: the base weights while the step's adapters are applied by the caller."""
+    ctx = current_context()
+    if not base or ctx is None:
+        return attn.split_kv_b()
+    with ctx.base_weights():
+        return attn.split_kv_b()
+
+
 def ced_attention(
     attn: Any,
     q: torch.Tensor,
@@ -203,12 +216,16 @@ def ced_attention(
     window_ix: BatchIndex,
     stream: torch.Tensor | None,
     stream_ix: BatchIndex | None,
+    kv_b_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One CED layer's attention (``CEDAttention``'s weights) for every scheduled token of the step:
     q (1, H, N, dk) rotated queries and entry (1, N, K (dk + dv)) window rows (``CEDAttention._qkv``) ->
     (tokens, H dv), before ``o_proj`` (N may exceed the scheduled tokens: vLLM's padding). ``window`` /
     ``stream`` are the layer's window cache and its source's stream cache as (blocks, rows, width); the
-    source's writes are already done."""
+    source's writes are already done. ``kv_b_delta``: per request of the step, the LoRA factors of its
+    adapter on this layer's ``kv_b_proj`` (A (R, r, dc), B (R, H (dn + dv), r), scale folded into B, zero for
+    the base: ``MultiLoraLinear.row_factors``), added low-rank to the absorbed stream read, as kvgraft's
+    ``LatentAttention.attend`` does per row; the base ``kv_b`` is then read inside ``base_weights``."""
     from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
     H, K, dn, dr, dv, dc = attn.num_heads, attn.num_kv_heads, attn.dn, attn.dr, attn.dv, attn.dc
@@ -239,9 +256,15 @@ def ced_attention(
     if at[0].shape[1] == 0:  # no query of the step sees an entry yet
         return out_w.reshape(-1, H * dv)
     ent = stream[at][..., : dc + dr].masked_fill(~_required(stream_ix.entry_ok, "stream entries"), 0).to(qt.dtype)
-    w_uk, w_uv, bk, bv = attn.split_kv_b()  # (H, dn, dc), (H, dv, dc), (H, dn) | None, (H, dv) | None
+    w_uk, w_uv, bk, bv = _kv_b(attn, kv_b_delta is not None)  # (H, dn, dc), (H, dv, dc), (H, dn)?, (H, dv)?
     q_nope, q_rope = qt[..., :dn], qt[..., dn:]  # (tiles Q, H, .)
     q_c = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (tiles Q, H, dc)
+    if kv_b_delta is not None:  # + q_nope B_k A per tile's request: (t, Q, H, dn) (t, H, dn, r) (t, r, dc)
+        tile_req = _required(stream_ix.tile_req, "tile requests")
+        A = kv_b_delta[0].index_select(0, tile_req).to(qt.dtype)  # (tiles, r, dc)
+        B = kv_b_delta[1].index_select(0, tile_req).to(qt.dtype).view(n_tiles, H, dn + dv, -1)
+        qr = torch.einsum("tqhn,thnr->tqhr", q_nope.reshape(n_tiles, Q, H, dn), B[:, :, :dn])
+        q_c = q_c + torch.einsum("tqhr,trc->tqhc", qr, A).reshape(n_tiles * Q, H, dc)
     q_lat = torch.cat([q_c, q_rope], dim=-1).view(n_tiles, Q * H, dc + dr)
     s = torch.matmul(q_lat, ent.transpose(1, 2)).view(n_tiles, Q, H, -1)  # (tiles, Q, H, N)
     if bk is not None:  # the key bias adds q_nope . b_k to every entry's logit of a head
@@ -251,6 +274,9 @@ def ced_attention(
     p = torch.exp(s - lse_s.nan_to_num(0.0, posinf=0.0, neginf=0.0)[..., None]).to(qt.dtype)
     y_lat = torch.matmul(p.view(n_tiles, Q * H, -1), ent[..., :dc])  # (tiles, Q H, dc)
     y_s = torch.bmm(y_lat.view(n_tiles * Q, H, dc).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+    if kv_b_delta is not None:  # + y_lat A^T B_v^T per tile's request
+        yr = torch.einsum("tqhc,trc->tqhr", y_lat.view(n_tiles, Q, H, dc), A)
+        y_s = y_s + torch.einsum("tqhr,thvr->tqhv", yr, B[:, :, dn:]).reshape(n_tiles * Q, H, dv)
     if bv is not None:  # the value bias, weighted by the mass on the entries (1, or 0 when none is visible)
         y_s = y_s + p.sum(-1).view(n_tiles * Q, H, 1) * bv
     out_s = y_s.index_select(0, inv).contiguous()  # (N, H, dv)

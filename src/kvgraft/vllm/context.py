@@ -72,6 +72,8 @@ class VllmStepContext(BatchContext):
             self.ends.append(lens[r])
             self.requests.append(r)
         self.adapter_ids = [g.adapter for g in self.groups]
+        # per request of the step in vLLM's order (requests without new tokens included): the batched path's tiles
+        self.request_adapters: list[object] = list(adapters) if adapters is not None else [None] * len(lens)
         self.new_tokens = [g.T for g in self.groups]
         self.has_adapters = any(a is not None for a in self.adapter_ids)
         self.num_tokens = int(positions.shape[0])  # the packed axis (padding included) the layers see

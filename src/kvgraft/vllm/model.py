@@ -9,9 +9,9 @@ Each layer's attention is one custom op, ``torch.ops.vllm.kvgraft_ced_attention`
 vLLM's own attention ops are): it writes the step's rows to vLLM's blocks and attends for the whole step
 (``kvgraft.vllm.batched``). Everything around it is plain tensor code, so vLLM's compiled mode (the default,
 no ``enforce_eager``) compiles the model; on CUDA the op is a splitting op, so piecewise CUDA graphs capture
-the code between the ops. Steps with adapters and configs with an indexer run kvgraft's layer code per
-request (:class:`VllmStepContext`), eager only: with ``enable_lora``, an indexer or
-``KVGRAFT_VLLM_CED_PATH=per-request`` the model is not compiled. In eager mode, vLLM's profiling and warm-up
+the code between the ops. Steps with adapters run the same ops with each token's adapter routed by a
+:class:`VllmStepContext`; configs with an indexer run kvgraft's layer code per request. Eager only: with
+``enable_lora``, an indexer or ``KVGRAFT_VLLM_CED_PATH=per-request`` the model is not compiled. In eager mode, vLLM's profiling and warm-up
 runs (no attention metadata) run the layers cache-free over the dummy batch; compiled, the op leaves their
 attention output at zero. Neither touches a cache.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -41,13 +42,13 @@ except ImportError as exc:  # the optional extra is missing
 
 from kvgraft.hf.config_map import model_config_from_hf
 from kvgraft.hf.keys import hf_to_kvgraft
-from kvgraft.model.batch import DenseContext, StepContext, active_context
+from kvgraft.model.batch import DenseContext, StepContext, active_context, current_context
 from kvgraft.model.ced import rope_tables
 from kvgraft.model.transformer import Transformer
-from kvgraft.runtime.adapters import AdapterRegistry
+from kvgraft.runtime.adapters import AdapterRegistry, MultiLoraLinear
 from kvgraft.vllm.batched import ced_attention
 from kvgraft.vllm.batched import compress as compress_step
-from kvgraft.vllm.cache import PENDING, STREAM, WINDOW, CEDCacheLayer, CEDCacheMetadata
+from kvgraft.vllm.cache import PENDING, STREAM, WINDOW, CEDCacheLayer
 from kvgraft.vllm.context import VllmStepContext
 from kvgraft.vllm.geometry import page_geometry
 from kvgraft.vllm.lora import install as install_lora_bridge
@@ -162,6 +163,7 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
         splitting = vllm_config.compilation_config.splitting_ops
         if splitting is not None and f"vllm::{OP_NAME}" not in splitting and splitting:
             splitting.append(f"vllm::{OP_NAME}")  # piecewise CUDA graphs run the op outside the graphs
+        self.steps: Counter[str] = Counter()  # forwards per path (batched, batched+adapters, per-request, profile)
         self.lora_enabled = vllm_config.lora_config is not None
         self.adapters = AdapterRegistry(self.model)
         self.adapter_paths: dict[str, Path] = {}
@@ -176,9 +178,11 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
         out: torch.Tensor = self.model.embed_tokens(input_ids)
         return out
 
-    def _context(self, positions: torch.Tensor) -> StepContext | dict[tuple[int, str], CEDCacheMetadata]:
-        """The step's storage: a kvgraft step context (profiling, adapters, the indexer), or each cache's
-        metadata for the batched path."""
+    def _context(self, positions: torch.Tensor) -> StepContext | None:
+        """The step's kvgraft context: None for the batched path without adapters; a
+        :class:`VllmStepContext` for steps with adapters (on the batched path only their routing: which
+        token and request carries which adapter) and for the per-request path; a ``DenseContext`` for vLLM's
+        profiling and warm-up runs (no cache)."""
         metadata = get_forward_context().attn_metadata
         if isinstance(metadata, list):  # micro-batches: one dict each (not used on the CPU)
             raise NotImplementedError("kvgraft's CED model runs without micro-batching (ubatching)")
@@ -193,7 +197,7 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
             first = metadata[names[0]]
             adapters = [self._adapter(a) for a in step_adapters(first.query_start)]
         if self.batched and not any(a is not None for a in adapters or ()):
-            return {key: metadata[c.layer_name] for key, c in self.cache_layers.items()}
+            return None
         return VllmStepContext(self.cache_layers, metadata, positions, window, self.config.compress_rate, adapters)
 
     def _adapter(self, request: tuple[str, Path] | None) -> str | None:
@@ -235,12 +239,18 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
             x = self._forward_ops(x, pos, cos, sin)
         else:
             ctx = self._context(pos)
-            if isinstance(ctx, dict):
+            path = "batched" if ctx is None else "profile" if isinstance(ctx, DenseContext) else "per-request"
+            if ctx is None:
                 x = self._forward_ops(x, pos, cos, sin)
+            elif self.batched and isinstance(ctx, VllmStepContext):  # adapters: the packed axis knows its rows
+                path = "batched+adapters"
+                with active_context(ctx):
+                    x = self._forward_ops(x, pos, cos, sin)
             else:
                 with active_context(ctx):
                     for block in self.model.layers:
                         x = block(x, cos, sin, ctx)
+            self.steps[path] += 1
         out: torch.Tensor = self.model.norm(x[0])
         return out
 
@@ -261,7 +271,7 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
             out = h.new_zeros(h.shape[1], attn.num_heads * attn.dv)
             name = self.cache_layers[(layer, WINDOW)].layer_name
             torch.ops.vllm.kvgraft_ced_attention(q, entry, entries, scores, out, name)
-            x = x + attn.o_proj(out)[None]
+            x = x + attn.o_proj(out[None])
             x = x + block.mlp(block.post_attention_layernorm(x))
         return x
 
@@ -301,6 +311,10 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
                 None if pending is None else ix(layer, PENDING),
             )
         src = attn.source
+        ctx = current_context()
+        kv_b_delta = None  # the requests' adapters on this layer's kv_b (the absorbed stream read applies them)
+        if src is not None and isinstance(ctx, VllmStepContext) and isinstance(attn.kv_b_proj, MultiLoraLinear):
+            kv_b_delta = attn.kv_b_proj.row_factors(ctx.request_adapters)
         y = ced_attention(
             attn,
             q,
@@ -309,6 +323,7 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
             ix(layer, WINDOW),
             None if src is None else self.cache_layers[(src, STREAM)].rows(),
             None if src is None else ix(src, STREAM),
+            kv_b_delta,
         )
         out[: y.shape[0]] = y
 
