@@ -83,7 +83,7 @@ def steps(monkeypatch):
         return plan(query_start, seq_lens, *args, **kwargs)
 
     def logged_attend(attn, *args):
-        stream_ix = args[-1]
+        stream_ix = args[5]  # (q, entry, window, window_ix, stream, stream_ix, kv_b_delta)
         if stream_ix is not None and stream_ix.entry_at is not None:
             log["reads"].append((attn.source, stream_ix.entry_at[0].shape[1]))
         return attend(attn, *args)
