@@ -50,6 +50,7 @@ from kvgraft.vllm.batched import ced_attention
 from kvgraft.vllm.batched import compress as compress_step
 from kvgraft.vllm.cache import PENDING, STREAM, WINDOW, CEDCacheLayer
 from kvgraft.vllm.context import VllmStepContext
+from kvgraft.vllm.gemm import use_vllm_cpu_gemm
 from kvgraft.vllm.geometry import page_geometry
 from kvgraft.vllm.lora import install as install_lora_bridge
 from kvgraft.vllm.lora import step_adapters
@@ -347,4 +348,5 @@ class KvgraftCEDForCausalLM(nn.Module, SupportsLoRA):
         missing = {f"model.{n}" for n in params} - loaded
         if missing:
             raise KeyError(f"the checkpoint has no tensor for {sorted(missing)}")
+        use_vllm_cpu_gemm(self.model)  # on the CPU: packed weights, as vLLM's own models (after loading)
         return {n for n, _ in self.named_parameters()}
