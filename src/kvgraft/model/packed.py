@@ -63,6 +63,8 @@ def _current(entry: tuple[tuple[Any, int, int], torch.Tensor | None] | None, w: 
 class PackedLinear(nn.Linear):
     """``nn.Linear`` with a oneDNN-packed copy of its weight for CPU inference (module docstring)."""
 
+    same_function_as_linear = True  # adapters may wrap it as a plain nn.Linear (only the kernel differs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if not _packed_path(x, w):

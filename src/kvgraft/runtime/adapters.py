@@ -51,7 +51,6 @@ from kvgraft.model.batch import MIXED, BatchContext, current_context
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.latent import linear_weight
 from kvgraft.model.mla import MLAttention
-from kvgraft.model.packed import PackedLinear
 from kvgraft.model.transformer import Transformer
 
 _GATHER_MAX_TOKENS = 64  # steps of at most this many tokens gather per-token A/B (decode); longer: per adapter
@@ -412,7 +411,7 @@ class AdapterRegistry:
         for module, (A, B, scale) in files.weights.items():
             layer = self.model.get_submodule(module)
             base = layer.base_layer if isinstance(layer, MultiLoraLinear) else layer
-            if type(base) not in (nn.Linear, PackedLinear):
+            if type(base) is not nn.Linear and not getattr(type(base), "same_function_as_linear", False):
                 raise AdapterError(
                     f"module {module} is a {type(layer).__name__}, not a plain nn.Linear (is another "
                     "adapter library attached to the served model?)"

@@ -26,15 +26,21 @@ per-request path (``kvgraft.vllm.context``), which runs kvgraft's own layer code
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kvgraft.model.batch import current_context
 from kvgraft.vllm.geometry import PENDING, STREAM, WINDOW
 
+ATTENTION_ENV = "KVGRAFT_VLLM_CED_ATTENTION"  # "fused" (default: torch's fused CPU attention) or "torch"
+_ATTENTION = os.environ.get(ATTENTION_ENV, "fused")
+if _ATTENTION not in ("fused", "torch"):
+    raise ValueError(f"{ATTENTION_ENV}={_ATTENTION!r}: expected 'fused' or 'torch'")
 TILE = 16  # queries per prefill tile: 16 x (W + 15) window scores instead of a request's T x (T + W)
 
 
@@ -97,6 +103,7 @@ class BatchIndex:
     done_tok: torch.Tensor | None = None  # stream, m == 1: the tokens whose entries are written
     done_at: tuple[torch.Tensor, torch.Tensor] | None = None  # stream: (C,) rows of the completed entries
     pool_at: tuple[torch.Tensor, torch.Tensor] | None = None  # pending: (C, m) rows pooled per entry
+    masks: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)  # additive masks, made once
 
 
 def _at(table: torch.Tensor, req: np.ndarray, pos: np.ndarray, block: int, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +215,76 @@ def _kv_b(attn: Any, base: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         return attn.split_kv_b()
 
 
+def _fused(t: torch.Tensor) -> bool:
+    """Whether a read runs as torch's fused CPU attention with LSE output (the CPU and ``ATTENTION_ENV`` unset
+    or ``fused``); otherwise as plain batched torch ops (other devices, or ``ATTENTION_ENV=torch``)."""
+    return t.device.type == "cpu" and _ATTENTION == "fused"
+
+
+def _additive(ix: BatchIndex, key: str, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` (bool) as an additive mask of ``dtype`` (0 / -inf), made once per step and group."""
+    hit = ix.masks.get((key, dtype))
+    if hit is None:
+        hit = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        ix.masks[(key, dtype)] = hit
+    return hit
+
+
+def _window_read(
+    qt: torch.Tensor, rows: torch.Tensor, ix: BatchIndex, K: int, dk: int, dv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every tile's queries qt (tiles Q, H, dk) (scaled) over its window rows (tiles, S, K (dk + dv)) under the
+    band mask: (tiles, H, Q, dv) outputs and (tiles, H, Q) float log-sum-exps. Grouped heads (no repeat): a key
+    head's query heads side by side on the query axis."""
+    Q = ix.Q
+    n_tiles, S = rows.shape[0], rows.shape[1]
+    H = qt.shape[1]
+    rep = H // K
+    band = _required(ix.band, "window band")  # (tiles, Q, S)
+    qg = qt.view(n_tiles, Q, K, rep, dk).permute(0, 2, 3, 1, 4).reshape(n_tiles, K, rep * Q, dk)
+    if _fused(qt):
+        k = rows[..., : K * dk].view(n_tiles, S, K, dk).transpose(1, 2)  # (tiles, K, S, dk)
+        v = rows[..., K * dk :].view(n_tiles, S, K, dv).transpose(1, 2)  # (tiles, K, S, dv)
+        D = max(dk, dv)  # the kernel wants one head size: zero columns change no score and no used output
+        qg, k, v = (F.pad(t, (0, D - t.shape[-1])) if t.shape[-1] < D else t for t in (qg, k, v))
+        mask = _additive(ix, f"band{rep}", band.repeat(1, rep, 1)[:, None], qt.dtype)  # (tiles, 1, rep Q, S)
+        y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False, attn_mask=mask, scale=1.0)
+        return y[..., :dv].reshape(n_tiles, H, Q, dv), lse.reshape(n_tiles, H, Q).float()
+    kt = rows[..., : K * dk].view(n_tiles, S, K, dk).permute(0, 2, 3, 1)  # (tiles, K, dk, S)
+    v = rows[..., K * dk :].view(n_tiles, S, K, dv).transpose(1, 2)  # (tiles, K, S, dv)
+    s = torch.matmul(qg, kt).view(n_tiles, H, Q, S).float()
+    s = s.masked_fill(~band[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (tiles, H, Q): every query sees itself
+    p = torch.exp(s - lse[..., None]).to(qt.dtype)
+    return torch.matmul(p.view(n_tiles, K, rep * Q, S), v).view(n_tiles, H, Q, dv), lse
+
+
+def _stream_read(
+    q_lat: torch.Tensor, ent: torch.Tensor, ix: BatchIndex, H: int, dc: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The absorbed stream read: q_lat (tiles, Q H, dc + dr) over the entries (tiles, N, dc + dr) each query
+    sees -> the latent output (tiles, Q H, dc), the float log-sum-exp (tiles, Q, H; -inf where nothing is
+    visible yet) and the probability mass on the entries (tiles, Q, H: 1, or 0 where nothing is visible)."""
+    Q = ix.Q
+    n_tiles = q_lat.shape[0]
+    visible = _required(ix.visible, "stream mask")  # (tiles, Q, N)
+    if _fused(q_lat):
+        mask = _additive(ix, f"visible{H}", visible.repeat_interleave(H, dim=1)[:, None], q_lat.dtype)
+        e = ent[:, None]  # (tiles, 1, N, dc + dr): the keys, and the values (the first dc columns are used)
+        y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_lat[:, None], e, e, 0.0, False, attn_mask=mask, scale=1.0
+        )
+        seen = visible.any(-1)[..., None].expand(n_tiles, Q, H)  # the kernel gives 0, not -inf, for an empty row
+        lse = lse.reshape(n_tiles, Q, H).float().masked_fill(~seen, float("-inf"))
+        return y[:, 0, :, :dc], lse, seen.float()
+    s = torch.matmul(q_lat, ent.transpose(1, 2)).view(n_tiles, Q, H, -1).float()  # (tiles, Q, H, N)
+    s = s.masked_fill(~visible[:, :, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (tiles, Q, H): -inf where nothing is visible yet
+    p = torch.exp(s - lse.nan_to_num(0.0, posinf=0.0, neginf=0.0)[..., None])
+    y = torch.matmul(p.to(q_lat.dtype).view(n_tiles, Q * H, -1), ent[..., :dc])
+    return y, lse, p.sum(-1)
+
+
 def ced_attention(
     attn: Any,
     q: torch.Tensor,
@@ -229,7 +306,7 @@ def ced_attention(
     from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
     H, K, dn, dr, dv, dc = attn.num_heads, attn.num_kv_heads, attn.dn, attn.dr, attn.dv, attn.dc
-    dk, rep = dn + dr, H // K
+    dk = dn + dr
     tok = _required(window_ix.write_tok, "window slots")
     window[_required(window_ix.write_at, "window slots")] = entry[0].index_select(0, tok).to(window.dtype)
 
@@ -239,15 +316,7 @@ def ced_attention(
     # window: (tiles, S, K (dk + dv)) rows; keys outside the sequence zeroed (they are masked, but 0 * nan = nan)
     rows = window[_required(window_ix.key_at, "window keys")]
     rows = rows.masked_fill(~_required(window_ix.key_ok, "window keys"), 0).to(qt.dtype)
-    S = rows.shape[1]
-    k = rows[..., : K * dk].view(n_tiles, S, K, dk).permute(0, 2, 3, 1)  # (tiles, K, dk, S)
-    v = rows[..., K * dk :].view(n_tiles, S, K, dv).transpose(1, 2)  # (tiles, K, S, dv)
-    qg = qt.view(n_tiles, Q, K, rep, dk).permute(0, 2, 3, 1, 4).reshape(n_tiles, K, rep * Q, dk)
-    s = torch.matmul(qg, k).view(n_tiles, H, Q, S).float()
-    s = s.masked_fill(~_required(window_ix.band, "window band")[:, None], float("-inf"))
-    lse_w = torch.logsumexp(s, dim=-1)  # (tiles, H, Q): every query sees itself
-    p = torch.exp(s - lse_w[..., None]).to(qt.dtype)
-    y_w = torch.matmul(p.view(n_tiles, K, rep * Q, S), v).view(n_tiles, H, Q, dv)
+    y_w, lse_w = _window_read(qt, rows, window_ix, K, dk, dv)  # (tiles, H, Q, dv), (tiles, H, Q)
     inv = window_ix.inv
     out_w = y_w.transpose(1, 2).reshape(n_tiles * Q, H, dv).index_select(0, inv)  # (N, H, dv)
     if stream is None or stream_ix is None:
@@ -266,19 +335,15 @@ def ced_attention(
         qr = torch.einsum("tqhn,thnr->tqhr", q_nope.reshape(n_tiles, Q, H, dn), B[:, :, :dn])
         q_c = q_c + torch.einsum("tqhr,trc->tqhc", qr, A).reshape(n_tiles * Q, H, dc)
     q_lat = torch.cat([q_c, q_rope], dim=-1).view(n_tiles, Q * H, dc + dr)
-    s = torch.matmul(q_lat, ent.transpose(1, 2)).view(n_tiles, Q, H, -1)  # (tiles, Q, H, N)
-    if bk is not None:  # the key bias adds q_nope . b_k to every entry's logit of a head
-        s = s + (q_nope * bk).sum(-1).view(n_tiles, Q, H, 1)
-    s = s.float().masked_fill(~_required(stream_ix.visible, "stream mask")[:, :, None], float("-inf"))
-    lse_s = torch.logsumexp(s, dim=-1)  # (tiles, Q, H): -inf where nothing is visible yet
-    p = torch.exp(s - lse_s.nan_to_num(0.0, posinf=0.0, neginf=0.0)[..., None]).to(qt.dtype)
-    y_lat = torch.matmul(p.view(n_tiles, Q * H, -1), ent[..., :dc])  # (tiles, Q H, dc)
+    y_lat, lse_s, mass = _stream_read(q_lat, ent, stream_ix, H, dc)  # (tiles, Q H, dc), (tiles, Q, H) x 2
+    if bk is not None:  # the key bias adds q_nope . b_k to every entry's logit of a head: to the LSE only
+        lse_s = lse_s + (q_nope * bk).sum(-1).view(n_tiles, Q, H).float()
     y_s = torch.bmm(y_lat.view(n_tiles * Q, H, dc).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
     if kv_b_delta is not None:  # + y_lat A^T B_v^T per tile's request
         yr = torch.einsum("tqhc,trc->tqhr", y_lat.view(n_tiles, Q, H, dc), A)
         y_s = y_s + torch.einsum("tqhr,thvr->tqhv", yr, B[:, :, dn:]).reshape(n_tiles * Q, H, dv)
     if bv is not None:  # the value bias, weighted by the mass on the entries (1, or 0 when none is visible)
-        y_s = y_s + p.sum(-1).view(n_tiles * Q, H, 1) * bv
+        y_s = y_s + mass.view(n_tiles * Q, H, 1).to(y_s.dtype) * bv
     out_s = y_s.index_select(0, inv).contiguous()  # (N, H, dv)
     lse_s = lse_s.view(n_tiles * Q, H).index_select(0, inv).transpose(0, 1).contiguous()
     lse_w = lse_w.transpose(1, 2).reshape(n_tiles * Q, H).index_select(0, inv).transpose(0, 1).contiguous()

@@ -22,6 +22,7 @@ class VllmCpuLinear(nn.Linear):
     """An ``nn.Linear`` whose forward is vLLM's CPU GEMM on a packed copy of its weight (``cpu_linear``)."""
 
     cpu_linear: Any
+    same_function_as_linear = True  # kvgraft's adapters wrap it as a plain nn.Linear (only the kernel differs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.cpu_linear(x, self.weight, self.bias)
