@@ -215,6 +215,19 @@ def _kv_b(attn: Any, base: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         return attn.split_kv_b()
 
 
+def _gather(cache: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``cache[at]`` for a cache (blocks, rows, width) and (block ids, rows) index tensors of one shape, as one
+    ``index_select`` over the cache's rows seen flat (on the CPU far cheaper than indexing with two tensors)."""
+    nb, R, width = cache.shape
+    sb, sr = cache.stride(0), cache.stride(1)
+    if cache.stride(2) != 1 or sr < width or sb % sr != 0:
+        return cache[at]
+    per_block = sb // sr  # rows a block spans in memory (padded pages: more than R)
+    flat = cache.as_strided(((nb - 1) * per_block + R, width), (sr, 1))  # no byte past the cache's last row
+    out: torch.Tensor = flat.index_select(0, (at[0] * per_block + at[1]).reshape(-1))
+    return out.view(*at[0].shape, width)
+
+
 def _fused(t: torch.Tensor) -> bool:
     """Whether a read runs as torch's fused CPU attention with LSE output (the CPU and ``ATTENTION_ENV`` unset
     or ``fused``); otherwise as plain batched torch ops (other devices, or ``ATTENTION_ENV=torch``)."""
@@ -313,9 +326,12 @@ def ced_attention(
     Q = window_ix.Q
     qt = q[0].transpose(0, 1).index_select(0, window_ix.qidx) * attn.scale  # (tiles Q, H, dk)
     n_tiles = qt.shape[0] // Q
-    # window: (tiles, S, K (dk + dv)) rows; keys outside the sequence zeroed (they are masked, but 0 * nan = nan)
-    rows = window[_required(window_ix.key_at, "window keys")]
-    rows = rows.masked_fill(~_required(window_ix.key_ok, "window keys"), 0).to(qt.dtype)
+    # window: (tiles, S, K (dk + dv)) rows. vLLM allocates its caches zeroed and writes only finite rows, so on the
+    # fused path a row outside the sequence is finite and its mask alone removes it
+    rows = _gather(window, _required(window_ix.key_at, "window keys"))
+    if not _fused(qt):  # keys outside the sequence zeroed (masked, but 0 * nan = nan); the fused path masks them only
+        rows = rows.masked_fill(~_required(window_ix.key_ok, "window keys"), 0)
+    rows = rows.to(qt.dtype)
     y_w, lse_w = _window_read(qt, rows, window_ix, K, dk, dv)  # (tiles, H, Q, dv), (tiles, H, Q)
     inv = window_ix.inv
     out_w = y_w.transpose(1, 2).reshape(n_tiles * Q, H, dv).index_select(0, inv)  # (N, H, dv)
@@ -324,7 +340,10 @@ def ced_attention(
     at = _required(stream_ix.entry_at, "stream entries")
     if at[0].shape[1] == 0:  # no query of the step sees an entry yet
         return out_w.reshape(-1, H * dv)
-    ent = stream[at][..., : dc + dr].masked_fill(~_required(stream_ix.entry_ok, "stream entries"), 0).to(qt.dtype)
+    ent = _gather(stream, at)[..., : dc + dr]
+    if not _fused(qt):
+        ent = ent.masked_fill(~_required(stream_ix.entry_ok, "stream entries"), 0)
+    ent = ent.to(qt.dtype)
     w_uk, w_uv, bk, bv = _kv_b(attn, kv_b_delta is not None)  # (H, dn, dc), (H, dv, dc), (H, dn)?, (H, dv)?
     q_nope, q_rope = qt[..., :dn], qt[..., dn:]  # (tiles Q, H, .)
     q_c = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (tiles Q, H, dc)
