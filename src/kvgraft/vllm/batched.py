@@ -217,14 +217,14 @@ def _kv_b(attn: Any, base: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def _gather(cache: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``cache[at]`` for a cache (blocks, rows, width) and (block ids, rows) index tensors of one shape, as one
-    ``index_select`` over the cache's rows seen flat (on the CPU far cheaper than indexing with two tensors)."""
+    ``index_select`` (on the CPU far cheaper than indexing with two tensors) over a view whose row i starts at
+    the cache's element i: every (block, row) is then one index, whatever padding the pages have."""
     nb, R, width = cache.shape
     sb, sr = cache.stride(0), cache.stride(1)
-    if cache.stride(2) != 1 or sr < width or sb % sr != 0:
+    if cache.stride(2) != 1:
         return cache[at]
-    per_block = sb // sr  # rows a block spans in memory (padded pages: more than R)
-    flat = cache.as_strided(((nb - 1) * per_block + R, width), (sr, 1))  # no byte past the cache's last row
-    out: torch.Tensor = flat.index_select(0, (at[0] * per_block + at[1]).reshape(-1))
+    starts = cache.as_strided(((nb - 1) * sb + (R - 1) * sr + 1, width), (1, 1))  # no byte past the last row
+    out: torch.Tensor = starts.index_select(0, (at[0] * sb + at[1] * sr).reshape(-1))
     return out.view(*at[0].shape, width)
 
 
