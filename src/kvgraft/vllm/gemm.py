@@ -30,8 +30,9 @@ class VllmCpuLinear(nn.Linear):
 
 
 def use_vllm_cpu_gemm(model: nn.Module) -> int:
-    """Route every plain ``nn.Linear`` of ``model`` through vLLM's CPU GEMM; returns how many. Nothing on
-    other platforms (their linear layers stay ``nn.Linear``)."""
+    """Route every plain ``nn.Linear`` of ``model`` through vLLM's CPU GEMM; returns how many. Layers that
+    already run on it are packed again from their current weights (weights loaded a second time are never
+    served stale). Nothing on other platforms (their linear layers stay ``nn.Linear``)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     from vllm.platforms import current_platform
 
@@ -39,7 +40,7 @@ def use_vllm_cpu_gemm(model: nn.Module) -> int:
         return 0
     n = 0
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) in (nn.Linear, VllmCpuLinear):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             module.__class__ = VllmCpuLinear
             n += 1

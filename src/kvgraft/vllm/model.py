@@ -11,9 +11,9 @@ vLLM's own attention ops are): it writes the step's rows to vLLM's blocks and at
 no ``enforce_eager``) compiles the model; on CUDA the op is a splitting op, so piecewise CUDA graphs capture
 the code between the ops. Steps with adapters run the same ops with each token's adapter routed by a
 :class:`VllmStepContext`; configs with an indexer run kvgraft's layer code per request. Eager only: with
-``enable_lora``, an indexer or ``KVGRAFT_VLLM_CED_PATH=per-request`` the model is not compiled. In eager mode, vLLM's profiling and warm-up
-runs (no attention metadata) run the layers cache-free over the dummy batch; compiled, the op leaves their
-attention output at zero. Neither touches a cache.
+``enable_lora``, an indexer or ``KVGRAFT_VLLM_CED_PATH=per-request`` the model is not compiled. In eager
+mode, vLLM's profiling and warm-up runs (no attention metadata) run the layers cache-free over the dummy
+batch; compiled, the op leaves their attention output at zero. Neither touches a cache.
 """
 
 from __future__ import annotations
