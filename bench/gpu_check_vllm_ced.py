@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
@@ -141,15 +142,23 @@ def run(dtype: str, device: str) -> dict:
 
 
 def throughput(ced: Path, llama: Path, device: str, requests: int, new_tokens: int) -> dict:
-    """vLLM (compiled, fp32) on a CED and on the Llama of its shape: the same request lengths, held-out text."""
+    """vLLM (compiled, fp32) on a CED and on the Llama of its shape: the same request lengths, held-out text
+    (the model directory's ``eval/heldout.npy``; random ids of the vocabulary where there is none)."""
     kvgraft.vllm.register()
     rng = np.random.default_rng(0)
     lengths = rng.integers(16, 401, size=requests).tolist()
     out: dict = dict(ced=str(ced), llama=str(llama), requests=requests, new_tokens=new_tokens, prompt_lengths=lengths)
     for name, path in (("ced", ced), ("llama", llama)):
-        ids = np.load(path / "eval" / "heldout.npy").astype(np.int64)
-        offsets = rng.integers(0, len(ids) - 400, size=requests).tolist()
-        prompts = [ids[o : o + n].tolist() for o, n in zip(offsets, lengths)]
+        heldout = path / "eval" / "heldout.npy"
+        if heldout.is_file():  # the shipped references carry their held-out ids
+            ids = np.load(heldout).astype(np.int64)
+            offsets = rng.integers(0, len(ids) - 400, size=requests).tolist()
+            prompts = [ids[o : o + n].tolist() for o, n in zip(offsets, lengths)]
+        else:  # a real checkpoint (SmolLM2, the real CED) has none: random ids of its vocabulary, the same for both
+            vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
+            fixed = np.random.default_rng(1)
+            prompts = [fixed.integers(3, vocab, size=n).tolist() for n in lengths]
+        out[f"{name}_prompts"] = "held-out text" if heldout.is_file() else "random ids"
         llm = _llm(path, "float32", device, eager=False, max_num_batched_tokens=2048, max_num_seqs=requests)
         compiled = bool(llm.apply_model(lambda m: not getattr(m, "do_not_compile", True))[0])
         _generate(llm, prompts[:4], 8)  # warm-up: first-call set-up is not timed
