@@ -32,6 +32,7 @@ from kvgraft.model.attention_ops import (
     grouped_attention_strided,
     last_positions,
 )
+from kvgraft.model.cpu_kernel import decode_attention
 
 MaskOf = Callable[[torch.Tensor], torch.Tensor]  # key positions (G, S) -> (G, T, S) bool, True = attend
 
@@ -81,7 +82,8 @@ class Entries(KVView):
             return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=K != H)
         m = mask(self.kpos)
         if decode:
-            return grouped_attention(q, k, v, m, d**-0.5)
+            y = decode_attention(q, k.transpose(0, 1), v.transpose(0, 1), m, None, d**-0.5)
+            return y if y is not None else grouped_attention(q, k, v, m, d**-0.5)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], enable_gqa=K != H)
 
     def attend_latent(self, q: torch.Tensor, dc: int, window: int | None, scale: float, mask: MaskOf) -> torch.Tensor:
@@ -104,8 +106,9 @@ class HeadMajorKV(KVView):
         K, H, d = num_kv_heads, q.shape[1], q.shape[-1]
         k_hm, v_hm = self.data[:K], self.data[K:]
         m = mask(self.kpos)
-        if q.shape[2] <= DECODE_MAX_NEW_TOKENS:
-            return grouped_attention_head_major(q, k_hm, v_hm, m, d**-0.5)  # decode step
+        if q.shape[2] <= DECODE_MAX_NEW_TOKENS:  # decode step
+            y = decode_attention(q, k_hm, v_hm, m, None, d**-0.5)
+            return y if y is not None else grouped_attention_head_major(q, k_hm, v_hm, m, d**-0.5)
         return F.scaled_dot_product_attention(
             q, k_hm.transpose(0, 1), v_hm.transpose(0, 1), attn_mask=m[:, None], enable_gqa=K != H
         )
@@ -127,6 +130,9 @@ class HomeRows(KVView):
     ) -> torch.Tensor:
         K, d = num_kv_heads, q.shape[-1]
         m = mask(self.kpos)  # (G, T, S)
+        y = decode_attention(q, self.data[:K], self.data[K:], m, self.index, d**-0.5)
+        if y is not None:  # each row reads its own slot's keys up to its length, in place
+            return y
         # every slot of the pool: heads and slots are one batch axis of fixed stride, so one 4-d matmul reads
         # the view in place; a narrower range has a gap between heads: one batched matmul per key head
         attend = (

@@ -1,0 +1,144 @@
+"""kvgraft's compiled CPU decode-attention kernel (kvgraft.model.cpu_kernel): the same attention as torch's
+batched matmuls over strided views of a pool, rows placed by an index, any mask; it never reads a key
+outside the range a row's queries see; the engine gives the same tokens with it and without it; bad modes
+and failed builds are reported. The tests build the kernel (``require``): a machine that cannot fails here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvgraft.model.cpu_kernel as ck
+from kvgraft.errors import ConfigError
+from kvgraft.model.attention_ops import grouped_attention_head_major
+from kvgraft.reference import resolve_model
+
+
+@pytest.fixture(autouse=True)
+def required(monkeypatch):
+    monkeypatch.setenv(ck.ENV, "require")
+
+
+def pool_views(g, K, n, S, d, dv, spare=5):
+    """Keys and values of n slots as strided views of a larger pool (rows at home: (2K, slots, S, d))."""
+    pool = torch.randn(2 * K, n + 2, S + spare, max(d, dv), generator=g)
+    return pool[:K, 1 : n + 1, :S, :d], pool[K:, 1 : n + 1, :S, :dv]
+
+
+def reference(q, k, v, mask, index, scale):
+    if index is not None:
+        k, v = k[:, index], v[:, index]
+    return grouped_attention_head_major(q, k.contiguous(), v.contiguous(), mask, scale)
+
+
+@pytest.mark.parametrize("d,dv", [(32, 32), (64, 64), (128, 128), (64, 32)])
+@pytest.mark.parametrize("heads,kv_heads,t", [(9, 3, 1), (8, 8, 1), (8, 1, 3), (4, 2, 16)])
+@pytest.mark.parametrize("indexed", [False, True])
+def test_kernel_equals_batched_matmuls(d, dv, heads, kv_heads, t, indexed):
+    g = torch.Generator().manual_seed(d + heads + t)
+    n, S = 7, 41
+    k, v = pool_views(g, kv_heads, n, S, d, dv)
+    index = torch.tensor([5, 0, 3, 6]) if indexed else None
+    G = 4 if indexed else n
+    q = torch.randn(G, heads, t, d, generator=g)
+    lengths = torch.randint(t, S + 1, (G,), generator=g)
+    pos = torch.arange(S)
+    # causal over each row's last t positions, and a sliding window of 9 on odd rows: masks need not be prefixes
+    last = lengths[:, None, None] - t + torch.arange(t)[None, :, None]  # (G, t, 1) each query's position
+    mask = (pos <= last) & ((pos > last - 9) | (torch.arange(G) % 2 == 0)[:, None, None])
+    y = ck.decode_attention(q, k, v, mask, index, 0.3)
+    assert y is not None
+    torch.testing.assert_close(y, reference(q, k, v, mask, index, 0.3), atol=1e-5, rtol=1e-4)
+
+
+def test_keys_outside_a_rows_visible_range_are_never_read():
+    """NaN in every key and value a row's mask does not reach: the kernel's output stays finite and equal
+    to the clean reference (torch's matmuls would turn it into NaN), so a row pays only for its own keys."""
+    g = torch.Generator().manual_seed(1)
+    K, n, S, d = 3, 6, 50, 64
+    k, v = pool_views(g, K, n, S, d, d)
+    q = torch.randn(n, 9, 1, d, generator=g)
+    lo, hi = torch.tensor([0, 3, 10, 0, 20, 49]), torch.tensor([50, 9, 30, 1, 21, 50])
+    mask = ((torch.arange(S) >= lo[:, None]) & (torch.arange(S) < hi[:, None]))[:, None]
+    want = reference(q, k, v, mask, None, 0.125)
+    for r in range(n):
+        k[:, r, : lo[r]] = v[:, r, : lo[r]] = float("nan")
+        k[:, r, hi[r] :] = v[:, r, hi[r] :] = float("nan")
+    y = ck.decode_attention(q, k, v, mask, None, 0.125)
+    assert y is not None and torch.isfinite(y).all()
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_query_that_sees_no_key_gets_zeros():
+    g = torch.Generator().manual_seed(2)
+    k, v = pool_views(g, 2, 3, 10, 32, 32)
+    q = torch.randn(3, 4, 2, 32, generator=g)
+    mask = torch.ones(3, 2, 10, dtype=torch.bool)
+    mask[1, 0] = False  # row 1's first query sees nothing; its second sees every key
+    y = ck.decode_attention(q, k, v, mask, None, 0.2)
+    assert y is not None
+    assert torch.equal(y[1, :, 0], torch.zeros_like(y[1, :, 0]))
+    torch.testing.assert_close(y[1, :, 1], reference(q, k, v, mask, None, 0.2)[1, :, 1])
+
+
+def test_where_the_kernel_does_not_apply_it_returns_none(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    k, v = pool_views(g, 2, 3, 10, 32, 32)
+    q, mask = torch.randn(3, 4, 1, 32, generator=g), torch.ones(3, 1, 10, dtype=torch.bool)
+    assert ck.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, None, 0.2) is None
+    assert ck.decode_attention(q.requires_grad_(), k, v, mask, None, 0.2) is None  # autograd: torch's ops
+    k48, v48 = pool_views(g, 2, 3, 10, 48, 48)  # a width without a vector path
+    assert ck.decode_attention(torch.randn(3, 4, 1, 48), k48, v48, mask, None, 0.2) is None
+    monkeypatch.setenv(ck.ENV, "off")
+    assert ck.decode_attention(q.detach(), k, v, mask, None, 0.2) is None
+
+
+def test_a_bad_mode_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(ck.ENV, "fast")
+    with pytest.raises(ConfigError, match=r"KVGRAFT_CPU_KERNEL \('fast'\) must be one of auto, off, require"):
+        ck.kernel()
+
+
+def test_a_failed_build_raises_under_require_and_falls_back_under_auto(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "decode_attention.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(ck, "SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    ck._module.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="KVGRAFT_CPU_KERNEL=require, but the kernel could not be built"):
+            ck.kernel()
+        monkeypatch.setenv(ck.ENV, "auto")
+        assert ck.kernel() is None
+        assert "could not be built" in caplog.text
+    finally:
+        ck._module.cache_clear()
+
+
+def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatch):
+    from kvgraft.hf import load_pretrained
+    from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.sampling import SamplingParams
+
+    model = load_pretrained(resolve_model("kvgraft-llama-8m")).eval().float()  # head width 32: the vector path
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, model.config.vocab_size, (int(n),), generator=g).tolist() for n in (5, 40, 90, 17, 130, 64)]
+    params = SamplingParams(max_new_tokens=12)
+    calls = []
+    built = ck.kernel()
+    assert built is not None
+
+    class Counting:
+        def vectorized(self, d, dv):
+            return built.vectorized(d, dv)
+
+        def decode_attention(self, *args):
+            calls.append(1)
+            return built.decode_attention(*args)
+
+    monkeypatch.setattr(ck, "kernel", lambda: Counting())
+    with_kernel = Engine(model, max_seqs=4, max_batch_tokens=64, max_seq_len=256).generate(prompts, params)
+    assert calls, "the engine's decode steps ran the kernel"
+    monkeypatch.setattr(ck, "kernel", lambda: None)
+    without = Engine(model, max_seqs=4, max_batch_tokens=64, max_seq_len=256).generate(prompts, params)
+    assert with_kernel == without
