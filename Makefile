@@ -20,7 +20,7 @@ install: $(STAMP)
 # torch's extension cache (~30 s); without a C++ compiler attention runs torch's ops (slower, same tokens)
 KERNEL_STAMP := $(VENV)/.cpu-kernel
 $(KERNEL_STAMP): $(STAMP) src/kvgraft/model/decode_attention.cpp
-	$(PY) -c "import kvgraft.model.cpu_kernel as k; print('CPU decode-attention kernel:', 'built' if k.kernel() else 'not built: torch ops')"
+	$(PY) -c "import kvgraft.model.cpu_kernels as k; print('CPU decode-attention kernel:', 'built' if k.kernel() else 'not built: torch ops')"
 	touch $(KERNEL_STAMP)
 
 kernel: $(KERNEL_STAMP)

@@ -7,7 +7,7 @@ One decode step of ``--rows`` rows at home: per layer a pool of (2K, rows, slot,
 head-major, as kvgraft's paged cache stores them; each row's slot ``--slot`` positions long, so rows are strided
 views), row lengths uniform in [context/2, context]. Timed per step (every layer once), the fastest of
 ``--repeats``: ``matmuls`` (``attention_ops.grouped_attention_strided``, the torch path: every row padded to the
-longest), ``kernel`` (``kvgraft.model.cpu_kernel.decode_attention``: each row to its own length), and ``sum``
+longest), ``kernel`` (``kvgraft.model.cpu_kernels.decode_attention``: each row to its own length), and ``sum``
 (the same views summed: the machine's read bandwidth over these bytes, a floor for any kernel). GB/s counts
 the key and value bytes each read touches (the kernel: those the rows need; the others: padded). The pools (hundreds of MB) exceed the caches, as a real step's do.
 """
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from kvgraft.model import cpu_kernel
+from kvgraft.model import cpu_kernels
 from kvgraft.model.attention_ops import grouped_attention_strided
 
 
@@ -47,8 +47,8 @@ def main() -> None:
     if args.context > args.slot:
         p.error(f"--context ({args.context}) must be at most --slot ({args.slot})")
     torch.set_num_threads(args.threads)
-    if cpu_kernel.kernel() is None:
-        raise SystemExit(f"the kernel is not available ({cpu_kernel.ENV}={cpu_kernel.mode()}, or it could not be built)")
+    if cpu_kernels.kernel() is None:
+        raise SystemExit(f"the kernel is not available ({cpu_kernels.ENV}={cpu_kernels.mode()}, or it could not be built)")
     K, G, S, d = args.kv_heads, args.rows, args.context, args.head_dim
     g = torch.Generator().manual_seed(0)
     pools = [torch.randn(2 * K, G, args.slot, d, generator=g) for _ in range(args.layers)]
@@ -59,7 +59,7 @@ def main() -> None:
     scale = d**-0.5
     views = [pool[:, :, :S] for pool in pools]
     y0 = grouped_attention_strided(q, views[0][:K], views[0][K:], mask, scale)
-    y1 = cpu_kernel.decode_attention(q, views[0][:K], views[0][K:], mask, None, scale)
+    y1 = cpu_kernels.decode_attention(q, views[0][:K], views[0][K:], mask, None, scale)
     assert y1 is not None, "the kernel does not apply to these shapes"
     diff = float((y0 - y1).abs().max())
 
@@ -69,7 +69,7 @@ def main() -> None:
 
     def kernel() -> None:
         for v in views:
-            cpu_kernel.decode_attention(q, v[:K], v[K:], mask, None, scale)
+            cpu_kernels.decode_attention(q, v[:K], v[K:], mask, None, scale)
 
     def sums() -> None:
         for v in views:

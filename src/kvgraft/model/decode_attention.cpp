@@ -232,8 +232,3 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("vectorized", &vectorized, "whether (D, Dv) run on the vector path");
-  m.def("decode_attention", &decode_attention, "decode-step attention over paged keys/values read in place (CPU, fp32)");
-}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvgraft.model import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """Llama's RMSNorm: normalise in fp32, cast back, then scale (bit-compatible with transformers)."""
@@ -14,7 +16,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """``fused``: kvgraft's one-pass CPU kernel where it applies (float32 inference; the sum of squares in
+        another order, so not bit for bit); torch's ops otherwise."""
+        if fused:
+            y = cpu_kernels.rms_norm(x, self.weight, self.eps)
+            if y is not None:
+                return y
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

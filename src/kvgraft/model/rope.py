@@ -16,6 +16,7 @@ import math
 import torch
 
 from kvgraft.errors import ConfigError
+from kvgraft.model import cpu_kernels
 from kvgraft.model.config import ModelConfig, RopeConfig
 
 
@@ -132,7 +133,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, nh, T, d), cos/sin (B, T, d) -> rotated x."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """x (B, nh, T, d), cos/sin (B, T, d) -> rotated x. ``fused``: kvgraft's one-pass CPU kernel where it applies
+    (float32 inference; bit-identical), torch's ops otherwise."""
+    if fused:
+        y = cpu_kernels.rope(x, cos, sin)
+        if y is not None:
+            return y
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin

@@ -87,13 +87,14 @@ class GQAttention(nn.Module):
         q = q.view(B, N, H, d)
         if self.qk_norm:
             q = self.q_norm(q)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, N, d)
+        fused = ctx.cache is not None  # a cached (engine) step: one-pass CPU kernels where they apply
+        q = apply_rope(q.transpose(1, 2), cos, sin, fused)  # (B, H, N, d)
         entry = None
         if self.writes_kv:
             k = k.view(B, N, K, d)
             if self.qk_norm:
                 k = self.k_norm(k)
-            k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)  # (B, N, K, d)
+            k = apply_rope(k.transpose(1, 2), cos, sin, fused).transpose(1, 2)  # (B, N, K, d)
             entry = torch.cat([k.reshape(B, N, K * d), v], dim=-1)  # (B, N, 2 K d)
         out = None
         for gi, g in ctx.each_group():
@@ -127,8 +128,9 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        fused = ctx.cache is not None  # a cached (engine) step: one-pass CPU kernels where they apply
+        x = x + self.self_attn(self.input_layernorm(x, fused), cos, sin, ctx)
+        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x, fused))
         return y
 
 
@@ -271,7 +273,7 @@ class Transformer(nn.Module):
             ctx.commit()
         if last_only:
             x = x[:, -1:] if ctx is None else x[:, ctx.last_index]
-        logits: torch.Tensor = self.lm_head(self.norm(x))
+        logits: torch.Tensor = self.lm_head(self.norm(x, ctx is not None and ctx.cache is not None))
         if rows is not None:  # the (B, T) convenience call
             logits = logits.view(rows, -1, logits.shape[-1])
         return logits

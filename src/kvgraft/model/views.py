@@ -32,7 +32,7 @@ from kvgraft.model.attention_ops import (
     grouped_attention_strided,
     last_positions,
 )
-from kvgraft.model.cpu_kernel import decode_attention
+from kvgraft.model.cpu_kernels import decode_attention
 
 MaskOf = Callable[[torch.Tensor], torch.Tensor]  # key positions (G, S) -> (G, T, S) bool, True = attend
 

@@ -1,14 +1,15 @@
-"""kvgraft's compiled CPU decode-attention kernel (kvgraft.model.cpu_kernel): the same attention as torch's
-batched matmuls over strided views of a pool, rows placed by an index, any mask; it never reads a key
-outside the range a row's queries see; the engine gives the same tokens with it and without it; bad modes
-and failed builds are reported. The tests build the kernel (``require``): a machine that cannot fails here."""
+"""kvgraft's compiled CPU kernels (kvgraft.model.cpu_kernels): decode attention equal to torch's batched matmuls
+over strided views of a pool, rows placed by an index, any mask, never reading a key outside the range a row's
+queries see; rope bit-identical to torch's ops and RMSNorm equal to rounding; the engine gives the same tokens
+with them and without; bad modes and failed builds are reported. The tests build the kernels (``require``): a
+machine that cannot fails here."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import kvgraft.model.cpu_kernel as ck
+import kvgraft.model.cpu_kernels as ck
 from kvgraft.errors import ConfigError
 from kvgraft.model.attention_ops import grouped_attention_head_major
 from kvgraft.reference import resolve_model
@@ -95,18 +96,18 @@ def test_where_the_kernel_does_not_apply_it_returns_none(monkeypatch):
 
 def test_a_bad_mode_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(ck.ENV, "fast")
-    with pytest.raises(ConfigError, match=r"KVGRAFT_CPU_KERNEL \('fast'\) must be one of auto, off, require"):
+    with pytest.raises(ConfigError, match=r"KVGRAFT_CPU_KERNELS \('fast'\) must be one of auto, off, require"):
         ck.kernel()
 
 
 def test_a_failed_build_raises_under_require_and_falls_back_under_auto(monkeypatch, tmp_path, caplog):
     broken = tmp_path / "decode_attention.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(ck, "SOURCE", broken)
+    monkeypatch.setattr(ck, "SOURCES", (broken,))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     ck._module.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match="KVGRAFT_CPU_KERNEL=require, but the kernel could not be built"):
+        with pytest.raises(RuntimeError, match="KVGRAFT_CPU_KERNELS=require, but the kernels could not be built"):
             ck.kernel()
         monkeypatch.setenv(ck.ENV, "auto")
         assert ck.kernel() is None
@@ -129,16 +130,45 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatc
     assert built is not None
 
     class Counting:
-        def vectorized(self, d, dv):
-            return built.vectorized(d, dv)
+        def __getattr__(self, name):
+            def counted(*args):
+                calls.append(name)
+                return getattr(built, name)(*args)
 
-        def decode_attention(self, *args):
-            calls.append(1)
-            return built.decode_attention(*args)
+            return counted
 
     monkeypatch.setattr(ck, "kernel", lambda: Counting())
     with_kernel = Engine(model, max_seqs=4, max_batch_tokens=64, max_seq_len=256).generate(prompts, params)
-    assert calls, "the engine's decode steps ran the kernel"
+    assert {"decode_attention", "rms_norm", "rope"} <= set(calls), "the engine's steps ran the kernels"
     monkeypatch.setattr(ck, "kernel", lambda: None)
     without = Engine(model, max_seqs=4, max_batch_tokens=64, max_seq_len=256).generate(prompts, params)
     assert with_kernel == without
+
+
+def test_rope_is_bit_identical_to_torchs_ops():
+    from kvgraft.model.rope import apply_rope
+
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 11, 9 * 64 + 2 * 3 * 64, generator=g)  # q, k, v side by side, as one matmul gives them
+    q = qkv[..., : 9 * 64].view(2, 11, 9, 64).transpose(1, 2)  # (B, H, T, d), strided
+    cos, sin = torch.randn(2, 11, 64, generator=g), torch.randn(2, 11, 64, generator=g)
+    y = ck.rope(q, cos, sin)
+    assert y is not None and torch.equal(y, apply_rope(q, cos, sin))
+    assert torch.equal(apply_rope(q, cos[:1], sin[:1], fused=True), apply_rope(q, cos[:1], sin[:1]))  # cos shared
+    assert ck.rope(q.double(), cos.double(), sin.double()) is None
+
+
+def test_rms_norm_equals_torchs_ops_to_rounding():
+    from kvgraft.model.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(6)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g))
+    for shape in [(1, 37, 576), (5, 576), (2, 3, 4, 576)]:
+        x = torch.randn(*shape, generator=g) * 3
+        with torch.no_grad():
+            y = norm(x, fused=True)
+        assert y.shape == x.shape
+        torch.testing.assert_close(y, norm(x).detach(), atol=1e-5, rtol=1e-5)
+    assert ck.rms_norm(x.requires_grad_(), norm.weight, 1e-5) is None  # training: torch's ops

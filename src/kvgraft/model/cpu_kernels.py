@@ -1,0 +1,125 @@
+"""kvgraft's compiled CPU kernels, for float32 inference: decode-step attention over paged keys and values read
+in place (``decode_attention.cpp``), and one-pass RMSNorm and rotary embedding (``elementwise.cpp``). Built on
+first use by torch's C++ extension loader into its cache (``TORCH_EXTENSIONS_DIR``). Each function returns None
+where its kernel cannot be built (no C++ compiler) or does not apply (not float32 on the CPU, autograd, a head
+width without a vector path); the caller then runs torch's ops.
+
+``KVGRAFT_CPU_KERNELS`` chooses: ``auto`` (default: build on first use; if the build fails, one warning and
+torch's ops), ``off`` (torch's ops only), ``require`` (a failed build raises)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvgraft.errors import ConfigError
+
+ENV = "KVGRAFT_CPU_KERNELS"
+MODES = ("auto", "off", "require")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode_attention.cpp", "elementwise.cpp", "bindings.cpp"))
+log = logging.getLogger(__name__)
+
+# Instruction sets the build targets, by torch's own reading of this CPU: named, not -march=native, so a
+# cached build never runs on a CPU that lacks what it was compiled for (the flags are part of its name).
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+def mode() -> str:
+    """The kernel mode from ``KVGRAFT_CPU_KERNELS`` (``auto`` when unset); any other value is refused."""
+    value = os.environ.get(ENV, "auto")
+    if value not in MODES:
+        raise ConfigError(f"{ENV} ({value!r}) must be one of {', '.join(MODES)}")
+    return value
+
+
+def build_flags() -> list[str]:
+    """The compiler flags of this machine's build: optimisation, OpenMP (at::parallel_for is OpenMP in the headers:
+    without it a build runs on one thread), no contraction of a product and a sum into one rounding (rope is
+    bit-identical to torch's ops) and the CPU's vector instruction set."""
+    return ["-O3", "-fopenmp", "-ffp-contract=off", *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+
+
+@functools.cache
+def _module(required: bool) -> Any | None:
+    from torch.utils.cpp_extension import load
+
+    flags = build_flags()
+    text = b"".join(p.read_bytes() for p in SOURCES) + " ".join([torch.__version__, *flags]).encode()
+    name = f"kvgraft_cpu_kernels_{hashlib.sha256(text).hexdigest()[:12]}"
+    log.info("loading kvgraft's CPU kernels %s (built once per machine, ~40 s)", name)
+    try:
+        return load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=flags, verbose=False)
+    except Exception as err:  # no compiler, no headers: torch's ops do the same work, slower
+        if required:
+            raise RuntimeError(f"{ENV}=require, but the kernels could not be built: {err}") from err
+        log.warning("kvgraft's CPU kernels could not be built (%s); using torch's ops", err)
+        return None
+
+
+def kernel() -> Any | None:
+    """The built kernels' module, or None (``off``, or the build failed under ``auto``)."""
+    chosen = mode()
+    return None if chosen == "off" else _module(chosen == "require")
+
+
+_NO_INDEX = torch.empty(0, dtype=torch.long)
+
+
+def _inference_cpu_float(*tensors: torch.Tensor) -> bool:
+    """Every tensor float32 on the CPU, and no gradient to track through them."""
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` in one pass (float32; the sum of squares accumulated in
+    another order than torch's), or None where it does not apply."""
+    if not _inference_cpu_float(x, weight):
+        return None
+    mod = kernel()
+    if mod is None:
+        return None
+    y: torch.Tensor = mod.rms_norm(x, weight, eps)
+    return y
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """``kvgraft.model.rope.apply_rope`` (x (B, nh, T, d), cos/sin (B, T, d)) in one pass, bit-identical, or
+    None where it does not apply."""
+    if not _inference_cpu_float(x, cos, sin) or x.dim() != 4 or x.stride(-1) != 1 or x.shape[-1] % 2:
+        return None
+    mod = kernel()
+    if mod is None:
+        return None
+    y: torch.Tensor = mod.rope(x, cos, sin)
+    return y
+
+
+def decode_attention(
+    q: torch.Tensor,  # (G, H, T, d)
+    k: torch.Tensor,  # (K, n, S, d): any strides but the last
+    v: torch.Tensor,  # (K, n, S, dv)
+    mask: torch.Tensor,  # (G, T, S) bool, True = attend
+    index: torch.Tensor | None,  # (G,) the slot of each row among the n; None: row g is slot g
+    scale: float,
+) -> torch.Tensor | None:
+    """Softmax attention of each row's queries over its slot's keys, (G, H, T, dv), reading only the keys
+    between the first and last any query of the row sees; fp32 scores. None where the kernel does not
+    apply (the caller runs torch's ops): not float32 on the CPU, autograd on, a width without a vector
+    path, or no kernel."""
+    if not _inference_cpu_float(q, k, v) or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    mod = kernel()
+    if mod is None or not mod.vectorized(q.shape[-1], v.shape[-1]):
+        return None
+    return mod.decode_attention(q, k, v, mask, _NO_INDEX if index is None else index, scale)  # type: ignore[no-any-return]

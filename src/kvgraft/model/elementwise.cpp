@@ -1,0 +1,110 @@
+// One-pass CPU forms of a decoder layer's elementwise work (float32, inference), each one op where torch runs
+// five (RMSNorm) or nine (rotary embedding, rotate-half).
+//
+// rope is bit-identical to kvgraft.model.rope.apply_rope (the same two products and one sum, each rounded: the
+// build keeps the compiler from contracting them into fused multiply-adds); rms_norm differs from
+// kvgraft.model.norm.RMSNorm only in the order its sum of squares is accumulated.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+// an empty tensor with x's sizes whose memory follows x's stride order (as torch's elementwise ops allocate)
+torch::Tensor empty_in_order(const torch::Tensor& x) {
+  const int64_t n = x.dim();
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+  std::vector<int64_t> sizes(n), inverse(n);
+  for (int64_t i = 0; i < n; ++i) sizes[i] = x.size(order[i]), inverse[order[i]] = i;
+  return torch::empty(sizes, x.options()).permute(inverse);
+}
+
+void check_float(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), what, ": float32 CPU tensors only");
+}
+
+}  // namespace
+
+// x (..., h), weight (h,) -> weight * (x * rsqrt(mean(x^2) + eps))
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_float(x, "rms_norm");
+  check_float(weight, "rms_norm");
+  const int64_t h = x.size(-1);
+  TORCH_CHECK(weight.numel() == h, "rms_norm: weight of ", weight.numel(), " for rows of ", h);
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t rows = xc.numel() / std::max<int64_t>(h, 1);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * h;
+      float* orow = op + r * h;
+      float lanes[16] = {0.f};
+      int64_t i = 0;
+      for (; i + 16 <= h; i += 16)
+        for (int j = 0; j < 16; ++j) lanes[j] += xr[i + j] * xr[i + j];
+      float ss = 0.f;
+      for (int j = 0; j < 16; ++j) ss += lanes[j];
+      for (; i < h; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + e);
+      for (int64_t k = 0; k < h; ++k) {
+        const float n = xr[k] * inv;
+        orow[k] = wp[k] * n;
+      }
+    }
+  });
+  return out.view(x.sizes());
+}
+
+// x (B, nh, T, d) any strides but the last; cos, sin (B, T, d) -> x * cos + rotate_half(x) * sin
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_float(x, "rope");
+  check_float(cos, "rope");
+  check_float(sin, "rope");
+  TORCH_CHECK(x.dim() == 4 && cos.dim() == 3 && sin.sizes() == cos.sizes(), "rope: x (B, nh, T, d), cos/sin (B, T, d)");
+  const int64_t B = x.size(0), nh = x.size(1), T = x.size(2), d = x.size(3);
+  TORCH_CHECK(d % 2 == 0 && x.stride(3) == 1, "rope: an even head width, contiguous");
+  TORCH_CHECK((cos.size(0) == B || cos.size(0) == 1) && cos.size(1) == T && cos.size(2) == d, "rope: cos/sin shape");
+  const auto cc = cos.contiguous();
+  const auto sc = sin.contiguous();
+  auto out = empty_in_order(x);
+  const int64_t half = d / 2;
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
+  const bool shared = cos.size(0) == 1 && B > 1;
+  at::parallel_for(0, B * nh * T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / (nh * T), hh = (u / T) % nh, t = u % T;
+      const float* xr = xp + b * xs0 + hh * xs1 + t * xs2;
+      const int64_t c0 = ((shared ? 0 : b) * T + t) * d;
+      const float* cr = cp + c0;
+      const float* sr = sp + c0;
+      float* orow = op + b * os0 + hh * os1 + t * os2;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = xr[i] * cr[i];
+        const float r = -xr[i + half] * sr[i];
+        orow[i] = a + r;
+      }
+      for (int64_t i = half; i < d; ++i) {
+        const float a = xr[i] * cr[i];
+        const float r = xr[i - half] * sr[i];
+        orow[i] = a + r;
+      }
+    }
+  });
+  return out;
+}
