@@ -19,7 +19,7 @@ install: $(STAMP)
 # kvgraft's CPU decode-attention kernel (src/kvgraft/model/decode_attention.cpp), compiled once per machine into
 # torch's extension cache (~30 s); without a C++ compiler attention runs torch's ops (slower, same tokens)
 KERNEL_STAMP := $(VENV)/.cpu-kernel
-$(KERNEL_STAMP): $(STAMP) src/kvgraft/model/decode_attention.cpp
+$(KERNEL_STAMP): $(STAMP) $(wildcard src/kvgraft/model/*.cpp)
 	$(PY) -c "import kvgraft.model.cpu_kernels as k; print('CPU decode-attention kernel:', 'built' if k.kernel() else 'not built: torch ops')"
 	touch $(KERNEL_STAMP)
 

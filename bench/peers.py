@@ -10,6 +10,8 @@ SmolLM2-135M-Instruct (``make real-model``; imported in bfloat16, run in float32
 longest prompt + completion of 1,024 tokens (``MAX_LEN``: kvgraft's ``max_seq_len``, vLLM's ``max_model_len``). Per model and thread count (``--threads``:
 torch's intra-op threads here, OpenMP threads in vLLM's process), every system runs the whole workload,
 interleaved over ``--repeats`` rounds (every other round in reversed order); the fastest round of each counts (the first pays one-time kernel set-up).
+``--warmup N`` runs every system N untimed rounds first (default 0): vLLM writes its whole KV cache when it starts,
+kvgraft's pools are mapped on first write, so without one kvgraft's first round pays its pages' first writes.
 kvgraft's engine (its pools) and vLLM are built once per model and thread count, before the rounds, and not timed
 (a first round pays the first write of each pool page: slow on our VMs, ~30 us a 4 KiB page); the other kvgraft
 rows and transformers' build their engine and cache inside each timed run.
@@ -503,6 +505,7 @@ def main() -> None:
     p.add_argument("--cb-num-blocks", type=int, default=64)
     p.add_argument("--cb-page-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=0, help="untimed rounds of every system before the timed ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--no-vllm", action="store_true", help="leave vLLM out even when its environment exists")
@@ -538,6 +541,8 @@ def main() -> None:
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.min_prompt > args.max_prompt:
         p.error(f"--min-prompt ({args.min_prompt}) must be <= --max-prompt ({args.max_prompt})")
     longest = min(MAX_LEN[m] for m in args.models)
@@ -624,6 +629,9 @@ def main() -> None:
             best = {s: float("inf") for s in systems}
             tokens: dict[str, list[list[int]]] = {}
             try:
+                for _ in range(args.warmup):  # untimed: every system's first writes and set-up
+                    for s, fn in systems.items():
+                        fn()
                 for r in range(args.repeats):  # every other round in reversed order: a drifting load favours no one
                     for s, fn in list(systems.items())[:: -1 if r % 2 else 1]:
                         outs, t = fn()
@@ -653,7 +661,8 @@ def main() -> None:
             results["runs"].append({"model": name, "threads": threads, "generated_tokens": generated, "systems": rows})
             lines = [
                 f"\n{name} ({MODELS[name]}), {threads} thread{'s' if threads > 1 else ''}: {args.requests} requests, prompts "
-                f"{args.min_prompt}-{args.max_prompt}, {args.new_tokens} greedy new tokens, fp32, fastest of {args.repeats} rounds\n",
+                f"{args.min_prompt}-{args.max_prompt}, {args.new_tokens} greedy new tokens, fp32, fastest of {args.repeats} rounds"
+                f"{f' after {args.warmup} untimed' if args.warmup else ''}\n",
                 "| system | tok/s | vs kvgraft engine | tokens equal |",
                 "|---|---|---|---|",
             ]
