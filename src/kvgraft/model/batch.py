@@ -16,18 +16,6 @@ read: :mod:`kvgraft.model.views`, whose class the context picks from the layer's
 segment). Cross-layer sharing is the ``layer -> source`` map in the config: a reader
 names its source layer and gets what the source stored in this step.
 
-**Adapters.** ``BatchContext(..., adapter_ids=...)`` names each row's adapter (None: the base). Rows of
-different adapters share a group (``Group.adapter`` is then ``MIXED`` and ``Group.adapter_rows`` says
-which rows use which), so a mixed batch runs every per-group operation once, like a single-adapter
-batch. A module that adds per-row adapter deltas (``kvgraft.runtime.adapters.MultiLoraLinear``) reads the
-step it runs in through :func:`current_context` (the model sets it for the duration of a forward, per
-thread): inside a layer's loop over groups (:meth:`BatchContext.each_group` marks the active group) the
-group's rows and their adapters; outside that loop its input is the packed token axis and
-:meth:`BatchContext.adapter_tokens` gives each adapter's token indices. Code that reads a weight through
-the one door (``kvgraft.model.latent.linear_weight``: latent attention's kv_b, absorbed decode) cannot
-serve rows of different adapters with one matrix, so it runs per adapter of the group
-(:meth:`each_adapter`). MLA layers fold weights per group, so on MLA models groups are also keyed by
-adapter.
 Shapes: G rows of a group, T new tokens per row, S keys, W a window, E an entry's width.
 """
 
@@ -248,6 +236,19 @@ class BatchContext(StepContext):
     shared blocks hold. ``replay_at``: each row's first replayed position (default: its last
     ``new_tokens``), so such a replay can run in chunks from position 0. ``capture_layer``: the forward keeps the hidden state
     entering that layer (packed, (1, N, h)) in ``captured``.
+
+    Adapters: ``BatchContext(..., adapter_ids=...)`` names each row's adapter (None: the base). Rows of
+    different adapters share a group (``Group.adapter`` is then ``MIXED`` and ``Group.adapter_rows`` says
+    which rows use which), so a mixed batch runs every per-group operation once, like a single-adapter
+    batch. A module that adds per-row adapter deltas (``kvgraft.runtime.adapters.MultiLoraLinear``) reads the
+    step it runs in through :func:`current_context` (the model sets it for the duration of a forward, per
+    thread): inside a layer's loop over groups (:meth:`BatchContext.each_group` marks the active group) the
+    group's rows and their adapters; outside that loop its input is the packed token axis and
+    :meth:`BatchContext.adapter_tokens` gives each adapter's token indices. Code that reads a weight through
+    the one door (``kvgraft.model.latent.linear_weight``: latent attention's kv_b, absorbed decode) cannot
+    serve rows of different adapters with one matrix, so it runs per adapter of the group
+    (:meth:`each_adapter`). MLA layers fold weights per group, so on MLA models groups are also keyed by
+    adapter.
     """
 
     cache: PagedKVCache  # (always a cache: narrows the base class's optional one)

@@ -14,26 +14,11 @@ Two kinds of storage, both preallocated once:
   last ``W`` tokens (Mistral-style windows and the encoder-decoder's per-layer windows; ring slot ``j``
   holds the latest position ``p`` with ``p % W == j``). Rings are paged too: a ring is ``W / rb`` *ring
   blocks* of ``rb = gcd(W, block_size)`` slots, held
-  by reference count with copy on write like token blocks. The ring layers are split into **ring
-  groups** that share one ring-block table per sequence: on a causal encoder-decoder, the layers before
-  the pivot (the last kv_source layer: the *encoder*, whose windows a certified adapter never changes)
-  and the layers from the pivot on (the *decoder*). Sequences started from one snapshot (N adapters over
-  one prompt) reference the encoder's ring blocks and the shared segments, and hold only their own
-  decoder rings (:meth:`PagedKVCache.restore` with ``recompute_from``); a step that writes into a shared
-  ring block copies that block first (one ring block per group per decode step at most). The ring pools
-  and ring groups are :class:`kvgraft.model.rings.WindowRings`, which the cache owns.
+  by reference count with copy on write like token blocks, in ring groups (:class:`PagedKVCache`).
 - **Per-sequence state**: each kv_source layer with m > 1 keeps the entries and gate scores of the (at
   most m - 1) tokens of its incomplete block. A sequence takes one state slot; a fork copies it.
 
-Every block, a token block or a ring block, is handed out by one allocator class,
-:class:`kvgraft.model.blocks.BlockAllocator` (reference counts per pool, copy on write decided here): one
-instance for the token blocks, one per ring group. ``cache_layout(config)`` (defined with the config,
-:mod:`kvgraft.model.config`, and handed on here) is the one table of what each layer stores;
-``ModelConfig.kv_cache_bytes`` and this class's allocation both derive from it (tested equal). Layers never
-touch the pools directly: the cache plans each forward step (:meth:`PagedKVCache.plan_step`, an immutable
-:class:`kvgraft.model.plan.StepPlan` built from per-slot arrays kept here), and
-:class:`kvgraft.model.batch.BatchContext` holds the plan and hands the layers typed views
-(:mod:`kvgraft.model.views`) for that step.
+The cache plans each forward step (:meth:`PagedKVCache.plan_step`); layers never touch the pools directly.
 """
 
 from __future__ import annotations
@@ -106,6 +91,24 @@ class PagedKVCache:
     ``max_seqs * ring_len / ring_block``, the memory of one ring per slot; more leaves room for snapshots
     that keep rings after their sequence moved on). ``ring_split``: the first layer of the second ring
     group (default: a causal encoder-decoder's pivot, the last kv_source layer; None: one group).
+
+    Ring groups: the ring layers are split into groups that share one ring-block table per sequence: on a
+    causal encoder-decoder, the layers before the pivot (the last kv_source layer: the *encoder*, whose windows a
+    certified adapter never changes) and the layers from the pivot on (the *decoder*). Sequences started from one
+    snapshot (N adapters over one prompt) reference the encoder's ring blocks and the shared segments, and hold
+    only their own decoder rings (:meth:`restore` with ``recompute_from``); a step that writes into a shared ring
+    block copies that block first (one ring block per group per decode step at most). The ring pools and ring
+    groups are :class:`kvgraft.model.rings.WindowRings`, which the cache owns.
+
+    Every block, a token block or a ring block, is handed out by one allocator class,
+    :class:`kvgraft.model.blocks.BlockAllocator` (reference counts per pool, copy on write decided here): one
+    instance for the token blocks, one per ring group. ``cache_layout(config)`` (defined with the config,
+    :mod:`kvgraft.model.config`, and handed on here) is the one table of what each layer stores;
+    ``ModelConfig.kv_cache_bytes`` and this class's allocation both derive from it (tested equal). Layers never
+    touch the pools directly: the cache plans each forward step (:meth:`PagedKVCache.plan_step`, an immutable
+    :class:`kvgraft.model.plan.StepPlan` built from per-slot arrays kept here), and
+    :class:`kvgraft.model.batch.BatchContext` holds the plan and hands the layers typed views
+    (:mod:`kvgraft.model.views`) for that step.
     """
 
     def __init__(

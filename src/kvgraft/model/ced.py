@@ -18,17 +18,8 @@ kvgraft's small, faithful version of DeepSeek-V4.1-Flash's attention layout (MIS
   earlier token is seen: in the window or in a block. Blocks straddling the window's edge are seen both
   ways (at most m - 1 tokens); with m = 1 window and shared path partition the past exactly, which is what
   lets a graft keep each layer's own keys for the recent tokens and approximate only the distant ones.
-- Optional indexer (``index_topk``, off by default): each reading layer scores the visible shared entries
-  with a small multi-head scorer against a key the compressor adds to every entry, and attends to the
-  top-k only. top-k passes no gradient, so the indexer is trained by its own loss: KL from the layer's
-  dense attention over the visible entries to the indexer's softmax, on a detached input, added to the
-  training loss by the loop (``Transformer.aux_loss``). Off, every visible entry is attended.
+- Optional indexer (``index_topk``, off by default) and where the shared entries live: :class:`CEDAttention`.
 
-The shared entries are the cross-layer state: the step context (``kvgraft.model.batch``) holds them,
-in the paged cache's segments with a cache, in the step's scratch without one (a checkpointed layer
-recomputes with exactly the entries it read the first time, and the gradient reaches the compressor
-that wrote them). The attention math over the latents is ``kvgraft.model.latent.LatentAttention``,
-shared with MLA. Shapes: G rows, T new tokens, N shared entries, H heads, K window heads.
 """
 
 from __future__ import annotations
@@ -110,6 +101,21 @@ class Compressor(nn.Module):
 
 
 class CEDAttention(LatentAttention):
+    """One layer of the causal encoder-decoder: its window plus the shared path (the module docstring).
+
+    Optional indexer (``index_topk``, off by default): each reading layer scores the visible shared entries with a
+    small multi-head scorer against a key the compressor adds to every entry, and attends to the top-k only. top-k
+    passes no gradient, so the indexer is trained by its own loss: KL from the layer's dense attention over the
+    visible entries to the indexer's softmax, on a detached input, added to the training loss by the loop
+    (``Transformer.aux_loss``). Off, every visible entry is attended.
+
+    The shared entries are the cross-layer state: the step context (``kvgraft.model.batch``) holds them, in the
+    paged cache's segments with a cache, in the step's scratch without one (a checkpointed layer recomputes with
+    exactly the entries it read the first time, and the gradient reaches the compressor that wrote them). The
+    attention math over the latents is ``kvgraft.model.latent.LatentAttention``, shared with MLA. Shapes: G rows, T
+    new tokens, N shared entries, H heads, K window heads.
+    """
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer

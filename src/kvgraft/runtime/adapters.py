@@ -17,16 +17,7 @@ over that adapter's tokens only (tokens grouped by adapter: one pair of thin mat
 loop over groups (groups are keyed by (new tokens, adapter), so one adapter per group), the active
 group's adapter. A call whose input matches neither layout raises instead of guessing.
 
-**The one door.** Absorbed latent decode (MLA, the causal encoder-decoder) reads q/kv_b/o weights through
-``kvgraft.model.latent.linear_weight``, which calls :meth:`MultiLoraLinear.effective_weight`: inside a
-group it returns that group's adapter's merged weight ``W + scale B A`` (cached per adapter, rebuilt if
-the base weight changes), for a base group the base weight. Read outside any group while rows of the
-step use different adapters on this module, it raises: no single weight is right for all rows.
-
-Unloading: :meth:`AdapterRegistry.unload` removes an adapter's deltas (a linear left with none is put
-back as the plain ``nn.Linear``). The engine decides when that is allowed (see
-``kvgraft.runtime.engine.Engine.unload_adapter``: refused while requests use it, or deferred with
-``wait=True`` until they finish).
+The one door (absorbed decode's weights) and unloading: :class:`MultiLoraLinear`, :class:`AdapterRegistry`.
 """
 
 from __future__ import annotations
@@ -117,7 +108,14 @@ class LoraWeights:
 class MultiLoraLinear(nn.Module):
     """A base ``nn.Linear`` plus the LoRA deltas of every loaded adapter that targets it; each row of a
     step gets its own adapter's delta (see the module docstring). Without a step context, or for base
-    rows, it is exactly the base linear."""
+    rows, it is exactly the base linear.
+
+    The one door. Absorbed latent decode (MLA, the causal encoder-decoder) reads q/kv_b/o weights through
+    ``kvgraft.model.latent.linear_weight``, which calls :meth:`MultiLoraLinear.effective_weight`: inside a group it
+    returns that group's adapter's merged weight ``W + scale B A`` (cached per adapter, rebuilt if the base weight
+    changes), for a base group the base weight. Read outside any group while rows of the step use different adapters
+    on this module, it raises: no single weight is right for all rows.
+    """
 
     def __init__(self, base: nn.Linear) -> None:
         super().__init__()
@@ -373,7 +371,13 @@ class Adapter:
 
 
 class AdapterRegistry:
-    """The adapters loaded on one served model, by name. Not thread-safe: call it from the engine's thread."""
+    """The adapters loaded on one served model, by name. Not thread-safe: call it from the engine's thread.
+
+    Unloading: :meth:`AdapterRegistry.unload` removes an adapter's deltas (a linear left with none is put back as
+    the plain ``nn.Linear``). The engine decides when that is allowed (see
+    ``kvgraft.runtime.engine.Engine.unload_adapter``: refused while requests use it, or deferred with ``wait=True``
+    until they finish).
+    """
 
     def __init__(self, model: Transformer) -> None:
         self.model = model

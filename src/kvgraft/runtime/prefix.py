@@ -21,40 +21,7 @@ start its prompt (at most all but its last token) when either
 
 Adapters without the certificate (they change a shared segment) reuse only their own entries.
 
-**Full-attention bases (Llama, MLA).** The certificate says which layers' KV an adapter leaves as the
-base's: every layer below ``same_below``, the first layer whose KV-writing projections or input it
-changes. Two parties (entry and request; the base has none changed) share the layers below the lower
-of their two boundaries ``b``. If neither changes any KV, the entry is reused as it is. Otherwise the
-request restores the entry's blocks for layers ``< b`` (reference counted per layer: one block id
-space, a count per layer and block, so a sequence's layers split into spans with their own tables) and
-gets fresh blocks for layers ``>= b``, which a **full replay** fills: every prompt position runs through
-the model again, layers below ``b`` reading the shared blocks (their KV is the base's, bit for bit what
-they would write) and layers from ``b`` writing their own. No window bounds what a full-attention
-layer reads, so the replay costs a prefill's compute; what it saves is memory: N adapters over one
-prompt hold the lower layers once. The request then keeps its own entry, whose lower layers are the
-same shared blocks, so the adapter's next request reuses it as it is. Models with sliding-window layers
-(Mistral) share only entries reused as they are (their rings are one group).
-
-**The replay rule** (``replay_span``). Layer ``j`` of a causal encoder-decoder reads, besides the
-shared segments (adapter-independent for certified adapters), its own window: the keys and values it
-computed from its input over the last ``W`` tokens. To rebuild layer ``L-1``'s ring at a prefix of
-``T`` tokens, its input is needed at positions ``[T - W, T)``; that input is layer ``L-2``'s output,
-and layer ``L-2``'s output at position ``t`` reads layer ``L-2``'s window over ``(t - W, t]``, so layer
-``L-2``'s input is needed over ``W - 1`` more positions, and so on down. Starting from the pivot ``p``
-(the first layer a certified adapter may change: the hidden state entering it is adapter-independent),
-the positions needed are the last
-
-    S = W + (L - 1 - p) (W - 1)
-
-(all of them when ``T <= S``). The replay runs layers ``p..L-1`` over those positions from the kept
-pivot inputs, reading the rings as empty (its outputs near the start of the span are wrong and never
-used: each layer's result is right from ``W - 1`` positions after its span begins, exactly the span of
-the layer above) and reading the shared segments as they are. The reference causal encoder-decoder
-(W = 64, L = 8, p = 4): S = 253 positions through 4 layers, instead of a full prefill of every layer.
-
-Entries are evicted least-recently-used: beyond ``max_entries`` or ``max_bytes`` of kept state outside
-the pools (kept hidden states, pending tokens), and whenever the engine needs blocks or ring blocks
-(before it preempts any request).
+Full-attention bases and eviction: :class:`PrefixCache`; the decoder replay's span: :func:`replay_span`.
 """
 
 from __future__ import annotations
@@ -76,8 +43,25 @@ def replay_layer(config: ModelConfig) -> int | None:
 
 
 def replay_span(config: ModelConfig) -> int | None:
-    """Positions a decoder replay needs at the end of a prefix (see the module docstring):
-    ``W + (L - 1 - p) (W - 1)``; None when the model has no replay."""
+    """Positions a decoder replay needs at the end of a prefix: ``W + (L - 1 - p) (W - 1)``; None when the
+    model has no replay.
+
+    The replay rule. Layer ``j`` of a causal encoder-decoder reads, besides the shared segments (adapter-independent
+    for certified adapters), its own window: the keys and values it computed from its input over the last ``W``
+    tokens. To rebuild layer ``L-1``'s ring at a prefix of ``T`` tokens, its input is needed at positions ``[T - W,
+    T)``; that input is layer ``L-2``'s output, and layer ``L-2``'s output at position ``t`` reads layer ``L-2``'s
+    window over ``(t - W, t]``, so layer ``L-2``'s input is needed over ``W - 1`` more positions, and so on down.
+    Starting from the pivot ``p`` (the first layer a certified adapter may change: the hidden state entering it is
+    adapter-independent), the positions needed are the last
+
+        S = W + (L - 1 - p) (W - 1)
+
+    (all of them when ``T <= S``). The replay runs layers ``p..L-1`` over those positions from the kept pivot
+    inputs, reading the rings as empty (its outputs near the start of the span are wrong and never used: each
+    layer's result is right from ``W - 1`` positions after its span begins, exactly the span of the layer above) and
+    reading the shared segments as they are. The reference causal encoder-decoder (W = 64, L = 8, p = 4): S = 253
+    positions through 4 layers, instead of a full prefill of every layer.
+    """
     p = replay_layer(config)
     if p is None:
         return None
@@ -107,7 +91,25 @@ class PrefixEntry:
 
 
 class PrefixCache:
-    """LRU entries over one :class:`PagedKVCache` (see the module docstring)."""
+    """LRU entries over one :class:`PagedKVCache` (see the module docstring).
+
+    Full-attention bases (Llama, MLA). The certificate says which layers' KV an adapter leaves as the base's: every
+    layer below ``same_below``, the first layer whose KV-writing projections or input it changes. Two parties (entry
+    and request; the base has none changed) share the layers below the lower of their two boundaries ``b``. If
+    neither changes any KV, the entry is reused as it is. Otherwise the request restores the entry's blocks for
+    layers ``< b`` (reference counted per layer: one block id space, a count per layer and block, so a sequence's
+    layers split into spans with their own tables) and gets fresh blocks for layers ``>= b``, which a **full
+    replay** fills: every prompt position runs through the model again, layers below ``b`` reading the shared blocks
+    (their KV is the base's, bit for bit what they would write) and layers from ``b`` writing their own. No window
+    bounds what a full-attention layer reads, so the replay costs a prefill's compute; what it saves is memory: N
+    adapters over one prompt hold the lower layers once. The request then keeps its own entry, whose lower layers
+    are the same shared blocks, so the adapter's next request reuses it as it is. Models with sliding-window layers
+    (Mistral) share only entries reused as they are (their rings are one group).
+
+    Entries are evicted least-recently-used: beyond ``max_entries`` or ``max_bytes`` of kept state outside the pools
+    (kept hidden states, pending tokens), and whenever the engine needs blocks or ring blocks (before it preempts
+    any request).
+    """
 
     def __init__(
         self,
