@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvgraft.checks import check_int
 from kvgraft.model.blocks import BlockAllocator, CacheFullError, lazy_zeros
 from kvgraft.model.config import CacheLayout, ModelConfig, cache_layout
 from kvgraft.model.plan import ReadPolicy, StepPlan, plan_step
@@ -124,11 +125,9 @@ class PagedKVCache:
         ring_split: int | None | str = "pivot",
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_seqs", max_seqs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+            check_int(name, value, low=1)
         max_seq_len = num_blocks * block_size if max_seq_len is None else max_seq_len
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len ({max_seq_len!r}) must be a positive integer")
+        check_int("max_seq_len", max_seq_len, low=1)
         self.layout = layout = cache_layout(config)
         m = layout.compress_rate
         if block_size % m:
@@ -144,19 +143,7 @@ class PagedKVCache:
                 )
             ring_split = max(config.kv_source_layers) if config.kv_source_layers else None
         # window rings: their pools and ring groups (a sequence keeps its ring-block tables)
-        self.window_rings = wr = WindowRings(
-            layout.rings,
-            layout.window,
-            block_size,
-            max_seq_len,
-            max_seqs,
-            ring_blocks,
-            ring_split,
-            config.num_layers,
-            config.is_ced,
-            dtype,
-            device,
-        )
+        self.window_rings = wr = WindowRings(config, block_size, max_seq_len, max_seqs, ring_blocks, ring_split, dtype, device)
         self.ring_len, self.ring_block, self.ring_blocks_per_seq = wr.ring_len, wr.ring_block, wr.blocks_per_seq
         self.ring_split, self.ring_groups, self.ring_group_of, self.rings = wr.split, wr.groups, wr.group_of, wr.pools
 
@@ -220,10 +207,7 @@ class PagedKVCache:
         ``expect_tokens``: how long the sequence may get (e.g. prompt + max new tokens); its first block then
         starts a run of free block ids long enough for that, which it claims and grows into (consecutive
         blocks are read as views, not gathered). Only a preference: nothing is held beyond what is written."""
-        if expect_tokens is not None and (
-            isinstance(expect_tokens, bool) or not isinstance(expect_tokens, int) or expect_tokens < 0
-        ):
-            raise ValueError(f"expect_tokens ({expect_tokens!r}) must be a non-negative integer or None")
+        check_int("expect_tokens", expect_tokens, low=0, optional=True)
         if not self._free_slots:
             raise CacheFullError(f"all {self.max_seqs} sequence slots are in use")
         seq = self._next_id
@@ -734,10 +718,8 @@ def static_cache(
     """A cache sized for ``batch_size`` sequences of up to ``max_len`` tokens each, and those sequences.
 
     ``block_size`` defaults to :func:`default_block_size`."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size ({batch_size!r}) must be a positive integer")
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-        raise ValueError(f"max_len ({max_len!r}) must be a positive integer")
+    check_int("batch_size", batch_size, low=1)
+    check_int("max_len", max_len, low=1)
     if block_size is None:
         block_size = default_block_size(config)
     per_seq = math.ceil(max_len / block_size)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvgraft.checks import check_int, is_int
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS
 from kvgraft.model.blocks import CacheFullError
 
@@ -286,7 +287,7 @@ def _check(
         raise ValueError(f"seqs ({len(seqs)}) and new_tokens ({len(new_tokens)}) must be non-empty and of equal length")
     if len(set(seqs)) != len(seqs):
         raise ValueError(f"a sequence appears twice in one step: {seqs}")
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in new_tokens):
+    if any(not is_int(t) or t < 1 for t in new_tokens):
         raise ValueError(f"new_tokens {new_tokens} must be positive integers")
     if adapter_ids is not None and len(adapter_ids) != len(seqs):
         raise ValueError(f"adapter_ids has {len(adapter_ids)} entries for {len(seqs)} rows")
@@ -296,7 +297,7 @@ def _check(
                 "replay_at (one first position per row) is for a full-attention replay (replay=True with write_from)"
             )
         for s, t, a in zip(seqs, new_tokens, replay_at):
-            if isinstance(a, bool) or not isinstance(a, int) or a < 0 or a + t > cache.length(s):
+            if not is_int(a) or a < 0 or a + t > cache.length(s):
                 raise ValueError(f"replay of positions [{a}, {a} + {t}) on sequence {s}, which holds {cache.length(s)} tokens")
 
 
@@ -331,8 +332,8 @@ def _check_write_from(cache: PagedKVCache, seqs: list[int], replay: bool, write_
         return
     if not replay:
         raise ValueError("write_from is for a replay (BatchContext(..., replay=True))")
-    if isinstance(write_from, bool) or not isinstance(write_from, int) or not 0 <= write_from < cache.config.num_layers:
-        raise ValueError(f"write_from ({write_from!r}) must be a layer index in [0, {cache.config.num_layers})")
+    n = cache.config.num_layers
+    check_int("write_from", write_from, low=0, high=n - 1, accepted=f"a layer index in [0, {n})")
     cut = next((u for u, (k, x) in enumerate(cache.units) if x >= write_from), len(cache.units))
     for s in seqs:  # the layers it rewrites must hold their own blocks (a restore with recompute_from)
         for u in range(cut, len(cache.units)):
@@ -425,8 +426,9 @@ def plan_step(
     # MLA's folded decode keeps one fold per weight, so its groups also split by adapter
     split = codes if "mla" in cache.config.attention_kinds else None
     groups = []
+    step = _StepRows(seqs, starts, offsets, slots, adapters, codes, by_code, policy)
     for t, rows in _buckets(cache, t_np, split, slots, policy):
-        g = _group(cache, seqs, rows, t, starts, offsets, slots, adapters, codes, by_code, policy)
+        g = _group(cache, step, rows, t)
         parts = (
             length_split(starts[rows] + t, t, policy.group_cost)
             if policy.split_lengths and cache.device.type == "cpu" and g.G >= 2 and isinstance(g.read, Gather)
@@ -436,7 +438,7 @@ def plan_step(
             groups.append(g)
             continue
         for part in parts:  # rows at different lengths: each part padded to its own longest only
-            groups.append(_group(cache, seqs, rows[part], t, starts, offsets, slots, adapters, codes, by_code, policy))
+            groups.append(_group(cache, step, rows[part], t))
     return StepPlan(
         tuple(seqs),
         tuple(new_tokens),
@@ -451,19 +453,24 @@ def plan_step(
     )
 
 
-def _group(
-    cache: PagedKVCache,
-    seqs: list[int],
-    rows: np.ndarray,
-    t: int,
-    starts_all: np.ndarray,
-    offsets: np.ndarray,
-    slots_all: np.ndarray,
-    adapters: list[object],
-    codes: np.ndarray | None,
-    by_code: list[object],
-    policy: ReadPolicy,
-) -> Group:
+@dataclass(frozen=True)
+class _StepRows:
+    """What every group of a step is cut from: the step's rows by index (sequence, first new position, offset on
+    the packed axis, state slot, adapter and its code) and the read policy."""
+
+    seqs: list[int]
+    starts: np.ndarray
+    offsets: np.ndarray
+    slots: np.ndarray
+    adapters: list[object]
+    codes: np.ndarray | None
+    by_code: list[object]
+    policy: ReadPolicy
+
+
+def _group(cache: PagedKVCache, step: _StepRows, rows: np.ndarray, t: int) -> Group:
+    seqs, starts_all, offsets, slots_all = step.seqs, step.starts, step.offsets, step.slots
+    adapters, codes, by_code, policy = step.adapters, step.codes, step.by_code, step.policy
     dev, bs = cache.device, cache.block_size
     G = len(rows)
     adapter: object = adapters[int(rows[0])]

@@ -25,6 +25,7 @@ import torch
 from kvgraft.checks import check_int
 from kvgraft.errors import ConfigError
 from kvgraft.model.blocks import BlockAllocator, lazy_zeros
+from kvgraft.model.config import ModelConfig, cache_layout
 
 
 def ring_shape(window: int | None, block_size: int, max_seq_len: int) -> tuple[int, int, int]:
@@ -65,26 +66,26 @@ class RingGroup:
 class WindowRings:
     """The ring pools (``pools[layer]``: (ring blocks, rb, width)) and ring groups of one cache.
 
-    ``widths``: ring layer -> values per token; ``split``: the first layer of the second group (None: one
-    group); ``num_blocks``: ring blocks per group (default ``max_seqs`` whole rings); ``splittable``: whether
-    a restore may recompute some groups only (a causal encoder-decoder's rings split at its pivot)."""
+    The ring layers and their widths (values per token) are the config's ``cache_layout(config).rings``;
+    ``split``: the first layer of the second group (None: one group); ``num_blocks``: ring blocks per group
+    (default ``max_seqs`` whole rings). A restore may recompute some groups only on a causal encoder-decoder
+    (its rings split at its pivot)."""
 
     def __init__(
         self,
-        widths: dict[int, int],
-        window: int | None,
+        config: ModelConfig,
         block_size: int,
         max_seq_len: int,
         max_seqs: int,
         num_blocks: int | None,
         split: int | None,
-        num_layers: int,
-        splittable: bool,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
+        layout = cache_layout(config)
+        widths, window, num_layers = layout.rings, layout.window, config.num_layers
         self.window = window
-        self.num_layers, self.splittable = num_layers, splittable
+        self.num_layers, self.splittable = num_layers, config.is_ced
         self.ring_len, self.ring_block, self.blocks_per_seq = ring_shape(window if widths else None, block_size, max_seq_len)
         rb, nrb = self.ring_block, self.blocks_per_seq
         ring_layers = sorted(widths)

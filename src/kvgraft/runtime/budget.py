@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from kvgraft.checks import is_number
 from kvgraft.model.cache import pool_bytes
 from kvgraft.model.config import ModelConfig
 
@@ -211,7 +212,7 @@ def _check_budget(budget: KVBudget) -> int | float | None:
         return None
     if isinstance(budget, str):
         return parse_kv_budget(budget)
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+    if not is_number(budget):
         raise ValueError(f"kv_budget ({budget!r}) must be bytes (int), a fraction in (0, 1] (float), a string or None")
     if isinstance(budget, float):
         if not 0 < budget <= 1:

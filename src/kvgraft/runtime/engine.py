@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from kvgraft.checks import check_int
 from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache, default_block_size, ring_geometry
 from kvgraft.model.packed import pack_linears, packed_bytes, packing_available
@@ -104,14 +105,9 @@ class Engine:
             ("max_seq_len", seq_len),
             ("prefix_entries", prefix_entries),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} ({value!r}) must be a positive integer")
-        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
-            raise ValueError(f"num_blocks ({num_blocks!r}) must be a positive integer or None")
-        if prefix_max_bytes is not None and (
-            isinstance(prefix_max_bytes, bool) or not isinstance(prefix_max_bytes, int) or prefix_max_bytes < 0
-        ):
-            raise ValueError(f"prefix_max_bytes ({prefix_max_bytes!r}) must be a non-negative integer or None")
+            check_int(name, value, low=1)
+        check_int("num_blocks", num_blocks, low=1, optional=True)
+        check_int("prefix_max_bytes", prefix_max_bytes, low=0, optional=True)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype ({dtype!r}) must be a torch.dtype or None")
         if not isinstance(prefix_cache, bool):

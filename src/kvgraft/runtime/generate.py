@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from kvgraft.checks import check_int
 from kvgraft.model.cache import default_block_size
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.engine import Engine
@@ -31,8 +32,7 @@ def generate(
     depend on the others in the batch."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, length>0), got shape {tuple(input_ids.shape)}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 0")
+    check_int("max_new_tokens", max_new_tokens, low=0, accepted="an integer >= 0")
     params = [
         SamplingParams(
             max_new_tokens=max_new_tokens,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgraft.checks import check_int
 from kvgraft.model.cache import CacheSnapshot, PagedKVCache
 from kvgraft.model.config import ModelConfig
 
@@ -119,10 +120,8 @@ class PrefixCache:
         max_bytes: int | None = None,
         replay_from: int | None = None,
     ) -> None:
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise ValueError(f"max_entries ({max_entries!r}) must be a positive integer")
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
-            raise ValueError(f"max_bytes ({max_bytes!r}) must be a non-negative integer or None")
+        check_int("max_entries", max_entries, low=1)
+        check_int("max_bytes", max_bytes, low=0, optional=True)
         self.cache, self.max_entries, self.span, self.max_bytes = cache, max_entries, span, max_bytes
         self.replay_from = replay_from  # a causal encoder-decoder's pivot (None: a full-attention base)
         layers = cache.config.num_layers

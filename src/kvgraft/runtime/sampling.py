@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgraft.checks import check_int, is_int
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,18 +27,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens ({self.max_new_tokens!r}) must be an integer >= 0")
+        check_int("max_new_tokens", self.max_new_tokens, low=0, accepted="an integer >= 0")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise ValueError(f"temperature ({self.temperature!r}) must be >= 0 (0 = greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p ({self.top_p!r}) must be in (0, 1]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed ({self.seed!r}) must be an integer or None")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            if not is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be token ids >= 0, got {t!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:

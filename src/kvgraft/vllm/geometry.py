@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvgraft.checks import check_int
 from kvgraft.model.config import ModelConfig, cache_layout
 
 # tokens per window block: vLLM frees a window's blocks whole as they leave it, so a window of W holds up to
@@ -67,8 +68,7 @@ def page_geometry(config: ModelConfig, itemsize: int, window_block: int = WINDOW
     if not config.is_ced or config.sliding_window is None:
         raise ValueError("kvgraft's vLLM model serves causal encoder-decoders (a config with kv_source_layers)")
     for name, value in (("itemsize", itemsize), ("window_block", window_block)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        check_int(name, value, low=1)
     layout = cache_layout(config)
     source = config.pivot_layer
     row = layout.rings[0]
