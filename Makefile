@@ -16,11 +16,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# kvgraft's CPU decode-attention kernel (src/kvgraft/model/decode_attention.cpp), compiled once per machine into
-# torch's extension cache (~30 s); without a C++ compiler attention runs torch's ops (slower, same tokens)
+# kvgraft's CPU kernels (src/kvgraft/model/*.cpp: decode attention, RMSNorm, RoPE), compiled once per machine into
+# torch's extension cache (~45 s on 2 cores); without a C++ compiler the model runs torch's ops (slower, same tokens)
 KERNEL_STAMP := $(VENV)/.cpu-kernel
 $(KERNEL_STAMP): $(STAMP) $(wildcard src/kvgraft/model/*.cpp)
-	$(PY) -c "import kvgraft.model.cpu_kernels as k; print('CPU decode-attention kernel:', 'built' if k.kernel() else 'not built: torch ops')"
+	$(PY) -c "import kvgraft.model.cpu_kernels as k; print('kvgraft CPU kernels:', 'built' if k.kernel() else 'not built: torch ops')"
 	touch $(KERNEL_STAMP)
 
 kernel: $(KERNEL_STAMP)

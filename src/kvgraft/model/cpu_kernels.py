@@ -55,7 +55,7 @@ def _module(required: bool) -> Any | None:
     flags = build_flags()
     text = b"".join(p.read_bytes() for p in SOURCES) + " ".join([torch.__version__, *flags]).encode()
     name = f"kvgraft_cpu_kernels_{hashlib.sha256(text).hexdigest()[:12]}"
-    log.info("loading kvgraft's CPU kernels %s (built once per machine, ~40 s)", name)
+    log.info("loading kvgraft's CPU kernels %s (built once per machine, ~45 s on 2 cores)", name)
     try:
         return load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=flags, verbose=False)
     except Exception as err:  # no compiler, no headers: torch's ops do the same work, slower
