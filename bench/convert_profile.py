@@ -5,9 +5,9 @@ Runs the conversion of a checkpoint (e.g. a few layers of a real shape from ``be
 only wrapped. Per layer:
 
 - read: the source block read from the memory-mapped checkpoint (bf16 -> fp32);
-- statistics: the calibration second moment (``_second_moment``: the fp64 Gram matrix of the attention
-  input), the attention-distance profile (``_distance_profile``: q/k projections and the softmax over
-  T x T per head), Qwen3's norm fits (``_linearised``);
+- statistics: the calibration second moment (``layer_stats.second_moment``: the fp64 Gram matrix of the attention
+  input), the attention-distance profile (``layer_stats.distance_profile``: q/k projections and the softmax over
+  T x T per head), Qwen3's norm fits (``layer_stats.linearised``);
 - factorisation: ``convert_layer`` (fp64; of it: the KV head rotations, the RoPE pair scores, the
   attention-aware metric's square roots; the rest is the products with C, the eigendecomposition and the
   assembly);
@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import kvgraft.graft.layer_stats as layer_stats
 import kvgraft.graft.layerwise as lw
 import kvgraft.graft.mla as mla
 import kvgraft.graft.mla_math as mla_math
@@ -104,15 +105,15 @@ def install() -> None:
     """Wrap every timed step once; the wrappers record into the current ``PROFILE[0]``."""
     p = Proxy()
     p.wrap_block_read()
-    p.wrap(mla, "_second_moment", "statistics: second moment")
-    p.wrap(mla, "_distance_profile", "statistics: distance profile")
-    p.wrap(mla, "_linearised", "statistics: q/k norm fit")
+    p.wrap(layer_stats, "second_moment", "statistics: second moment")
+    p.wrap(layer_stats, "distance_profile", "statistics: distance profile")
+    p.wrap(layer_stats, "linearised", "statistics: q/k norm fit")
     p.wrap(mla, "convert_layer", "factorisation")
     p.wrap(mla_math, "head_rotations", "head rotations", nested=True)
     p.wrap(mla_math, "pair_scores", "pair scores", nested=True)
     p.wrap(mla_math, "_sqrtm_psd", "metric square roots", nested=True)
-    p.wrap(mla, "_run_block", "propagation")  # LayerGraft.advance's binding
-    p.wrap(lw, "_run_block", "tail")  # the layer-by-layer executor's own binding: the calibration tail
+    p.wrap(layer_stats, "run_block", "propagation")  # LayerGraft.advance calls it through the module
+    p.wrap(lw, "run_block", "tail")  # the layer-by-layer executor's own binding: the calibration tail
     p.wrap(model_mla.MLAttention, "forward", "attention", nested=True)
     p.wrap(model_tf.GQAttention, "forward", "attention", nested=True)
     p.wrap(model_tf.MLP, "forward", "MLP", nested=True)

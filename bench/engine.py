@@ -31,6 +31,7 @@ from kvgraft.atomic import atomic_write_json
 from kvgraft.hf import load_pretrained
 from kvgraft.reference import resolve_model
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 MODELS = {"llama": "kvgraft-llama-8m", "ced": "kvgraft-ced-8m"}
@@ -38,13 +39,16 @@ MODELS = {"llama": "kvgraft-llama-8m", "ced": "kvgraft-ced-8m"}
 
 def one_at_a_time(model, prompts, params, max_seq_len: int | None = None) -> tuple[list[list[int]], float]:
     t0 = time.perf_counter()
-    outs = [Engine(model, max_seqs=1, max_batch_tokens=512, max_seq_len=max_seq_len).generate([p], params)[0] for p in prompts]
+    outs = [
+        Engine(model, EngineOptions(max_seqs=1, max_batch_tokens=512, max_seq_len=max_seq_len)).generate([p], params)[0]
+        for p in prompts
+    ]
     return outs, time.perf_counter() - t0
 
 
 def static_batches(model, prompts, params, batch: int, max_seq_len: int | None = None) -> tuple[list[list[int]], float]:
     t0 = time.perf_counter()
-    engine = Engine(model, max_seqs=batch, max_batch_tokens=100_000, max_seq_len=max_seq_len)
+    engine = Engine(model, EngineOptions(max_seqs=batch, max_batch_tokens=100_000, max_seq_len=max_seq_len))
     outs = []
     for i in range(0, len(prompts), batch):
         outs += engine.generate(prompts[i : i + batch], params)
@@ -52,7 +56,7 @@ def static_batches(model, prompts, params, batch: int, max_seq_len: int | None =
 
 
 def continuous(model, prompts, params, max_seqs: int, max_batch_tokens: int) -> tuple[list[list[int]], float, dict]:
-    engine = Engine(model, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens)
+    engine = Engine(model, EngineOptions(max_seqs=max_seqs, max_batch_tokens=max_batch_tokens))
     t0 = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts]
     peak = {"used": 0, "needed": 0, "contiguous": 0}

@@ -52,6 +52,7 @@ from kvgraft.hf.load import load_tokenizer_dir
 from kvgraft.model.batch import BatchContext
 from kvgraft.reference import resolve_model
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 MODELS = {"llama": "kvgraft-llama-8m", "ced": "kvgraft-ced-8m", "smollm2": "smollm2-135m-instruct"}
@@ -127,9 +128,7 @@ def timed_steps(engine: Engine, timer: StepTimer, steps: int | None) -> tuple[di
 def steady(model, tokenizer_decode, running: int, context: int, decode_steps: int, gen: torch.Generator, timer):
     engine = Engine(
         model,
-        max_seqs=max(running, 1),
-        max_batch_tokens=512,
-        max_seq_len=context + decode_steps + 2,
+        EngineOptions(max_seqs=max(running, 1), max_batch_tokens=512, max_seq_len=context + decode_steps + 2),
         detokenize=tokenizer_decode,
     )
     instrument(engine, timer)
@@ -147,7 +146,9 @@ def steady(model, tokenizer_decode, running: int, context: int, decode_steps: in
 
 
 def workload(model, tokenizer_decode, prompts, new_tokens: int, timer) -> tuple[dict[str, float], int, list[list[int]]]:
-    engine = Engine(model, max_seqs=32, max_batch_tokens=512, max_seq_len=WORKLOAD_MAX_LEN, detokenize=tokenizer_decode)
+    engine = Engine(
+        model, EngineOptions(max_seqs=32, max_batch_tokens=512, max_seq_len=WORKLOAD_MAX_LEN), detokenize=tokenizer_decode
+    )
     instrument(engine, timer)
     params = SamplingParams(max_new_tokens=new_tokens, stop=(NEVER,))
     engine.generate(prompts, params)  # untimed: writes the pool pages once (a first write is a page fault)
@@ -224,7 +225,7 @@ def main() -> None:
             prompts = [torch.randint(0, model.config.vocab_size, (k,), generator=g).tolist() for k in lengths]
             workload(model, decode, prompts, args.new_tokens, timer)  # warm-up round (one-time kernel set-up)
             sec, n, outs = workload(model, decode, prompts, args.new_tokens, timer)
-            plain = Engine(model, max_seqs=32, max_batch_tokens=512, max_seq_len=WORKLOAD_MAX_LEN).generate(
+            plain = Engine(model, EngineOptions(max_seqs=32, max_batch_tokens=512, max_seq_len=WORKLOAD_MAX_LEN)).generate(
                 prompts, SamplingParams(max_new_tokens=args.new_tokens)
             )
             assert outs == plain, "the instrumented engine must give the same tokens as a plain one"

@@ -51,6 +51,7 @@ import kvgraft.vllm  # noqa: E402  (imports no vLLM: register() does)
 from kvgraft.atomic import atomic_write_json  # noqa: E402
 from kvgraft.hf import load_pretrained  # noqa: E402
 from kvgraft.runtime.engine import Engine  # noqa: E402
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams as KvgraftSampling  # noqa: E402
 from kvgraft.vllm.memory import request_usage  # noqa: E402
 
@@ -168,7 +169,9 @@ def throughput(ced: Path, llama: Path, device: str, requests: int, new_tokens: i
         if name == "ced":
             model = load_pretrained(path, dtype=torch.float32, device=device)
             with torch.no_grad():
-                ours = Engine(model, max_seqs=requests).generate(prompts, KvgraftSampling(max_new_tokens=new_tokens))
+                ours = Engine(model, EngineOptions(max_seqs=requests)).generate(
+                    prompts, KvgraftSampling(max_new_tokens=new_tokens)
+                )
             out["ced"]["same_tokens_as_engine"] = sum(a == b for a, b in zip(tokens, ours))
             del model
     out["ratio"] = out["ced"]["tokens_per_s"] / out["llama"]["tokens_per_s"]

@@ -46,7 +46,8 @@ SYSTEM = "You answer geometry questions with the arithmetic and the result."
 def _serve(conn, base: str, adapters: dict[str, str], options: dict) -> None:
     import uvicorn
 
-    from kvgraft.serve.server import EngineOptions, build_server
+    from kvgraft.runtime.options import EngineOptions
+    from kvgraft.serve.server import build_server
 
     try:
         engine = EngineOptions(

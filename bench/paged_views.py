@@ -83,11 +83,12 @@ def prefix_rows(n_rows: int, rounds: int) -> None:
     from kvgraft.model.batch import BatchContext
     from kvgraft.reference import resolve_model
     from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.options import EngineOptions
     from kvgraft.runtime.sampling import SamplingParams
 
     model = load_pretrained(resolve_model("kvgraft-llama-8m")).eval()
     prompt = torch.randint(0, model.config.vocab_size, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
-    engine = Engine(model, max_seqs=n_rows, max_batch_tokens=2048, max_seq_len=1200, prefix_cache=True)
+    engine = Engine(model, EngineOptions(max_seqs=n_rows, max_batch_tokens=2048, max_seq_len=1200, prefix_cache=True))
     first = engine.add_request(prompt, SamplingParams(max_new_tokens=2))
     while engine.requests[first].status != "finished":
         engine.step()

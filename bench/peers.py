@@ -83,6 +83,7 @@ from kvgraft.atomic import atomic_write_json
 from kvgraft.hf import load_pretrained, load_tokenizer_dir
 from kvgraft.reference import resolve_model
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 MODELS = {"llama": "kvgraft-llama-8m", "ced": "kvgraft-ced-8m", "smollm2": "smollm2-135m-instruct"}
@@ -592,7 +593,9 @@ def main() -> None:
         hf_kind = type(hf).__name__
         for threads in args.threads:
             torch.set_num_threads(threads)
-            engine = Engine(model, max_seqs=args.max_seqs, max_batch_tokens=args.max_batch_tokens, max_seq_len=MAX_LEN[name])
+            engine = Engine(
+                model, EngineOptions(max_seqs=args.max_seqs, max_batch_tokens=args.max_batch_tokens, max_seq_len=MAX_LEN[name])
+            )
             engine_run = partial(kv_engine, engine, prompts, params)
             engine_label = f"kvgraft engine ({args.max_seqs} sequences, {args.max_batch_tokens} tokens/step)"
             systems: dict[str, Run] = {

@@ -124,6 +124,7 @@ def main() -> None:
     from kvgraft.data.tasks import is_correct
     from kvgraft.hf import load_pretrained, load_tokenizer_dir
     from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.options import EngineOptions
     from kvgraft.runtime.sampling import SamplingParams
 
     tokenizer = load_tokenizer_dir(BASE)
@@ -174,7 +175,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_pretrained(BASE).eval()
     prompts = [enc.prompt_ids(ex.prompt) for _, _, ex, enc in jobs]
-    engine = Engine(model, max_seqs=len(jobs), max_batch_tokens=2048, max_seq_len=max(map(len, prompts)) + max(MAX_NEW.values()))
+    engine = Engine(
+        model,
+        EngineOptions(max_seqs=len(jobs), max_batch_tokens=2048, max_seq_len=max(map(len, prompts)) + max(MAX_NEW.values())),
+    )
     for name, (_, _, path, _) in adapters.items():
         engine.load_adapter(name, path)
     jobs += [(name, *shared) for name in adapters]

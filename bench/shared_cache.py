@@ -60,13 +60,16 @@ def make_adapters(base, n: int, root: Path) -> dict[str, Path]:
 
 def new_engine(base, adapters, args, prefix: bool):
     from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.options import EngineOptions
 
     e = Engine(
         base,
-        max_seqs=max(8, args.max_n) + 1,
-        max_batch_tokens=args.chunk,
-        max_seq_len=args.prompt + args.new_tokens,
-        prefix_cache=prefix,
+        EngineOptions(
+            max_seqs=max(8, args.max_n) + 1,
+            max_batch_tokens=args.chunk,
+            max_seq_len=args.prompt + args.new_tokens,
+            prefix_cache=prefix,
+        ),
     )
     for name, path in adapters.items():
         e.load_adapter(name, path)
@@ -240,7 +243,7 @@ def main() -> None:
             )
 
         # where the bytes go (from the cache layout): what N requests over one prompt share and do not
-        from kvgraft.model.cache import cache_layout
+        from kvgraft.model.config import cache_layout
 
         lay = cache_layout(cfg)
         item = 4

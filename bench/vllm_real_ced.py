@@ -34,6 +34,7 @@ import kvgraft.vllm  # noqa: E402
 from kvgraft.atomic import atomic_write_json  # noqa: E402
 from kvgraft.hf import load_pretrained  # noqa: E402
 from kvgraft.runtime.engine import Engine  # noqa: E402
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +92,7 @@ def main() -> int:
     vllm_check._close(llm)
     model = load_pretrained(a.model, dtype=torch.float32)
     with torch.no_grad():
-        engine = Engine(model, max_seqs=len(prompts))
+        engine = Engine(model, EngineOptions(max_seqs=len(prompts)))
         for name, path in adapters.items():
             engine.load_adapter(name, path)
         ours = engine.generate(prompts, SamplingParams(max_new_tokens=a.new_tokens), use)

@@ -252,8 +252,8 @@ def test_tail_states_read_off_the_stream_are_the_ones_run_again(tmp_path, monkey
 
     path = _checkpoint(tmp_path, "llama")
     calls = []
-    run_block = lw._run_block
-    monkeypatch.setattr(lw, "_run_block", lambda *a, **k: calls.append(1) or run_block(*a, **k))
+    run_block = lw.run_block
+    monkeypatch.setattr(lw, "run_block", lambda *a, **k: calls.append(1) or run_block(*a, **k))
     options = dict(progress=False, calibration_tokens=1024, calibration_seq_len=32, layerwise=layerwise)
     read = execute(plan_conversion(path, tmp_path / "read", ConvertOptions(**options))).to_dict()
     assert len(calls) == 3 + 1  # one stack every layer, the other only at the last layer (2: not propagated)

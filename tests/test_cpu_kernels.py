@@ -119,6 +119,7 @@ def test_a_failed_build_raises_under_require_and_falls_back_under_auto(monkeypat
 def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatch):
     from kvgraft.hf import load_pretrained
     from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.options import EngineOptions
     from kvgraft.runtime.sampling import SamplingParams
 
     model = load_pretrained(resolve_model("kvgraft-llama-8m")).eval().float()  # head width 32: the vector path
@@ -138,10 +139,10 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatc
             return counted
 
     monkeypatch.setattr(ck, "kernel", lambda: Counting())
-    with_kernel = Engine(model, max_seqs=4, max_batch_tokens=64, max_seq_len=256).generate(prompts, params)
+    with_kernel = Engine(model, EngineOptions(max_seqs=4, max_batch_tokens=64, max_seq_len=256)).generate(prompts, params)
     assert {"decode_attention", "rms_norm", "rope"} <= set(calls), "the engine's steps ran the kernels"
     monkeypatch.setattr(ck, "kernel", lambda: None)
-    without = Engine(model, max_seqs=4, max_batch_tokens=64, max_seq_len=256).generate(prompts, params)
+    without = Engine(model, EngineOptions(max_seqs=4, max_batch_tokens=64, max_seq_len=256)).generate(prompts, params)
     assert with_kernel == without
 
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from decode_cost import build, configs, mla_folds, mla_of, prefilled_cache, step_cost  # noqa: E402
 
 from kvgraft.model import ModelConfig  # noqa: E402
-from kvgraft.model.cache import cache_layout  # noqa: E402
+from kvgraft.model.config import cache_layout  # noqa: E402
 from kvgraft.model.presets import get_preset  # noqa: E402
 
 # a tiny 1B-like shape: 4:1 GQA, MLA ranks that fold nothing (as at the real 1B shape)

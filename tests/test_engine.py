@@ -11,9 +11,11 @@ import torch
 
 from kvgraft.hf import load_pretrained
 from kvgraft.model.batch import BatchContext
-from kvgraft.model.cache import CacheFullError, PagedKVCache
+from kvgraft.model.blocks import CacheFullError
+from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -55,7 +57,7 @@ MAX_NEW = [5, 12, 3, 20, 8, 1, 16, 9, 24, 7, 11, 4, 18, 2, 13, 6]
 
 
 def alone(model, prompt, params) -> list[int]:
-    return Engine(model, max_seqs=1, max_batch_tokens=512).generate([prompt], params)[0]
+    return Engine(model, EngineOptions(max_seqs=1, max_batch_tokens=512)).generate([prompt], params)[0]
 
 
 @pytest.mark.parametrize("kind", ["llama", "mla", "ced"])
@@ -65,7 +67,7 @@ def test_continuous_batching_equals_each_request_alone(kind):
     params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
     expected = [alone(model, p, s) for p, s in zip(ps, params)]
     # a small token budget: prompts are prefilled in chunks, in the same steps as other rows' decodes
-    engine = Engine(model, max_seqs=16, max_batch_tokens=96)
+    engine = Engine(model, EngineOptions(max_seqs=16, max_batch_tokens=96))
     ids = {}
     order = list(range(16))
     for i in order[:6]:  # some now, the rest admitted while those run
@@ -122,7 +124,7 @@ def test_preemption_under_a_tiny_pool_finishes_with_the_same_tokens(kind):
     ps = prompts(6, [40, 70, 33, 90, 64, 17], seed=2)
     params = [SamplingParams(max_new_tokens=n, temperature=0.8, seed=i) for i, n in enumerate([14, 9, 18, 6, 12, 16])]
     expected = [alone(model, p, s) for p, s in zip(ps, params)]
-    engine = Engine(model, num_blocks=10, block_size=16, max_seqs=6, max_batch_tokens=64)  # 160 tokens in all
+    engine = Engine(model, EngineOptions(num_blocks=10, block_size=16, max_seqs=6, max_batch_tokens=64))  # 160 tokens in all
     got = engine.generate(ps, params)
     assert engine.stats["preemptions"] > 0
     assert got == expected
@@ -151,7 +153,7 @@ def test_sampling_is_per_request_and_stops():
     p = prompts(3, [20, 50, 8], seed=4)
     hot = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=7)
     a = Engine(model).generate([p[0]], hot)[0]
-    b = Engine(model, max_batch_tokens=32).generate(p, [hot, SamplingParams(max_new_tokens=5), hot])
+    b = Engine(model, EngineOptions(max_batch_tokens=32)).generate(p, [hot, SamplingParams(max_new_tokens=5), hot])
     assert b[0] == a and b[2] != a  # same seed, same tokens whatever the batch; another prompt differs
     greedy = alone(model, p[1], SamplingParams(max_new_tokens=12))
     stop = greedy[4]
@@ -165,7 +167,7 @@ def test_sampling_is_per_request_and_stops():
 
 def test_cancel_frees_the_request_and_bad_requests_are_refused():
     model = reference("llama")
-    engine = Engine(model, max_seqs=2, max_seq_len=128)
+    engine = Engine(model, EngineOptions(max_seqs=2, max_seq_len=128))
     rid = engine.add_request(list(range(40)), SamplingParams(max_new_tokens=50))
     engine.step()
     assert engine.cache.used_bytes > 0

@@ -1,6 +1,6 @@
 """The graft's faster paths equal the plain ones they replaced (tiny random models, CPU, fp32).
 
-- ``_distance_profile`` one KV group at a time, probabilities summed in fp32: equals the (B, H, T, T) fp64
+- ``distance_profile`` one KV group at a time, probabilities summed in fp32: equals the (B, H, T, T) fp64
   version it replaced to 1e-6 relative (GQA, MQA, sliding window, per-head q/k norms).
 - MLA's cache-free causal attention pads the narrower side so the CPU's fused SDPA kernel runs: equals the
   unpadded attention to 1e-5.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgraft.graft import mla as graft
+from kvgraft.graft import layer_stats as graft
 from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.model.batch import DenseContext
 from kvgraft.model.rope import apply_rope
@@ -25,7 +25,7 @@ def _calibration(n: int = 6, t: int = 40, seed: int = 1) -> torch.Tensor:
 
 
 def _reference_distance_profile(block, x, cos, sin, batch_size):
-    """The implementation ``_distance_profile`` replaced: every head's (T, T) probabilities in fp64."""
+    """The implementation ``distance_profile`` replaced: every head's (T, T) probabilities in fp64."""
     attn = block.self_attn
     H, K, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     T = x.shape[1]
@@ -60,7 +60,7 @@ def test_distance_profile_equals_the_per_head_fp64_version(kind, graft_model):
     x = model.embed_tokens(ids).float()
     cos, sin = model.rotary(torch.arange(ids.shape[1]).expand_as(ids), torch.float32)
     block = model.layers[0]
-    fast = graft._distance_profile(block, x, cos, sin, batch_size=4)  # uneven last batch
+    fast = graft.distance_profile(block, x, cos, sin, batch_size=4)  # uneven last batch
     ref = _reference_distance_profile(block, x, cos, sin, batch_size=4)
     assert fast.dtype == torch.float64
     torch.testing.assert_close(fast, ref, rtol=1e-6, atol=1e-9)
@@ -89,13 +89,13 @@ def test_layerwise_stand_in_feeds_the_next_layer_what_the_new_model_computes(mon
     model = graft_model(layers=3, tie=True)
     ids = _calibration()
     seen = []
-    original = graft._second_moment
+    original = graft.second_moment
 
     def record(norm, x, batch_size):
         seen.append(x.clone())
         return original(norm, x, batch_size)
 
-    monkeypatch.setattr(graft, "_second_moment", record)
+    monkeypatch.setattr(graft, "second_moment", record)
     g = GraftConfig(kv_lora_rank=16, qk_rope_head_dim=8, objective="attention", rope_selection="norm", layers=(0, 1))
     new = graft_mla(model, g, ids, progress=False, batch_size=4).eval()
     assert len(seen) == 2  # layers 0 and 1 only: layer 2 is not converted, so nothing is measured there

@@ -29,6 +29,7 @@ from kvgraft.hf import save_pretrained
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.presets import get_preset
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +62,7 @@ def prompts(vocab: int, lengths=LENGTHS, seed: int = 0) -> list[list[int]]:
 
 
 def engine_tokens(model, ps, new=NEW, **kw) -> list[list[int]]:
-    return Engine(model, max_seqs=8, prefix_cache=True).generate(ps, SamplingParams(max_new_tokens=new), **kw)
+    return Engine(model, EngineOptions(max_seqs=8, prefix_cache=True)).generate(ps, SamplingParams(max_new_tokens=new), **kw)
 
 
 def cb_config(**kw) -> ContinuousBatchingConfig:
@@ -184,7 +185,7 @@ def test_peft_adapter_under_continuous_batching(tmp_path):
     randomize_adapter(pm, 0.15, seed=4)
     adapter = save_adapter(pm, tmp_path / "adapter")
     ps = prompts(CED.vocab_size)
-    engine = Engine(model, max_seqs=8, prefix_cache=True)
+    engine = Engine(model, EngineOptions(max_seqs=8, prefix_cache=True))
     engine.load_adapter("a", adapter)
     want = engine.generate(ps, SamplingParams(max_new_tokens=NEW), adapters="a")
     assert want != engine_tokens(model, ps)
@@ -327,7 +328,7 @@ def test_transformers_serve_continuous_batching_runs_the_ced(tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     ids = tok(prompt)["input_ids"]
     assert reply["usage"]["prompt_tokens"] == len(ids)
-    want = Engine(load_pretrained(path), max_seqs=2, prefix_cache=True).generate(
+    want = Engine(load_pretrained(path), EngineOptions(max_seqs=2, prefix_cache=True)).generate(
         [ids], SamplingParams(max_new_tokens=12, stop_token_ids=(0,))
     )[0]
     assert reply["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)

@@ -21,6 +21,7 @@ from kvgraft.adapters.placement import Placement
 from kvgraft.hf import KvgraftForCausalLM, load_pretrained, save_pretrained
 from kvgraft.model.presets import get_preset
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ def setup(kind, tmp_path_factory):
 
 def served(base_dir, dirs, ps, new) -> dict:
     """What kvgraft's serving engine (kvgraft serve's in-process API) decodes for each adapter and the base."""
-    engine = Engine(load_pretrained(base_dir), max_seqs=8, prefix_cache=True)
+    engine = Engine(load_pretrained(base_dir), EngineOptions(max_seqs=8, prefix_cache=True))
     for name, d in dirs.items():
         engine.load_adapter(name, d)
     want = {a: engine.generate(ps, SamplingParams(max_new_tokens=new), adapters=a) for a in [None, *dirs]}
@@ -156,7 +157,8 @@ def test_merge_and_unload_gives_the_adapter_tokens(kind, tmp_path_factory, tmp_p
     # and saved, it serves those tokens as a plain base model
     merged.save_pretrained(tmp_path / "merged")
     assert (
-        Engine(load_pretrained(tmp_path / "merged"), max_seqs=4).generate(ps, SamplingParams(max_new_tokens=NEW)) == want["all"]
+        Engine(load_pretrained(tmp_path / "merged"), EngineOptions(max_seqs=4)).generate(ps, SamplingParams(max_new_tokens=NEW))
+        == want["all"]
     )
 
 

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from kvgraft.hf import load_pretrained
-from kvgraft.model.cache import PagedKVCache, pool_bytes
+from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.sizes import pool_bytes
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime import budget as budget_mod
 from kvgraft.runtime.budget import DEFAULT_KV_BUDGET, parse_kv_budget
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -57,7 +59,7 @@ def prompts(lengths: list[int], seed: int, vocab: int = 8192) -> list[list[int]]
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_pool_bytes_are_what_the_cache_allocates(name, prefix_cache):
     model = reference(name)
-    engine = Engine(model, max_seqs=4, max_seq_len=300, prefix_cache=prefix_cache, kv_budget=4_000_000)
+    engine = Engine(model, EngineOptions(max_seqs=4, max_seq_len=300, prefix_cache=prefix_cache, kv_budget=4_000_000))
     per_block, fixed = pool_bytes(
         model.config,
         engine.cache.block_size,
@@ -92,12 +94,12 @@ def test_a_small_budget_admits_fewer_sequences_and_preempts_with_the_same_tokens
             peak = max(peak, len(engine.running))
         return [engine.pop_finished(i).output for i in ids], peak
 
-    free = Engine(model, max_seqs=8, max_seq_len=256, max_batch_tokens=128)
+    free = Engine(model, EngineOptions(max_seqs=8, max_seq_len=256, max_batch_tokens=128))
     expected, peak_free = run(free)
     assert peak_free == 8 and free.stats["preemptions"] == 0
     per_block, fixed = pool_bytes(model.config, 16, 8, 256, torch.float32)
     budget = fixed + 24 * per_block  # 24 blocks: 384 tokens, one request of 256 and a half
-    small = Engine(model, max_seqs=8, max_seq_len=256, max_batch_tokens=128, kv_budget=budget)
+    small = Engine(model, EngineOptions(max_seqs=8, max_seq_len=256, max_batch_tokens=128, kv_budget=budget))
     assert small.cache.num_blocks == 24 and small.cache.nbytes == budget
     assert small.pool.concurrency == 1.5 and small.pool.max_concurrency == 1
     got, peak_small = run(small)
@@ -124,9 +126,9 @@ def test_the_default_fits_an_8k_model_on_a_24_gb_machine(monkeypatch, caplog):
     monkeypatch.setattr(budget_mod, "available_memory", lambda device: 6 * GiB)
     assert Engine(model).pool.budget_bytes == 3 * GiB
     # a fraction of what is available, and a small model never gets more than its worst case
-    assert Engine(model, kv_budget=0.25).pool.budget_bytes == 6 * GiB // 4
-    assert Engine(model, kv_budget="25%").pool.budget_bytes == 6 * GiB // 4
-    small = Engine(reference("kvgraft-llama-8m"), max_seqs=4)
+    assert Engine(model, EngineOptions(kv_budget=0.25)).pool.budget_bytes == 6 * GiB // 4
+    assert Engine(model, EngineOptions(kv_budget="25%")).pool.budget_bytes == 6 * GiB // 4
+    small = Engine(reference("kvgraft-llama-8m"), EngineOptions(max_seqs=4))
     assert small.cache.num_blocks == small.pool.worst_case_blocks == 4 * math.ceil(512 / 16)
 
 
@@ -149,25 +151,28 @@ def test_the_default_fits_an_8k_model_on_a_24_gb_machine(monkeypatch, caplog):
 )
 def test_bad_budgets_are_refused_naming_the_value(bad, match):
     with pytest.raises(ValueError, match=match):
-        Engine(reference("kvgraft-llama-8m"), max_seqs=2, kv_budget=bad)
+        Engine(reference("kvgraft-llama-8m"), EngineOptions(max_seqs=2, kv_budget=bad))
 
 
 def test_budgets_that_cannot_hold_a_request_and_conflicting_arguments_are_refused():
     model = reference("kvgraft-llama-8m")
     with pytest.raises(ValueError, match=r"kv_budget 1.0 MiB .* one request of max_seq_len 512 tokens needs 32 blocks"):
-        Engine(model, max_seqs=2, kv_budget="1MiB")
-    Engine(model, max_seqs=2, max_seq_len=64, kv_budget="1MiB")  # shorter requests fit
+        Engine(model, EngineOptions(max_seqs=2, kv_budget="1MiB"))
+    Engine(model, EngineOptions(max_seqs=2, max_seq_len=64, kv_budget="1MiB"))  # shorter requests fit
     with pytest.raises(ValueError, match=r"give num_blocks \(10\) or kv_budget \('1GiB'\), not both"):
-        Engine(model, num_blocks=10, kv_budget="1GiB")
+        Engine(model, EngineOptions(num_blocks=10, kv_budget="1GiB"))
     for name, kwargs in [
         ("num_blocks", {"num_blocks": 0}),
         ("num_blocks", {"num_blocks": 2.0}),
         ("dtype", {"dtype": "fp16"}),
         ("prefix_cache", {"prefix_cache": "yes"}),
-        ("detokenize", {"detokenize": "not a function"}),
     ]:
         with pytest.raises(ValueError, match=rf"{name} \("):
-            Engine(model, **kwargs)
+            Engine(model, EngineOptions(**kwargs))
+    with pytest.raises(ValueError, match=r"detokenize \("):
+        Engine(model, detokenize="not a function")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"options \(\{'max_seqs': 2\}\) must be an EngineOptions"):
+        Engine(model, {"max_seqs": 2})  # type: ignore[arg-type]
 
 
 def test_parse_kv_budget():
@@ -236,12 +241,12 @@ def test_the_prefix_cache_under_a_small_budget_keeps_the_tokens(name):
     prompts = [system + torch.randint(0, 8192, (n,), generator=g).tolist() for n in (5, 30, 12, 60, 3, 25)]
     prompts += [prompts[1], prompts[3][:50]]  # a prompt again, and one that extends a kept part
     params = [SamplingParams(max_new_tokens=n) for n in (10, 4, 16, 8, 12, 6, 9, 7)]
-    alone = [Engine(model, max_seqs=1, max_seq_len=128).generate([p], [s])[0] for p, s in zip(prompts, params)]
-    probe = Engine(model, max_seqs=6, max_seq_len=128, prefix_cache=True, num_blocks=8)
+    alone = [Engine(model, EngineOptions(max_seqs=1, max_seq_len=128)).generate([p], [s])[0] for p, s in zip(prompts, params)]
+    probe = Engine(model, EngineOptions(max_seqs=6, max_seq_len=128, prefix_cache=True, num_blocks=8))
     seen = {}
     for blocks in (20, 44):  # the worst case: 6 x (8 + 2) = 60 blocks
         budget = probe.pool.fixed_bytes + blocks * probe.pool.block_bytes
-        engine = Engine(model, max_seqs=6, max_seq_len=128, prefix_cache=True, kv_budget=budget)
+        engine = Engine(model, EngineOptions(max_seqs=6, max_seq_len=128, prefix_cache=True, kv_budget=budget))
         assert engine.cache.num_blocks == blocks < engine.pool.worst_case_blocks
         ids = [engine.add_request(p, s) for p, s in zip(prompts, params)]
         engine.run()

@@ -19,6 +19,7 @@ from kvgraft.model.batch import BatchContext
 from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.presets import get_preset
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 LLAMA = get_preset("llama-tiny").replace(num_layers=4, max_position_embeddings=256)
@@ -49,7 +50,7 @@ def setup(request, tmp_path_factory):
 
 
 def engine(base, dirs, names=ADAPTERS, **kw) -> Engine:
-    e = Engine(base, max_seqs=kw.pop("max_seqs", 8), max_batch_tokens=kw.pop("max_batch_tokens", 48), **kw)
+    e = Engine(base, EngineOptions(max_seqs=kw.pop("max_seqs", 8), max_batch_tokens=kw.pop("max_batch_tokens", 48), **kw))
     for n in names:
         e.load_adapter(n, dirs[n])
     return e

@@ -248,17 +248,17 @@ def test_qwen3_query_norm_is_kept_and_key_norm_linearised():
     assert new.config.qk_norm and all(hasattr(layer.self_attn, "q_mix") for layer in new.layers)
     fitted = _calibration_error(model, new, IDS)
 
-    import kvgraft.graft.mla as graft_module
+    import kvgraft.graft.layer_stats as graft_module
 
     def identity_keys(block, x, C, batch_size):  # pretend the key norm were not there
         return block.self_attn.k_proj.weight.detach().double()
 
-    original = graft_module._linearised_keys
-    graft_module._linearised_keys = identity_keys
+    original = graft_module.linearised_keys
+    graft_module.linearised_keys = identity_keys
     try:
         ignored = _calibration_error(model, graft_mla(model, g, calib, progress=False).eval(), IDS)
     finally:
-        graft_module._linearised_keys = original
+        graft_module.linearised_keys = original
     print(f"qwen3 graft error: fitted key norm {fitted:.3e}, ignored {ignored:.3e}")
     assert fitted < 0.5 * ignored, (fitted, ignored)
     weights_only = graft_mla(
@@ -282,7 +282,7 @@ def test_qwen3_graft_round_trips_in_kvgraft_format(tmp_path, rank):
 
 def test_rope_expectation_is_the_expected_logit_of_a_dropped_pair():
     """For one query/key and a distance profile p, E_p[RoPE(q).RoPE(k)] == (M^T q) . k exactly."""
-    from kvgraft.graft.mla import rope_expectation
+    from kvgraft.graft.layer_stats import rope_expectation
     from kvgraft.model.rope import apply_rope
 
     g = torch.Generator().manual_seed(0)

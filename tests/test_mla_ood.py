@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvgraft.data import ood
-from kvgraft.graft.mla import GraftConfig, graft_mla, shrink_second_moment
+from kvgraft.graft.layer_stats import shrink_second_moment
+from kvgraft.graft.mla import GraftConfig, graft_mla
 from kvgraft.model import ModelConfig, Transformer
 
 

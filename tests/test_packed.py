@@ -14,6 +14,7 @@ from torch import nn
 from kvgraft.hf import load_pretrained
 from kvgraft.model.packed import PackedLinear, pack_linears, packed_bytes, packing_available, unpack_linears
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -95,7 +96,7 @@ def test_engine_tokens_equal_with_and_without_packing() -> None:
     outs = []
     for packed in (False, True):
         model = load_pretrained(MODELS / "kvgraft-llama-8m").eval()
-        engine = Engine(model, max_seqs=4, max_seq_len=128, packed_linears=packed)
+        engine = Engine(model, EngineOptions(max_seqs=4, max_seq_len=128, packed_linears=packed))
         assert engine.packed_linears == (0 if not packed else len([m for m in model.modules() if isinstance(m, nn.Linear)]))
         ids = [engine.add_request(p, params) for p in prompts]
         while engine.has_unfinished():
@@ -107,7 +108,7 @@ def test_engine_tokens_equal_with_and_without_packing() -> None:
 def test_engine_refuses_bad_packed_linears() -> None:
     model = load_pretrained(MODELS / "kvgraft-llama-8m")
     with pytest.raises(ValueError, match="packed_linears"):
-        Engine(model, max_seqs=2, max_seq_len=64, packed_linears="yes")  # type: ignore[arg-type]
+        Engine(model, EngineOptions(max_seqs=2, max_seq_len=64, packed_linears="yes"))  # type: ignore[arg-type]
 
 
 def test_linears_fuses_packed_layers_and_follows_weight_changes() -> None:

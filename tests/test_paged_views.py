@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvgraft.model.batch import BatchContext
-from kvgraft.model.cache import CacheFullError, PagedKVCache, static_cache
+from kvgraft.model.blocks import CacheFullError
+from kvgraft.model.cache import PagedKVCache, static_cache
 from kvgraft.model.presets import get_preset
 from kvgraft.model.transformer import Transformer
 
@@ -117,7 +118,7 @@ def test_decode_over_views_equals_the_gathered_batch(changes, monkeypatch):
 def test_short_rows_are_gathered_long_ones_viewed():
     """Per-row views pay only once a row's keys outweigh a few small ops per row: below ROW_VIEW_MIN_BYTES
     per row and layer the batch is gathered."""
-    from kvgraft.model.batch import ROW_VIEW_MIN_BYTES
+    from kvgraft.model.plan import ROW_VIEW_MIN_BYTES
 
     cfg = get_preset("llama-tiny")
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4
@@ -137,7 +138,7 @@ def test_short_rows_are_gathered_long_ones_viewed():
 
 
 def test_block_tables_cut_into_pieces():
-    from kvgraft.model.batch import _pieces
+    from kvgraft.model.plan import _pieces
 
     assert _pieces([4, 5, 6], 10, 4) == [(4, 3, 10)]
     assert _pieces([4, 5, 9, 2, 3], 19, 4) == [(4, 2, 8), (9, 1, 4), (2, 2, 7)]
@@ -267,6 +268,7 @@ def test_prefix_cache_keeps_decode_rows_at_home_with_the_same_tokens(monkeypatch
     decode rows stay at home; a prompt kept, relocated and hit again gives the tokens it gives alone."""
     import kvgraft.runtime.engine as engine_module
     from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.options import EngineOptions
     from kvgraft.runtime.sampling import SamplingParams
 
     cfg = get_preset("llama-tiny")
@@ -278,7 +280,7 @@ def test_prefix_cache_keeps_decode_rows_at_home_with_the_same_tokens(monkeypatch
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (21, 7, 30, 13, 26, 9)]
     prompts.append(list(prompts[0]))  # kept in the first wave, relocated in the second, hit in the third
     params = SamplingParams(max_new_tokens=6)
-    alone = [Engine(model, max_seqs=1).generate([p], params)[0] for p in prompts]
+    alone = [Engine(model, EngineOptions(max_seqs=1)).generate([p], params)[0] for p in prompts]
 
     contexts: list[BatchContext] = []
 
@@ -287,7 +289,7 @@ def test_prefix_cache_keeps_decode_rows_at_home_with_the_same_tokens(monkeypatch
         return contexts[-1]
 
     monkeypatch.setattr(engine_module, "BatchContext", recording)
-    engine = Engine(model, max_seqs=3, max_seq_len=64, prefix_cache=True)
+    engine = Engine(model, EngineOptions(max_seqs=3, max_seq_len=64, prefix_cache=True))
     outs = [engine.generate(prompts[i : i + 3], params) for i in (0, 3, 6)]
     assert [o for wave in outs for o in wave] == alone
     assert engine.prefix_stats["hits"] >= 1

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from kvgraft.model.batch import BatchContext
-from kvgraft.model.cache import PagedKVCache, cache_layout
-from kvgraft.model.config import ModelConfig
+from kvgraft.model.cache import PagedKVCache
+from kvgraft.model.config import ModelConfig, cache_layout
 from kvgraft.model.presets import get_preset
 from kvgraft.model.transformer import Transformer
 

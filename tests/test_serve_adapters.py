@@ -20,6 +20,7 @@ from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.presets import get_preset
 from kvgraft.runtime.adapters import AdapterBusyError, AdapterError, MultiLoraLinear, UnknownAdapterError, read_adapter
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 CED = get_preset("ced-tiny").replace(num_layers=6, kv_source_layers=(1, 3), qkv_bias=True)
@@ -68,7 +69,9 @@ def prompts(vocab, seed=0):
 
 
 def alone(model, prompt, max_new) -> list[int]:
-    return Engine(model, max_seqs=1, max_batch_tokens=64).generate([prompt], SamplingParams(max_new_tokens=max_new))[0]
+    return Engine(model, EngineOptions(max_seqs=1, max_batch_tokens=64)).generate(
+        [prompt], SamplingParams(max_new_tokens=max_new)
+    )[0]
 
 
 def expected(kind, tmp_path_factory) -> list[list[int]]:
@@ -82,7 +85,7 @@ def test_a_mixed_adapter_batch_gives_each_request_its_tokens_alone(kind, tmp_pat
     base, dirs, _ = setup(kind, tmp_path_factory)
     want = expected(kind, tmp_path_factory)
     assert len({tuple(w) for w in want}) == len(want)  # the adapters change the tokens
-    engine = Engine(base, max_seqs=8, max_batch_tokens=48)  # prompts arrive in chunks next to decodes
+    engine = Engine(base, EngineOptions(max_seqs=8, max_batch_tokens=48))  # prompts arrive in chunks next to decodes
     for name, d in dirs.items():
         engine.load_adapter(name, d)
     got = engine.generate(prompts(base.config.vocab_size), [SamplingParams(max_new_tokens=n) for n in MAX_NEW], adapters=ROUTE)
@@ -97,7 +100,7 @@ def test_one_mixed_step_matches_each_row_through_peft(kind, tmp_path_factory):
     row's own forward through PEFT's layers (absorbed decode reads each group's adapter weight)."""
     base, dirs, refs = setup(kind, tmp_path_factory)
     model = copy.deepcopy(base)
-    engine = Engine(model, max_seqs=4)
+    engine = Engine(model, EngineOptions(max_seqs=4))
     for name, d in dirs.items():
         engine.load_adapter(name, d)
     names = ["all", "dec", None, "mlp"]
@@ -119,7 +122,7 @@ def test_hot_load_and_unload_between_steps(tmp_path_factory):
     base, dirs, refs = setup("ced", tmp_path_factory)
     model = copy.deepcopy(base)
     ps = prompts(base.config.vocab_size, seed=5)
-    engine = Engine(model, max_seqs=8, max_batch_tokens=32)
+    engine = Engine(model, EngineOptions(max_seqs=8, max_batch_tokens=32))
     engine.load_adapter("all", dirs["all"])
     r0 = engine.add_request(ps[3], SamplingParams(max_new_tokens=8), adapter="all")
     r1 = engine.add_request(ps[1], SamplingParams(max_new_tokens=8))
@@ -154,7 +157,7 @@ def test_hot_load_and_unload_between_steps(tmp_path_factory):
 def test_preemption_with_adapters_gives_the_same_tokens(tmp_path_factory):
     base, dirs, _ = setup("ced", tmp_path_factory)
     want = expected("ced", tmp_path_factory)
-    engine = Engine(copy.deepcopy(base), max_seqs=8, num_blocks=6, block_size=16, max_batch_tokens=128)
+    engine = Engine(copy.deepcopy(base), EngineOptions(max_seqs=8, num_blocks=6, block_size=16, max_batch_tokens=128))
     for name, d in dirs.items():
         engine.load_adapter(name, d)
     got = engine.generate(prompts(base.config.vocab_size), [SamplingParams(max_new_tokens=n) for n in MAX_NEW], adapters=ROUTE)
@@ -164,7 +167,7 @@ def test_preemption_with_adapters_gives_the_same_tokens(tmp_path_factory):
 
 def test_bad_adapters_and_names_are_refused(tmp_path_factory, tmp_path):
     base, dirs, _ = setup("llama", tmp_path_factory)
-    engine = Engine(copy.deepcopy(base), max_seqs=2)
+    engine = Engine(copy.deepcopy(base), EngineOptions(max_seqs=2))
     with pytest.raises(UnknownAdapterError, match=r"unknown adapter 'x'; loaded adapters: none"):
         engine.add_request([1, 2], adapter="x")
     engine.load_adapter("all", dirs["all"])
@@ -178,7 +181,7 @@ def test_bad_adapters_and_names_are_refused(tmp_path_factory, tmp_path):
             engine.load_adapter(bad, dirs["mlp"])
     other_base = build(LLAMA.replace(intermediate_size=96))
     with pytest.raises(AdapterError, match="trained on another base model"):
-        Engine(other_base, max_seqs=1).load_adapter("all", dirs["all"])
+        Engine(other_base, EngineOptions(max_seqs=1)).load_adapter("all", dirs["all"])
     with pytest.raises(AdapterError, match="not an adapter directory"):
         engine.load_adapter("none", tmp_path)
     # DoRA (or anything plain LoRA does not compute) is refused by name
@@ -203,7 +206,7 @@ def test_bad_adapters_and_names_are_refused(tmp_path_factory, tmp_path):
 def test_the_door_refuses_a_weight_read_outside_a_group_of_a_mixed_step(tmp_path_factory):
     base, dirs, _ = setup("mla", tmp_path_factory)
     model = copy.deepcopy(base)
-    engine = Engine(model, max_seqs=2)
+    engine = Engine(model, EngineOptions(max_seqs=2))
     engine.load_adapter("all", dirs["all"])
     q = model.layers[0].self_attn.q_proj
     assert isinstance(q, MultiLoraLinear) and isinstance(q.base_layer, nn.Linear)
@@ -228,12 +231,13 @@ def test_a_mixed_group_reads_the_door_per_adapter(tmp_path_factory):
     """Causal encoder-decoder: rows of two adapters and the base share one group (MIXED); the door refuses
     one weight for the whole group and gives each adapter its own under each_adapter; the per-row gathered
     delta equals each row's own adapter's delta."""
-    from kvgraft.model.batch import MIXED, active_context
+    from kvgraft.model.batch import active_context
     from kvgraft.model.latent import linear_weight
+    from kvgraft.model.plan import MIXED
 
     base, dirs, _ = setup("ced", tmp_path_factory)
     model = copy.deepcopy(base)
-    engine = Engine(model, max_seqs=3)
+    engine = Engine(model, EngineOptions(max_seqs=3))
     engine.load_adapter("all", dirs["all"])
     engine.load_adapter("dec", dirs["dec"])
     layer = model.config.num_layers - 1

@@ -23,8 +23,9 @@ from kvgraft.adapters.lora import AdapterConfig, add_adapter, randomize_adapter,
 from kvgraft.adapters.placement import Placement
 from kvgraft.hf import load_pretrained, load_tokenizer_dir
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
-from kvgraft.serve.server import CHAT_STOP, EngineOptions, build_server, render_chat
+from kvgraft.serve.server import CHAT_STOP, build_server, render_chat
 
 BASE = Path(__file__).resolve().parents[1] / "models" / "kvgraft-ced-8m"
 NAME = "kvgraft-ced-8m"
@@ -68,8 +69,7 @@ def engine_text(live, prompt_ids, adapter, max_tokens, stops=()) -> tuple[str, s
         tok = load_tokenizer_dir(BASE)
         engine = Engine(
             load_pretrained(BASE),
-            max_seqs=1,
-            max_seq_len=MAX_LEN,
+            EngineOptions(max_seqs=1, max_seq_len=MAX_LEN),
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
         )
         for name in ("dec", "enc"):

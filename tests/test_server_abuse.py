@@ -35,7 +35,8 @@ from factories import live_uvicorn
 from kvgraft.adapters.lora import AdapterConfig, add_adapter, randomize_adapter, save_adapter
 from kvgraft.adapters.placement import Placement
 from kvgraft.hf import load_pretrained
-from kvgraft.serve.server import EngineOptions, build_server
+from kvgraft.runtime.options import EngineOptions
+from kvgraft.serve.server import build_server
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "models" / "kvgraft-ced-8m"

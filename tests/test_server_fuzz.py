@@ -30,7 +30,8 @@ from factories import live_uvicorn
 
 pytest.importorskip("schemathesis")
 
-from kvgraft.serve.server import EngineOptions, build_server  # noqa: E402
+from kvgraft.runtime.options import EngineOptions
+from kvgraft.serve.server import build_server  # noqa: E402
 
 pytestmark = pytest.mark.fuzz
 

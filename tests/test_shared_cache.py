@@ -24,6 +24,7 @@ from kvgraft.model.batch import BatchContext
 from kvgraft.model.presets import get_preset
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.prefix import replay_layer, replay_span
 from kvgraft.runtime.sampling import SamplingParams
 
@@ -52,7 +53,7 @@ def setup(tmp_path_factory):
 
 
 def engine(base, dirs, names=ADAPTERS, **kw) -> Engine:
-    e = Engine(base, max_seqs=kw.pop("max_seqs", 8), max_batch_tokens=kw.pop("max_batch_tokens", 48), **kw)
+    e = Engine(base, EngineOptions(max_seqs=kw.pop("max_seqs", 8), max_batch_tokens=kw.pop("max_batch_tokens", 48), **kw))
     for n in names:
         e.load_adapter(n, dirs[n])
     return e
@@ -152,7 +153,7 @@ def test_prefix_cache_switching_adapters_and_hot_reload(setup):
 
 
 def alone_named(base, dirs, prompt, max_new):
-    e = Engine(base, max_seqs=1, max_batch_tokens=48)
+    e = Engine(base, EngineOptions(max_seqs=1, max_batch_tokens=48))
     e.load_adapter("enc", dirs["late"])
     return e.generate([prompt], SamplingParams(max_new_tokens=max_new), "enc")[0]
 
@@ -239,7 +240,7 @@ def test_the_prefix_cache_keeps_within_its_byte_budget(setup):
     assert len(tiny.prefix) == 0 and tiny.cache.free_blocks == tiny.cache.num_blocks
     assert tiny.cache.used_bytes == 0  # ring blocks too
     with pytest.raises(ValueError, match="prefix_max_bytes"):
-        Engine(base, prefix_cache=True, prefix_max_bytes=-1)
+        Engine(base, EngineOptions(prefix_cache=True, prefix_max_bytes=-1))
 
 
 def test_rows_of_several_adapters_prefill_and_decode_in_one_group(setup, monkeypatch):
@@ -247,7 +248,7 @@ def test_rows_of_several_adapters_prefill_and_decode_in_one_group(setup, monkeyp
     (expanded latent path, kv_b per adapter) and the decode (absorbed, base kv_b plus per-row low-rank
     deltas) give each request its tokens alone."""
     import kvgraft.runtime.engine as engine_mod
-    from kvgraft.model.batch import MIXED
+    from kvgraft.model.plan import MIXED
 
     seen = []
 
@@ -271,7 +272,7 @@ def test_shared_bytes_counts_blocks_held_more_than_once(setup):
     """The running count behind cache.shared_bytes equals a scan of the reference counts (token blocks
     and window-ring blocks) through forks, snapshots, copy on write and frees."""
     base, _ = setup
-    e = Engine(base, max_seqs=4, max_batch_tokens=64, block_size=4)  # rings of W = 8: two ring blocks of 4
+    e = Engine(base, EngineOptions(max_seqs=4, max_batch_tokens=64, block_size=4))  # rings of W = 8: two ring blocks of 4
     c = e.cache
 
     def scan():

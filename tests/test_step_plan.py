@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kvgraft.model.batch import BatchContext
-from kvgraft.model.cache import CacheFullError, PagedKVCache, static_cache
-from kvgraft.model.plan import GATHER, Gather, Home, Pieces, ReadPolicy, Run, StepPlan
+from kvgraft.model.blocks import CacheFullError
+from kvgraft.model.cache import PagedKVCache, static_cache
+from kvgraft.model.plan import GATHER, Gather, Home, Pieces, ReadPolicy, Run, StepPlan, plan_step
 from kvgraft.model.presets import get_preset
 
 
@@ -96,7 +97,7 @@ def test_the_plan_is_immutable_and_reads_one_tagged_field():
     assert isinstance(plan.groups[0].read, Home) and plan.groups[0].home[:2] == (0, 3)
     assert plan.groups[0].home[2].tolist() == [0, 2] and plan.groups[1].read == Run(cache.block_table(seqs[1])[0])
     ctx.commit()
-    decode = cache.plan_step(seqs, [1, 1, 1])
+    decode = plan_step(cache, seqs, [1, 1, 1])
     assert decode.groups[0].read == Home(0, 3, None)  # rows in their slots' home runs, in order
     assert decode.groups[0].home == (0, 3, None) and decode.groups[0].run is None
     # interleaved blocks with per-row views allowed at any size: pieces
@@ -106,9 +107,9 @@ def test_the_plan_is_immutable_and_reads_one_tagged_field():
         for s in seqs:
             cache.extend(s, 4)
             cache.commit(s, 4)
-    read = cache.plan_step(seqs, [1, 1, 1], policy=ReadPolicy(row_view_min_bytes=0)).groups[0].read
+    read = plan_step(cache, seqs, [1, 1, 1], policy=ReadPolicy(row_view_min_bytes=0)).groups[0].read
     assert isinstance(read, Pieces) and [len(p) for p in read.rows] == [4, 4, 4]
-    assert isinstance(cache.plan_step(seqs, [1, 1, 1], policy=ReadPolicy(views=False)).groups[0].read, Gather)
+    assert isinstance(plan_step(cache, seqs, [1, 1, 1], policy=ReadPolicy(views=False)).groups[0].read, Gather)
 
 
 def test_length_split_is_the_best_cut_of_at_most_three_parts():
@@ -139,6 +140,7 @@ def test_rows_at_different_lengths_are_not_padded_to_the_longest():
 
     from kvgraft.hf import load_pretrained
     from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.options import EngineOptions
     from kvgraft.runtime.sampling import SamplingParams
 
     model = load_pretrained(Path(__file__).resolve().parents[1] / "models" / "kvgraft-llama-8m").eval()
@@ -151,14 +153,14 @@ def test_rows_at_different_lengths_are_not_padded_to_the_longest():
         old = BatchContext.home, BatchContext.split_lengths
         BatchContext.home, BatchContext.split_lengths = False, split  # gathered decode rows
         try:
-            engine = Engine(model, max_seqs=10, max_batch_tokens=2048, max_seq_len=416)
+            engine = Engine(model, EngineOptions(max_seqs=10, max_batch_tokens=2048, max_seq_len=416))
             return engine.generate(prompts, params), engine.stats
         finally:
             BatchContext.home, BatchContext.split_lengths = old
 
     padded, stats_padded = run(False)
     split, stats_split = run(True)
-    alone = [Engine(model, max_seqs=1, max_seq_len=416).generate([p], params)[0] for p in prompts]
+    alone = [Engine(model, EngineOptions(max_seqs=1, max_seq_len=416)).generate([p], params)[0] for p in prompts]
     assert split == padded == alone
     assert stats_split["keys_needed"] == stats_padded["keys_needed"]
     # the padding (pairs read beyond those needed) of the decode steps: cut by length, a small part is left
@@ -170,7 +172,7 @@ def test_rows_at_different_lengths_are_not_padded_to_the_longest():
     for s, n in zip(seqs, lengths):
         cache.extend(s, n)
         cache.commit(s, n)
-    plan = cache.plan_step(seqs, [1] * 10, policy=ReadPolicy(home=False, row_view_min_bytes=1 << 40))
+    plan = plan_step(cache, seqs, [1] * 10, policy=ReadPolicy(home=False, row_view_min_bytes=1 << 40))
     assert len(plan.groups) == 3 and all(isinstance(gr.read, Gather) for gr in plan.groups)
     assert plan.keys_read < 0.7 * 10 * 401
 
@@ -182,14 +184,15 @@ def test_decode_steps_reserve_only_for_rows_that_need_a_block(monkeypatch):
 
     from kvgraft.hf import load_pretrained
     from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.options import EngineOptions
     from kvgraft.runtime.sampling import SamplingParams
 
     model = load_pretrained(Path(__file__).resolve().parents[1] / "models" / "kvgraft-llama-8m").eval()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 8192, (n,), generator=g).tolist() for n in (5, 16, 30, 47)]
     params = SamplingParams(max_new_tokens=20)
-    expected = [Engine(model, max_seqs=1, max_seq_len=80).generate([p], params)[0] for p in prompts]
-    engine = Engine(model, max_seqs=4, max_seq_len=80)
+    expected = [Engine(model, EngineOptions(max_seqs=1, max_seq_len=80)).generate([p], params)[0] for p in prompts]
+    engine = Engine(model, EngineOptions(max_seqs=4, max_seq_len=80))
     calls = []
     extend = engine.cache.extend
     monkeypatch.setattr(engine.cache, "extend", lambda seq, n: (calls.append((seq, n)), extend(seq, n))[1])

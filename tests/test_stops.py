@@ -96,6 +96,7 @@ def test_engine_stops_where_a_full_search_of_the_text_first_finds_the_stop_strin
 
     from kvgraft.model import ModelConfig, Transformer
     from kvgraft.runtime import Engine, SamplingParams
+    from kvgraft.runtime.options import EngineOptions
 
     cfg = ModelConfig(
         vocab_size=64,
@@ -118,14 +119,14 @@ def test_engine_stops_where_a_full_search_of_the_text_first_finds_the_stop_strin
         return utf8_decode(pieces, ids)
 
     prompt = [3, 1, 4, 1, 5]
-    free = Engine(model, max_seqs=1, detokenize=detok).generate(
+    free = Engine(model, EngineOptions(max_seqs=1), detokenize=detok).generate(
         [prompt], SamplingParams(max_new_tokens=40, seed=3, temperature=1.0)
     )[0]
     text = [detok(free[:n]) for n in range(1, len(free) + 1)]
     stop = next((t[-2:] for t in text[3:] if len(t) >= 2 and "\ufffd" not in t[-2:]), None)
     assert stop is not None
     want = next(n for n in range(1, len(free) + 1) if stop in text[n - 1])
-    got = Engine(model, max_seqs=1, detokenize=detok).generate(
+    got = Engine(model, EngineOptions(max_seqs=1), detokenize=detok).generate(
         [prompt], SamplingParams(max_new_tokens=40, seed=3, temperature=1.0, stop=(stop,))
     )[0]
     assert got == free[:want]
@@ -177,7 +178,7 @@ def test_the_engine_decodes_a_window_per_step_not_the_whole_output():
     import torch
 
     from kvgraft.model import ModelConfig, Transformer
-    from kvgraft.runtime import Engine, SamplingParams
+    from kvgraft.runtime import Engine, EngineOptions, SamplingParams
 
     cfg = ModelConfig(
         vocab_size=64,
@@ -199,7 +200,7 @@ def test_the_engine_decodes_a_window_per_step_not_the_whole_output():
         handed.append(len(ids))
         return "".join(chr(65 + i % 26) for i in ids)
 
-    out = Engine(model, max_seqs=1, detokenize=detok).generate(
+    out = Engine(model, EngineOptions(max_seqs=1), detokenize=detok).generate(
         [[1, 2, 3]], SamplingParams(max_new_tokens=120, stop=("never appears",))
     )[0]
     assert len(out) == 120

@@ -26,8 +26,9 @@ def model():
 
 
 def test_the_default_pool_fits_and_a_small_budget_preempts_with_the_same_tokens(model):
-    from kvgraft.model.cache import pool_bytes
+    from kvgraft.model.sizes import pool_bytes
     from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.options import EngineOptions
     from kvgraft.runtime.sampling import SamplingParams
 
     with torch.device("meta"):  # the default pool's size, without allocating 4 GiB here
@@ -39,9 +40,9 @@ def test_the_default_pool_fits_and_a_small_budget_preempts_with_the_same_tokens(
     lengths = [40, 120, 7, 90, 60, 150]
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
     params = SamplingParams(max_new_tokens=12)
-    alone = [Engine(model, max_seqs=1, max_seq_len=256).generate([p], params)[0] for p in prompts]
+    alone = [Engine(model, EngineOptions(max_seqs=1, max_seq_len=256)).generate([p], params)[0] for p in prompts]
     per_block, fixed = pool_bytes(model.config, 16, 6, 256, torch.float32)
-    engine = Engine(model, max_seqs=6, max_seq_len=256, kv_budget=fixed + 24 * per_block)  # 384 tokens in all
+    engine = Engine(model, EngineOptions(max_seqs=6, max_seq_len=256, kv_budget=fixed + 24 * per_block))  # 384 tokens in all
     assert engine.pool.max_concurrency == 1 and engine.cache.nbytes == fixed + 24 * per_block
     assert engine.generate(prompts, params) == alone
     assert engine.stats["preemptions"] > 0

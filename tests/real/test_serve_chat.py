@@ -76,7 +76,8 @@ def reference(model_dir) -> dict[str, list[int]]:
 def client(model_dir):
     import openai
 
-    from kvgraft.serve.server import EngineOptions, build_server
+    from kvgraft.runtime.options import EngineOptions
+    from kvgraft.serve.server import build_server
 
     server = build_server(
         model_dir,

@@ -343,10 +343,11 @@ def kvgraft_engine_greedy(model, prompts: Sequence[Sequence[int]], n_new: int = 
     name -> adapter directory to load (``Engine.load_adapter``) and then one name (or None) per prompt in
     ``engine_kwargs["use"]``."""
     from kvgraft.runtime.engine import Engine
+    from kvgraft.runtime.options import EngineOptions
     from kvgraft.runtime.sampling import SamplingParams as KvgraftSampling
 
     use = engine_kwargs.pop("use", None)
-    engine = Engine(model, **engine_kwargs)
+    engine = Engine(model, EngineOptions(**engine_kwargs))
     for name, path in (adapters or {}).items():
         engine.load_adapter(name, path)
     return engine.generate([list(map(int, p)) for p in prompts], KvgraftSampling(max_new_tokens=n_new), use)

@@ -22,9 +22,10 @@ import torch
 
 from kvgraft.checks import check_int, is_int
 from kvgraft.errors import ConfigError
-from kvgraft.model.cache import default_block_size
+from kvgraft.model.sizes import default_block_size
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 
@@ -111,12 +112,14 @@ def decode_speed(
                         bs = default_block_size(config)
                         engine = Engine(
                             model,
-                            num_blocks=batch * -(-total // bs),
-                            block_size=bs,
-                            max_seqs=batch,
-                            max_batch_tokens=batch * context,
-                            max_seq_len=total,
-                            dtype=dtype,
+                            EngineOptions(
+                                num_blocks=batch * -(-total // bs),
+                                block_size=bs,
+                                max_seqs=batch,
+                                max_batch_tokens=batch * context,
+                                max_seq_len=total,
+                                dtype=dtype,
+                            ),
                         )
                         for row in prompt.tolist():
                             engine.add_request(row, SamplingParams(max_new_tokens=new_tokens + 1))

@@ -33,7 +33,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvgraft.errors import ConfigError
-from kvgraft.graft.mla import TAIL_ROWS, _run_block, rope_tables
+from kvgraft.graft.layer_stats import run_block
+from kvgraft.graft.mla import TAIL_ROWS, rope_tables
 from kvgraft.model import ModelConfig, Transformer
 from kvgraft.model.ced import CEDAttention
 from kvgraft.model.fields import known
@@ -373,5 +374,5 @@ def graft_ced(
         walk.observe(layer, block, x)
         walk.fill(layer, _mla_attention(mla, layer), cast(CEDAttention, cast(Block, new.layers[layer]).self_attn))
         if walk.streams_past(layer):
-            x = _run_block(block, x, cos, sin, batch_size, TAIL_ROWS)
+            x = run_block(block, x, cos, sin, batch_size, TAIL_ROWS)
     return new, walk.report

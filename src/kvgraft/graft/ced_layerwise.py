@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from kvgraft.errors import ConfigError
 from kvgraft.graft.ced import ShareGraft
+from kvgraft.graft.layer_stats import run_block
 from kvgraft.graft.layerwise import (
     EMBED,
     HF_PREFIX,
@@ -48,7 +49,6 @@ from kvgraft.graft.layerwise import (
 from kvgraft.graft.mla import (
     TAIL_ROWS,
     LayerGraft,
-    _run_block,
     _shared_pairs,
     layer_postfix,
     mla_model_config,
@@ -195,13 +195,13 @@ def _ced_walk(
             run.advance(layer, block)
         t2 = time.perf_counter()
         if x_mla is not None:  # the walk's own stream, past this layer while a layer above takes latents
-            x_mla = _run_block(mla_block, x_mla, cos, sin, 8, TAIL_ROWS) if share.streams_past(layer) else None
+            x_mla = run_block(mla_block, x_mla, cos, sin, 8, TAIL_ROWS) if share.streams_past(layer) else None
         clock[SHARE_CLOCK] += time.perf_counter() - t2
         t_tail = time.perf_counter()
         if run is not None:  # the original stack's: off the graft's original stream where it runs one
             original = _tail_state(run, layer, 0, block, tails, tail_cos, tail_sin)
         else:
-            original = _run_block(block, tails[0], tail_cos, tail_sin, 1)
+            original = run_block(block, tails[0], tail_cos, tail_sin, 1)
         ced_tail.advance(layer, ced_block)
         tails = [original, ced_tail.x]
         times["tail"] += time.perf_counter() - t_tail

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kvgraft.errors import ConfigError
-from kvgraft.graft.mla import TAIL_ROWS, GraftConfig, LayerGraft, _run_block, _shared_pairs, layer_postfix, rope_tables
+from kvgraft.graft.layer_stats import run_block
+from kvgraft.graft.mla import TAIL_ROWS, GraftConfig, LayerGraft, _shared_pairs, layer_postfix, rope_tables
 from kvgraft.graft.plan import ConvertPlan
 from kvgraft.graft.record import TAIL_SEQUENCES, ConversionReport, TailFigures, conversion_record, finish_output
 from kvgraft.graft.refine import RefineResult
@@ -307,7 +308,7 @@ def _tail_state(
     stream = (run.x_new if run.g.layerwise else None) if stack == 1 else (None if run.g.layerwise else run.x_orig)
     if REUSE_TAIL and advanced and stream is not None and stream.shape[0] >= n:
         return stream[-n:].clone()  # a copy: the stream is replaced after the next layer
-    return _run_block(block, tails[stack], cos, sin, 1)
+    return run_block(block, tails[stack], cos, sin, 1)
 
 
 def _save(

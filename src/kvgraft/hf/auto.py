@@ -37,14 +37,16 @@ from kvgraft.errors import ConfigError
 from kvgraft.hf.config_map import KVGRAFT_MODEL_TYPE, _kvgraft_config, kvgraft_config_dict
 from kvgraft.hf.continuous import continuous_hidden, guard_request_length, is_continuous_batching_call, kvgraft_cb_config
 from kvgraft.model.batch import BatchContext
-from kvgraft.model.cache import PagedKVCache, default_block_size
+from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.ced import Compressor
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention
 from kvgraft.model.norm import RMSNorm
 from kvgraft.model.rope import RotaryEmbedding, rope_frequencies
+from kvgraft.model.sizes import default_block_size
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 # top-level config.json fields copied from the ModelConfig (kvgraft_config_dict writes the same)
@@ -282,11 +284,13 @@ class KvgraftForCausalLM(PreTrainedModel, GenerationMixin):
         with _eval_mode(self):
             engine = Engine(
                 self.to_kvgraft(),
-                num_blocks=B * -(-total // bs),
-                block_size=bs,
-                max_seqs=B,
-                max_batch_tokens=max(sum(len(p) for p in prompts), 256),
-                max_seq_len=total,
+                EngineOptions(
+                    num_blocks=B * -(-total // bs),
+                    block_size=bs,
+                    max_seqs=B,
+                    max_batch_tokens=max(sum(len(p) for p in prompts), 256),
+                    max_seq_len=total,
+                ),
             )
             outs: list[list[int]]
             if routes is None:

@@ -31,8 +31,9 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 
 from kvgraft.errors import ConfigError
 from kvgraft.model.batch import BatchContext
-from kvgraft.model.cache import PagedKVCache, default_block_size
+from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.sizes import default_block_size
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from kvgraft.model.cache import PagedKVCache
-from kvgraft.model.plan import (  # the plan's names, also reachable from here (vllm's context, tests)
+from kvgraft.model.plan import (
     MAX_ROW_PIECES,
     MIXED,
     ROW_VIEW_MIN_BYTES,
@@ -39,23 +39,11 @@ from kvgraft.model.plan import (  # the plan's names, also reachable from here (
     ReadPolicy,
     Run,
     StepPlan,
-    _pieces,
+    plan_step,
 )
 from kvgraft.model.views import Entries, HeadMajorKV, HomeRows, KVView, RowPieces
 
-__all__ = [
-    "MAX_ROW_PIECES",
-    "MIXED",
-    "ROW_VIEW_MIN_BYTES",
-    "BatchContext",
-    "DenseContext",
-    "EntryWriter",
-    "Group",
-    "StepContext",
-    "_pieces",
-    "active_context",
-    "current_context",
-]
+__all__ = ["BatchContext", "DenseContext", "EntryWriter", "StepContext", "active_context", "current_context"]
 
 _FAR = -(10**9)  # position of a ring slot never written: outside every window
 _local = threading.local()
@@ -217,7 +205,7 @@ class BatchContext(StepContext):
     """One forward step over sequences of a :class:`PagedKVCache`.
 
     ``seqs[r]`` adds ``new_tokens[r]`` tokens (packed in row order on the token axis). Construction is one
-    call, ``cache.plan_step(...)``: the cache reserves their blocks (copy on write included) and returns the
+    call, :func:`kvgraft.model.plan.plan_step`: the cache reserves their blocks (copy on write included) and returns the
     step's immutable layout (``self.plan``, :class:`kvgraft.model.plan.StepPlan`: groups, tables, positions,
     one read strategy per group); this object holds it with the forward's scratch, answers the layers'
     storage calls from it, and :meth:`commit` records the tokens after the forward.
@@ -271,8 +259,8 @@ class BatchContext(StepContext):
         # the cache plans the step (reservation, groups, tables, positions, read strategies); the reads it may
         # choose are this class's ``views`` and this module's thresholds (tests and benchmarks set them here)
         policy = ReadPolicy(self.views, ROW_VIEW_MIN_BYTES, MAX_ROW_PIECES, self.home, self.split_lengths)
-        plan = cache.plan_step(
-            seqs, new_tokens, adapter_ids, replay=replay, write_from=write_from, replay_at=replay_at, policy=policy
+        plan = plan_step(
+            cache, seqs, new_tokens, adapter_ids, replay=replay, write_from=write_from, replay_at=replay_at, policy=policy
         )
         self.plan: StepPlan = plan
         self.cache = cache

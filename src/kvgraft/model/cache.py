@@ -18,7 +18,8 @@ Two kinds of storage, both preallocated once:
 - **Per-sequence state**: each kv_source layer with m > 1 keeps the entries and gate scores of the (at
   most m - 1) tokens of its incomplete block. A sequence takes one state slot; a fork copies it.
 
-The cache plans each forward step (:meth:`PagedKVCache.plan_step`); layers never touch the pools directly.
+Each forward step is planned over the cache's tables by :func:`kvgraft.model.plan.plan_step`; layers never
+touch the pools directly. What a cache of given arguments holds and costs: :mod:`kvgraft.model.sizes`.
 """
 
 from __future__ import annotations
@@ -34,21 +35,11 @@ import torch
 
 from kvgraft.checks import check_int
 from kvgraft.model.blocks import BlockAllocator, CacheFullError, lazy_zeros
-from kvgraft.model.config import CacheLayout, ModelConfig, cache_layout
-from kvgraft.model.plan import ReadPolicy, StepPlan, plan_step
-from kvgraft.model.rings import WindowRings, ring_shape
+from kvgraft.model.config import ModelConfig, cache_layout
+from kvgraft.model.rings import WindowRings
+from kvgraft.model.sizes import default_block_size
 
-__all__ = [
-    "CacheFullError",
-    "CacheLayout",
-    "CacheSnapshot",
-    "PagedKVCache",
-    "cache_layout",
-    "default_block_size",
-    "pool_bytes",
-    "ring_geometry",
-    "static_cache",
-]
+__all__ = ["CacheSnapshot", "PagedKVCache", "static_cache"]
 
 
 @dataclass
@@ -106,8 +97,8 @@ class PagedKVCache:
     instance for the token blocks, one per ring group. ``cache_layout(config)`` (defined with the config,
     :mod:`kvgraft.model.config`, and handed on here) is the one table of what each layer stores;
     ``ModelConfig.kv_cache_bytes`` and this class's allocation both derive from it (tested equal). Layers never
-    touch the pools directly: the cache plans each forward step (:meth:`PagedKVCache.plan_step`, an immutable
-    :class:`kvgraft.model.plan.StepPlan` built from per-slot arrays kept here), and
+    touch the pools directly: each forward step is planned over this cache (:func:`kvgraft.model.plan.plan_step`,
+    an immutable :class:`kvgraft.model.plan.StepPlan` built from per-slot arrays kept here), and
     :class:`kvgraft.model.batch.BatchContext` holds the plan and hands the layers typed views
     (:mod:`kvgraft.model.views`) for that step.
     """
@@ -549,26 +540,6 @@ class PagedKVCache:
         ok: np.ndarray = ((table == want) | (table == -1)).all(1) & whole
         return ok
 
-    def plan_step(
-        self,
-        seqs: list[int],
-        new_tokens: list[int],
-        adapter_ids: list[object] | None = None,
-        *,
-        replay: bool = False,
-        write_from: int | None = None,
-        replay_at: list[int] | None = None,
-        policy: ReadPolicy | None = None,
-    ) -> StepPlan:
-        """Reserve what one forward step writes (``seqs[r]`` adds ``new_tokens[r]`` tokens: blocks, copies on
-        write, ring blocks) and return its layout, immutable: rows packed on one token axis, groups of rows
-        attended together, their block and ring tables, positions, and one read strategy per group
-        (:mod:`kvgraft.model.plan`). ``policy``: which reads the plan may choose. The arguments are
-        :class:`kvgraft.model.batch.BatchContext`'s, which holds the plan for the forward."""
-        return plan_step(
-            self, seqs, new_tokens, adapter_ids, replay=replay, write_from=write_from, replay_at=replay_at, policy=policy
-        )
-
     def _mirror(self, s: _Sequence) -> None:
         """Write ``s``'s tables, length and span split into its slot's arrays (``slot_tables``, ...)."""
         t0, row = s.spans[0][1], self.slot_tables[s.slot]
@@ -670,41 +641,6 @@ class PagedKVCache:
     def _clear_state(self, slot: int) -> None:
         for t in self.pending.values():
             t[slot].zero_()
-
-
-def ring_geometry(config: ModelConfig, block_size: int, max_seq_len: int) -> tuple[int, int, int]:
-    """(ring length R = min(W, max_seq_len), ring block rb = gcd(R, block_size), ring blocks per sequence
-    and group R / rb); zeros without window layers."""
-    layout = cache_layout(config)
-    return ring_shape(layout.window if layout.rings else None, block_size, max_seq_len)
-
-
-def pool_bytes(
-    config: ModelConfig,
-    block_size: int,
-    max_seqs: int,
-    max_seq_len: int,
-    dtype: torch.dtype,
-    ring_blocks: int | None = None,
-) -> tuple[int, int]:
-    """(bytes of one token block over every paged pool and shared segment, bytes the cache allocates besides
-    its token blocks: window rings and state slots), so that a :class:`PagedKVCache` with these arguments and
-    ``num_blocks`` token blocks measures ``fixed + num_blocks * per_block`` bytes (``nbytes``; tested). What a
-    memory budget is divided by (``kvgraft.runtime.budget``)."""
-    layout = cache_layout(config)
-    m = layout.compress_rate
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_block = itemsize * (block_size * sum(layout.paged.values()) + block_size // m * sum(layout.segments.values()))
-    _, rb, nrb = ring_shape(layout.window if layout.rings else None, block_size, max_seq_len)
-    rings = (max_seqs * nrb if ring_blocks is None else ring_blocks) * rb * sum(layout.rings.values()) if nrb else 0
-    pending = max_seqs * (m - 1) * sum(layout.pending.values())
-    return per_block, itemsize * (rings + pending)
-
-
-def default_block_size(config: ModelConfig, tokens: int = 16) -> int:
-    """``tokens`` rounded up to a multiple of the compression rate (a block holds whole pooled entries)."""
-    m = config.compress_rate if config.is_ced else 1
-    return math.ceil(tokens / m) * m
 
 
 def static_cache(

@@ -31,11 +31,12 @@ from torch import nn
 
 from kvgraft.errors import ConfigError
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS
-from kvgraft.model.batch import MIXED, StepContext
+from kvgraft.model.batch import StepContext
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.latent import LatentAttention
 from kvgraft.model.norm import RMSNorm
 from kvgraft.model.packed import linears
+from kvgraft.model.plan import MIXED
 from kvgraft.model.rope import apply_rope
 
 

@@ -1,6 +1,6 @@
 """One step's layout, planned by the cache owner: rows, groups, blocks, rings, positions, one read strategy.
 
-``PagedKVCache.plan_step(seqs, new_tokens, ...)`` (:func:`plan_step`) reserves what the step writes
+:func:`plan_step` ``(cache, seqs, new_tokens, ...)`` reserves what the step writes in the cache
 (blocks, copy on write, ring blocks) and returns a :class:`StepPlan`, immutable: the packed token axis
 (each row's offset, every token's position, each row's last token) and the *groups* of rows attended
 together (rows adding the same number of tokens; on MLA models also the same adapter). A group carries its
@@ -398,7 +398,7 @@ def plan_step(
     replay_at: list[int] | None = None,
     policy: ReadPolicy | None = None,
 ) -> StepPlan:
-    """Reserve a step's writes in ``cache`` and plan its layout (``PagedKVCache.plan_step``; see the module
+    """Reserve a step's writes in ``cache`` and plan its layout (see the module
     docstring and :class:`kvgraft.model.batch.BatchContext` for the arguments). Raises ValueError for
     inconsistent arguments, CacheFullError when the pool cannot hold the step."""
     policy = policy or ReadPolicy()

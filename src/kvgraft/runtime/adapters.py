@@ -38,10 +38,11 @@ from kvgraft.adapters.certificate import certify
 from kvgraft.adapters.lora import HOST_PREFIX, base_fingerprint, read_meta
 from kvgraft.adapters.placement import every_linear
 from kvgraft.errors import KvgraftError
-from kvgraft.model.batch import MIXED, BatchContext, current_context
+from kvgraft.model.batch import BatchContext, current_context
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.latent import linear_weight
 from kvgraft.model.mla import MLAttention
+from kvgraft.model.plan import MIXED
 from kvgraft.model.transformer import Transformer
 
 _GATHER_MAX_TOKENS = 64  # steps of at most this many tokens gather per-token A/B (decode); longer: per adapter

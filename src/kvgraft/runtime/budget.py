@@ -33,14 +33,15 @@ from pathlib import Path
 import torch
 
 from kvgraft.checks import is_number
-from kvgraft.model.cache import pool_bytes
 from kvgraft.model.config import ModelConfig
+from kvgraft.model.sizes import pool_bytes
 
 __all__ = [
     "DEFAULT_KV_BUDGET",
     "KVBudget",
     "KVPool",
     "available_memory",
+    "check_kv_budget",
     "format_bytes",
     "parse_kv_budget",
     "plan_pool",
@@ -207,7 +208,9 @@ class KVPool:
         )
 
 
-def _check_budget(budget: KVBudget) -> int | float | None:
+def check_kv_budget(budget: KVBudget) -> int | float | None:
+    """``budget`` as bytes (int) or a fraction of available memory (float), None for None; ValueError naming
+    the value for anything else."""
     if budget is None:
         return None
     if isinstance(budget, str):
@@ -242,7 +245,7 @@ def plan_pool(
     ``budget`` holds after the rings and state slots, at most the worst case (``max_seqs`` full-length
     sequences, a quarter more with ``prefix_cache``). ValueError naming the value for a bad budget, and with
     the numbers for one that cannot hold a request of ``max_seq_len`` tokens."""
-    value = _check_budget(budget)
+    value = check_kv_budget(budget)
     per_block, fixed = pool_bytes(config, block_size, max_seqs, max_seq_len, dtype, ring_blocks)
     per_seq = math.ceil(max_seq_len / block_size)
     worst = max_seqs * (per_seq + (max(1, per_seq // 4) if prefix_cache else 0))

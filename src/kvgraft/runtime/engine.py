@@ -31,14 +31,16 @@ from pathlib import Path
 
 import torch
 
-from kvgraft.checks import check_int
+from kvgraft.errors import ConfigError
 from kvgraft.model.batch import BatchContext
-from kvgraft.model.cache import PagedKVCache, default_block_size, ring_geometry
+from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.packed import pack_linears, packed_bytes, packing_available
+from kvgraft.model.sizes import default_block_size, ring_geometry
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.adapters import Adapter, AdapterFiles, AdapterRegistry
-from kvgraft.runtime.budget import KVBudget, KVPool, plan_pool
+from kvgraft.runtime.budget import KVPool, plan_pool
 from kvgraft.runtime.detok import IncrementalText
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.prefix import PrefixCache, replay_layer, replay_span
 from kvgraft.runtime.prefix_policy import PrefixPolicy
 from kvgraft.runtime.request import FINISHED, RUNNING, WAITING, Request, StepOutput
@@ -53,77 +55,47 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """Continuous batching over one :class:`PagedKVCache`.
+    """Continuous batching over one :class:`PagedKVCache`, sized and configured by one
+    :class:`~kvgraft.runtime.options.EngineOptions` (None: its defaults).
 
-    The pools are sized from a memory budget (:mod:`kvgraft.runtime.budget`): ``kv_budget`` bytes (an int
-    or ``"4GiB"``), a fraction of the memory available on the model's device (a float in (0, 1] or
-    ``"30%"``), or None for the default (4 GiB, vLLM CPU's, or half the available memory when that is
-    less); never more than ``max_seqs`` full-length sequences need (with ``prefix_cache`` a quarter more for
-    kept prompts). ``num_blocks`` sets the token blocks directly instead (not with ``kv_budget``).
-    Requests are admitted while the blocks for their next chunk are free, at most ``max_seqs`` at once,
-    and the latest admitted is preempted when the pool runs short. ``self.pool``
-    (:class:`~kvgraft.runtime.budget.KVPool`) says what the budget bought; it is logged at construction
-    (logger ``kvgraft.runtime.engine``, INFO) and printed by ``kvgraft serve``.
+    The pools are sized from the options' memory budget (:mod:`kvgraft.runtime.budget`); requests are
+    admitted while the blocks for their next chunk are free, at most ``max_seqs`` at once, and the latest
+    admitted is preempted when the pool runs short. ``self.pool`` (:class:`~kvgraft.runtime.budget.KVPool`)
+    says what the budget bought; it is logged at construction (logger ``kvgraft.runtime.engine``, INFO) and
+    printed by ``kvgraft serve``. ``detokenize`` turns ids into text for stop strings.
 
-    ``block_size`` tokens a block (default 16, rounded up to a multiple of an encoder-decoder's
-    compression rate); ``max_batch_tokens`` new tokens per step at most; ``max_seq_len`` (default: the model's
-    ``max_position_embeddings``) bounds prompt + new tokens; ``detokenize`` turns ids into text for
-    stop strings. ``prefix_cache``: keep prompts' caches for later requests and certified adapters
-    (``kvgraft.runtime.prefix``), at most ``prefix_entries`` entries and ``prefix_max_bytes`` of kept state
-    outside the pools (default: a quarter of the pools' bytes).
-
-    ``packed_linears``: run the model's linear layers on oneDNN-packed weights (:mod:`kvgraft.model.packed`:
-    the model's ``nn.Linear`` layers become ``PackedLinear`` in place, training unaffected; one more copy of the
-    linear weights in memory). None (default): on when the model is on the CPU and torch can pack; True
-    where it cannot is an error. Results then differ from ``F.linear`` in accumulation order only.
+    With ``packed_linears`` on (the default on a CPU that can pack), the model's ``nn.Linear`` layers become
+    ``PackedLinear`` in place (training unaffected); results then differ from ``F.linear`` in accumulation
+    order only.
     """
 
     def __init__(
         self,
         model: Transformer,
+        options: EngineOptions | None = None,
         *,
-        num_blocks: int | None = None,
-        block_size: int | None = None,
-        max_seqs: int = 32,
-        max_batch_tokens: int = 512,
-        max_seq_len: int | None = None,
-        dtype: torch.dtype | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
-        prefix_cache: bool = False,
-        prefix_entries: int = 32,
-        prefix_max_bytes: int | None = None,
-        kv_budget: KVBudget = None,
-        packed_linears: bool | None = None,
     ) -> None:
-        config = model.config
-        seq_len = config.max_position_embeddings if max_seq_len is None else max_seq_len
-        block_size = default_block_size(config) if block_size is None else block_size
-        for name, value in (
-            ("block_size", block_size),
-            ("max_seqs", max_seqs),
-            ("max_batch_tokens", max_batch_tokens),
-            ("max_seq_len", seq_len),
-            ("prefix_entries", prefix_entries),
-        ):
-            check_int(name, value, low=1)
-        check_int("num_blocks", num_blocks, low=1, optional=True)
-        check_int("prefix_max_bytes", prefix_max_bytes, low=0, optional=True)
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype ({dtype!r}) must be a torch.dtype or None")
-        if not isinstance(prefix_cache, bool):
-            raise ValueError(f"prefix_cache ({prefix_cache!r}) must be True or False")
+        if options is None:
+            options = EngineOptions()
+        if not isinstance(options, EngineOptions):
+            raise ConfigError(f"options ({options!r}) must be an EngineOptions or None")
         if detokenize is not None and not callable(detokenize):
-            raise ValueError(f"detokenize ({detokenize!r}) must be a function from token ids to text, or None")
-        if packed_linears is not None and not isinstance(packed_linears, bool):
-            raise ValueError(f"packed_linears ({packed_linears!r}) must be True, False or None (auto)")
+            raise ConfigError(f"detokenize ({detokenize!r}) must be a function from token ids to text, or None")
+        config = model.config
+        self.options = options
+        seq_len = config.max_position_embeddings if options.max_seq_len is None else options.max_seq_len
+        block_size = default_block_size(config) if options.block_size is None else options.block_size
+        max_seqs, max_batch_tokens, packed_linears = options.max_seqs, options.max_batch_tokens, options.packed_linears
+        prefix_cache = bool(options.prefix_cache)
         param = next(model.parameters())
         if packed_linears and (param.device.type != "cpu" or not packing_available()):
-            raise ValueError(
+            raise ConfigError(
                 f"packed_linears=True needs a CPU model and a torch build with oneDNN; the model is on "
                 f"{param.device} (oneDNN packing {'available' if packing_available() else 'unavailable'}); "
                 "pass None (auto) or False"
             )
-        cache_dtype = dtype or param.dtype
+        cache_dtype = options.torch_dtype or param.dtype
         self.model = model
         # before the pools are sized: a budget taken from free memory sees the packed weights
         self.packed_linears = pack_linears(model) if packed_linears is not False and param.device.type == "cpu" else 0
@@ -133,8 +105,8 @@ class Engine:
         ring_blocks = max_seqs * nrb + max(nrb, max_seqs * nrb // 4) if prefix_cache and nrb else None
         self.pool: KVPool = plan_pool(
             config,
-            budget=kv_budget,
-            num_blocks=num_blocks,
+            budget=options.kv_budget,
+            num_blocks=options.num_blocks,
             block_size=block_size,
             max_seqs=max_seqs,
             max_seq_len=seq_len,
@@ -159,11 +131,12 @@ class Engine:
         # keys_read / keys_needed: query-key pairs attended per full-attention layer, planned vs needed (padding)
         self.stats = {"steps": 0, "tokens": 0, "preemptions": 0, "peak_used_bytes": 0, "keys_read": 0, "keys_needed": 0}
         self.prefix_stats = {"entries": 0, "bytes": 0, "queries": 0, "hits": 0, "replays": 0, "replayed_tokens": 0}
+        prefix_max_bytes = options.prefix_max_bytes
         if prefix_max_bytes is None:  # kept state outside the pools: at most a quarter of the pools' size
             prefix_max_bytes = self.cache.nbytes // 4
         self.replay_layer = replay_layer(config)
         self.prefix = (
-            PrefixCache(self.cache, prefix_entries, replay_span(config), prefix_max_bytes, replay_from=self.replay_layer)
+            PrefixCache(self.cache, options.prefix_entries, replay_span(config), prefix_max_bytes, replay_from=self.replay_layer)
             if prefix_cache
             else None
         )

@@ -7,9 +7,10 @@ import math
 import torch
 
 from kvgraft.checks import check_int
-from kvgraft.model.cache import default_block_size
+from kvgraft.model.sizes import default_block_size
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 
 __all__ = ["generate"]
@@ -50,11 +51,13 @@ def generate(
     block_size = default_block_size(model.config) if block_size is None else block_size
     engine = Engine(
         model,
-        num_blocks=B * math.ceil(total / block_size),
-        block_size=block_size,
-        max_seqs=B,
-        max_batch_tokens=max(B * T, 256),
-        max_seq_len=total,
+        EngineOptions(
+            num_blocks=B * math.ceil(total / block_size),
+            block_size=block_size,
+            max_seqs=B,
+            max_batch_tokens=max(B * T, 256),
+            max_seq_len=total,
+        ),
     )
     outs = engine.generate(input_ids.tolist(), params)
     width = max(len(o) for o in outs)

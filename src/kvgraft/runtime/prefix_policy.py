@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from kvgraft.model.batch import BatchContext
-from kvgraft.model.cache import CacheFullError, PagedKVCache
+from kvgraft.model.blocks import CacheFullError
+from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.transformer import Transformer
 from kvgraft.runtime.prefix import PrefixCache, PrefixEntry
 from kvgraft.runtime.request import Request

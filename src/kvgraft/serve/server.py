@@ -27,11 +27,10 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
-import torch
 import uvicorn
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,8 +44,8 @@ from kvgraft.hf import load_pretrained, load_tokenizer_dir
 from kvgraft.model.config import ModelConfig
 from kvgraft.reference import models_dir, resolve_model
 from kvgraft.runtime.adapters import NAME_RE, AdapterBusyError, AdapterError, UnknownAdapterError, read_adapter
-from kvgraft.runtime.budget import KVBudget
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 from kvgraft.serve import routes
 from kvgraft.serve.bridge import EngineStopped, EngineWorker, QueueFull, RequestStream
@@ -120,24 +119,6 @@ class ServerConfig:
             self.adapter_dir = Path(self.adapter_dir).resolve()
             if not self.adapter_dir.is_dir():
                 raise ConfigError(f"adapter directory {self.adapter_dir} does not exist")
-
-
-@dataclass
-class EngineOptions:
-    """How ``build_server`` sizes and loads the engine (``kvgraft.runtime.engine.Engine``'s arguments).
-    ``kv_budget``: the engine's pools' memory budget (bytes, ``"4GiB"``, a fraction of available memory, or
-    None for the default; see :mod:`kvgraft.runtime.budget`; ``server.engine.pool`` says what it bought).
-    ``dtype``: the weights' and cache's dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"`` (None: as the
-    checkpoint stores them). ``prefix_cache``: the engine's prefix cache (``kvgraft serve
-    --no-prefix-cache`` turns it off)."""
-
-    max_seqs: int = 32
-    max_batch_tokens: int = 512
-    max_seq_len: int | None = None
-    num_blocks: int | None = None
-    kv_budget: KVBudget = None
-    dtype: str | None = None
-    prefix_cache: bool = True
 
 
 def _check_unicode(text: str, param: str) -> None:
@@ -520,9 +501,6 @@ def shipped_adapters(base_dir: str | Path, config: ModelConfig) -> dict[str, Pat
     return found
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def build_server(
     base: str | Path,
     adapters: dict[str, str | Path] | None = None,
@@ -534,7 +512,9 @@ def build_server(
 ) -> KvgraftServer:
     """Load ``base`` (a model directory or shipped reference name) and its tokenizer, start adapters, build
     the server (not started: run it with uvicorn, or :func:`serve`). ``engine_options``: the engine's sizes,
-    memory budget, dtype and prefix cache (:class:`EngineOptions`; None: its defaults).
+    memory budget, dtype (the weights' and the cache's) and prefix cache
+    (:class:`~kvgraft.runtime.options.EngineOptions`; None: its defaults; the prefix cache is on unless
+    ``prefix_cache=False``).
     ``with_shipped_adapters``: also load the example adapters shipped for this base (:func:`shipped_adapters`;
     ``adapters`` win on a name). ``config``: :class:`ServerConfig` fields."""
 
@@ -543,25 +523,15 @@ def build_server(
     if tokenizer is None:
         raise FileNotFoundError(f"{path} has no tokenizer.json; the server needs one")
     cfg = ServerConfig(model_name=model_name or Path(path).resolve().name, **config)
-    eo = engine_options or EngineOptions()
-    dtype = eo.dtype
-    if dtype is not None and dtype not in _DTYPES:
-        raise ConfigError(f"dtype ({dtype!r}) must be one of {sorted(_DTYPES)} or None")
-    model = load_pretrained(path, dtype=None if dtype is None else _DTYPES[dtype]).eval()
+    options = engine_options or EngineOptions()
+    if options.prefix_cache is None:  # the server keeps prompts by default (kvgraft serve --no-prefix-cache)
+        options = replace(options, prefix_cache=True)
+    model = load_pretrained(path, dtype=options.torch_dtype).eval()
 
     def detok(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    engine = Engine(
-        model,
-        max_seqs=eo.max_seqs,
-        max_batch_tokens=eo.max_batch_tokens,
-        max_seq_len=eo.max_seq_len,
-        num_blocks=eo.num_blocks,
-        kv_budget=eo.kv_budget,
-        detokenize=detok,
-        prefix_cache=eo.prefix_cache,
-    )
+    engine = Engine(model, options, detokenize=detok)
     adapters = dict(adapters or {})
     if with_shipped_adapters:
         given = {Path(p).resolve() for p in adapters.values()}

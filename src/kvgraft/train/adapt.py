@@ -54,6 +54,7 @@ from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir
 from kvgraft.model.config import ModelConfig
 from kvgraft.reference import resolve_model
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 from kvgraft.train.checkpoint import find_latest
 from kvgraft.train.config import TrainConfig
@@ -253,7 +254,7 @@ def answer_accuracy(
         raise ConfigError(f"a prompt is {max(len(p) for p in prompts)} tokens; the model takes {limit}")
     params = [SamplingParams(max_new_tokens=min(max_new_tokens, limit - len(p)), stop_token_ids=stops) for p in prompts]
     longest = max(len(p) + s.max_new_tokens for p, s in zip(prompts, params))
-    engine = Engine(model, max_seqs=min(64, len(prompts)), max_batch_tokens=2048, max_seq_len=longest)
+    engine = Engine(model, EngineOptions(max_seqs=min(64, len(prompts)), max_batch_tokens=2048, max_seq_len=longest))
     outs = engine.generate(prompts, params)
     if encoding is not None and encoding.chat is not None:
         outs = [encoding.cut_at_stop(o) for o in outs]

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from kvgraft.model.batch import BatchContext, EntryWriter, Group
+from kvgraft.model.batch import BatchContext, EntryWriter
+from kvgraft.model.plan import Group
 from kvgraft.model.views import Entries, KVView
 from kvgraft.vllm.cache import PENDING, STREAM, WINDOW, CEDCacheLayer, CEDCacheMetadata
 

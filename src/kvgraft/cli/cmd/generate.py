@@ -10,6 +10,7 @@ from kvgraft.hf import load_config, load_pretrained, load_tokenizer_dir
 from kvgraft.reference import resolve_model
 from kvgraft.runtime.detok import IncrementalText
 from kvgraft.runtime.engine import Engine
+from kvgraft.runtime.options import EngineOptions
 from kvgraft.runtime.sampling import SamplingParams
 from kvgraft.runtime.stops import StopStrings
 
@@ -50,7 +51,7 @@ def generate(args: argparse.Namespace) -> int:
     def detok(out: list[int]) -> str:
         return str(tok.decode(out, skip_special_tokens=True))
 
-    engine = Engine(model, max_seqs=1, max_seq_len=len(ids) + sampling.max_new_tokens, detokenize=detok)
+    engine = Engine(model, EngineOptions(max_seqs=1, max_seq_len=len(ids) + sampling.max_new_tokens), detokenize=detok)
     rid = engine.add_request(ids, sampling)
     print(detok(ids), end="", flush=True)
     stops, decoded = StopStrings(sampling.stop), IncrementalText(detok)

@@ -8,7 +8,8 @@ from pathlib import Path
 from kvgraft.errors import ConfigError, refusals_as_config_errors
 from kvgraft.model.packed import packed_bytes
 from kvgraft.runtime.budget import KVBudget, parse_kv_budget
-from kvgraft.serve.server import EngineOptions, KvgraftServer, build_server
+from kvgraft.runtime.options import EngineOptions
+from kvgraft.serve.server import KvgraftServer, build_server
 from kvgraft.serve.server import serve as run_server
 
 
