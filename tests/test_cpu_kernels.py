@@ -1,7 +1,8 @@
-"""kvgraft's compiled CPU kernels (kvgraft.model.cpu_kernels): decode attention equal to torch's batched matmuls
-over strided views of a pool, rows placed by an index, any mask, never reading a key outside the range a row's
-queries see; rope bit-identical to torch's ops and RMSNorm equal to rounding; the engine gives the same tokens
-with them and without; bad modes and failed builds are reported. The tests build the kernels (``require``): a
+"""kvgraft's compiled CPU kernels (kvgraft.model.cpu_kernels): decode and prefill attention equal to torch's
+batched matmuls / SDPA over strided views of a pool, rows placed by an index, any mask, never reading a key
+outside the range a row's queries see; rope bit-identical to torch's ops, RMSNorm (and a residual add with it)
+equal to rounding; the engine gives the same tokens with them and without; bad modes and failed builds are
+reported. The tests build the kernels (``require``): a
 machine that cannot fails here."""
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatc
 
     monkeypatch.setattr(ck, "kernel", lambda: Counting())
     with_kernel = Engine(model, EngineOptions(max_seqs=4, max_batch_tokens=64, max_seq_len=256)).generate(prompts, params)
-    assert {"decode_attention", "rms_norm", "rope"} <= set(calls), "the engine's steps ran the kernels"
+    assert {"decode_attention", "prefill_attention", "add_rms_norm", "rms_norm", "rope"} <= set(calls), (
+        "the engine's steps ran the kernels"
+    )
     monkeypatch.setattr(ck, "kernel", lambda: None)
     without = Engine(model, EngineOptions(max_seqs=4, max_batch_tokens=64, max_seq_len=256)).generate(prompts, params)
     assert with_kernel == without
@@ -173,3 +176,68 @@ def test_rms_norm_equals_torchs_ops_to_rounding():
         assert y.shape == x.shape
         torch.testing.assert_close(y, norm(x).detach(), atol=1e-5, rtol=1e-5)
     assert ck.rms_norm(x.requires_grad_(), norm.weight, 1e-5) is None  # training: torch's ops
+
+
+@pytest.mark.parametrize("d,dv", [(32, 32), (64, 64), (128, 128), (64, 32)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 8), (8, 1)])
+@pytest.mark.parametrize("indexed", [False, True])
+def test_prefill_kernel_equals_batched_matmuls(d, dv, heads, kv_heads, indexed):
+    """Chunks of 1-70 new tokens a row (query blocks of 16, key blocks of 32: whole, partial and single) over
+    strided pool views, causal after each row's cached tokens, a window of 23 on odd rows, rows by index."""
+    g = torch.Generator().manual_seed(d + heads + 7)
+    n, S = 5, 131
+    k, v = pool_views(g, kv_heads, n, S, d, dv)
+    index = torch.tensor([4, 0, 2]) if indexed else None
+    G, t = (3 if indexed else n), 70
+    q = torch.randn(G, heads, t, d, generator=g)
+    starts = torch.tensor([0, 61, 3, 40, 0])[:G]  # each row's first new position; its queries are t positions on
+    pos = torch.arange(S)
+    last = starts[:, None, None] + torch.arange(t)[None, :, None]
+    mask = (pos <= last) & ((pos > last - 23) | (torch.arange(G) % 2 == 0)[:, None, None])
+    y = ck.prefill_attention(q, k, v, mask, index, 0.3)
+    assert y is not None
+    torch.testing.assert_close(y, reference(q, k, v, mask, index, 0.3), atol=1e-5, rtol=1e-4)
+
+
+def test_prefill_kernel_never_reads_past_what_a_block_sees_and_zeros_blind_queries():
+    """NaN in keys and values after every row's last visible key (the pool's tail) leaves the output finite;
+    a query whose mask row is empty gets zeros."""
+    g = torch.Generator().manual_seed(8)
+    K, n, S, d = 3, 2, 90, 64
+    k, v = pool_views(g, K, n, S, d, d)
+    q = torch.randn(n, 9, 40, d, generator=g)
+    last = torch.tensor([49, 39])[:, None, None] - 39 + torch.arange(40)[None, :, None]
+    mask = torch.arange(S) <= last
+    mask[1, 5] = False
+    want = torch.nan_to_num(reference(q, k, v, mask, None, 0.125))
+    k[:, 0, 50:] = v[:, 0, 50:] = float("nan")
+    k[:, 1, 40:] = v[:, 1, 40:] = float("nan")
+    y = ck.prefill_attention(q, k, v, mask, None, 0.125)
+    assert y is not None and torch.isfinite(y).all()
+    assert torch.equal(y[1, :, 5], torch.zeros_like(y[1, :, 5]))
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-4)
+
+
+def test_prefill_kernel_does_not_apply_where_it_cannot():
+    g = torch.Generator().manual_seed(9)
+    k, v = pool_views(g, 2, 3, 40, 48, 48)  # a width without a vector path
+    q, mask = torch.randn(3, 4, 20, 48, generator=g), torch.ones(3, 20, 40, dtype=torch.bool)
+    assert ck.prefill_attention(q, k, v, mask, None, 0.2) is None
+    k, v = pool_views(g, 2, 3, 40, 64, 64)
+    q = torch.randn(3, 4, 20, 64, generator=g)
+    assert ck.prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, None, 0.2) is None
+    assert ck.prefill_attention(q.requires_grad_(), k, v, mask, None, 0.2) is None
+
+
+def test_a_residual_add_with_rms_norm_equals_torchs_ops():
+    from kvgraft.model.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(10)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g))
+        x, a = torch.randn(1, 37, 576, generator=g), torch.randn(1, 37, 576, generator=g)
+        s, y = norm.add_forward(x, a, fused=True)
+        assert torch.equal(s, x + a)  # the residual sum exactly
+        torch.testing.assert_close(y, norm(x + a), atol=1e-5, rtol=1e-5)
+    assert ck.add_rms_norm(x, a[:, :5], norm.weight, 1e-5) is None  # shapes that differ: torch's ops

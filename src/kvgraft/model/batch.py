@@ -318,25 +318,20 @@ class BatchContext(StepContext):
             write = layer >= self.write_from  # below: the shared blocks already hold exactly these entries
         if layer in c.head_major:  # GQA: (2K, G, S, d), keys then values per head, each head contiguous
             pool = c.paged[layer]
-            table = g.tables[c.unit_of_paged[layer]]
+            unit = c.unit_of_paged[layer]
             H2, _, bs, d = pool.shape
             if write:
-                pos = g.qpos
-                flat = (table.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
                 src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
-                pool.view(H2, -1, d).index_copy_(1, flat, src)
-            out = self._read_head_major(pool, table, g)
+                pool.view(H2, -1, d).index_copy_(1, self._token_slots(gi, unit), src)
+            out = self._read_head_major(pool, g.tables[unit], g, gi)
         elif layer in c.paged:
             pool = c.paged[layer]
-            table = g.tables[c.unit_of_paged[layer]]
-            bs = c.block_size
+            unit = c.unit_of_paged[layer]
             if write:
-                pos = g.qpos  # (G, T)
-                flat = table.gather(1, pos // bs) * bs + pos % bs
                 pool.view(-1, pool.shape[-1]).index_copy_(
-                    0, flat.reshape(-1), entries.reshape(-1, entries.shape[-1]).to(pool.dtype)
+                    0, self._token_slots(gi, unit), entries.reshape(-1, entries.shape[-1]).to(pool.dtype)
                 )
-            out = self._read_rows(pool, table, g)
+            out = self._read_rows(pool, g.tables[unit], g, gi)
         else:  # a ring of the last W tokens: [ring as it was ; new tokens], then the ring is updated
             ring_pool = c.rings[layer]  # (ring blocks, rb, E)
             W, R, rb = c.window_rings.window, c.ring_len, c.ring_block
@@ -374,10 +369,29 @@ class BatchContext(StepContext):
         self.scratch[key] = out
         return out
 
-    def _read_head_major(self, pool: torch.Tensor, table: torch.Tensor, g: Group) -> KVView:
+    def _token_slots(self, gi: int, unit: int) -> torch.Tensor:
+        """(G T,) the pool rows (block id x block size + offset) of group ``gi``'s new tokens in ``unit``'s
+        blocks; the same for every layer of the unit, so worked out once a step."""
+        key = ("slots", gi, unit)
+        flat: torch.Tensor | None = self.scratch.get(key)
+        if flat is None:
+            g, bs = self.groups[gi], self.cache.block_size
+            flat = self.scratch[key] = (g.tables[unit].gather(1, g.qpos // bs) * bs + g.qpos % bs).reshape(-1)
+        return flat
+
+    def _key_positions(self, gi: int) -> torch.Tensor:
+        """(G, S) the positions 0..S-1 of group ``gi``'s paged keys (S: the longest row's end), once a step."""
+        key = ("kpos", gi)
+        kpos: torch.Tensor | None = self.scratch.get(key)
+        if kpos is None:
+            g = self.groups[gi]
+            kpos = self.scratch[key] = torch.arange(g.max_end, device=g.qpos.device).expand(g.G, -1)
+        return kpos
+
+    def _read_head_major(self, pool: torch.Tensor, table: torch.Tensor, g: Group, gi: int) -> KVView:
         """A GQA pool (2K, blocks, bs, d) read the group's way (``g.read``): (2K, G, S, d) keys then values."""
         H2, _, bs, d = pool.shape
-        kpos = torch.arange(g.max_end, device=pool.device).expand(g.G, -1)
+        kpos = self._key_positions(gi)
         match g.read:
             case Home(lo, hi, index):  # rows at home: one strided view of the pool over their slots, no copy
                 return HomeRows(self.cache.home_view(pool, lo, hi, g.max_end, dim=1), index, kpos)  # (2K, hi - lo, S, d)
@@ -390,7 +404,7 @@ class BatchContext(StepContext):
         # takes a generic strided path; index_select copies whole (bs, d) blocks)
         return HeadMajorKV(pool.index_select(1, table.reshape(-1)).view(H2, g.G, -1, d)[:, :, : g.max_end], kpos)
 
-    def _read_rows(self, pool: torch.Tensor, table: torch.Tensor, g: Group) -> KVView:
+    def _read_rows(self, pool: torch.Tensor, table: torch.Tensor, g: Group, gi: int) -> KVView:
         """A paged pool of one row per token (blocks, bs, E) read the group's way: (G, S, E) with positions."""
         bs, E = pool.shape[1], pool.shape[-1]
         read = g.read.rest if isinstance(g.read, Home) else g.read  # home views are for GQA pools only
@@ -401,7 +415,7 @@ class BatchContext(StepContext):
                 keys = pool[first : first + table.shape[1]].reshape(1, -1, E)[:, : g.max_end]
             case _:
                 keys = pool.index_select(0, table.reshape(-1)).view(g.G, -1, E)[:, : g.max_end]
-        return Entries(keys, torch.arange(g.max_end, device=keys.device).expand(g.G, -1))
+        return Entries(keys, self._key_positions(gi))
 
     def compress(
         self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -1,5 +1,6 @@
-"""kvgraft's compiled CPU kernels, for float32 inference: decode-step attention over paged keys and values read
-in place (``decode_attention.cpp``), and one-pass RMSNorm and rotary embedding (``elementwise.cpp``). Built on
+"""kvgraft's compiled CPU kernels, for float32 inference: decode-step and prefill attention over paged keys and
+values read in place (``decode_attention.cpp``, ``prefill_attention.cpp``), and one-pass RMSNorm (a residual add
+with it) and rotary embedding (``elementwise.cpp``). Built on
 first use by torch's C++ extension loader into its cache (``TORCH_EXTENSIONS_DIR``). Each function returns None
 where its kernel cannot be built (no C++ compiler) or does not apply (not float32 on the CPU, autograd, a head
 width without a vector path); the caller then runs torch's ops.
@@ -22,7 +23,9 @@ from kvgraft.errors import ConfigError
 
 ENV = "KVGRAFT_CPU_KERNELS"
 MODES = ("auto", "off", "require")
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode_attention.cpp", "elementwise.cpp", "bindings.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "bindings.cpp")
+)
 log = logging.getLogger(__name__)
 
 # Instruction sets the build targets, by torch's own reading of this CPU: named, not -march=native, so a
@@ -93,6 +96,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return y
 
 
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(s, rms_norm(s))`` with ``s = x + a`` (a residual add and the next RMSNorm) in one pass, or None where
+    it does not apply; ``s`` exactly torch's sum, the norm as :func:`rms_norm`'s."""
+    if not _inference_cpu_float(x, a, weight) or x.shape != a.shape:
+        return None
+    mod = kernel()
+    if mod is None:
+        return None
+    s, y = mod.add_rms_norm(x, a, weight, eps)
+    return s, y
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """``kvgraft.model.rope.apply_rope`` (x (B, nh, T, d), cos/sin (B, T, d)) in one pass, bit-identical, or
     None where it does not apply."""
@@ -123,3 +138,24 @@ def decode_attention(
     if mod is None or not mod.vectorized(q.shape[-1], v.shape[-1]):
         return None
     return mod.decode_attention(q, k, v, mask, _NO_INDEX if index is None else index, scale)  # type: ignore[no-any-return]
+
+
+def prefill_attention(
+    q: torch.Tensor,  # (G, H, T, d)
+    k: torch.Tensor,  # (K, n, S, d): any strides but the last
+    v: torch.Tensor,  # (K, n, S, dv)
+    mask: torch.Tensor,  # (G, T, S) bool, True = attend
+    index: torch.Tensor | None,  # (G,) the slot of each row among the n; None: row g is slot g
+    scale: float,
+) -> torch.Tensor | None:
+    """:func:`decode_attention`'s result for many new tokens a row (a prompt's chunk), flash-style: blocks of
+    queries against blocks of keys, an online softmax, fp32 scores; torch's SDPA on the CPU multiplies its
+    blocks through a BLAS that runs these shapes at a third of the speed (bench/prefill_kernel.py). None where
+    the kernel does not apply (the caller runs torch's ops): not float32 on the CPU, autograd on, widths other
+    than 32/64/128, a build without AVX-512, or no kernel."""
+    if not _inference_cpu_float(q, k, v) or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    mod = kernel()
+    if mod is None or not mod.prefill_vectorized(q.shape[-1], v.shape[-1]):
+        return None
+    return mod.prefill_attention(q, k, v, mask, _NO_INDEX if index is None else index, scale)  # type: ignore[no-any-return]

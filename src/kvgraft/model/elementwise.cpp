@@ -1,9 +1,10 @@
 // One-pass CPU forms of a decoder layer's elementwise work (float32, inference), each one op where torch runs
-// five (RMSNorm) or nine (rotary embedding, rotate-half).
+// five (RMSNorm), six (a residual add then RMSNorm) or nine (rotary embedding, rotate-half).
 //
 // rope is bit-identical to kvgraft.model.rope.apply_rope (the same two products and one sum, each rounded: the
-// build keeps the compiler from contracting them into fused multiply-adds); rms_norm differs from
-// kvgraft.model.norm.RMSNorm only in the order its sum of squares is accumulated.
+// build keeps the compiler from contracting them into fused multiply-adds);
+// rms_norm and add_rms_norm differ from kvgraft.model.norm.RMSNorm only in the order the sum of squares is
+// accumulated (the residual sum itself is exact as torch's).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -29,6 +30,22 @@ void check_float(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), what, ": float32 CPU tensors only");
 }
 
+// one row of RMSNorm: o = w * (x * rsqrt(mean(x^2) + eps))
+inline void norm_row(const float* xr, const float* wp, float* orow, int64_t h, float e) {
+  float lanes[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= h; i += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += xr[i + j] * xr[i + j];
+  float ss = 0.f;
+  for (int j = 0; j < 16; ++j) ss += lanes[j];
+  for (; i < h; ++i) ss += xr[i] * xr[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + e);
+  for (int64_t k = 0; k < h; ++k) {
+    const float n = xr[k] * inv;
+    orow[k] = wp[k] * n;
+  }
+}
+
 }  // namespace
 
 // x (..., h), weight (h,) -> weight * (x * rsqrt(mean(x^2) + eps))
@@ -46,24 +63,41 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * h;
-      float* orow = op + r * h;
-      float lanes[16] = {0.f};
-      int64_t i = 0;
-      for (; i + 16 <= h; i += 16)
-        for (int j = 0; j < 16; ++j) lanes[j] += xr[i + j] * xr[i + j];
-      float ss = 0.f;
-      for (int j = 0; j < 16; ++j) ss += lanes[j];
-      for (; i < h; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + e);
-      for (int64_t k = 0; k < h; ++k) {
-        const float n = xr[k] * inv;
-        orow[k] = wp[k] * n;
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * h, wp, op + r * h, h, e);
   });
   return out.view(x.sizes());
+}
+
+// x, a (..., h), weight (h,) -> (s = x + a, weight * (s * rsqrt(mean(s^2) + eps))): a residual add and the
+// next RMSNorm in one pass over the rows
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& weight,
+                                        double eps) {
+  check_float(x, "add_rms_norm");
+  check_float(a, "add_rms_norm");
+  check_float(weight, "add_rms_norm");
+  TORCH_CHECK(x.sizes() == a.sizes(), "add_rms_norm: x and a of one shape");
+  const int64_t h = x.size(-1);
+  TORCH_CHECK(weight.numel() == h, "add_rms_norm: weight of ", weight.numel(), " for rows of ", h);
+  const auto xc = x.contiguous();
+  const auto ac = a.contiguous();
+  const auto wc = weight.contiguous();
+  auto sum = torch::empty_like(xc);
+  auto out = torch::empty_like(xc);
+  const int64_t rows = xc.numel() / std::max<int64_t>(h, 1);
+  const float* xp = xc.data_ptr<float>();
+  const float* ap = ac.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* srow = sp + r * h;
+      for (int64_t k = 0; k < h; ++k) srow[k] = xp[r * h + k] + ap[r * h + k];
+      norm_row(srow, wp, op + r * h, h, e);
+    }
+  });
+  return {sum.view(x.sizes()), out.view(x.sizes())};
 }
 
 // x (B, nh, T, d) any strides but the last; cos, sin (B, T, d) -> x * cos + rotate_half(x) * sin

@@ -23,6 +23,19 @@ class RMSNorm(nn.Module):
             y = cpu_kernels.rms_norm(x, self.weight, self.eps)
             if y is not None:
                 return y
+        return self._norm(x)
+
+    def add_forward(self, x: torch.Tensor, a: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + a, self(x + a))``: a residual add and this norm; ``fused``: in one pass where kvgraft's CPU
+        kernel applies (as :meth:`forward`'s)."""
+        if fused:
+            pair = cpu_kernels.add_rms_norm(x, a, self.weight, self.eps)
+            if pair is not None:
+                return pair
+        s = x + a
+        return s, self._norm(s)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

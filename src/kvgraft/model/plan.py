@@ -154,6 +154,9 @@ class Group:
     # per unit (paged layer or segment: cache.unit_of_*): (G, blocks), shared by units of one span
     tables: tuple[torch.Tensor, ...] = ()
     read: Read = GATHER  # how attention reads the group's paged layers
+    # (first, end) when the group's tokens are one range of the packed token axis, in ``tok``'s order
+    # (consecutive rows: the usual case), so that take is a view and put one slice copy
+    span: tuple[int, int] | None = None
 
     # the read strategy in the shapes the context had before it was one field (read by tests and benchmarks)
     @property
@@ -184,16 +187,23 @@ class Group:
         return len(self.rows)
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, N, ...) step tensor -> (G, T, ...) this group's rows."""
+        """(B, N, ...) step tensor -> (G, T, ...) this group's rows: a view when the group's tokens are one
+        range of the token axis (``span``; callers only read it), else a copy."""
         if self.tok is None:
             return t
+        if self.span is not None:
+            return t[0, self.span[0] : self.span[1]].view(self.G, self.T, *t.shape[2:])
         return t[0].index_select(0, self.tok).view(self.G, self.T, *t.shape[2:])
 
     def put(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Write (G, T, ...) ``y`` into the step tensor ``out`` (B, N, ...); returns ``out``."""
         if self.tok is None:
             return y
-        out[0].index_copy_(0, self.tok, y.reshape(self.G * self.T, *y.shape[2:]).to(out.dtype))
+        flat = y.reshape(self.G * self.T, *y.shape[2:]).to(out.dtype)
+        if self.span is not None:
+            out[0, self.span[0] : self.span[1]].copy_(flat)
+        else:
+            out[0].index_copy_(0, self.tok, flat)
         return out
 
 
@@ -535,7 +545,14 @@ def _group(cache: PagedKVCache, step: _StepRows, rows: np.ndarray, t: int) -> Gr
                 read = (
                     Home(read.lo, read.hi, read.index, Pieces(tuple(pieces))) if isinstance(read, Home) else Pieces(tuple(pieces))
                 )
-    tok = torch.from_numpy((offsets[rows][:, None] + np.arange(t)).reshape(-1)).to(dev)
+    tok_np = (offsets[rows][:, None] + np.arange(t)).reshape(-1)
+    tok = torch.from_numpy(tok_np).to(dev)
+    first = int(tok_np[0])
+    span = (
+        (first, first + len(tok_np))
+        if int(tok_np[-1]) == first + len(tok_np) - 1 and bool((np.diff(tok_np) == 1).all())
+        else None
+    )
     qpos = torch.from_numpy(starts[:, None] + np.arange(t)).to(dev)
     rings = tuple(torch.from_numpy(np.maximum(cache.slot_rings[gi][slots], 0)).to(dev) for gi in range(len(cache.ring_groups)))
     return Group(
@@ -552,4 +569,5 @@ def _group(cache: PagedKVCache, step: _StepRows, rows: np.ndarray, t: int) -> Gr
         rings,
         unit_tables,
         read,
+        span,
     )

@@ -96,7 +96,7 @@ class GQAttention(nn.Module):
                 k = self.k_norm(k)
             k = apply_rope(k.transpose(1, 2), cos, sin, fused).transpose(1, 2)  # (B, N, K, d)
             entry = torch.cat([k.reshape(B, N, K * d), v], dim=-1)  # (B, N, 2 K d)
-        out = None
+        heads = None  # every group's attention output (B, N, H d): one o_proj over the step's tokens
         for gi, g in ctx.each_group():
             qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, d)
             view = ctx.kv(self.source, gi, None if entry is None else g.take(entry))
@@ -107,10 +107,11 @@ class GQAttention(nn.Module):
             causal = ctx.cache is None and ctx.default_positions and (self.window is None or self.window >= g.T)
             decode = ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS
             y = view.attend_heads(qg, K, self.window, mask, causal, decode)  # (G, H, T, d)
-            y = self.o_proj(y.transpose(1, 2).reshape(y.shape[0], g.T, H * d))
-            out = g.put(out if out is not None else x.new_empty(B, N, y.shape[-1]), y)
-        if out is None:
+            y = y.transpose(1, 2).reshape(y.shape[0], g.T, H * d)
+            heads = g.put(heads if heads is not None else x.new_empty(B, N, H * d), y)
+        if heads is None:
             raise ConfigError("a step context has at least one group")
+        out: torch.Tensor = self.o_proj(heads)
         return out
 
 
@@ -129,8 +130,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         fused = ctx.cache is not None  # a cached (engine) step: one-pass CPU kernels where they apply
-        x = x + self.self_attn(self.input_layernorm(x, fused), cos, sin, ctx)
-        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x, fused))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x, fused), cos, sin, ctx), fused)
+        y: torch.Tensor = x + self.mlp(h)
         return y
 
 

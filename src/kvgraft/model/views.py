@@ -32,7 +32,7 @@ from kvgraft.model.attention_ops import (
     grouped_attention_strided,
     last_positions,
 )
-from kvgraft.model.cpu_kernels import decode_attention
+from kvgraft.model.cpu_kernels import decode_attention, prefill_attention
 
 MaskOf = Callable[[torch.Tensor], torch.Tensor]  # key positions (G, S) -> (G, T, S) bool, True = attend
 
@@ -84,7 +84,8 @@ class Entries(KVView):
         if decode:
             y = decode_attention(q, k.transpose(0, 1), v.transpose(0, 1), m, None, d**-0.5)
             return y if y is not None else grouped_attention(q, k, v, m, d**-0.5)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], enable_gqa=K != H)
+        y = prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), m, None, d**-0.5)
+        return y if y is not None else F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], enable_gqa=K != H)
 
     def attend_latent(self, q: torch.Tensor, dc: int, window: int | None, scale: float, mask: MaskOf) -> torch.Tensor:
         ent = self.data[:, None]  # one key/value head shared by all query heads (MQA over the latents)
@@ -109,6 +110,9 @@ class HeadMajorKV(KVView):
         if q.shape[2] <= DECODE_MAX_NEW_TOKENS:  # decode step
             y = decode_attention(q, k_hm, v_hm, m, None, d**-0.5)
             return y if y is not None else grouped_attention_head_major(q, k_hm, v_hm, m, d**-0.5)
+        y = prefill_attention(q, k_hm, v_hm, m, None, d**-0.5)
+        if y is not None:
+            return y
         return F.scaled_dot_product_attention(
             q, k_hm.transpose(0, 1), v_hm.transpose(0, 1), attn_mask=m[:, None], enable_gqa=K != H
         )

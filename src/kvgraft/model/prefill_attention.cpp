@@ -1,0 +1,242 @@
+// Prefill attention over paged keys/values read in place, for the CPU (float32, AVX-512): flash-style, the
+// scores of a block of queries against a block of keys at a time, an online softmax, nothing the size of
+// queries x keys ever stored.
+//
+// prefill_attention(q, k, v, mask, index, scale) -> (G, H, T, Dv), the arguments of decode_attention:
+//   q     (G, H, T, D)   the group's queries (T new tokens per row)
+//   k     (K, n, S, D)   keys of K heads for n slots, any strides but the last
+//   v     (K, n, S, Dv)  values, laid out as k
+//   mask  (G, T, S)      bool, true = the query attends the key
+//   index (G,) int64     the slot of each row among the n (empty: row g is slot g)
+// Query head h reads key head h / (H / K). One task is (row, key head, QT query tokens): its H/K * QT queries
+// (in registers, 8 at a time) against KB keys at a time (packed transposed once per block), only between the
+// first and the last key any of its queries may see. The exponentials are torch's own vector exp (SLEEF, to
+// 1 ULP, exported by libtorch_cpu). Tasks are ordered so that a causal prompt's cheap and dear query blocks
+// alternate: each thread's contiguous share holds about half the work. A query that sees no key gets zeros.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+extern "C" __m512 Sleef_expf16_u10(__m512);
+#endif
+
+namespace {
+
+constexpr int64_t QT = 16;  // query tokens a task
+constexpr int64_t KB = 32;  // keys a block (two vectors of scores)
+
+#if defined(__AVX512F__)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// P[m][0, KB) = Q[m] . Kt[:, 0, KB) for queries [m0, m0 + MB); Kt is (D, KB)
+template <int D, int MB>
+inline void scores(const float* Q, int64_t m0, const float* Kt, float* P) {
+  __m512 a0[MB], a1[MB];
+  for (int i = 0; i < MB; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(Kt + d * KB);
+    const __m512 k1 = _mm512_loadu_ps(Kt + d * KB + 16);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 qb = _mm512_set1_ps(Q[(m0 + i) * D + d]);
+      a0[i] = _mm512_fmadd_ps(qb, k0, a0[i]);
+      a1[i] = _mm512_fmadd_ps(qb, k1, a1[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    _mm512_storeu_ps(P + (m0 + i) * KB, a0[i]);
+    _mm512_storeu_ps(P + (m0 + i) * KB + 16, a1[i]);
+  }
+}
+
+// O[m] = O[m] * corr[m] + sum_j P[m][j] v_j for queries [m0, m0 + MB), keys j < nk
+template <int NCV, int MB>
+inline void values(const float* P, int64_t m0, const float* corr, const float* v, int64_t vstride, int64_t nk, float* O) {
+  constexpr int Dv = 16 * NCV;
+  __m512 acc[MB][NCV];
+  for (int i = 0; i < MB; ++i) {
+    const __m512 c = _mm512_set1_ps(corr[m0 + i]);
+    for (int c2 = 0; c2 < NCV; ++c2) acc[i][c2] = _mm512_mul_ps(_mm512_loadu_ps(O + (m0 + i) * Dv + 16 * c2), c);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    const float* vr = v + j * vstride;
+    __m512 vv[NCV];
+    for (int c = 0; c < NCV; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 pb = _mm512_set1_ps(P[(m0 + i) * KB + j]);
+      for (int c = 0; c < NCV; ++c) acc[i][c] = _mm512_fmadd_ps(pb, vv[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < NCV; ++c) _mm512_storeu_ps(O + (m0 + i) * Dv + 16 * c, acc[i][c]);
+}
+
+// One task's queries Q (M, D), pre-scaled, against keys [lo, hi) of k/v: O (M, Dv) unnormalised, l (M) sums
+template <int D, int NCV>
+void attend(const float* Q, int64_t M, const float* k, int64_t kstride, const float* v, int64_t vstride, int64_t lo,
+            int64_t hi, int64_t S, const bool* const* visible, float* O, float* l) {
+  constexpr int Dv = 16 * NCV;
+  constexpr int MBV = NCV >= 8 ? 2 : (NCV >= 4 ? 4 : 8);  // value accumulators: at most 16 vectors
+  alignas(64) float Kt[D * KB];
+  std::vector<float> P(M * KB), mrow(M, NEG_INF), corr(M);
+  std::fill(O, O + M * Dv, 0.f);
+  std::fill(l, l + M, 0.f);
+  for (int64_t kb = lo; kb < hi; kb += KB) {
+    const int64_t nk = std::min<int64_t>(KB, hi - kb);
+    for (int64_t j = 0; j < KB; ++j) {  // pack the block transposed, zeros past its end
+      const float* kr = k + (kb + j) * kstride;
+      for (int d = 0; d < D; ++d) Kt[d * KB + j] = j < nk ? kr[d] : 0.f;
+    }
+    int64_t m0 = 0;
+    for (; m0 + 8 <= M; m0 += 8) scores<D, 8>(Q, m0, Kt, P.data());
+    for (; m0 < M; ++m0) scores<D, 1>(Q, m0, Kt, P.data());
+    const __m512 ninf = _mm512_set1_ps(NEG_INF);
+    for (int64_t m = 0; m < M; ++m) {  // mask, online softmax; P becomes the block's weights
+      float* pr = P.data() + m * KB;
+      __mmask32 keep;  // the block's keys the query sees: the mask's bytes compared 32 at a time
+      if (nk == KB && kb + KB <= S) {
+        keep = _mm256_test_epi8_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(visible[m] + kb)),
+                                     _mm256_set1_epi8(1));
+      } else {  // the last block of a row: its bytes copied, nothing read past the row
+        alignas(32) bool tail[KB] = {false};
+        std::copy(visible[m] + kb, visible[m] + kb + nk, tail);
+        keep = _mm256_test_epi8_mask(_mm256_load_si256(reinterpret_cast<const __m256i*>(tail)), _mm256_set1_epi8(1));
+      }
+      const __m512 s0 = _mm512_mask_blend_ps(static_cast<__mmask16>(keep), ninf, _mm512_loadu_ps(pr));
+      const __m512 s1 = _mm512_mask_blend_ps(static_cast<__mmask16>(keep >> 16), ninf, _mm512_loadu_ps(pr + 16));
+      const float mx = std::max(_mm512_reduce_max_ps(s0), _mm512_reduce_max_ps(s1));
+      const float mnew = std::max(mrow[m], mx);
+      if (mnew == NEG_INF) {  // nothing visible yet
+        std::fill(pr, pr + KB, 0.f);
+        corr[m] = 1.f;
+        continue;
+      }
+      const __m512 mv = _mm512_set1_ps(mnew);
+      const __m512 p0 = Sleef_expf16_u10(_mm512_sub_ps(s0, mv));
+      const __m512 p1 = Sleef_expf16_u10(_mm512_sub_ps(s1, mv));
+      _mm512_storeu_ps(pr, p0);
+      _mm512_storeu_ps(pr + 16, p1);
+      corr[m] = mrow[m] == NEG_INF ? 0.f : std::exp(mrow[m] - mnew);
+      l[m] = l[m] * corr[m] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      mrow[m] = mnew;
+    }
+    const float* vb = v + kb * vstride;
+    m0 = 0;
+    for (; m0 + MBV <= M; m0 += MBV) values<NCV, MBV>(P.data(), m0, corr.data(), vb, vstride, nk, O);
+    for (; m0 < M; ++m0) values<NCV, 1>(P.data(), m0, corr.data(), vb, vstride, nk, O);
+  }
+}
+
+using Attend = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t,
+                        const bool* const*, float*, float*);
+
+template <int D>
+Attend pick_v(int64_t Dv) {
+  switch (Dv) {
+    case 32: return attend<D, 2>;
+    case 64: return attend<D, 4>;
+    case 128: return attend<D, 8>;
+    default: return nullptr;
+  }
+}
+
+Attend pick(int64_t D, int64_t Dv) {
+  switch (D) {
+    case 32: return pick_v<32>(Dv);
+    case 64: return pick_v<64>(Dv);
+    case 128: return pick_v<128>(Dv);
+    default: return nullptr;
+  }
+}
+#endif
+
+}  // namespace
+
+// Whether prefill_attention runs (D, Dv): AVX-512 builds, widths 32, 64 or 128 (elsewhere torch's SDPA runs).
+bool prefill_vectorized(int64_t D, int64_t Dv) {
+#if defined(__AVX512F__)
+  return pick(D, Dv) != nullptr;
+#else
+  return false && D && Dv;
+#endif
+}
+
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const torch::Tensor& mask, const torch::Tensor& index, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "prefill_attention: q/k/v 4-d, mask 3-d");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "prefill_attention: float32 only");
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "prefill_attention: bool mask");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "prefill_attention: keys/values contiguous in their last axis");
+  const int64_t G = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t K = k.size(0), n = k.size(1), S = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(K > 0 && H % K == 0, "prefill_attention: key heads must divide query heads");
+  TORCH_CHECK(k.size(3) == D && v.size(0) == K && v.size(1) == n && v.size(2) == S, "prefill_attention: k/v shapes");
+  TORCH_CHECK(mask.size(0) == G && mask.size(1) == T && mask.size(2) == S, "prefill_attention: mask shape");
+  TORCH_CHECK(prefill_vectorized(D, Dv), "prefill_attention: widths (", D, ", ", Dv, ") have no vector path");
+  const bool indexed = index.numel() > 0;
+  TORCH_CHECK(indexed ? (index.scalar_type() == at::kLong && index.numel() == G) : G <= n,
+              "prefill_attention: index (G,) int64 into the slots");
+  auto out = torch::empty({G, H, T, Dv}, q.options());
+#if defined(__AVX512F__)
+  const auto qc = q.contiguous();
+  const auto mc = mask.contiguous();
+  const auto ic = indexed ? index.contiguous() : index;
+  const int64_t R = H / K, nqb = (T + QT - 1) / QT;
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool* mp = mc.data_ptr<bool>();
+  const int64_t* ip = indexed ? ic.data_ptr<int64_t>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const float sc = static_cast<float>(scale);
+  const Attend run = pick(D, Dv);
+  at::parallel_for(0, nqb * G * K, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Q(R * QT * D), O(R * QT * Dv), l(R * QT);
+    std::vector<const bool*> visible(R * QT);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t z = u / (G * K), g = (u / K) % G, h = u % K;
+      const int64_t qb = z % 2 == 0 ? z / 2 : nqb - 1 - z / 2;  // 0, last, 1, last - 1, ...
+      const int64_t t0 = qb * QT, nt = std::min(QT, T - t0), M = R * nt;
+      const int64_t slot = ip ? ip[g] : g;
+      TORCH_CHECK(slot >= 0 && slot < n, "prefill_attention: index out of range");
+      const bool* mrow = mp + g * T * S;
+      int64_t lo = S, hi = 0;  // the keys any query of the block may see
+      for (int64_t t = t0; t < t0 + nt; ++t) {
+        const bool* mt = mrow + t * S;
+        int64_t a = 0, b = S;
+        while (a < S && !mt[a]) ++a;
+        while (b > a && !mt[b - 1]) --b;
+        if (a < b) lo = std::min(lo, a), hi = std::max(hi, b);
+      }
+      for (int64_t r = 0; r < R; ++r)  // query m = r * nt + t: head h * R + r, token t0 + t; scaled once
+        for (int64_t t = 0; t < nt; ++t) {
+          const float* src = qp + ((g * H + h * R + r) * T + t0 + t) * D;
+          float* dst = Q.data() + (r * nt + t) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * sc;
+          visible[r * nt + t] = mrow + (t0 + t) * S;
+        }
+      if (hi > lo)
+        run(Q.data(), M, kp + h * ks0 + slot * ks1, ks2, vp + h * vs0 + slot * vs1, vs2, lo, hi, S, visible.data(),
+            O.data(), l.data());
+      else
+        std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t t = 0; t < nt; ++t) {
+          const int64_t m = r * nt + t;
+          const float inv = hi > lo && l[m] > 0.f ? 1.f / l[m] : 0.f;
+          float* dst = op + ((g * H + h * R + r) * T + t0 + t) * Dv;
+          for (int64_t d = 0; d < Dv; ++d) dst[d] = hi > lo ? O[m * Dv + d] * inv : 0.f;
+        }
+    }
+  });
+#endif
+  return out;
+}
