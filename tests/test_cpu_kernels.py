@@ -42,7 +42,7 @@ def test_kernel_equals_batched_matmuls(d, dv, heads, kv_heads, t, indexed):
     k, v = pool_views(g, kv_heads, n, S, d, dv)
     index = torch.tensor([5, 0, 3, 6]) if indexed else None
     G = 4 if indexed else n
-    q = torch.randn(G, heads, t, d, generator=g)
+    q = torch.randn(G, t, heads, d, generator=g).transpose(1, 2)  # (G, H, t, d) strided, as a layer's queries
     lengths = torch.randint(t, S + 1, (G,), generator=g)
     pos = torch.arange(S)
     # causal over each row's last t positions, and a sliding window of 9 on odd rows: masks need not be prefixes
@@ -189,7 +189,7 @@ def test_prefill_kernel_equals_batched_matmuls(d, dv, heads, kv_heads, indexed):
     k, v = pool_views(g, kv_heads, n, S, d, dv)
     index = torch.tensor([4, 0, 2]) if indexed else None
     G, t = (3 if indexed else n), 70
-    q = torch.randn(G, heads, t, d, generator=g)
+    q = torch.randn(G, t, heads, d, generator=g).transpose(1, 2)  # (G, H, t, d) strided, as a layer's queries
     starts = torch.tensor([0, 61, 3, 40, 0])[:G]  # each row's first new position; its queries are t positions on
     pos = torch.arange(S)
     last = starts[:, None, None] + torch.arange(t)[None, :, None]

@@ -149,8 +149,8 @@ def prefill_attention(
     scale: float,
 ) -> torch.Tensor | None:
     """:func:`decode_attention`'s result for many new tokens a row (a prompt's chunk), flash-style: blocks of
-    queries against blocks of keys, an online softmax, fp32 scores; torch's SDPA on the CPU multiplies its
-    blocks through a BLAS that runs these shapes at a third of the speed (bench/prefill_kernel.py). None where
+    queries against blocks of keys, an online softmax, fp32 scores (torch's CPU SDPA ran SmolLM2's prompt
+    chunks 2-3x slower: bench/prefill_kernel.py). None where
     the kernel does not apply (the caller runs torch's ops): not float32 on the CPU, autograd on, widths other
     than 32/64/128, a build without AVX-512, or no kernel."""
     if not _inference_cpu_float(q, k, v) or k.stride(-1) != 1 or v.stride(-1) != 1:

@@ -174,12 +174,15 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const bool indexed = index.numel() > 0;
   TORCH_CHECK(indexed ? (index.scalar_type() == at::kLong && index.numel() == G) : G <= n,
               "decode_attention: index (G,) int64 into the slots");
-  const auto qc = q.contiguous();
+  const auto qc = q.stride(3) == 1 ? q : q.contiguous();  // read in place: any strides but the last
   const auto mc = mask.contiguous();
   const auto ic = indexed ? index.contiguous() : index;
   const int64_t R = H / K, M = R * T;
-  auto out = torch::empty({G, H, T, Dv}, q.options());
+  // stored token-major, (G, T, H, Dv), returned as its (G, H, T, Dv) view: the heads of a token side by side,
+  // as the output projection reads them (no copy to put them there)
+  auto out = torch::empty({G, T, H, Dv}, q.options());
   const float* qp = qc.data_ptr<float>();
+  const int64_t qs0 = qc.stride(0), qs1 = qc.stride(1), qs2 = qc.stride(2);
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const bool* mp = mc.data_ptr<bool>();
@@ -208,7 +211,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
       const int64_t L = hi > lo ? hi - lo : 0;
       for (int64_t r = 0; r < R; ++r)  // query m = r * T + t: head h * R + r, token t; scaled once
         for (int64_t t = 0; t < T; ++t) {
-          const float* src = qp + ((g * H + h * R + r) * T + t) * D;
+          const float* src = qp + g * qs0 + (h * R + r) * qs1 + (t) * qs2;
           float* dst = qbuf.data() + (r * T + t) * D;
           for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * sc;
         }
@@ -225,10 +228,10 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
         for (int64_t t = 0; t < T; ++t) {
           const int64_t m = r * T + t;
           const float inv = denom[m] > 0.f ? 1.f / denom[m] : 0.f;
-          float* dst = op + ((g * H + h * R + r) * T + t) * Dv;
+          float* dst = op + ((g * T + t) * H + h * R + r) * Dv;
           for (int64_t d = 0; d < Dv; ++d) dst[d] = acc[m * Dv + d] * inv;
         }
     }
   });
-  return out;
+  return out.permute({0, 2, 1, 3});
 }

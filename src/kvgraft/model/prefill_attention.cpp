@@ -182,13 +182,16 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
   const bool indexed = index.numel() > 0;
   TORCH_CHECK(indexed ? (index.scalar_type() == at::kLong && index.numel() == G) : G <= n,
               "prefill_attention: index (G,) int64 into the slots");
-  auto out = torch::empty({G, H, T, Dv}, q.options());
+  // stored token-major, (G, T, H, Dv), returned as its (G, H, T, Dv) view: the heads of a token side by side,
+  // as the output projection reads them (no copy to put them there)
+  auto out = torch::empty({G, T, H, Dv}, q.options());
 #if defined(__AVX512F__)
-  const auto qc = q.contiguous();
+  const auto qc = q.stride(3) == 1 ? q : q.contiguous();  // read in place: any strides but the last
   const auto mc = mask.contiguous();
   const auto ic = indexed ? index.contiguous() : index;
   const int64_t R = H / K, nqb = (T + QT - 1) / QT;
   const float* qp = qc.data_ptr<float>();
+  const int64_t qs0 = qc.stride(0), qs1 = qc.stride(1), qs2 = qc.stride(2);
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const bool* mp = mc.data_ptr<bool>();
@@ -218,7 +221,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
       }
       for (int64_t r = 0; r < R; ++r)  // query m = r * nt + t: head h * R + r, token t0 + t; scaled once
         for (int64_t t = 0; t < nt; ++t) {
-          const float* src = qp + ((g * H + h * R + r) * T + t0 + t) * D;
+          const float* src = qp + g * qs0 + (h * R + r) * qs1 + (t0 + t) * qs2;
           float* dst = Q.data() + (r * nt + t) * D;
           for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * sc;
           visible[r * nt + t] = mrow + (t0 + t) * S;
@@ -232,11 +235,11 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
         for (int64_t t = 0; t < nt; ++t) {
           const int64_t m = r * nt + t;
           const float inv = hi > lo && l[m] > 0.f ? 1.f / l[m] : 0.f;
-          float* dst = op + ((g * H + h * R + r) * T + t0 + t) * Dv;
+          float* dst = op + ((g * T + t0 + t) * H + h * R + r) * Dv;
           for (int64_t d = 0; d < Dv; ++d) dst[d] = hi > lo ? O[m * Dv + d] * inv : 0.f;
         }
     }
   });
 #endif
-  return out;
+  return out.permute({0, 2, 1, 3});
 }

@@ -107,8 +107,11 @@ class GQAttention(nn.Module):
             causal = ctx.cache is None and ctx.default_positions and (self.window is None or self.window >= g.T)
             decode = ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS
             y = view.attend_heads(qg, K, self.window, mask, causal, decode)  # (G, H, T, d)
-            y = y.transpose(1, 2).reshape(y.shape[0], g.T, H * d)
-            heads = g.put(heads if heads is not None else x.new_empty(B, N, H * d), y)
+            y = y.transpose(1, 2).reshape(y.shape[0], g.T, H * d)  # a view when the heads are token-major
+            if heads is None and g.span == (0, N):  # one group over every token: its output is the step's
+                heads = y.view(B, N, H * d)
+            else:
+                heads = g.put(heads if heads is not None else x.new_empty(B, N, H * d), y)
         if heads is None:
             raise ConfigError("a step context has at least one group")
         out: torch.Tensor = self.o_proj(heads)
