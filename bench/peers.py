@@ -10,11 +10,12 @@ SmolLM2-135M-Instruct (``make real-model``; imported in bfloat16, run in float32
 longest prompt + completion of 1,024 tokens (``MAX_LEN``: kvgraft's ``max_seq_len``, vLLM's ``max_model_len``). Per model and thread count (``--threads``:
 torch's intra-op threads here, OpenMP threads in vLLM's process), every system runs the whole workload,
 interleaved over ``--repeats`` rounds (every other round in reversed order); the fastest round of each counts (the first pays one-time kernel set-up).
-``--warmup N`` runs every system N untimed rounds first (default 0): vLLM writes its whole KV cache when it starts,
-kvgraft's pools are mapped on first write, so without one kvgraft's first round pays its pages' first writes.
-kvgraft's engine (its pools) and vLLM are built once per model and thread count, before the rounds, and not timed
-(a first round pays the first write of each pool page: slow on our VMs, ~30 us a 4 KiB page); the other kvgraft
-rows and transformers' build their engine and cache inside each timed run.
+``--warmup N`` runs every system N untimed rounds first (default 0). vLLM writes its whole KV cache when it starts;
+kvgraft's engine does the same here (``EngineOptions(prefault=True)``, ``kvgraft serve --prefault``; its default
+maps pool pages on first write), so neither system's first round pays the first write of its cache's pages
+(slow on our VMs). kvgraft's engine (its pools) and vLLM are built once per model and thread count, before the
+rounds, and not timed; the other kvgraft rows and transformers' build their engine and cache inside each
+timed run.
 
 - kvgraft, one at a time: an engine of one sequence, each request to the end before the next;
 - kvgraft, static batches: ``--static-batch`` requests admitted together, the next batch when all finished;
@@ -340,6 +341,7 @@ def server_commands(
                 str(MAX_LEN[name]),
                 "--dtype",
                 "float32",
+                "--prefault",
             ],
             path.name,
         )
@@ -594,7 +596,10 @@ def main() -> None:
         for threads in args.threads:
             torch.set_num_threads(threads)
             engine = Engine(
-                model, EngineOptions(max_seqs=args.max_seqs, max_batch_tokens=args.max_batch_tokens, max_seq_len=MAX_LEN[name])
+                model,
+                EngineOptions(
+                    max_seqs=args.max_seqs, max_batch_tokens=args.max_batch_tokens, max_seq_len=MAX_LEN[name], prefault=True
+                ),
             )
             engine_run = partial(kv_engine, engine, prompts, params)
             engine_label = f"kvgraft engine ({args.max_seqs} sequences, {args.max_batch_tokens} tokens/step)"

@@ -56,3 +56,24 @@ def test_options_are_frozen_and_the_engine_keeps_them():
     assert on.prefix is not None
     out = on.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=3))
     assert out == engine.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=3))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_prefault_writes_the_pools_pages_at_construction_and_changes_no_token():
+    model = reference("kvgraft-llama-8m")
+    options = EngineOptions(max_seqs=4, max_seq_len=256, num_blocks=2048)  # 32K tokens' pools: tens of MB
+    lazy = Engine(model, options)
+    before = _rss_bytes()
+    hot = Engine(model, dataclasses.replace(options, prefault=True))
+    grown = _rss_bytes() - before
+    assert grown >= 0.9 * hot.cache.nbytes, (grown, hot.cache.nbytes)  # resident now, not on first write
+    assert all(not t.any() for t in hot.cache.paged.values())  # zeros still
+    params = SamplingParams(max_new_tokens=6)
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 60))]
+    assert hot.generate(prompts, params) == lazy.generate(prompts, params)
+    with pytest.raises(ValueError, match=r"prefault \(1\) must be True or False"):
+        EngineOptions(prefault=1)  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -119,6 +120,10 @@ class Engine:
             config, self.pool.num_blocks, block_size, max_seqs, seq_len, cache_dtype, param.device, ring_blocks=ring_blocks
         )
         logger.info("%s", self.pool)
+        if options.prefault:
+            t0 = time.perf_counter()
+            self.cache.prefault()
+            logger.info("pools written once (prefault): %.1f s", time.perf_counter() - t0)
         if self.packed_linears:
             logger.info(
                 "%d linear layers run on oneDNN-packed weights (%.1f MB more)", self.packed_linears, packed_bytes(model) / 1e6

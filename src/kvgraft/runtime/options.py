@@ -39,6 +39,11 @@ class EngineOptions:
     ``prefix_entries`` entries and ``prefix_max_bytes`` of kept state outside the pools (None: a quarter of
     the pools' bytes); None means the caller's default: off in ``Engine``, on in ``kvgraft serve``.
 
+    ``prefault``: write every page of the pools when the engine is built (``PagedKVCache.prefault``), as vLLM
+    zeroes its cache at start: the first requests then pay no page faults (the first write of a page is the
+    dear part of a cold step on our VMs), at the price of start time and the pools' memory taken at once.
+    Default off: the pools take memory as their blocks are written.
+
     ``packed_linears``: run the model's linear layers on oneDNN-packed weights
     (:mod:`kvgraft.model.packed`; one more copy of the linear weights). None: on when the model is on the CPU
     and torch can pack; True where it cannot is an error when the engine is built.
@@ -55,6 +60,7 @@ class EngineOptions:
     prefix_entries: int = 32
     prefix_max_bytes: int | None = None
     packed_linears: bool | None = None
+    prefault: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_batch_tokens", "prefix_entries"):
@@ -71,6 +77,8 @@ class EngineOptions:
         for name in ("prefix_cache", "packed_linears"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} ({getattr(self, name)!r}) must be True, False or None (the default)")
+        if not isinstance(self.prefault, bool):
+            raise ConfigError(f"prefault ({self.prefault!r}) must be True or False")
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

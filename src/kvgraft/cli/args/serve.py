@@ -55,6 +55,12 @@ def add_serve(sub: Subparsers) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="the most max_tokens a request may ask")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body")
     p.add_argument(
+        "--prefault",
+        action="store_true",
+        help="write every page of the KV cache pools at start, as vLLM zeroes its cache: the first requests pay "
+        "no page faults; the pools take their memory at once (default: as their blocks are written)",
+    )
+    p.add_argument(
         "--no-prefix-cache", action="store_true", help="turn the engine's prefix cache off (every prompt is prefilled in full)"
     )
     p.add_argument(

@@ -55,6 +55,7 @@ def _build(args: argparse.Namespace, adapters: dict[str, str | Path], kv_budget:
             kv_budget=kv_budget,
             dtype=args.dtype,
             prefix_cache=not args.no_prefix_cache,
+            prefault=args.prefault,
         ),
         max_queue=args.max_queue,
         max_tokens_limit=args.max_tokens_limit,
