@@ -492,6 +492,8 @@ def test_kvgraft_serve_passes_its_options_to_build_server(monkeypatch, capsys):
     assert (a2, k2["prefix_cache"]) == ({}, False)
     assert k1["with_shipped_adapters"] and not k2["with_shipped_adapters"]  # shipped adapters: on by default
     assert k1["kv_budget"] is None and k1["max_seq_len"] is None and k1["dtype"] is None  # the engine's defaults
+    assert not k1["prefault"]  # pools mapped on first write unless asked
+    assert main(["serve", NAME, "--prefault"]) == 0 and seen[-1][2]["prefault"] is True
     out = capsys.readouterr().out
     assert "serving kvgraft-ced-8m" in out and "KV cache budget (fake)" in out  # the pool is printed at start
 
