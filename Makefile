@@ -19,7 +19,7 @@ install: $(STAMP)
 # kvgraft's CPU kernels (src/kvgraft/model/*.cpp: decode attention, RMSNorm, RoPE), compiled once per machine into
 # torch's extension cache (~45 s on 2 cores); without a C++ compiler the model runs torch's ops (slower, same tokens)
 KERNEL_STAMP := $(VENV)/.cpu-kernel
-$(KERNEL_STAMP): $(STAMP) $(wildcard src/kvgraft/model/*.cpp)
+$(KERNEL_STAMP): $(STAMP) $(wildcard src/kvgraft/model/*.cpp src/kvgraft/model/*.h)
 	$(PY) -c "import kvgraft.model.cpu_kernels as k; print('kvgraft CPU kernels:', 'built' if k.kernel() else 'not built: torch ops')"
 	touch $(KERNEL_STAMP)
 

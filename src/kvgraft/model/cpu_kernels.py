@@ -26,6 +26,7 @@ MODES = ("auto", "off", "require")
 SOURCES = tuple(
     Path(__file__).with_name(n) for n in ("decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "bindings.cpp")
 )
+HEADERS = (Path(__file__).with_name("attention_args.h"),)  # included by the two attention sources
 log = logging.getLogger(__name__)
 
 # Instruction sets the build targets, by torch's own reading of this CPU: named, not -march=native, so a
@@ -56,7 +57,7 @@ def _module(required: bool) -> Any | None:
     from torch.utils.cpp_extension import load
 
     flags = build_flags()
-    text = b"".join(p.read_bytes() for p in SOURCES) + " ".join([torch.__version__, *flags]).encode()
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join([torch.__version__, *flags]).encode()
     name = f"kvgraft_cpu_kernels_{hashlib.sha256(text).hexdigest()[:12]}"
     log.info("loading kvgraft's CPU kernels %s (built once per machine, ~45 s on 2 cores)", name)
     try:
@@ -121,41 +122,51 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
 
 
 def decode_attention(
-    q: torch.Tensor,  # (G, H, T, d)
+    q: torch.Tensor,  # (G, H, T, d): any strides but the last
     k: torch.Tensor,  # (K, n, S, d): any strides but the last
     v: torch.Tensor,  # (K, n, S, dv)
     mask: torch.Tensor,  # (G, T, S) bool, True = attend
     index: torch.Tensor | None,  # (G,) the slot of each row among the n; None: row g is slot g
     scale: float,
 ) -> torch.Tensor | None:
-    """Softmax attention of each row's queries over its slot's keys, (G, H, T, dv), reading only the keys
-    between the first and last any query of the row sees; fp32 scores. None where the kernel does not
-    apply (the caller runs torch's ops): not float32 on the CPU, autograd on, a width without a vector
-    path, or no kernel."""
-    if not _inference_cpu_float(q, k, v) or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return None
-    mod = kernel()
-    if mod is None or not mod.vectorized(q.shape[-1], v.shape[-1]):
-        return None
-    return mod.decode_attention(q, k, v, mask, _NO_INDEX if index is None else index, scale)  # type: ignore[no-any-return]
+    """Softmax attention of each row's queries over its slot's keys, (G, H, T, dv) (a view of a token-major
+    tensor), reading only the keys between the first and last any query of the row sees; fp32 scores. None
+    where the kernel does not apply (the caller runs torch's ops): not float32 on the CPU, autograd on, a
+    width without a vector path, or no kernel."""
+    return _attention("decode_attention", "vectorized", q, k, v, mask, index, scale)
 
 
 def prefill_attention(
-    q: torch.Tensor,  # (G, H, T, d)
-    k: torch.Tensor,  # (K, n, S, d): any strides but the last
-    v: torch.Tensor,  # (K, n, S, dv)
-    mask: torch.Tensor,  # (G, T, S) bool, True = attend
-    index: torch.Tensor | None,  # (G,) the slot of each row among the n; None: row g is slot g
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    index: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor | None:
-    """:func:`decode_attention`'s result for many new tokens a row (a prompt's chunk), flash-style: blocks of
-    queries against blocks of keys, an online softmax, fp32 scores (torch's CPU SDPA ran SmolLM2's prompt
-    chunks 2-3x slower: bench/prefill_kernel.py). None where
-    the kernel does not apply (the caller runs torch's ops): not float32 on the CPU, autograd on, widths other
-    than 32/64/128, a build without AVX-512, or no kernel."""
+    """:func:`decode_attention`'s result (the same arguments) for many new tokens a row (a prompt's chunk),
+    flash-style: blocks of queries against blocks of keys, an online softmax, fp32 scores (torch's CPU SDPA
+    ran SmolLM2's prompt chunks 2-3x slower: bench/prefill_kernel.py). None where the kernel does not apply:
+    not float32 on the CPU, autograd on, widths other than 32/64/128, a build without AVX-512, or no kernel."""
+    return _attention("prefill_attention", "prefill_vectorized", q, k, v, mask, index, scale)
+
+
+def _attention(
+    name: str,
+    supported: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    index: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor | None:
+    """The kernel ``name`` of the built module where it applies (``supported(d, dv)`` and float32 CPU
+    inference with unit-stride keys and values), else None."""
     if not _inference_cpu_float(q, k, v) or k.stride(-1) != 1 or v.stride(-1) != 1:
         return None
     mod = kernel()
-    if mod is None or not mod.prefill_vectorized(q.shape[-1], v.shape[-1]):
+    if mod is None or not getattr(mod, supported)(q.shape[-1], v.shape[-1]):
         return None
-    return mod.prefill_attention(q, k, v, mask, _NO_INDEX if index is None else index, scale)  # type: ignore[no-any-return]
+    y: torch.Tensor = getattr(mod, name)(q, k, v, mask, _NO_INDEX if index is None else index, scale)
+    return y

@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "attention_args.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -161,77 +163,41 @@ bool vectorized(int64_t D, int64_t Dv) { return (vectorized_width(D) || (D == 19
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& mask, const torch::Tensor& index, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "decode_attention: q/k/v 4-d, mask 3-d");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "decode_attention: float32 only");
-  TORCH_CHECK(mask.scalar_type() == at::kBool, "decode_attention: bool mask");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: keys/values contiguous in their last axis");
-  const int64_t G = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t K = k.size(0), n = k.size(1), S = k.size(2), Dv = v.size(3);
-  TORCH_CHECK(K > 0 && H % K == 0, "decode_attention: key heads must divide query heads");
-  TORCH_CHECK(k.size(3) == D && v.size(0) == K && v.size(1) == n && v.size(2) == S, "decode_attention: k/v shapes");
-  TORCH_CHECK(mask.size(0) == G && mask.size(1) == T && mask.size(2) == S, "decode_attention: mask shape");
-  const bool indexed = index.numel() > 0;
-  TORCH_CHECK(indexed ? (index.scalar_type() == at::kLong && index.numel() == G) : G <= n,
-              "decode_attention: index (G,) int64 into the slots");
-  const auto qc = q.stride(3) == 1 ? q : q.contiguous();  // read in place: any strides but the last
-  const auto mc = mask.contiguous();
-  const auto ic = indexed ? index.contiguous() : index;
-  const int64_t R = H / K, M = R * T;
-  // stored token-major, (G, T, H, Dv), returned as its (G, H, T, Dv) view: the heads of a token side by side,
-  // as the output projection reads them (no copy to put them there)
-  auto out = torch::empty({G, T, H, Dv}, q.options());
-  const float* qp = qc.data_ptr<float>();
-  const int64_t qs0 = qc.stride(0), qs1 = qc.stride(1), qs2 = qc.stride(2);
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const bool* mp = mc.data_ptr<bool>();
-  const int64_t* ip = indexed ? ic.data_ptr<int64_t>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const float sc = static_cast<float>(scale);
+  const AttentionArgs a("decode_attention", q, k, v, mask, index, scale);
+  const int64_t G = a.G, T = a.T, D = a.D, K = a.K, Dv = a.Dv, R = a.R, M = R * T;
   const Runner runner = pick(D, Dv);
   at::parallel_for(0, G * K, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf(M * D), scores, acc(M * Dv), denom(M);
     std::vector<const bool*> visible(M);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g = u / K, h = u % K;
-      const int64_t slot = ip ? ip[g] : g;
-      TORCH_CHECK(slot >= 0 && slot < n, "decode_attention: index out of range");
-      const bool* mrow = mp + g * T * S;
-      int64_t lo = S, hi = 0;  // the keys any query of the row may see
-      for (int64_t t = 0; t < T; ++t) {
-        const bool* mt = mrow + t * S;
-        int64_t a = 0, b = S;
-        while (a < S && !mt[a]) ++a;
-        while (b > a && !mt[b - 1]) --b;
-        if (a < b) lo = std::min(lo, a), hi = std::max(hi, b);
-      }
+      const int64_t slot = a.slot(g);
+      int64_t lo, hi;  // the keys any query of the row may see
+      a.visible_range(g, 0, T, lo, hi);
       const int64_t L = hi > lo ? hi - lo : 0;
       for (int64_t r = 0; r < R; ++r)  // query m = r * T + t: head h * R + r, token t; scaled once
         for (int64_t t = 0; t < T; ++t) {
-          const float* src = qp + g * qs0 + (h * R + r) * qs1 + (t) * qs2;
+          const float* src = a.query(g, h * R + r, t);
           float* dst = qbuf.data() + (r * T + t) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * sc;
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * a.scale;
         }
       if (L == 0) {
         std::fill(acc.begin(), acc.end(), 0.f);
         std::fill(denom.begin(), denom.end(), 1.f);
       } else {
         scores.resize(M * L);
-        for (int64_t m = 0; m < M; ++m) visible[m] = mrow + (m % T) * S + lo;
-        runner(qbuf.data(), D, M, kp + h * ks0 + slot * ks1 + lo * ks2, ks2, vp + h * vs0 + slot * vs1 + lo * vs2, vs2,
-               Dv, L, scores.data(), visible.data(), acc.data(), denom.data());
+        for (int64_t m = 0; m < M; ++m) visible[m] = a.mask_row(g, m % T) + lo;
+        runner(qbuf.data(), D, M, a.keys(h, slot) + lo * a.ks2, a.ks2, a.values(h, slot) + lo * a.vs2, a.vs2, Dv, L,
+               scores.data(), visible.data(), acc.data(), denom.data());
       }
       for (int64_t r = 0; r < R; ++r)
         for (int64_t t = 0; t < T; ++t) {
           const int64_t m = r * T + t;
           const float inv = denom[m] > 0.f ? 1.f / denom[m] : 0.f;
-          float* dst = op + ((g * T + t) * H + h * R + r) * Dv;
+          float* dst = a.output(g, t, h * R + r);
           for (int64_t d = 0; d < Dv; ++d) dst[d] = acc[m * Dv + d] * inv;
         }
     }
   });
-  return out.permute({0, 2, 1, 3});
+  return a.result();
 }

@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "attention_args.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -168,38 +170,10 @@ bool prefill_vectorized(int64_t D, int64_t Dv) {
 
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const torch::Tensor& mask, const torch::Tensor& index, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "prefill_attention: q/k/v 4-d, mask 3-d");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "prefill_attention: float32 only");
-  TORCH_CHECK(mask.scalar_type() == at::kBool, "prefill_attention: bool mask");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "prefill_attention: keys/values contiguous in their last axis");
-  const int64_t G = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t K = k.size(0), n = k.size(1), S = k.size(2), Dv = v.size(3);
-  TORCH_CHECK(K > 0 && H % K == 0, "prefill_attention: key heads must divide query heads");
-  TORCH_CHECK(k.size(3) == D && v.size(0) == K && v.size(1) == n && v.size(2) == S, "prefill_attention: k/v shapes");
-  TORCH_CHECK(mask.size(0) == G && mask.size(1) == T && mask.size(2) == S, "prefill_attention: mask shape");
-  TORCH_CHECK(prefill_vectorized(D, Dv), "prefill_attention: widths (", D, ", ", Dv, ") have no vector path");
-  const bool indexed = index.numel() > 0;
-  TORCH_CHECK(indexed ? (index.scalar_type() == at::kLong && index.numel() == G) : G <= n,
-              "prefill_attention: index (G,) int64 into the slots");
-  // stored token-major, (G, T, H, Dv), returned as its (G, H, T, Dv) view: the heads of a token side by side,
-  // as the output projection reads them (no copy to put them there)
-  auto out = torch::empty({G, T, H, Dv}, q.options());
+  const AttentionArgs a("prefill_attention", q, k, v, mask, index, scale);
+  TORCH_CHECK(prefill_vectorized(a.D, a.Dv), "prefill_attention: widths (", a.D, ", ", a.Dv, ") have no vector path");
 #if defined(__AVX512F__)
-  const auto qc = q.stride(3) == 1 ? q : q.contiguous();  // read in place: any strides but the last
-  const auto mc = mask.contiguous();
-  const auto ic = indexed ? index.contiguous() : index;
-  const int64_t R = H / K, nqb = (T + QT - 1) / QT;
-  const float* qp = qc.data_ptr<float>();
-  const int64_t qs0 = qc.stride(0), qs1 = qc.stride(1), qs2 = qc.stride(2);
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const bool* mp = mc.data_ptr<bool>();
-  const int64_t* ip = indexed ? ic.data_ptr<int64_t>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const float sc = static_cast<float>(scale);
+  const int64_t G = a.G, T = a.T, D = a.D, K = a.K, Dv = a.Dv, R = a.R, nqb = (T + QT - 1) / QT;
   const Attend run = pick(D, Dv);
   at::parallel_for(0, nqb * G * K, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> Q(R * QT * D), O(R * QT * Dv), l(R * QT);
@@ -208,38 +182,28 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
       const int64_t z = u / (G * K), g = (u / K) % G, h = u % K;
       const int64_t qb = z % 2 == 0 ? z / 2 : nqb - 1 - z / 2;  // 0, last, 1, last - 1, ...
       const int64_t t0 = qb * QT, nt = std::min(QT, T - t0), M = R * nt;
-      const int64_t slot = ip ? ip[g] : g;
-      TORCH_CHECK(slot >= 0 && slot < n, "prefill_attention: index out of range");
-      const bool* mrow = mp + g * T * S;
-      int64_t lo = S, hi = 0;  // the keys any query of the block may see
-      for (int64_t t = t0; t < t0 + nt; ++t) {
-        const bool* mt = mrow + t * S;
-        int64_t a = 0, b = S;
-        while (a < S && !mt[a]) ++a;
-        while (b > a && !mt[b - 1]) --b;
-        if (a < b) lo = std::min(lo, a), hi = std::max(hi, b);
-      }
+      const int64_t slot = a.slot(g);
+      int64_t lo, hi;  // the keys any query of the block may see
+      a.visible_range(g, t0, t0 + nt, lo, hi);
       for (int64_t r = 0; r < R; ++r)  // query m = r * nt + t: head h * R + r, token t0 + t; scaled once
         for (int64_t t = 0; t < nt; ++t) {
-          const float* src = qp + g * qs0 + (h * R + r) * qs1 + (t0 + t) * qs2;
+          const float* src = a.query(g, h * R + r, t0 + t);
           float* dst = Q.data() + (r * nt + t) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * sc;
-          visible[r * nt + t] = mrow + (t0 + t) * S;
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * a.scale;
+          visible[r * nt + t] = a.mask_row(g, t0 + t);
         }
       if (hi > lo)
-        run(Q.data(), M, kp + h * ks0 + slot * ks1, ks2, vp + h * vs0 + slot * vs1, vs2, lo, hi, S, visible.data(),
-            O.data(), l.data());
-      else
-        std::fill(l.begin(), l.end(), 0.f);
+        run(Q.data(), M, a.keys(h, slot), a.ks2, a.values(h, slot), a.vs2, lo, hi, a.S, visible.data(), O.data(),
+            l.data());
       for (int64_t r = 0; r < R; ++r)
         for (int64_t t = 0; t < nt; ++t) {
           const int64_t m = r * nt + t;
           const float inv = hi > lo && l[m] > 0.f ? 1.f / l[m] : 0.f;
-          float* dst = op + ((g * T + t0 + t) * H + h * R + r) * Dv;
+          float* dst = a.output(g, t0 + t, h * R + r);
           for (int64_t d = 0; d < Dv; ++d) dst[d] = hi > lo ? O[m * Dv + d] * inv : 0.f;
         }
     }
   });
 #endif
-  return out.permute({0, 2, 1, 3});
+  return a.result();
 }
