@@ -547,9 +547,7 @@ def _group(cache: PagedKVCache, step: _StepRows, rows: np.ndarray, t: int) -> Gr
                 )
     tok_np = (offsets[rows][:, None] + np.arange(t)).reshape(-1)
     tok = torch.from_numpy(tok_np).to(dev)
-    lo_tok = int(tok_np[0])
-    contiguous = int(tok_np[-1]) == lo_tok + len(tok_np) - 1 and bool((np.diff(tok_np) == 1).all())
-    span = (lo_tok, lo_tok + len(tok_np)) if contiguous else None
+    span = (int(tok_np[0]), int(tok_np[0]) + len(tok_np)) if bool((np.diff(tok_np) == 1).all()) else None
     qpos = torch.from_numpy(starts[:, None] + np.arange(t)).to(dev)
     rings = tuple(torch.from_numpy(np.maximum(cache.slot_rings[gi][slots], 0)).to(dev) for gi in range(len(cache.ring_groups)))
     return Group(

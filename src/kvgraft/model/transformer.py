@@ -108,7 +108,7 @@ class GQAttention(nn.Module):
             decode = ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS
             y = view.attend_heads(qg, K, self.window, mask, causal, decode)  # (G, H, T, d)
             y = y.transpose(1, 2).reshape(y.shape[0], g.T, H * d)  # a view when the heads are token-major
-            if heads is None and g.span == (0, N):  # one group over every token: its output is the step's
+            if heads is None and (g.tok is None or g.span == (0, N)):  # one group over every token: the step's output
                 heads = y.view(B, N, H * d)
             else:
                 heads = g.put(heads if heads is not None else x.new_empty(B, N, H * d), y)
