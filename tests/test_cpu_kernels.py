@@ -141,7 +141,7 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatc
 
     monkeypatch.setattr(ck, "kernel", lambda: Counting())
     with_kernel = Engine(model, EngineOptions(max_seqs=4, max_batch_tokens=64, max_seq_len=256)).generate(prompts, params)
-    assert {"decode_attention", "prefill_attention", "add_rms_norm", "rms_norm", "rope"} <= set(calls), (
+    assert {"decode_attention", "prefill_attention", "add_rms_norm", "rms_norm", "rope_", "silu_mul"} <= set(calls), (
         "the engine's steps ran the kernels"
     )
     monkeypatch.setattr(ck, "kernel", lambda: None)
@@ -160,6 +160,40 @@ def test_rope_is_bit_identical_to_torchs_ops():
     assert y is not None and torch.equal(y, apply_rope(q, cos, sin))
     assert torch.equal(apply_rope(q, cos[:1], sin[:1], fused=True), apply_rope(q, cos[:1], sin[:1]))  # cos shared
     assert ck.rope(q.double(), cos.double(), sin.double()) is None
+
+
+def test_rope_in_place_rotates_q_and_k_where_the_projection_wrote_them():
+    from kvgraft.model.rope import apply_rope, apply_rope_
+
+    g = torch.Generator().manual_seed(6)
+    H, K, d = 9, 3, 64
+    qkv = torch.randn(2, 11, (H + 2 * K) * d, generator=g)
+    before = qkv.clone()
+    qk = qkv[..., : (H + K) * d].unflatten(-1, (H + K, d)).transpose(1, 2)  # (B, H + K, T, d), strided
+    cos, sin = torch.randn(2, 11, d, generator=g), torch.randn(2, 11, d, generator=g)
+    expected = apply_rope(qk.clone(), cos, sin)
+    assert ck.rope_(qk, cos, sin)
+    assert torch.equal(qk, expected)  # bit for bit, in place
+    assert torch.equal(qkv[..., (H + K) * d :], before[..., (H + K) * d :])  # v untouched
+    fallback = before.clone()
+    view = fallback[..., : (H + K) * d].unflatten(-1, (H + K, d)).transpose(1, 2)
+    assert apply_rope_(view, cos, sin, fused=False) is view and torch.equal(view, expected)  # torch's ops, copied in
+    assert not ck.rope_(qk.double(), cos.double(), sin.double())  # float32 only: x left as it was
+
+
+def test_silu_mul_is_torchs_silu_times_up_in_one_pass():
+    g = torch.Generator().manual_seed(7)
+    gate_up = torch.randn(1, 13, 2 * 40, generator=g) * 6  # f = 40: two vectors and a tail of 8
+    gate, up = gate_up[..., :40], gate_up[..., 40:]
+    y = ck.silu_mul(gate_up)
+    assert y is not None and y.shape == (1, 13, 40) and y.is_contiguous()
+    want = torch.nn.functional.silu(gate) * up
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert torch.equal(y, want)  # torch's formula and vector exp: bit for bit
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+    rows = torch.randn(13, 3 * 40, generator=g)[:, :80]  # rows at a stride wider than [gate | up]
+    torch.testing.assert_close(ck.silu_mul(rows), torch.nn.functional.silu(rows[:, :40]) * rows[:, 40:], rtol=1e-6, atol=1e-6)
+    assert ck.silu_mul(gate_up.double()) is None and ck.silu_mul(gate_up[..., :79]) is None  # float32, even width
 
 
 def test_rms_norm_equals_torchs_ops_to_rounding():

@@ -131,3 +131,16 @@ def test_linears_fuses_packed_layers_and_follows_weight_changes() -> None:
         torch.testing.assert_close(linears(x, *mods)[1], F.linear(x, mods[1].weight), rtol=1e-5, atol=1e-5)
     y = linears(x.requires_grad_(), *mods)  # a gradient is needed: each module on its own, exact
     assert all(torch.equal(a, m(x)) for a, m in zip(y, mods))
+
+
+def test_adjacent_finds_the_buffer_behind_split_views_only() -> None:
+    from kvgraft.model.packed import adjacent
+
+    y = torch.randn(2, 5, 40)
+    q, k, v = torch.split(y, [24, 8, 8], dim=-1)
+    joined = adjacent(q, k, v)
+    assert joined is not None and torch.equal(joined, y) and joined.data_ptr() == y.data_ptr()
+    assert torch.equal(adjacent(k, v), y[..., 24:])
+    assert adjacent(q, v) is None  # not neighbours
+    assert adjacent(q, k.clone(), v) is None  # another buffer
+    assert adjacent(y[:, :3, :24], y[:, :3, 24:32]) is not None and adjacent(y[:, :3, :24], y[:, 1:4, 24:32]) is None

@@ -371,12 +371,15 @@ class BatchContext(StepContext):
 
     def _token_slots(self, gi: int, unit: int) -> torch.Tensor:
         """(G T,) the pool rows (block id x block size + offset) of group ``gi``'s new tokens in ``unit``'s
-        blocks; the same for every layer of the unit, so worked out once a step."""
-        key = ("slots", gi, unit)
+        blocks; the same for every unit reading one table (all of them, unless a restore split a row's layers
+        into spans), so worked out once a step per table."""
+        g = self.groups[gi]
+        table = g.tables[unit]
+        key = ("slots", gi, id(table))  # the plan holds its tables for the step: ids are not reused meanwhile
         flat: torch.Tensor | None = self.scratch.get(key)
         if flat is None:
-            g, bs = self.groups[gi], self.cache.block_size
-            flat = self.scratch[key] = (g.tables[unit].gather(1, g.qpos // bs) * bs + g.qpos % bs).reshape(-1)
+            bs = self.cache.block_size
+            flat = self.scratch[key] = (table.gather(1, g.qpos // bs) * bs + g.qpos % bs).reshape(-1)
         return flat
 
     def _key_positions(self, gi: int) -> torch.Tensor:

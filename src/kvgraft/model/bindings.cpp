@@ -9,6 +9,8 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
                                 const torch::Tensor& mask, const torch::Tensor& index, double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor silu_mul(const torch::Tensor& gu);
 std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& weight,
                                         double eps);
 
@@ -20,4 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass");
   m.def("add_rms_norm", &add_rms_norm, "a residual add and RMSNorm in one pass: (x + a, norm(x + a))");
   m.def("rope", &rope, "rotary embedding (rotate-half) in one pass, bit-identical to torch's ops");
+  m.def("rope_", &rope_, "rope in place");
+  m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up over one matmul's [gate | up] rows, in one pass");
 }

@@ -121,6 +121,30 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     return y
 
 
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """:func:`rope` in place (x rotated where it lies, any strides but the last); False where it does not apply
+    (x untouched)."""
+    if not _inference_cpu_float(x, cos, sin) or x.dim() != 4 or x.stride(-1) != 1 or x.shape[-1] % 2 or x.shape[-1] > 1024:
+        return False
+    mod = kernel()
+    if mod is None:
+        return False
+    mod.rope_(x, cos, sin)
+    return True
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` over ``gu = [gate | up]`` (one matmul's output, (..., 2 f)) in one pass, contiguous
+    (..., f); torch's formula and vector exp (bit-identical on the AVX-512 path); None where it does not apply."""
+    if not _inference_cpu_float(gu) or gu.dim() < 1 or gu.shape[-1] % 2 or gu.stride(-1) != 1:
+        return None
+    mod = kernel()
+    if mod is None:
+        return None
+    y: torch.Tensor = mod.silu_mul(gu)
+    return y
+
+
 def decode_attention(
     q: torch.Tensor,  # (G, H, T, d): any strides but the last
     k: torch.Tensor,  # (K, n, S, d): any strides but the last

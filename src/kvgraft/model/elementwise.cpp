@@ -1,5 +1,6 @@
 // One-pass CPU forms of a decoder layer's elementwise work (float32, inference), each one op where torch runs
-// five (RMSNorm), six (a residual add then RMSNorm) or nine (rotary embedding, rotate-half).
+// five (RMSNorm), six (a residual add then RMSNorm), nine (rotary embedding, rotate-half) or three (SwiGLU's
+// silu and product, and the copy the next matmul makes of their strided result).
 //
 // rope is bit-identical to kvgraft.model.rope.apply_rope (the same two products and one sum, each rounded: the
 // build keeps the compiler from contracting them into fused multiply-adds);
@@ -12,6 +13,11 @@
 #include <cmath>
 #include <numeric>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+extern "C" __m512 Sleef_expf16_u10(__m512);  // torch's vector exp, exported by libtorch_cpu
+#endif
 
 namespace {
 
@@ -47,6 +53,41 @@ inline void norm_row(const float* xr, const float* wp, float* orow, int64_t h, f
 }
 
 }  // namespace
+
+// gu (..., 2 f): [gate | up] as one matmul gives them, rows at any stride -> (..., f) silu(gate) * up, contiguous.
+// silu(g) = g / (1 + exp(-g)), the formula and the exp (SLEEF, 1 ULP) of torch's own vectorised silu; each
+// product and quotient rounded as torch's two ops round them.
+torch::Tensor silu_mul(const torch::Tensor& gu) {
+  check_float(gu, "silu_mul");
+  TORCH_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0 && gu.stride(-1) == 1, "silu_mul: [gate | up] rows, unit stride");
+  const int64_t f = gu.size(-1) / 2;
+  const auto rows2 = gu.reshape({-1, 2 * f});  // a view for one matmul's output (rows at one stride)
+  const int64_t rows = rows2.size(0), rs = rows2.stride(0);
+  std::vector<int64_t> sizes(gu.sizes().begin(), gu.sizes().end());
+  sizes.back() = f;
+  auto out = torch::empty(sizes, gu.options());
+  const float* gp = rows2.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * rs;
+      const float* u = g + f;
+      float* o = op + r * f;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= f; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < f; ++i) o[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+    }
+  });
+  return out;
+}
 
 // x (..., h), weight (h,) -> weight * (x * rsqrt(mean(x^2) + eps))
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -100,18 +141,20 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
   return {sum.view(x.sizes()), out.view(x.sizes())};
 }
 
-// x (B, nh, T, d) any strides but the last; cos, sin (B, T, d) -> x * cos + rotate_half(x) * sin
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+namespace {
+
+// out = x * cos + rotate_half(x) * sin, x and out (B, nh, T, d) any strides but the last (out may be x)
+void rope_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
   check_float(x, "rope");
   check_float(cos, "rope");
   check_float(sin, "rope");
   TORCH_CHECK(x.dim() == 4 && cos.dim() == 3 && sin.sizes() == cos.sizes(), "rope: x (B, nh, T, d), cos/sin (B, T, d)");
   const int64_t B = x.size(0), nh = x.size(1), T = x.size(2), d = x.size(3);
   TORCH_CHECK(d % 2 == 0 && x.stride(3) == 1, "rope: an even head width, contiguous");
+  TORCH_CHECK(d <= 1024, "rope: head width up to 1024");
   TORCH_CHECK((cos.size(0) == B || cos.size(0) == 1) && cos.size(1) == T && cos.size(2) == d, "rope: cos/sin shape");
   const auto cc = cos.contiguous();
   const auto sc = sin.contiguous();
-  auto out = empty_in_order(x);
   const int64_t half = d / 2;
   const float* xp = x.data_ptr<float>();
   const float* cp = cc.data_ptr<float>();
@@ -128,17 +171,30 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
       const float* cr = cp + c0;
       const float* sr = sp + c0;
       float* orow = op + b * os0 + hh * os1 + t * os2;
+      float row[1024];  // the result first: out may be x
       for (int64_t i = 0; i < half; ++i) {
         const float a = xr[i] * cr[i];
         const float r = -xr[i + half] * sr[i];
-        orow[i] = a + r;
+        row[i] = a + r;
       }
       for (int64_t i = half; i < d; ++i) {
         const float a = xr[i] * cr[i];
         const float r = xr[i - half] * sr[i];
-        orow[i] = a + r;
+        row[i] = a + r;
       }
+      std::copy(row, row + d, orow);
     }
   });
+}
+
+}  // namespace
+
+// x (B, nh, T, d) any strides but the last; cos, sin (B, T, d) -> x * cos + rotate_half(x) * sin
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  auto out = empty_in_order(x);
+  rope_into(x, cos, sin, out);
   return out;
 }
+
+// rope in place: x (B, nh, T, d) any strides but the last, rotated where it lies
+void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) { rope_into(x, cos, sin, x); }

@@ -66,14 +66,18 @@ class PackedLinear(nn.Linear):
     same_function_as_linear = True  # adapters may wrap it as a plain nn.Linear (only the kernel differs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if not _packed_path(x, w):
-            return F.linear(x, w, self.bias)
-        entry = _PACKED.get(self)
-        packed = entry[1] if entry is not None and _current(entry, w) else self.pack()
-        bias = None if self.bias is None else self.bias.detach()
-        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if not _packed_path(x, self.weight):
+            return F.linear(x, self.weight, self.bias)
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.current(), self._bias(), "none", [], "")
         return y
+
+    def current(self) -> torch.Tensor:
+        """The packed copy of the current weight (packed now if missing or stale)."""
+        entry = _PACKED.get(self)
+        return entry[1] if entry is not None and _current(entry, self.weight) else self.pack()
+
+    def _bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.detach()
 
     def pack(self) -> torch.Tensor:
         """(Re)make and return the packed copy of the current weight (a CPU float32 or bfloat16 weight)."""
@@ -146,6 +150,21 @@ def linears(x: torch.Tensor, *modules: nn.Module) -> list[torch.Tensor]:
             _PACKED.pop(m, None)
     y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, entry[2], entry[3], "none", [], "")
     return list(torch.split(y, entry[4], dim=-1))
+
+
+def adjacent(*parts: torch.Tensor) -> torch.Tensor | None:
+    """The tensor whose consecutive last-axis slices ``parts`` are (the output of :func:`linears` before its
+    split, read back from the views), or None when they are not one buffer's neighbouring columns."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for p in parts:
+        if p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or p.stride() != first.stride():
+            return None
+        if p.storage_offset() != offset or p.stride(-1) != 1 or p.shape[:-1] != first.shape[:-1]:
+            return None
+        offset += p.shape[-1]
+    width = offset - first.storage_offset()
+    return first.as_strided((*first.shape[:-1], width), first.stride())
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -142,3 +142,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: boo
             return y
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """:func:`apply_rope` written into ``x`` (a view into a larger buffer stays one: no copy, no concatenation
+    after); ``x`` must not need a gradient. ``fused``: kvgraft's kernel rotates it in place where it applies."""
+    if not (fused and cpu_kernels.rope_(x, cos, sin)):
+        x.copy_(apply_rope(x, cos, sin))
+    return x

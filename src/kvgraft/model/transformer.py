@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kvgraft.errors import ConfigError
+from kvgraft.model import cpu_kernels
 from kvgraft.model.attention_ops import DECODE_MAX_NEW_TOKENS
 from kvgraft.model.batch import BatchContext, DenseContext, StepContext, active_context
 from kvgraft.model.cache import PagedKVCache, static_cache
@@ -27,8 +28,8 @@ from kvgraft.model.ced import CEDAttention, Compressor, rope_tables
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention
 from kvgraft.model.norm import RMSNorm
-from kvgraft.model.packed import linears
-from kvgraft.model.rope import RotaryEmbedding, apply_rope
+from kvgraft.model.packed import adjacent, linears
+from kvgraft.model.rope import RotaryEmbedding, apply_rope, apply_rope_
 
 
 class MLP(nn.Module):
@@ -41,12 +42,17 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, f, bias=b)
         self.down_proj = nn.Linear(f, h, bias=b)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """``fused``: SwiGLU's silu and product in one pass of kvgraft's CPU kernel where it applies."""
         gate, up = linears(x, self.gate_proj, self.up_proj)  # one matmul on packed weights (kvgraft.model.packed)
-        if gate.requires_grad or up.requires_grad:
-            h = F.silu(gate) * up
-        else:  # inference: in place, no temporaries
-            h = F.silu(gate, inplace=True).mul_(up)
+        h = None
+        if fused and (gate_up := adjacent(gate, up)) is not None:
+            h = cpu_kernels.silu_mul(gate_up)  # contiguous, as the next matmul reads it
+        if h is None:
+            if gate.requires_grad or up.requires_grad:
+                h = F.silu(gate) * up
+            else:  # inference: in place, no temporaries
+                h = F.silu(gate, inplace=True).mul_(up)
         y: torch.Tensor = self.down_proj(h)
         return y
 
@@ -84,13 +90,19 @@ class GQAttention(nn.Module):
             q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
         else:
             q = self.q_proj(x)
-        q = q.view(B, N, H, d)
-        if self.qk_norm:
-            q = self.q_norm(q)
         fused = ctx.cache is not None  # a cached (engine) step: one-pass CPU kernels where they apply
-        q = apply_rope(q.transpose(1, 2), cos, sin, fused)  # (B, H, N, d)
         entry = None
-        if self.writes_kv:
+        joined = adjacent(q, k, v) if fused and self.writes_kv and not self.qk_norm and not q.requires_grad else None
+        if joined is not None:  # q and k rotated where the projection wrote them; the new entries are a view
+            qk = joined[..., : (H + K) * d].view(B, N, H + K, d).transpose(1, 2)  # (B, H + K, N, d)
+            q = apply_rope_(qk, cos, sin, fused)[:, :H]  # (B, H, N, d)
+            entry = joined[..., H * d :]  # (B, N, 2 K d): k then v of each token
+        else:
+            q = q.view(B, N, H, d)
+            if self.qk_norm:
+                q = self.q_norm(q)
+            q = apply_rope(q.transpose(1, 2), cos, sin, fused)  # (B, H, N, d)
+        if self.writes_kv and entry is None:
             k = k.view(B, N, K, d)
             if self.qk_norm:
                 k = self.k_norm(k)
@@ -134,7 +146,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         fused = ctx.cache is not None  # a cached (engine) step: one-pass CPU kernels where they apply
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x, fused), cos, sin, ctx), fused)
-        y: torch.Tensor = x + self.mlp(h)
+        y: torch.Tensor = x + self.mlp(h, fused)
         return y
 
 
