@@ -141,9 +141,8 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatc
 
     monkeypatch.setattr(ck, "kernel", lambda: Counting())
     with_kernel = Engine(model, EngineOptions(max_seqs=4, max_batch_tokens=64, max_seq_len=256)).generate(prompts, params)
-    assert {"decode_attention", "prefill_attention", "add_rms_norm", "rms_norm", "rope_", "silu_mul"} <= set(calls), (
-        "the engine's steps ran the kernels"
-    )
+    kernels = {"decode_attention", "prefill_attention", "add_rms_norm", "rms_norm", "rope_", "silu_mul", "index_copy_rows_"}
+    assert kernels <= set(calls), "the engine's steps ran the kernels"
     monkeypatch.setattr(ck, "kernel", lambda: None)
     without = Engine(model, EngineOptions(max_seqs=4, max_batch_tokens=64, max_seq_len=256)).generate(prompts, params)
     assert with_kernel == without
@@ -194,6 +193,22 @@ def test_silu_mul_is_torchs_silu_times_up_in_one_pass():
     rows = torch.randn(13, 3 * 40, generator=g)[:, :80]  # rows at a stride wider than [gate | up]
     torch.testing.assert_close(ck.silu_mul(rows), torch.nn.functional.silu(rows[:, :40]) * rows[:, 40:], rtol=1e-6, atol=1e-6)
     assert ck.silu_mul(gate_up.double()) is None and ck.silu_mul(gate_up[..., :79]) is None  # float32, even width
+
+
+def test_index_copy_rows_writes_what_torchs_index_copy_writes():
+    g = torch.Generator().manual_seed(8)
+    pool = torch.randn(6, 40, 64, generator=g)
+    entries = torch.randn(5, 9 * 64 + 6 * 64, generator=g)[:, 9 * 64 :]  # a step's k|v columns, rows strided
+    src = entries.reshape(5, 6, 64).transpose(0, 1)  # (P, n, d), as the engine passes them
+    index = torch.tensor([3, 17, 0, 39, 8])
+    want = pool.clone().index_copy_(1, index, src)
+    ck.index_copy_rows_(pool, index, src)
+    assert torch.equal(pool, want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ck.index_copy_rows_(pool, torch.tensor([3, 40, 0, 1, 2]), src)
+    double = pool.double()  # where the kernel does not apply: torch's op
+    ck.index_copy_rows_(double, index, src.double() * 2)
+    assert torch.equal(double[:, index], src.double() * 2)
 
 
 def test_rms_norm_equals_torchs_ops_to_rounding():

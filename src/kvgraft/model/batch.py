@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvgraft.model import cpu_kernels
 from kvgraft.model.cache import PagedKVCache
 from kvgraft.model.plan import (
     MAX_ROW_PIECES,
@@ -322,7 +323,7 @@ class BatchContext(StepContext):
             H2, _, bs, d = pool.shape
             if write:
                 src = entries.reshape(-1, H2, d).transpose(0, 1).to(pool.dtype)  # (2K, G*T, d)
-                pool.view(H2, -1, d).index_copy_(1, self._token_slots(gi, unit), src)
+                cpu_kernels.index_copy_rows_(pool.view(H2, -1, d), self._token_slots(gi, unit), src)
             out = self._read_head_major(pool, g.tables[unit], g, gi)
         elif layer in c.paged:
             pool = c.paged[layer]

@@ -11,6 +11,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_mul(const torch::Tensor& gu);
+void index_copy_rows_(torch::Tensor& pool, const torch::Tensor& index, const torch::Tensor& src);
 std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& weight,
                                         double eps);
 
@@ -23,5 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "a residual add and RMSNorm in one pass: (x + a, norm(x + a))");
   m.def("rope", &rope, "rotary embedding (rotate-half) in one pass, bit-identical to torch's ops");
   m.def("rope_", &rope_, "rope in place");
+  m.def("index_copy_rows_", &index_copy_rows_, "pool.index_copy_(1, index, src) for (P, R, d) pools");
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up over one matmul's [gate | up] rows, in one pass");
 }

@@ -80,9 +80,11 @@ _NO_INDEX = torch.empty(0, dtype=torch.long)
 
 def _inference_cpu_float(*tensors: torch.Tensor) -> bool:
     """Every tensor float32 on the CPU, and no gradient to track through them."""
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    grad = torch.is_grad_enabled()
+    for t in tensors:  # a loop, not any(): called a dozen times a layer on every engine step
+        if t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad):
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -143,6 +145,25 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
         return None
     y: torch.Tensor = mod.silu_mul(gu)
     return y
+
+
+def index_copy_rows_(pool: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``pool.index_copy_(1, index, src)``: pool (P, R, d), index (n,) int64, src (P, n, d) (a step's new KV
+    entries into the pools' rows); kvgraft's kernel where it applies (float32 CPU inference, unit-stride rows),
+    else torch's op. Every index is checked as torch's op checks it."""
+    if (
+        _inference_cpu_float(pool, src)
+        and pool.dim() == 3
+        and pool.stride(-1) == 1
+        and src.stride(-1) == 1
+        and index.dtype == torch.long
+        and index.is_cpu
+    ):
+        mod = kernel()
+        if mod is not None:
+            mod.index_copy_rows_(pool, index, src)
+            return
+    pool.index_copy_(1, index, src)
 
 
 def decode_attention(

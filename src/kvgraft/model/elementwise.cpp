@@ -198,3 +198,26 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 
 // rope in place: x (B, nh, T, d) any strides but the last, rotated where it lies
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) { rope_into(x, cos, sin, x); }
+
+// pool (P, R, d), index (n,) int64, src (P, n, d), both any strides but the last: pool[:, index[i]] = src[:, i],
+// as pool.index_copy_(1, index, src) (a step's new KV entries into the pools' rows), without its per-slice setup
+void index_copy_rows_(torch::Tensor& pool, const torch::Tensor& index, const torch::Tensor& src) {
+  check_float(pool, "index_copy_rows_");
+  check_float(src, "index_copy_rows_");
+  TORCH_CHECK(pool.dim() == 3 && src.dim() == 3 && index.dim() == 1, "index_copy_rows_: pool (P, R, d), index (n,), src (P, n, d)");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.device().is_cpu(), "index_copy_rows_: int64 CPU index");
+  const int64_t P = pool.size(0), R = pool.size(1), d = pool.size(2), n = index.size(0);
+  TORCH_CHECK(src.size(0) == P && src.size(1) == n && src.size(2) == d, "index_copy_rows_: src (P, n, d)");
+  TORCH_CHECK(pool.stride(2) == 1 && src.stride(2) == 1, "index_copy_rows_: unit stride rows");
+  const auto ic = index.contiguous();
+  const int64_t* ix = ic.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ix[i] >= 0 && ix[i] < R, "index_copy_rows_: index ", ix[i], " out of range for ", R, " rows");
+  float* pp = pool.data_ptr<float>();
+  const float* sp = src.data_ptr<float>();
+  const int64_t ps0 = pool.stride(0), ps1 = pool.stride(1), ss0 = src.stride(0), ss1 = src.stride(1);
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t h = 0; h < P; ++h) std::copy(sp + h * ss0 + i * ss1, sp + h * ss0 + i * ss1 + d, pp + h * ps0 + ix[i] * ps1);
+  });
+}

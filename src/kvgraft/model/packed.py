@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -118,53 +118,62 @@ def linears(x: torch.Tensor, *modules: nn.Module) -> list[torch.Tensor]:
     """``[m(x) for m in modules]``; when every module is a :class:`PackedLinear` on the packed path, one matmul
     over their weights concatenated (packed once, remade when any weight changes; the modules' own packed
     copies are then dropped, so the weights are not held packed twice), its output split back (views)."""
-    packed = [m for m in modules if isinstance(m, PackedLinear) and type(m) is PackedLinear]
-    if not packed or len(packed) != len(modules) or not _packed_path(x, packed[0].weight):
+    if not all(type(m) is PackedLinear for m in modules):
         return [m(x) for m in modules]
-    ws = [m.weight for m in packed]
-    if any(w.dtype != ws[0].dtype for w in ws):
-        return [m(x) for m in modules]
-    entry = _FUSED.get(packed[0])
-    if (
-        entry is None
-        or len(entry[0]) != len(packed)
-        or any(a is not b for a, b in zip(entry[0], packed))
-        or not all(_current((src, None), w) for src, w in zip(entry[1], ws))
-    ):
-        biases = [m.bias for m in packed]
-        bias = (
-            None
-            if all(b is None for b in biases)
-            else torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, ws)])
-        )
-        weight = torch.cat([w.detach() for w in ws])
-        entry = (
-            packed,
-            [_source(w) for w in ws],
-            torch.ops.mkldnn._reorder_linear_weight(weight, None),
-            bias,
-            [w.shape[0] for w in ws],
-        )
-        _FUSED[packed[0]] = entry
-        for m in packed:
-            _PACKED.pop(m, None)
+    mods = cast(tuple[PackedLinear, ...], modules)
+    if not _packed_path(x, mods[0].weight):
+        return [m(x) for m in mods]
+    entry = _FUSED.get(mods[0])
+    if entry is None or entry[0] != mods or not all(_current((src, None), m.weight) for src, m in zip(entry[1], mods)):
+        entry = _fuse(mods)
+        if entry is None:
+            return [m(x) for m in modules]
     y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, entry[2], entry[3], "none", [], "")
-    return list(torch.split(y, entry[4], dim=-1))
+    return list(y.split_with_sizes(entry[4], dim=-1))
+
+
+def _fuse(modules: tuple[PackedLinear, ...]) -> tuple[Any, ...] | None:
+    """Pack ``modules``' weights concatenated (their own packed copies dropped) and remember it under the first;
+    None when their dtypes differ (each then runs on its own)."""
+    ws = [m.weight for m in modules]
+    if any(w.dtype != ws[0].dtype for w in ws):
+        return None
+    biases = [m.bias for m in modules]
+    bias = (
+        None
+        if all(b is None for b in biases)
+        else torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, ws)])
+    )
+    weight = torch.cat([w.detach() for w in ws])
+    entry = (
+        modules,
+        [_source(w) for w in ws],
+        torch.ops.mkldnn._reorder_linear_weight(weight, None),
+        bias,
+        [w.shape[0] for w in ws],
+    )
+    _FUSED[modules[0]] = entry
+    for m in modules:
+        _PACKED.pop(m, None)
+    return entry
 
 
 def adjacent(*parts: torch.Tensor) -> torch.Tensor | None:
     """The tensor whose consecutive last-axis slices ``parts`` are (the output of :func:`linears` before its
-    split, read back from the views), or None when they are not one buffer's neighbouring columns."""
+    split, read back from the views), or None when they are not neighbouring columns of one tensor."""
     first = parts[0]
-    offset = first.storage_offset()
-    for p in parts:
-        if p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or p.stride() != first.stride():
+    stride, lead, itemsize = first.stride(), first.shape[:-1], first.element_size()
+    if stride[-1] != 1:
+        return None
+    ptr = first.data_ptr()
+    for p in parts:  # addresses, not view bases (inference mode keeps no view bases)
+        if p.data_ptr() != ptr or p.stride() != stride or p.shape[:-1] != lead or p.dtype != first.dtype:
             return None
-        if p.storage_offset() != offset or p.stride(-1) != 1 or p.shape[:-1] != first.shape[:-1]:
-            return None
-        offset += p.shape[-1]
-    width = offset - first.storage_offset()
-    return first.as_strided((*first.shape[:-1], width), first.stride())
+        ptr += p.shape[-1] * itemsize
+    try:  # refused past the end of first's storage: whatever lies at those addresses then is not first's
+        return first.as_strided((*lead, (ptr - first.data_ptr()) // itemsize), stride)
+    except RuntimeError:
+        return None
 
 
 def pack_linears(model: nn.Module) -> int:
