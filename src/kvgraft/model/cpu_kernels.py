@@ -1,6 +1,6 @@
 """kvgraft's compiled CPU kernels, for float32 inference: decode-step and prefill attention over paged keys and
 values read in place (``decode_attention.cpp``, ``prefill_attention.cpp``), and one-pass RMSNorm (a residual add
-with it) and rotary embedding (``elementwise.cpp``). Built on
+with it), rotary embedding (also in place), SwiGLU's silu * up and the KV rows' write (``elementwise.cpp``). Built on
 first use by torch's C++ extension loader into its cache (``TORCH_EXTENSIONS_DIR``). Each function returns None
 where its kernel cannot be built (no C++ compiler) or does not apply (not float32 on the CPU, autograd, a head
 width without a vector path); the caller then runs torch's ops.

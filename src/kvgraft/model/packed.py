@@ -66,18 +66,14 @@ class PackedLinear(nn.Linear):
     same_function_as_linear = True  # adapters may wrap it as a plain nn.Linear (only the kernel differs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _packed_path(x, self.weight):
-            return F.linear(x, self.weight, self.bias)
-        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.current(), self._bias(), "none", [], "")
-        return y
-
-    def current(self) -> torch.Tensor:
-        """The packed copy of the current weight (packed now if missing or stale)."""
+        w = self.weight
+        if not _packed_path(x, w):
+            return F.linear(x, w, self.bias)
         entry = _PACKED.get(self)
-        return entry[1] if entry is not None and _current(entry, self.weight) else self.pack()
-
-    def _bias(self) -> torch.Tensor | None:
-        return None if self.bias is None else self.bias.detach()
+        packed = entry[1] if entry is not None and _current(entry, w) else self.pack()
+        bias = None if self.bias is None else self.bias.detach()
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return y
 
     def pack(self) -> torch.Tensor:
         """(Re)make and return the packed copy of the current weight (a CPU float32 or bfloat16 weight)."""
