@@ -117,12 +117,15 @@ def test_a_failed_build_raises_under_require_and_falls_back_under_auto(monkeypat
         ck._module.cache_clear()
 
 
-def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatch):
+@pytest.mark.parametrize("paged", [True, False], ids=["rows-in-one-call", "by-group"])
+def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatch, paged):
     from kvgraft.hf import load_pretrained
+    from kvgraft.model.batch import BatchContext
     from kvgraft.runtime.engine import Engine
     from kvgraft.runtime.options import EngineOptions
     from kvgraft.runtime.sampling import SamplingParams
 
+    monkeypatch.setattr(BatchContext, "paged", paged)  # attention over every row at once, or group by group
     model = load_pretrained(resolve_model("kvgraft-llama-8m")).eval().float()  # head width 32: the vector path
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, model.config.vocab_size, (int(n),), generator=g).tolist() for n in (5, 40, 90, 17, 130, 64)]
@@ -141,8 +144,10 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatc
 
     monkeypatch.setattr(ck, "kernel", lambda: Counting())
     with_kernel = Engine(model, EngineOptions(max_seqs=4, max_batch_tokens=64, max_seq_len=256)).generate(prompts, params)
-    kernels = {"decode_attention", "prefill_attention", "add_rms_norm", "rms_norm", "rope_", "silu_mul", "index_copy_rows_"}
+    attention = {"paged_attention"} if paged else {"decode_attention", "prefill_attention"}
+    kernels = attention | {"add_rms_norm", "rms_norm", "rope_", "silu_mul", "index_copy_rows_"}
     assert kernels <= set(calls), "the engine's steps ran the kernels"
+    assert paged or "paged_attention" not in calls
     monkeypatch.setattr(ck, "kernel", lambda: None)
     without = Engine(model, EngineOptions(max_seqs=4, max_batch_tokens=64, max_seq_len=256)).generate(prompts, params)
     assert with_kernel == without

@@ -14,6 +14,13 @@ from kvgraft.model.presets import get_preset
 from kvgraft.model.transformer import Transformer
 
 
+@pytest.fixture(autouse=True)
+def by_group(monkeypatch):
+    """These tests compare the group reads (views, pieces, home, gather); the CPU kernel's one call over every
+    row's block table would serve both sides of each comparison (tests/test_paged_attention.py tests it)."""
+    monkeypatch.setattr(BatchContext, "paged", False)
+
+
 def consecutive(table: list[int]) -> bool:
     return table == list(range(table[0], table[0] + len(table)))
 

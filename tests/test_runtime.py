@@ -25,6 +25,14 @@ LAYOUTS = {
         dict(sliding_window=6, layer_types=("sliding_attention", "full_attention"), qkv_bias=True),
     ),
     "qwen3-qk-norm": ("llama-tiny", dict(qk_norm=True, head_dim=16)),
+    # head width 32 (a vector path of the CPU kernel that attends every row in one call)
+    "llama-d32": ("llama-tiny", dict(head_dim=32)),
+    "qwen2-mixed-window-d32": (
+        "llama-tiny",
+        dict(sliding_window=6, layer_types=("sliding_attention", "full_attention"), qkv_bias=True, head_dim=32),
+    ),
+    "qwen3-qk-norm-d32": ("llama-tiny", dict(qk_norm=True, head_dim=32)),
+    "shared-slot-d32": ("llama-tiny", dict(kv_slots=(0, 0), head_dim=32)),
     "shared-slot": ("llama-tiny", dict(kv_slots=(0, 0))),
     "mla": ("llama-tiny", MLA),
     "mla-qk-norm-window": ("llama-tiny", dict(MLA, qk_norm=True, head_dim=16, sliding_window=7)),
@@ -47,8 +55,15 @@ def build(preset: str, changes: dict, seed: int = 0) -> Transformer:
     return model.eval()
 
 
+@pytest.mark.parametrize("paged", [True, False], ids=["rows-in-one-call", "by-group"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_rows_at_different_lengths_and_phases_equal_each_sequence_alone(name):
+def test_rows_at_different_lengths_and_phases_equal_each_sequence_alone(name, paged, monkeypatch):
+    from kvgraft.model import cpu_kernels
+
+    monkeypatch.setattr(BatchContext, "paged", paged)  # GQA layers: every row in one kernel call, or group by group
+    calls = []
+    kernel = cpu_kernels.paged_attention
+    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a: calls.append(1) or kernel(*a))
     preset, changes = LAYOUTS[name]
     model = build(preset, changes)
     cfg = model.config
@@ -79,6 +94,9 @@ def test_rows_at_different_lengths_and_phases_equal_each_sequence_alone(name):
     for got, want in zip(outs, full):
         torch.testing.assert_close(torch.cat(got), want, atol=5e-5, rtol=0)
     assert [cache.length(i) for i in ids] == list(lengths)
+    # the one-call path: GQA layers over paged pools (not only window rings) at a width with a vector path
+    one_call = paged and bool(cache.head_major) and cfg.head_dim == 32 and cpu_kernels.kernel() is not None
+    assert bool(calls) == (one_call and cpu_kernels.kernel().paged_vectorized(32))  # the path the test names ran
 
 
 class DeltaLinear(nn.Module):

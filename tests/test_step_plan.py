@@ -150,13 +150,14 @@ def test_rows_at_different_lengths_are_not_padded_to_the_longest():
     params = SamplingParams(max_new_tokens=6)
 
     def run(split: bool) -> tuple[list[list[int]], dict]:
-        old = BatchContext.home, BatchContext.split_lengths
-        BatchContext.home, BatchContext.split_lengths = False, split  # gathered decode rows
+        old = BatchContext.home, BatchContext.split_lengths, BatchContext.paged
+        # gathered decode rows, group by group (not the CPU kernel's one call over every row's block table)
+        BatchContext.home, BatchContext.split_lengths, BatchContext.paged = False, split, False
         try:
             engine = Engine(model, EngineOptions(max_seqs=10, max_batch_tokens=2048, max_seq_len=416))
             return engine.generate(prompts, params), engine.stats
         finally:
-            BatchContext.home, BatchContext.split_lengths = old
+            BatchContext.home, BatchContext.split_lengths, BatchContext.paged = old
 
     padded, stats_padded = run(False)
     split, stats_split = run(True)
@@ -172,7 +173,7 @@ def test_rows_at_different_lengths_are_not_padded_to_the_longest():
     for s, n in zip(seqs, lengths):
         cache.extend(s, n)
         cache.commit(s, n)
-    plan = plan_step(cache, seqs, [1] * 10, policy=ReadPolicy(home=False, row_view_min_bytes=1 << 40))
+    plan = plan_step(cache, seqs, [1] * 10, policy=ReadPolicy(home=False, row_view_min_bytes=1 << 40, paged=False))
     assert len(plan.groups) == 3 and all(isinstance(gr.read, Gather) for gr in plan.groups)
     assert plan.keys_read < 0.7 * 10 * 401
 

@@ -142,6 +142,14 @@ class StepContext:
         the writer ``layer`` stored this step. The typed view of every entry group ``gi`` may read."""
         raise NotImplementedError
 
+    def attend_rows(
+        self, layer: int, q: torch.Tensor, entries: torch.Tensor | None, window: int | None, scale: float
+    ) -> torch.Tensor | None:
+        """Every row of the step at once (GQA layers): store ``layer``'s new entries ((1, N, 2 K d), None for a
+        reader of ``layer``'s slot) and attend the step's queries ``q`` (N, H, d) over each row's keys; (1, N, H d)
+        token-major, or None where this does not apply (the caller then goes group by group)."""
+        return None
+
     def compress(
         self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> None:
@@ -244,6 +252,7 @@ class BatchContext(StepContext):
     views = True  # read a single row's consecutive blocks as a view of the pool (False: always gather)
     home = True  # decode rows at home read one strided view of each GQA pool (False: gathered)
     split_lengths = True  # gathered rows at different lengths are cut by length (kvgraft.model.plan.length_split)
+    paged = True  # CPU: a GQA layer attends every row in one kernel call through block tables (False: by group)
 
     def __init__(
         self,
@@ -259,7 +268,7 @@ class BatchContext(StepContext):
     ) -> None:
         # the cache plans the step (reservation, groups, tables, positions, read strategies); the reads it may
         # choose are this class's ``views`` and this module's thresholds (tests and benchmarks set them here)
-        policy = ReadPolicy(self.views, ROW_VIEW_MIN_BYTES, MAX_ROW_PIECES, self.home, self.split_lengths)
+        policy = ReadPolicy(self.views, ROW_VIEW_MIN_BYTES, MAX_ROW_PIECES, self.home, self.split_lengths, paged=self.paged)
         plan = plan_step(
             cache, seqs, new_tokens, adapter_ids, replay=replay, write_from=write_from, replay_at=replay_at, policy=policy
         )
@@ -369,6 +378,40 @@ class BatchContext(StepContext):
             out = Entries(keys, kpos)
         self.scratch[key] = out
         return out
+
+    def attend_rows(
+        self, layer: int, q: torch.Tensor, entries: torch.Tensor | None, window: int | None, scale: float
+    ) -> torch.Tensor | None:
+        """One call for every row of the step over a GQA layer's pool (the plan's ``rows`` and ``row_tables``;
+        CPU kernel :func:`kvgraft.model.cpu_kernels.paged_attention`): the new entries written with one row copy,
+        each row's keys read through its block table, no gather, mask or per-group copy. None where it does not
+        apply: no step rows planned, not a GQA pool, or the kernel declines the queries."""
+        plan, c = self.plan, self.cache
+        if plan.rows is None or layer not in c.head_major or not cpu_kernels.paged_attention_applies(q, c.paged[layer]):
+            return None
+        write = True
+        if self.replay:
+            if self.write_from is None:
+                raise ValueError(
+                    f"layer {layer} stores paged KV: a replay over it needs write_from (the first layer "
+                    "whose KV it rebuilds; the layers below are read as the cache holds them)"
+                )
+            write = layer >= self.write_from  # below: the shared blocks already hold exactly these entries
+        pool = c.paged[layer]
+        unit = c.unit_of_paged[layer]
+        table = plan.row_tables[unit]
+        H2, _, bs, d = pool.shape
+        N = plan.num_tokens
+        if entries is not None and write:
+            key = ("slots", "rows", id(table))  # the plan holds its tables for the step: ids are not reused meanwhile
+            flat: torch.Tensor | None = self.scratch.get(key)
+            if flat is None:
+                pos = plan.positions[0]
+                row = torch.repeat_interleave(torch.arange(len(plan.seqs)), plan.rows[:, 1], output_size=N)
+                flat = self.scratch[key] = table[row, pos // bs] * bs + pos % bs
+            cpu_kernels.index_copy_rows_(pool.view(H2, -1, d), flat, entries.reshape(N, H2, d).transpose(0, 1))
+        y = cpu_kernels.paged_attention(q, pool, table, plan.rows, window, scale)
+        return None if y is None else y.view(1, N, -1)
 
     def _token_slots(self, gi: int, unit: int) -> torch.Tensor:
         """(G T,) the pool rows (block id x block size + offset) of group ``gi``'s new tokens in ``unit``'s

@@ -1,4 +1,4 @@
-// The Python module of kvgraft's CPU kernels (kvgraft.model.cpu_kernels builds it from the four sources).
+// The Python module of kvgraft's CPU kernels (kvgraft.model.cpu_kernels builds it from the five sources).
 #include <torch/extension.h>
 
 bool vectorized(int64_t D, int64_t Dv);
@@ -7,6 +7,9 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
 bool prefill_vectorized(int64_t D, int64_t Dv);
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const torch::Tensor& mask, const torch::Tensor& index, double scale);
+bool paged_vectorized(int64_t D);
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& tables,
+                              const torch::Tensor& rows, int64_t window, double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
@@ -20,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode-step attention over paged keys/values read in place");
   m.def("prefill_vectorized", &prefill_vectorized, "whether prefill_attention runs (D, Dv)");
   m.def("prefill_attention", &prefill_attention, "prefill attention over paged keys/values read in place, flash-style");
+  m.def("paged_vectorized", &paged_vectorized, "whether paged_attention runs head width D");
+  m.def("paged_attention", &paged_attention, "a whole step's attention over a paged GQA pool, rows of any length");
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass");
   m.def("add_rms_norm", &add_rms_norm, "a residual add and RMSNorm in one pass: (x + a, norm(x + a))");
   m.def("rope", &rope, "rotary embedding (rotate-half) in one pass, bit-identical to torch's ops");

@@ -1,5 +1,6 @@
 """kvgraft's compiled CPU kernels, for float32 inference: decode-step and prefill attention over paged keys and
-values read in place (``decode_attention.cpp``, ``prefill_attention.cpp``), and one-pass RMSNorm (a residual add
+values read in place (``decode_attention.cpp``, ``prefill_attention.cpp``), a whole step's rows over a paged pool
+through their block tables (``paged_attention.cpp``), and one-pass RMSNorm (a residual add
 with it), rotary embedding (also in place), SwiGLU's silu * up and the KV rows' write (``elementwise.cpp``). Built on
 first use by torch's C++ extension loader into its cache (``TORCH_EXTENSIONS_DIR``). Each function returns None
 where its kernel cannot be built (no C++ compiler) or does not apply (not float32 on the CPU, autograd, a head
@@ -24,7 +25,8 @@ from kvgraft.errors import ConfigError
 ENV = "KVGRAFT_CPU_KERNELS"
 MODES = ("auto", "off", "require")
 SOURCES = tuple(
-    Path(__file__).with_name(n) for n in ("decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "bindings.cpp")
+    Path(__file__).with_name(n)
+    for n in ("decode_attention.cpp", "prefill_attention.cpp", "paged_attention.cpp", "elementwise.cpp", "bindings.cpp")
 )
 HEADERS = (Path(__file__).with_name("attention_args.h"),)  # included by the two attention sources
 log = logging.getLogger(__name__)
@@ -164,6 +166,33 @@ def index_copy_rows_(pool: torch.Tensor, index: torch.Tensor, src: torch.Tensor)
             mod.index_copy_rows_(pool, index, src)
             return
     pool.index_copy_(1, index, src)
+
+
+def paged_attention(
+    q: torch.Tensor,  # (N, H, d): the step's queries, token-major, any strides but the last
+    pool: torch.Tensor,  # (2K, blocks, block_size, d): a GQA layer's paged keys then values, contiguous
+    tables: torch.Tensor,  # (rows, nb) int64 block ids of each row
+    rows: torch.Tensor,  # (rows, 3) int64 per row: first token on the packed axis, new tokens T, keys before the step
+    window: int | None,
+    scale: float,
+) -> torch.Tensor | None:
+    """Every row of a step (decode tokens and prompt chunks of any lengths) attending its keys in ``pool`` through
+    its block table, in one call: (N, H, d) token-major, the causal (and window) visibility from positions, fp32
+    scores. None where the kernel does not apply (not float32 on the CPU, autograd, a width other than 32/64/128,
+    a build without AVX-512, no kernel); the caller then attends group by group."""
+    mod = kernel() if paged_attention_applies(q, pool) else None
+    if mod is None:
+        return None
+    y: torch.Tensor = mod.paged_attention(q, pool, tables, rows, window or 0, scale)
+    return y
+
+
+def paged_attention_applies(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether :func:`paged_attention` runs these queries (N, H, d) over this pool (and builds the kernel if needed)."""
+    if not _inference_cpu_float(q, pool) or q.stride(-1) != 1 or not pool.is_contiguous():
+        return False
+    mod = kernel()
+    return mod is not None and bool(mod.paged_vectorized(q.shape[-1]))
 
 
 def decode_attention(

@@ -120,11 +120,13 @@ GROUP_COST_PAIRS = 256
 @dataclass(frozen=True)
 class ReadPolicy:
     """Which reads a plan may choose: ``views`` (False: always gather), ``home`` (decode rows at home read one
-    strided view; False: they are gathered), per-row views from ``row_view_min_bytes`` a row and layer (CPU
-    only), at most ``max_row_pieces`` pieces a row. ``split_lengths``: on the CPU, a gathered group of rows at
-    different lengths is cut by length (at most three parts) where the padded query-key pairs saved exceed
-    ``group_cost`` a part, so short rows are not padded to the longest (:func:`length_split`); not on an
-    accelerator, where a group's cost is kernel launches that the prior does not model."""
+    strided view; False: they are gathered), per-row views from ``row_view_min_bytes`` a row and layer (CPU only),
+    at most ``max_row_pieces`` pieces a row. ``paged``: on the CPU, GQA layers may attend every row of the step in
+    one call through the rows' block tables (:attr:`StepPlan.rows`; False: group by group). ``split_lengths``: on
+    the CPU, a gathered group of rows at different lengths is cut by length (at most three parts) where the padded
+    query-key pairs saved exceed ``group_cost`` a part, so short rows are not padded to the longest
+    (:func:`length_split`); not on an accelerator, where a group's cost is kernel launches that the prior does not
+    model."""
 
     views: bool = True
     row_view_min_bytes: int = ROW_VIEW_MIN_BYTES
@@ -132,6 +134,7 @@ class ReadPolicy:
     home: bool = True
     split_lengths: bool = True
     group_cost: int = GROUP_COST_PAIRS
+    paged: bool = True
 
 
 @dataclass(frozen=True)
@@ -223,6 +226,11 @@ class StepPlan:
     groups: tuple[Group, ...]
     replay: bool = False
     write_from: int | None = None
+    # the step's rows for attention in one call over a paged pool (``ReadPolicy.paged``, CPU, GQA pools), else
+    # None: (rows, 3) int64 per row its offset on the packed axis, new tokens, first position
+    rows: torch.Tensor | None = None
+    # with ``rows``: per unit (cache.unit_of_*), the rows' block tables (rows, blocks), shared by units of one span
+    row_tables: tuple[torch.Tensor, ...] = ()
 
     @property
     def keys_needed(self) -> int:
@@ -234,7 +242,10 @@ class StepPlan:
     def keys_read(self) -> int:
         """Query-key pairs the planned reads attend per layer of full attention: a padded group reads every
         row to its longest (``G T max_end``), a home view every slot of its range, pieces and a run only their
-        own keys. ``keys_read / keys_needed`` is the step's padding."""
+        own keys; a step planned for one call over its rows' block tables (``rows``: the CPU kernel reads each row's
+        own keys; without it the groups run) only what is needed. ``keys_read / keys_needed`` is the step's padding."""
+        if self.rows is not None:
+            return self.keys_needed
         total = 0
         for g in self.groups:
             r = g.read
@@ -449,6 +460,11 @@ def plan_step(
             continue
         for part in parts:  # rows at different lengths: each part padded to its own longest only
             groups.append(_group(cache, step, rows[part], t))
+    rows_t: torch.Tensor | None = None
+    row_tables: tuple[torch.Tensor, ...] = ()
+    if policy.paged and cache.head_major and dev.type == "cpu":  # one attention call a GQA layer over all rows
+        rows_t = torch.from_numpy(np.stack([offsets, t_np, starts], axis=1))
+        row_tables = _tables(cache, list(seqs), slots, -(-int((starts + t_np).max()) // cache.block_size))[2]
     return StepPlan(
         tuple(seqs),
         tuple(new_tokens),
@@ -460,6 +476,8 @@ def plan_step(
         tuple(groups),
         replay,
         write_from,
+        rows_t,
+        row_tables,
     )
 
 
@@ -476,6 +494,29 @@ class _StepRows:
     codes: np.ndarray | None
     by_code: list[object]
     policy: ReadPolicy
+
+
+def _tables(
+    cache: PagedKVCache, seqs: list[int], slots: np.ndarray, nb: int
+) -> tuple[np.ndarray, torch.Tensor, tuple[torch.Tensor, ...], list[int]]:
+    """Block tables of rows (``seqs``, their ``slots``), ``nb`` blocks each: the cache's per-slot tables of each
+    row's first layer span (numpy, padded with -1), and per unit (paged layer or segment) the (rows, nb) tensor
+    padded with block 0 (masked), shared by the units of one span; rows whose layers a restore split into spans
+    (a replay over a shared prompt) get their other spans' tables. Returns (the numpy tables, the first span's
+    tensor, the per-unit tensors, the units where spans start)."""
+    base = cache.slot_tables[slots, :nb]
+    if base.shape[1] < nb:  # a cache whose layers all keep window rings: no blocks, tables of padding only
+        base = np.pad(base, ((0, 0), (0, nb - base.shape[1])), constant_values=-1)
+    split_rows = np.flatnonzero(cache.slot_split[slots]).tolist()
+    cuts = sorted({0, *(u for i in split_rows for u in cache.span_starts(seqs[i]))})
+    by_cut: dict[int, torch.Tensor] = {}
+    for u in cuts:
+        tab = base.copy() if u or split_rows else base
+        for i in split_rows:
+            tb = cache.block_table(seqs[i], u)[:nb]
+            tab[i] = tb + [-1] * (nb - len(tb))
+        by_cut[u] = torch.from_numpy(np.maximum(tab, 0)).to(cache.device)
+    return base, by_cut[0], tuple(by_cut[max(c for c in cuts if c <= u)] for u in range(len(cache.units))), cuts
 
 
 def _group(cache: PagedKVCache, step: _StepRows, rows: np.ndarray, t: int) -> Group:
@@ -499,22 +540,7 @@ def _group(cache: PagedKVCache, step: _StepRows, rows: np.ndarray, t: int) -> Gr
     ends = starts + t
     max_end = int(ends.max())
     nb = -(-max_end // bs)
-    # block tables: the cache's per-slot tables of each row's first layer span, padded with block 0 (masked);
-    # rows whose layers a restore split into spans (a replay over a shared prompt) get their other spans' tables
-    base = cache.slot_tables[slots, :nb]
-    if base.shape[1] < nb:  # a cache whose layers all keep window rings: no blocks, tables of padding only
-        base = np.pad(base, ((0, 0), (0, nb - base.shape[1])), constant_values=-1)
-    split_rows = np.flatnonzero(cache.slot_split[slots]).tolist()
-    cuts = sorted({0, *(u for i in split_rows for u in cache.span_starts(seqs[int(rows[i])]))})
-    by_cut: dict[int, torch.Tensor] = {}
-    for u in cuts:
-        tab = base.copy() if u or split_rows else base
-        for i in split_rows:
-            tb = cache.block_table(seqs[int(rows[i])], u)[:nb]
-            tab[i] = tb + [-1] * (nb - len(tb))
-        by_cut[u] = torch.from_numpy(np.maximum(tab, 0)).to(dev)
-    unit_tables = tuple(by_cut[max(c for c in cuts if c <= u)] for u in range(len(cache.units)))
-    table = by_cut[0]
+    base, table, unit_tables, cuts = _tables(cache, [seqs[int(r)] for r in rows], slots, nb)
     slots_t = torch.from_numpy(slots).to(dev)
     read: Read = GATHER
     if policy.views and len(cuts) == 1:

@@ -108,8 +108,12 @@ class GQAttention(nn.Module):
                 k = self.k_norm(k)
             k = apply_rope(k.transpose(1, 2), cos, sin, fused).transpose(1, 2)  # (B, N, K, d)
             entry = torch.cat([k.reshape(B, N, K * d), v], dim=-1)  # (B, N, 2 K d)
-        heads = None  # every group's attention output (B, N, H d): one o_proj over the step's tokens
-        for gi, g in ctx.each_group():
+        # a cached step on the CPU: every row at once through the rows' block tables, where the kernel applies
+        heads = ctx.attend_rows(self.source, q[0].transpose(0, 1), entry, self.window, d**-0.5) if fused else None
+        if heads is not None:
+            out: torch.Tensor = self.o_proj(heads)
+            return out
+        for gi, g in ctx.each_group():  # every group's attention output (B, N, H d): one o_proj over the step's tokens
             qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, d)
             view = ctx.kv(self.source, gi, None if entry is None else g.take(entry))
 
@@ -126,7 +130,7 @@ class GQAttention(nn.Module):
                 heads = g.put(heads if heads is not None else x.new_empty(B, N, H * d), y)
         if heads is None:
             raise ConfigError("a step context has at least one group")
-        out: torch.Tensor = self.o_proj(heads)
+        out = self.o_proj(heads)
         return out
 
 

@@ -1,0 +1,360 @@
+// A whole step's attention over the paged GQA pools, for the CPU (float32, AVX-512): every row of the step
+// (decode rows and prompt chunks, each with its own number of new tokens) in one call, each row's keys read
+// in place through its block table, the causal (and window) visibility worked out from positions, no mask.
+//
+// paged_attention(q, pool, tables, rows, window, scale) -> (N, H, D), token-major
+//   q      (N, H, D)       the step's queries on the packed token axis, any strides but the last
+//   pool   (2K, B, bs, D)  the layer's pool: K key heads then their K value heads, contiguous
+//   tables (rows, nb)      int64 block ids of each row (entries past a row's keys are never read)
+//   rows   (rows, 3)       int64 per row: its first token on the packed axis, its new tokens T, its keys
+//                          before the step (its first query's position); its keys [0, start + T) are in the pool
+//   window                 0: every earlier key visible; W: a query at p sees keys (p - W, p]
+// Query head h reads key head h / (H / K). A task is (row, key head, up to QT query tokens): a decode token's
+// H/K queries read their keys once for the scores, once for the sum (the scores of all keys kept); a prompt
+// chunk's queries run flash-style (KB keys at a time, packed transposed, an online softmax). Tasks are cut into
+// one contiguous share per thread by their estimated cost. The exponentials are torch's own vector exp (SLEEF).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+extern "C" __m512 Sleef_expf16_u10(__m512);
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t QT = 16;  // query tokens a prompt task
+constexpr int64_t KB = 32;  // keys a flash block (two vectors of scores)
+constexpr int64_t QB = 4;   // decode queries whose accumulators stay in registers while one key is read
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// What every task reads: the pool's addressing and each row's table.
+struct Pool {
+  const float* base;
+  int64_t head_stride, block_stride, bs, K;
+  const int64_t* tables;
+  int64_t nb;
+  // key (h < K) or value (h >= K) row of head h at position p of row r
+  const float* row(int64_t r, int64_t h, int64_t p) const {
+    return base + h * head_stride + tables[r * nb + p / bs] * block_stride + (p % bs) * (block_stride / bs);
+  }
+};
+
+// ---- decode: a few queries at one position against keys [lo, hi) ----------------------------------------------
+// S[m * L + s - lo] = q_m . k_s for queries [m0, m0 + mb), keys [s0, s0 + n) contiguous at k (stride D)
+template <int NC>
+inline void dec_scores(const float* q, int64_t m0, int64_t mb, const float* k, int64_t n, float* S, int64_t L) {
+  constexpr int D = 16 * NC;
+  __m512 qv[QB][NC];
+  for (int64_t i = 0; i < mb; ++i)
+    for (int c = 0; c < NC; ++c) qv[i][c] = _mm512_loadu_ps(q + (m0 + i) * D + 16 * c);
+  for (int64_t s = 0; s < n; ++s) {
+    const float* kr = k + s * D;
+    __m512 kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+    for (int64_t i = 0; i < mb; ++i) {
+      __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);
+      for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[i][c], kv[c], acc);
+      S[(m0 + i) * L + s] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+// A[m] += sum_s P[m * L + s] v_s for queries [m0, m0 + mb), values [0, n) contiguous at v (stride D)
+template <int NC>
+inline void dec_values(const float* P, int64_t L, int64_t m0, int64_t mb, const float* v, int64_t n, float* A) {
+  constexpr int D = 16 * NC;
+  __m512 av[QB][NC];
+  for (int64_t i = 0; i < mb; ++i)
+    for (int c = 0; c < NC; ++c) av[i][c] = _mm512_loadu_ps(A + (m0 + i) * D + 16 * c);
+  for (int64_t s = 0; s < n; ++s) {
+    const float* vr = v + s * D;
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+    for (int64_t i = 0; i < mb; ++i) {
+      const __m512 pw = _mm512_set1_ps(P[(m0 + i) * L + s]);
+      for (int c = 0; c < NC; ++c) av[i][c] = _mm512_fmadd_ps(pw, vv[c], av[i][c]);
+    }
+  }
+  for (int64_t i = 0; i < mb; ++i)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(A + (m0 + i) * D + 16 * c, av[i][c]);
+}
+
+// M pre-scaled queries Q (M, D) of row r, head h, all at one position, against its keys [lo, hi): O (M, D)
+// normalised. S: scratch of M * (hi - lo) scores.
+template <int NC>
+void decode_task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t M, int64_t lo, int64_t hi,
+                 std::vector<float>& S, float* O) {
+  constexpr int D = 16 * NC;
+  const int64_t L = hi - lo;
+  std::fill(O, O + M * D, 0.f);
+  if (L <= 0) return;
+  S.resize(M * L);
+  for (int64_t p = lo; p < hi;) {  // the keys block by block: consecutive rows inside a block
+    const int64_t n = std::min(pool.bs - p % pool.bs, hi - p);
+    const float* k = pool.row(r, h, p);
+    for (int64_t m0 = 0; m0 < M; m0 += QB) dec_scores<NC>(Q, m0, std::min(QB, M - m0), k, n, S.data() + (p - lo), L);
+    p += n;
+  }
+  for (int64_t m = 0; m < M; ++m) {  // softmax in place (every key of the range is visible)
+    float* sr = S.data() + m * L;
+    float mx = NEG_INF;
+    for (int64_t s = 0; s < L; ++s) mx = std::max(mx, sr[s]);
+    float sum = 0.f;
+    int64_t s = 0;
+    const __m512 mv = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (; s + 16 <= L; s += 16) {
+      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(sr + s), mv));
+      _mm512_storeu_ps(sr + s, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    if (s < L) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (L - s)) - 1);
+      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sr + s), mv));
+      _mm512_mask_storeu_ps(sr + s, tail, e);
+      acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(tail, e));
+    }
+    sum = _mm512_reduce_add_ps(acc);
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < L; ++j) sr[j] *= inv;
+  }
+  for (int64_t p = lo; p < hi;) {
+    const int64_t n = std::min(pool.bs - p % pool.bs, hi - p);
+    const float* v = pool.row(r, pool.K + h, p);
+    for (int64_t m0 = 0; m0 < M; m0 += QB) dec_values<NC>(S.data() + (p - lo), L, m0, std::min(QB, M - m0), v, n, O);
+    p += n;
+  }
+}
+
+// ---- prompt chunks: flash-style ---------------------------------------------------------------------------------
+// P[m][0, KB) = Q[m] . Kt[:, 0, KB) for queries [m0, m0 + MB); Kt is (D, KB)
+template <int D, int MB>
+inline void fl_scores(const float* Q, int64_t m0, const float* Kt, float* P) {
+  __m512 a0[MB], a1[MB];
+  for (int i = 0; i < MB; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(Kt + d * KB);
+    const __m512 k1 = _mm512_loadu_ps(Kt + d * KB + 16);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 qb = _mm512_set1_ps(Q[(m0 + i) * D + d]);
+      a0[i] = _mm512_fmadd_ps(qb, k0, a0[i]);
+      a1[i] = _mm512_fmadd_ps(qb, k1, a1[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    _mm512_storeu_ps(P + (m0 + i) * KB, a0[i]);
+    _mm512_storeu_ps(P + (m0 + i) * KB + 16, a1[i]);
+  }
+}
+
+// O[m] = O[m] * corr[m] + sum_j P[m][j] v_j for queries [m0, m0 + MB), keys j < nk at V[j]
+template <int NC, int MB>
+inline void fl_values(const float* P, int64_t m0, const float* corr, const float* const* V, int64_t nk, float* O) {
+  constexpr int D = 16 * NC;
+  __m512 acc[MB][NC];
+  for (int i = 0; i < MB; ++i) {
+    const __m512 c = _mm512_set1_ps(corr[m0 + i]);
+    for (int c2 = 0; c2 < NC; ++c2) acc[i][c2] = _mm512_mul_ps(_mm512_loadu_ps(O + (m0 + i) * D + 16 * c2), c);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(V[j] + 16 * c);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 pb = _mm512_set1_ps(P[(m0 + i) * KB + j]);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_fmadd_ps(pb, vv[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(O + (m0 + i) * D + 16 * c, acc[i][c]);
+}
+
+// bits j of [a, b) set, j < 32
+inline __mmask32 span_bits(int64_t a, int64_t b) {
+  if (b <= a) return 0;
+  const uint64_t hi = (uint64_t{1} << b) - 1, lo = (uint64_t{1} << a) - 1;
+  return static_cast<__mmask32>(hi & ~lo);
+}
+
+// M pre-scaled queries Q (M, D) of row r, head h; query m's position pos[m]; keys [lo, hi): O (M, D) normalised
+template <int NC>
+void flash_task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t M, const int64_t* pos, int64_t window,
+                int64_t lo, int64_t hi, std::vector<float>& P, std::vector<float>& scratch, float* O) {
+  constexpr int D = 16 * NC;
+  constexpr int MBV = NC >= 8 ? 2 : (NC >= 4 ? 4 : 8);  // value accumulators: at most 16 vectors
+  alignas(64) float Kt[D * KB];
+  const float* V[KB];
+  P.resize(M * KB);
+  scratch.resize(3 * M);
+  float *mrow = scratch.data(), *corr = mrow + M, *l = corr + M;
+  std::fill(mrow, mrow + M, NEG_INF);
+  std::fill(l, l + M, 0.f);
+  std::fill(O, O + M * D, 0.f);
+  const __m512 ninf = _mm512_set1_ps(NEG_INF);
+  for (int64_t kb = lo; kb < hi; kb += KB) {
+    const int64_t nk = std::min<int64_t>(KB, hi - kb);
+    for (int64_t j = 0; j < KB; ++j) {  // pack the block's keys transposed (zeros past its end), note its values
+      if (j < nk) {
+        const float* kr = pool.row(r, h, kb + j);
+        for (int d = 0; d < D; ++d) Kt[d * KB + j] = kr[d];
+        V[j] = pool.row(r, pool.K + h, kb + j);
+      } else {
+        for (int d = 0; d < D; ++d) Kt[d * KB + j] = 0.f;
+      }
+    }
+    int64_t m0 = 0;
+    for (; m0 + 8 <= M; m0 += 8) fl_scores<D, 8>(Q, m0, Kt, P.data());
+    for (; m0 < M; ++m0) fl_scores<D, 1>(Q, m0, Kt, P.data());
+    for (int64_t m = 0; m < M; ++m) {  // visibility from positions, online softmax; P becomes the weights
+      float* pr = P.data() + m * KB;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos[m] - window + 1) : 0;
+      const __mmask32 keep = span_bits(std::max<int64_t>(first - kb, 0), std::min<int64_t>(pos[m] + 1 - kb, nk));
+      const __m512 s0 = _mm512_mask_blend_ps(static_cast<__mmask16>(keep), ninf, _mm512_loadu_ps(pr));
+      const __m512 s1 = _mm512_mask_blend_ps(static_cast<__mmask16>(keep >> 16), ninf, _mm512_loadu_ps(pr + 16));
+      const float mnew = std::max(mrow[m], std::max(_mm512_reduce_max_ps(s0), _mm512_reduce_max_ps(s1)));
+      if (mnew == NEG_INF) {  // nothing visible yet
+        std::fill(pr, pr + KB, 0.f);
+        corr[m] = 1.f;
+        continue;
+      }
+      const __m512 mv = _mm512_set1_ps(mnew);
+      const __m512 p0 = Sleef_expf16_u10(_mm512_sub_ps(s0, mv));
+      const __m512 p1 = Sleef_expf16_u10(_mm512_sub_ps(s1, mv));
+      _mm512_storeu_ps(pr, p0);
+      _mm512_storeu_ps(pr + 16, p1);
+      corr[m] = mrow[m] == NEG_INF ? 0.f : std::exp(mrow[m] - mnew);
+      l[m] = l[m] * corr[m] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      mrow[m] = mnew;
+    }
+    m0 = 0;
+    for (; m0 + MBV <= M; m0 += MBV) fl_values<NC, MBV>(P.data(), m0, corr, V, nk, O);
+    for (; m0 < M; ++m0) fl_values<NC, 1>(P.data(), m0, corr, V, nk, O);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float inv = l[m] > 0.f ? 1.f / l[m] : 0.f;
+    for (int d = 0; d < D; ++d) O[m * D + d] *= inv;
+  }
+}
+
+struct Task {
+  int64_t row, t0, nt, head, cost;
+};
+
+template <int NC>
+void run(const torch::Tensor& q, const Pool& pool, const int64_t* rows, int64_t nrows, int64_t window, float scale,
+         float* out, int64_t H) {
+  constexpr int D = 16 * NC;
+  const int64_t K = pool.K, R = H / K;
+  const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < nrows; ++r) {
+    const int64_t T = rows[r * 3 + 1], start = rows[r * 3 + 2];
+    for (int64_t t0 = 0; t0 < T; t0 += QT) {
+      const int64_t nt = std::min(QT, T - t0), last = start + t0 + nt;  // keys [lo, last) seen by the block
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, start + t0 - window + 1) : 0;
+      for (int64_t h = 0; h < K; ++h) tasks.push_back({r, t0, nt, h, R * nt * (last - lo) + 64});
+    }
+  }
+  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size())));
+  std::vector<int64_t> cut(nth + 1, static_cast<int64_t>(tasks.size()));
+  {  // one contiguous share of the tasks per thread, of about equal cost
+    int64_t total = 0;
+    for (const Task& t : tasks) total += t.cost;
+    int64_t acc = 0, k = 1;
+    cut[0] = 0;
+    for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()) && k < nth; ++i) {
+      acc += tasks[i].cost;
+      while (k < nth && acc * nth >= total * k) cut[k++] = i + 1;
+    }
+  }
+  at::parallel_for(0, nth, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Q(R * QT * D), O(R * QT * D), S, P, scratch;
+    std::vector<int64_t> pos(R * QT);
+    for (int64_t w = begin; w < end; ++w)
+      for (int64_t i = cut[w]; i < cut[w + 1]; ++i) {
+        const Task& t = tasks[i];
+        const int64_t off = rows[t.row * 3], start = rows[t.row * 3 + 2], M = R * t.nt;
+        for (int64_t rr = 0; rr < R; ++rr)  // query m = rr * nt + j: head h R + rr, token t0 + j; scaled once
+          for (int64_t j = 0; j < t.nt; ++j) {
+            const float* src = qp + (off + t.t0 + j) * qs0 + (t.head * R + rr) * qs1;
+            float* dst = Q.data() + (rr * t.nt + j) * D;
+            for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
+            pos[rr * t.nt + j] = start + t.t0 + j;
+          }
+        const int64_t first = start + t.t0, hi = first + t.nt;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+        if (t.nt == 1)
+          decode_task<NC>(pool, t.row, t.head, Q.data(), M, lo, hi, S, O.data());
+        else
+          flash_task<NC>(pool, t.row, t.head, Q.data(), M, pos.data(), window, lo, hi, P, scratch, O.data());
+        for (int64_t rr = 0; rr < R; ++rr)
+          for (int64_t j = 0; j < t.nt; ++j)
+            std::copy_n(O.data() + (rr * t.nt + j) * D, D, out + ((off + t.t0 + j) * H + t.head * R + rr) * D);
+      }
+  });
+}
+#endif
+
+}  // namespace
+
+// Whether paged_attention runs head width D: AVX-512 builds, D 32, 64 or 128.
+bool paged_vectorized(int64_t D) {
+#if defined(__AVX512F__)
+  return D == 32 || D == 64 || D == 128;
+#else
+  return false && D;
+#endif
+}
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& tables,
+                              const torch::Tensor& rows, int64_t window, double scale) {
+  const char* fn = "paged_attention";
+  TORCH_CHECK(q.dim() == 3 && pool.dim() == 4 && tables.dim() == 2 && rows.dim() == 2 && rows.size(1) == 3, fn,
+              ": q (N, H, D), pool (2K, B, bs, D), tables (rows, nb), rows (rows, 3)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat && q.device().is_cpu() &&
+                  pool.device().is_cpu(),
+              fn, ": float32 CPU tensors");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && rows.scalar_type() == at::kLong, fn, ": int64 tables and rows");
+  TORCH_CHECK(pool.is_contiguous(), fn, ": a contiguous pool");
+  TORCH_CHECK(window >= 0, fn, ": window >= 0");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), K2 = pool.size(0), B = pool.size(1), bs = pool.size(2);
+  TORCH_CHECK(K2 % 2 == 0 && K2 > 0 && H % (K2 / 2) == 0, fn, ": the pool's key heads must divide the query heads");
+  TORCH_CHECK(pool.size(3) == D, fn, ": the pool's head width (", pool.size(3), ") differs from the queries' (", D, ")");
+  TORCH_CHECK(tables.size(0) == rows.size(0), fn, ": one table per row");
+  TORCH_CHECK(paged_vectorized(D), fn, ": head width ", D, " has no vector path");
+  const torch::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
+  const torch::Tensor tc = tables.contiguous(), rc = rows.contiguous();
+  const int64_t nrows = rc.size(0), nb = tc.size(1);
+  const int64_t* rp = rc.data_ptr<int64_t>();
+  const int64_t* tp = tc.data_ptr<int64_t>();
+  int64_t covered = 0;  // the rows tile the step in order, their keys inside their tables, their blocks in the pool
+  for (int64_t r = 0; r < nrows; ++r) {
+    const int64_t off = rp[r * 3], T = rp[r * 3 + 1], start = rp[r * 3 + 2], end = start + T;
+    TORCH_CHECK(T >= 1 && off == covered && off + T <= N && start >= 0, fn, ": row ", r, " (offset ", off, ", tokens ",
+                T, ", start ", start, ") does not follow the rows before it on the step's ", N, " queries");
+    TORCH_CHECK(end <= nb * bs, fn, ": row ", r, " needs ", end, " keys; its table holds ", nb * bs);
+    for (int64_t b = 0; b < (end + bs - 1) / bs; ++b)
+      TORCH_CHECK(tp[r * nb + b] >= 0 && tp[r * nb + b] < B, fn, ": row ", r, " block ", tp[r * nb + b],
+                  " outside the pool's ", B);
+    covered += T;
+  }
+  TORCH_CHECK(covered == N, fn, ": the rows cover ", covered, " of the step's ", N, " queries");
+  torch::Tensor out = torch::empty({N, H, D}, q.options());  // every query written once: the rows tile the step
+#if defined(__AVX512F__)
+  const Pool pl{pool.data_ptr<float>(), pool.stride(0), pool.stride(1), bs, K2 / 2, tp, nb};
+  const float sc = static_cast<float>(scale);
+  switch (D) {
+    case 32: run<2>(qc, pl, rp, nrows, window, sc, out.data_ptr<float>(), H); break;
+    case 64: run<4>(qc, pl, rp, nrows, window, sc, out.data_ptr<float>(), H); break;
+    default: run<8>(qc, pl, rp, nrows, window, sc, out.data_ptr<float>(), H); break;
+  }
+#endif
+  return out;
+}
