@@ -117,8 +117,10 @@ def test_a_failed_build_raises_under_require_and_falls_back_under_auto(monkeypat
         ck._module.cache_clear()
 
 
-@pytest.mark.parametrize("paged", [True, False], ids=["rows-in-one-call", "by-group"])
-def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatch, paged):
+@pytest.mark.parametrize(
+    "paged,whole", [(True, True), (True, False), (False, False)], ids=["layer-in-one-call", "rows-in-one-call", "by-group"]
+)
+def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatch, paged, whole):
     from kvgraft.hf import load_pretrained
     from kvgraft.model.batch import BatchContext
     from kvgraft.runtime.engine import Engine
@@ -126,6 +128,7 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatc
     from kvgraft.runtime.sampling import SamplingParams
 
     monkeypatch.setattr(BatchContext, "paged", paged)  # attention over every row at once, or group by group
+    monkeypatch.setattr(BatchContext, "whole_layers", whole)  # each layer in one kernel call, or op by op
     model = load_pretrained(resolve_model("kvgraft-llama-8m")).eval().float()  # head width 32: the vector path
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, model.config.vocab_size, (int(n),), generator=g).tolist() for n in (5, 40, 90, 17, 130, 64)]
@@ -145,12 +148,50 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_and_without(monkeypatc
     monkeypatch.setattr(ck, "kernel", lambda: Counting())
     with_kernel = Engine(model, EngineOptions(max_seqs=4, max_batch_tokens=64, max_seq_len=256)).generate(prompts, params)
     attention = {"paged_attention"} if paged else {"decode_attention", "prefill_attention"}
-    kernels = attention | {"add_rms_norm", "rms_norm", "rope_", "silu_mul", "index_copy_rows_"}
+    kernels = (
+        {"gqa_layer", "rms_norm"} if whole else attention | {"add_rms_norm", "rms_norm", "rope_", "silu_mul", "index_copy_rows_"}
+    )
     assert kernels <= set(calls), "the engine's steps ran the kernels"
-    assert paged or "paged_attention" not in calls
+    assert whole == ("gqa_layer" in calls) and (paged or "paged_attention" not in calls)
     monkeypatch.setattr(ck, "kernel", lambda: None)
     without = Engine(model, EngineOptions(max_seqs=4, max_batch_tokens=64, max_seq_len=256)).generate(prompts, params)
     assert with_kernel == without
+
+
+def test_a_layer_in_one_call_is_bit_identical_to_its_ops(monkeypatch):
+    """cpu_kernels.gqa_layer runs a Llama layer's kernels and matmuls in Block.forward's order: a mixed step (prompt
+    chunks and decode rows) gives the same logits and writes the same cache, bit for bit."""
+    from kvgraft.hf import load_pretrained
+    from kvgraft.model.batch import BatchContext
+    from kvgraft.model.cache import PagedKVCache
+    from kvgraft.model.packed import pack_linears
+
+    model = load_pretrained(resolve_model("kvgraft-llama-8m")).eval().float()
+    pack_linears(model)
+    calls = []
+    layer = ck.gqa_layer
+    monkeypatch.setattr(ck, "gqa_layer", lambda *a: calls.append(1) or layer(*a))
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (3, 50, 21, 70)]
+
+    def run(whole: bool) -> tuple[list[torch.Tensor], PagedKVCache]:
+        monkeypatch.setattr(BatchContext, "whole_layers", whole)
+        cache = PagedKVCache(model.config, num_blocks=40, block_size=16, max_seqs=4, max_seq_len=160)
+        seqs = [cache.add_sequence() for _ in prompts]
+        out = []
+        with torch.inference_mode():
+            out.append(model(torch.cat([prompts[0], prompts[1][:30]]), ctx=BatchContext(cache, seqs[:2], [3, 30])))
+            chunk = torch.cat([prompts[0][:1], prompts[1][30:], prompts[2], prompts[3]])
+            out.append(model(chunk, ctx=BatchContext(cache, seqs, [1, 20, 21, 70])))
+            out.append(model(torch.tensor([5, 6, 7, 8]), ctx=BatchContext(cache, seqs, [1, 1, 1, 1])))
+        return out, cache
+
+    whole, cache_whole = run(True)
+    assert len(calls) == 3 * model.config.num_layers  # every layer of every step ran in one call
+    by_op, cache_by_op = run(False)
+    assert len(calls) == 3 * model.config.num_layers
+    assert all(torch.equal(a, b) for a, b in zip(whole, by_op))
+    assert all(torch.equal(cache_whole.paged[x], cache_by_op.paged[x]) for x in cache_whole.paged)
 
 
 def test_rope_is_bit_identical_to_torchs_ops():

@@ -253,6 +253,7 @@ class BatchContext(StepContext):
     home = True  # decode rows at home read one strided view of each GQA pool (False: gathered)
     split_lengths = True  # gathered rows at different lengths are cut by length (kvgraft.model.plan.length_split)
     paged = True  # CPU: a GQA layer attends every row in one kernel call through block tables (False: by group)
+    whole_layers = True  # with paged: a Llama-family layer runs in one kernel call (cpu_kernels.gqa_layer)
 
     def __init__(
         self,
@@ -400,18 +401,42 @@ class BatchContext(StepContext):
         pool = c.paged[layer]
         unit = c.unit_of_paged[layer]
         table = plan.row_tables[unit]
-        H2, _, bs, d = pool.shape
+        H2, _, _, d = pool.shape
         N = plan.num_tokens
         if entries is not None and write:
-            key = ("slots", "rows", id(table))  # the plan holds its tables for the step: ids are not reused meanwhile
-            flat: torch.Tensor | None = self.scratch.get(key)
-            if flat is None:
-                pos = plan.positions[0]
-                row = torch.repeat_interleave(torch.arange(len(plan.seqs)), plan.rows[:, 1], output_size=N)
-                flat = self.scratch[key] = table[row, pos // bs] * bs + pos % bs
-            cpu_kernels.index_copy_rows_(pool.view(H2, -1, d), flat, entries.reshape(N, H2, d).transpose(0, 1))
+            rows = entries.reshape(N, H2, d).transpose(0, 1)
+            cpu_kernels.index_copy_rows_(pool.view(H2, -1, d), self._row_slots(table), rows)
         y = cpu_kernels.paged_attention(q, pool, table, plan.rows, window, scale)
         return None if y is None else y.view(1, N, -1)
+
+    def layer_step(self, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[list[torch.Tensor], bool] | None:
+        """What a GQA layer's one-call form (:func:`kvgraft.model.cpu_kernels.gqa_layer`) reads of the step:
+        ([cos, sin, the layer's pool, each new token's pool row, the rows' block tables, the rows], whether the
+        layer writes its new entries), or None where the step is not planned for one call over its rows."""
+        plan, c = self.plan, self.cache
+        if plan.rows is None or layer not in c.head_major or not self.whole_layers:
+            return None
+        write = True
+        if self.replay:
+            if self.write_from is None:
+                return None  # attend_rows raises the precise error
+            write = layer >= self.write_from
+        unit = c.unit_of_paged[layer]
+        table = plan.row_tables[unit]
+        return [cos, sin, c.paged[layer], self._row_slots(table), table, plan.rows], write
+
+    def _row_slots(self, table: torch.Tensor) -> torch.Tensor:
+        """(N,) the pool row (block id x block size + offset) of every new token of the step, for the rows' tables
+        ``table``; once a step per table."""
+        key = ("slots", "rows", id(table))  # the plan holds its tables for the step: ids are not reused meanwhile
+        flat: torch.Tensor | None = self.scratch.get(key)
+        if flat is None:
+            plan, bs = self.plan, self.cache.block_size
+            pos = plan.positions[0]
+            assert plan.rows is not None
+            row = torch.repeat_interleave(torch.arange(len(plan.seqs)), plan.rows[:, 1], output_size=plan.num_tokens)
+            flat = self.scratch[key] = table[row, pos // bs] * bs + pos % bs
+        return flat
 
     def _token_slots(self, gi: int, unit: int) -> torch.Tensor:
         """(G T,) the pool rows (block id x block size + offset) of group ``gi``'s new tokens in ``unit``'s

@@ -1,6 +1,7 @@
 """kvgraft's compiled CPU kernels, for float32 inference: decode-step and prefill attention over paged keys and
 values read in place (``decode_attention.cpp``, ``prefill_attention.cpp``), a whole step's rows over a paged pool
-through their block tables (``paged_attention.cpp``), and one-pass RMSNorm (a residual add
+through their block tables (``paged_attention.cpp``), a whole Llama-family decoder layer of a step in one call
+(``decoder_layer.cpp``), and one-pass RMSNorm (a residual add
 with it), rotary embedding (also in place), SwiGLU's silu * up and the KV rows' write (``elementwise.cpp``). Built on
 first use by torch's C++ extension loader into its cache (``TORCH_EXTENSIONS_DIR``). Each function returns None
 where its kernel cannot be built (no C++ compiler) or does not apply (not float32 on the CPU, autograd, a head
@@ -26,7 +27,14 @@ ENV = "KVGRAFT_CPU_KERNELS"
 MODES = ("auto", "off", "require")
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("decode_attention.cpp", "prefill_attention.cpp", "paged_attention.cpp", "elementwise.cpp", "bindings.cpp")
+    for n in (
+        "decode_attention.cpp",
+        "prefill_attention.cpp",
+        "paged_attention.cpp",
+        "elementwise.cpp",
+        "decoder_layer.cpp",
+        "bindings.cpp",
+    )
 )
 HEADERS = (Path(__file__).with_name("attention_args.h"),)  # included by the two attention sources
 log = logging.getLogger(__name__)
@@ -193,6 +201,30 @@ def paged_attention_applies(q: torch.Tensor, pool: torch.Tensor) -> bool:
         return False
     mod = kernel()
     return mod is not None and bool(mod.paged_vectorized(q.shape[-1]))
+
+
+def gqa_layer(
+    x: torch.Tensor,  # (1, N, h) the residual stream entering the layer
+    weights: list[torch.Tensor],  # [qkv, its bias, o, its bias, gate/up, its bias, down, its bias] packed (oneDNN)
+    norms: list[torch.Tensor],  # [input norm weight, post-attention norm weight]
+    eps: float,
+    step: list[torch.Tensor],  # [cos, sin, pool, slots, tables, rows] (BatchContext.layer_step)
+    heads: tuple[int, int],  # (H, K)
+    window: int | None,
+    write: bool,
+) -> torch.Tensor | None:
+    """A Llama-family decoder layer of an engine step (RMSNorm, the q/k/v matmul, RoPE in place, the new entries
+    written, :func:`paged_attention` over every row, o_proj, the residual add and RMSNorm, gate/up, silu * up,
+    down, the residual add) in one call: the kernels and oneDNN matmuls ``Block.forward`` runs, in its order, so
+    the output is bit-identical to it; None where it does not apply (as :func:`paged_attention`, and x float32)."""
+    pool = step[2]
+    if not _inference_cpu_float(x, pool) or not pool.is_contiguous():
+        return None
+    mod = kernel()
+    if mod is None or not mod.paged_vectorized(pool.shape[-1]):
+        return None
+    y: torch.Tensor = mod.gqa_layer(x, weights, norms, eps, step, heads[0], heads[1], window or 0, write)
+    return y
 
 
 def decode_attention(

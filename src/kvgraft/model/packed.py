@@ -128,6 +128,28 @@ def linears(x: torch.Tensor, *modules: nn.Module) -> list[torch.Tensor]:
     return list(y.split_with_sizes(entry[4], dim=-1))
 
 
+def packed_weight(*modules: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(packed weight, bias or None) that :func:`linears` (several modules: their weights concatenated) or
+    :meth:`PackedLinear.forward` (one) multiplies a CPU float input by, packed anew if a weight changed; None
+    where those modules do not take the packed path (not all :class:`PackedLinear`, gradients, other dtypes)."""
+    if not all(type(m) is PackedLinear for m in modules):
+        return None
+    mods = cast(tuple[PackedLinear, ...], modules)
+    w = mods[0].weight
+    if w.device.type != "cpu" or w.dtype not in _DTYPES or (torch.is_grad_enabled() and w.requires_grad):
+        return None
+    if len(mods) == 1:
+        entry = _PACKED.get(mods[0])
+        packed = entry[1] if entry is not None and _current(entry, w) else mods[0].pack()
+        return packed, None if mods[0].bias is None else mods[0].bias.detach()
+    fused = _FUSED.get(mods[0])
+    if fused is None or fused[0] != mods or not all(_current((src, None), m.weight) for src, m in zip(fused[1], mods)):
+        fused = _fuse(mods)
+        if fused is None:
+            return None
+    return fused[2], fused[3]
+
+
 def _fuse(modules: tuple[PackedLinear, ...]) -> tuple[Any, ...] | None:
     """Pack ``modules``' weights concatenated (their own packed copies dropped) and remember it under the first;
     None when their dtypes differ (each then runs on its own)."""

@@ -47,7 +47,7 @@ struct Pool {
 };
 
 // ---- decode: a few queries at one position against keys [lo, hi) ----------------------------------------------
-// S[m * L + s - lo] = q_m . k_s for queries [m0, m0 + mb), keys [s0, s0 + n) contiguous at k (stride D)
+// S[m * L + s] = q_m . k_s for queries [m0, m0 + mb), keys [0, n) contiguous at k (stride D)
 template <int NC>
 inline void dec_scores(const float* q, int64_t m0, int64_t mb, const float* k, int64_t n, float* S, int64_t L) {
   constexpr int D = 16 * NC;

@@ -28,7 +28,7 @@ from kvgraft.model.ced import CEDAttention, Compressor, rope_tables
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.mla import MLAttention
 from kvgraft.model.norm import RMSNorm
-from kvgraft.model.packed import adjacent, linears
+from kvgraft.model.packed import adjacent, linears, packed_weight
 from kvgraft.model.rope import RotaryEmbedding, apply_rope, apply_rope_
 
 
@@ -149,9 +149,50 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         fused = ctx.cache is not None  # a cached (engine) step: one-pass CPU kernels where they apply
+        if fused and isinstance(ctx, BatchContext) and (whole := self._one_call(x, cos, sin, ctx)) is not None:
+            return whole
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x, fused), cos, sin, ctx), fused)
         y: torch.Tensor = x + self.mlp(h, fused)
         return y
+
+    def _one_call(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: BatchContext) -> torch.Tensor | None:
+        """This layer of an engine step in one call of kvgraft's CPU kernels (``cpu_kernels.gqa_layer``: the kernels
+        and matmuls of the code above, in its order, bit-identical), where it applies: a GQA layer writing its own
+        pool, no q/k norms, every linear layer packed as is (no adapter wrapping it), a step planned for one call
+        over its rows, float32 on the CPU. None otherwise (the code above runs)."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(attn) is not GQAttention or not attn.writes_kv or attn.qk_norm or type(mlp) is not MLP:
+            return None
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if norms[0].eps != norms[1].eps:
+            return None
+        step = ctx.layer_step(attn.layer, cos, sin)
+        if step is None:
+            return None
+        packed = (
+            packed_weight(attn.q_proj, attn.k_proj, attn.v_proj),
+            packed_weight(attn.o_proj),
+            packed_weight(mlp.gate_proj, mlp.up_proj),
+            packed_weight(mlp.down_proj),
+        )
+        weights = []
+        for pw in packed:
+            if pw is None:
+                return None
+            weights += [pw[0], _NO_BIAS if pw[1] is None else pw[1]]
+        return cpu_kernels.gqa_layer(
+            x,
+            weights,
+            [norms[0].weight, norms[1].weight],
+            norms[0].eps,
+            step[0],
+            (attn.num_heads, attn.num_kv_heads),
+            attn.window,
+            step[1],
+        )
+
+
+_NO_BIAS = torch.empty(0)  # cpu_kernels.gqa_layer's "no bias"
 
 
 class Transformer(nn.Module):
