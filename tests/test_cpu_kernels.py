@@ -336,3 +336,20 @@ def test_a_residual_add_with_rms_norm_equals_torchs_ops():
         assert torch.equal(s, x + a)  # the residual sum exactly
         torch.testing.assert_close(y, norm(x + a), atol=1e-5, rtol=1e-5)
     assert ck.add_rms_norm(x, a[:, :5], norm.weight, 1e-5) is None  # shapes that differ: torch's ops
+
+
+def test_argmax_gives_torchs_indices():
+    """The first maximum of each row, a NaN first (as torch's argmax), at lengths that end mid-vector."""
+    g = torch.Generator().manual_seed(7)
+    for V in (1, 5, 16, 31, 32, 33, 1000, 49152):
+        x = torch.randn(9, V, generator=g)
+        x[1] = 0.0  # all ties: index 0
+        if V > 3:
+            x[2, V // 2] = x[2, V - 1] = 1e9  # a tie: the first one
+            x[3, V - 1] = float("nan")  # NaN wins
+            x[4, 2] = float("inf")
+            x[5, 1] = x[5, V - 2] = float("nan")  # the first NaN
+        got = ck.argmax(x)
+        assert torch.equal(got, x.argmax(dim=-1)), V
+    strided = torch.randn(4, 64, generator=g)[:, ::2]  # rows not contiguous: torch's op
+    assert torch.equal(ck.argmax(strided), strided.argmax(dim=-1))

@@ -13,6 +13,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool,
 torch::Tensor gqa_layer(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                         const std::vector<torch::Tensor>& norms, double eps, const std::vector<torch::Tensor>& step,
                         int64_t H, int64_t K, int64_t window, bool write);
+torch::Tensor argmax_rows(const torch::Tensor& x);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
@@ -29,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_vectorized", &paged_vectorized, "whether paged_attention runs head width D");
   m.def("paged_attention", &paged_attention, "a whole step's attention over a paged GQA pool, rows of any length");
   m.def("gqa_layer", &gqa_layer, "one Llama-family decoder layer of an engine step in one call");
+  m.def("argmax_rows", &argmax_rows, "x.argmax(dim=-1) over a (rows, vocab) float32 matrix");
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass");
   m.def("add_rms_norm", &add_rms_norm, "a residual add and RMSNorm in one pass: (x + a, norm(x + a))");
   m.def("rope", &rope, "rotary embedding (rotate-half) in one pass, bit-identical to torch's ops");

@@ -221,3 +221,62 @@ void index_copy_rows_(torch::Tensor& pool, const torch::Tensor& index, const tor
       for (int64_t h = 0; h < P; ++h) std::copy(sp + h * ss0 + i * ss1, sp + h * ss0 + i * ss1 + d, pp + h * ps0 + ix[i] * ps1);
   });
 }
+
+namespace {
+
+// the first index of row p's largest value (the first NaN's, if any: torch's argmax counts NaN as the largest)
+int64_t argmax_row(const float* p, int64_t V) {
+  int64_t i = 0, best_i = 0;
+  float best = p[0];
+  bool nan = false;
+#if defined(__AVX512F__)
+  if (V >= 32) {  // 16 lanes, each keeping its largest value and the first index it was seen at
+    __m512 bv = _mm512_loadu_ps(p);
+    __m512i bi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i idx = bi;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 unordered = _mm512_cmp_ps_mask(bv, bv, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= V; i += 16) {
+      const __m512 v = _mm512_loadu_ps(p + i);
+      idx = _mm512_add_epi32(idx, step);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);
+      bv = _mm512_mask_blend_ps(gt, bv, v);
+      bi = _mm512_mask_blend_epi32(gt, bi, idx);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    nan = unordered != 0;
+    alignas(64) float vals[16];
+    alignas(64) int32_t ids[16];
+    _mm512_store_ps(vals, bv);
+    _mm512_store_epi32(ids, bi);
+    best = vals[0], best_i = ids[0];
+    for (int l = 1; l < 16; ++l)  // the largest value; among equal ones, the first index
+      if (vals[l] > best || (vals[l] == best && ids[l] < best_i)) best = vals[l], best_i = ids[l];
+  }
+#endif
+  for (; i < V; ++i) {
+    if (std::isnan(p[i])) nan = true;
+    if (p[i] > best) best = p[i], best_i = i;
+  }
+  if (nan || std::isnan(best))
+    for (int64_t j = 0; j < V; ++j)
+      if (std::isnan(p[j])) return j;
+  return best_i;
+}
+
+}  // namespace
+
+// x (R, V) float32, rows contiguous -> (R,) int64: x.argmax(dim=-1), the first index of each row's maximum
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  check_float(x, "argmax_rows");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, "argmax_rows: x (R, V), V > 0, rows contiguous");
+  TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "argmax_rows: rows shorter than 2^31");
+  const int64_t R = x.size(0), V = x.size(1), rs = x.stride(0);
+  auto out = torch::empty({R}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * rs, V);
+  });
+  return out;
+}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgraft.checks import check_int, is_int
+from kvgraft.model import cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,6 @@ class Sampler:
     def token(self, row: int, params: SamplingParams, generator: torch.Generator | None) -> int:
         if params.temperature == 0:
             if self._greedy is None:
-                self._greedy = [int(t) for t in self.logits.argmax(dim=-1).tolist()]
+                self._greedy = cpu_kernels.argmax(self.logits).tolist()
             return self._greedy[row]
         return int(sample_next(self.logits[row : row + 1], params.temperature, params.top_p, generator)[0])
