@@ -11,12 +11,13 @@
 //   window                 0: every earlier key visible; W: a query at p sees keys (p - W, p]
 // Query head h reads key head h / (H / K). A task is (row, key head, up to QT query tokens): a decode token's
 // H/K queries read their keys once for the scores, once for the sum (the scores of all keys kept); a prompt
-// chunk's queries run flash-style (KB keys at a time, packed transposed, an online softmax). Tasks are cut into
-// one contiguous share per thread by their estimated cost. The exponentials are torch's own vector exp (SLEEF).
+// chunk's queries run flash-style (KB keys at a time, packed transposed, an online softmax). Threads take tasks
+// dearest first (queries x keys) from a shared counter. The exponentials are torch's own vector exp (SLEEF).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -262,23 +263,17 @@ void run(const torch::Tensor& q, const Pool& pool, const int64_t* rows, int64_t 
       for (int64_t h = 0; h < K; ++h) tasks.push_back({r, t0, nt, h, R * nt * (last - lo) + 64});
     }
   }
-  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size())));
-  std::vector<int64_t> cut(nth + 1, static_cast<int64_t>(tasks.size()));
-  {  // one contiguous share of the tasks per thread, of about equal cost
-    int64_t total = 0;
-    for (const Task& t : tasks) total += t.cost;
-    int64_t acc = 0, k = 1;
-    cut[0] = 0;
-    for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()) && k < nth; ++i) {
-      acc += tasks[i].cost;
-      while (k < nth && acc * nth >= total * k) cut[k++] = i + 1;
-    }
-  }
+  // dearest first, each thread taking the next task as it finishes one (a cost estimate alone balanced badly:
+  // a decode task reads its keys from memory, a prompt task's are reused by 16 queries)
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::atomic<int64_t> next{0};
   at::parallel_for(0, nth, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> Q(R * QT * D), O(R * QT * D), S, P, scratch;
     std::vector<int64_t> pos(R * QT);
     for (int64_t w = begin; w < end; ++w)
-      for (int64_t i = cut[w]; i < cut[w + 1]; ++i) {
+      for (int64_t i = next++; i < n; i = next++) {
         const Task& t = tasks[i];
         const int64_t off = rows[t.row * 3], start = rows[t.row * 3 + 2], M = R * t.nt;
         for (int64_t rr = 0; rr < R; ++rr)  // query m = rr * nt + j: head h R + rr, token t0 + j; scaled once
