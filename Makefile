@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# kvgraft's CPU kernels (src/kvgraft/model/*.cpp: decode attention, RMSNorm, RoPE), compiled once per machine into
+# kvgraft's CPU kernels (src/kvgraft/model/*.cpp: paged attention, a whole layer, RMSNorm, RoPE, ...), compiled once per machine into
 # torch's extension cache (~45 s on 2 cores); without a C++ compiler the model runs torch's ops (slower, same tokens)
 KERNEL_STAMP := $(VENV)/.cpu-kernel
 $(KERNEL_STAMP): $(STAMP) $(wildcard src/kvgraft/model/*.cpp src/kvgraft/model/*.h)
