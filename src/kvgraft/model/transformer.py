@@ -166,7 +166,7 @@ class Block(nn.Module):
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if norms[0].eps != norms[1].eps:
             return None
-        step = ctx.layer_step(attn.layer, cos, sin)
+        step = ctx.layer_step(attn.source, cos, sin)  # a writer's own slot
         if step is None:
             return None
         packed = (
