@@ -36,7 +36,7 @@ SOURCES = tuple(
         "bindings.cpp",
     )
 )
-HEADERS = (Path(__file__).with_name("attention_args.h"),)  # included by the two attention sources
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("attention_args.h", "flash_blocks.h"))  # included by the sources
 log = logging.getLogger(__name__)
 
 # Instruction sets the build targets, by torch's own reading of this CPU: named, not -march=native, so a

@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "flash_blocks.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -23,17 +25,16 @@
 #include <vector>
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-extern "C" __m512 Sleef_expf16_u10(__m512);
+#include <immintrin.h>  // (Sleef_expf16_u10, torch's vector exp: declared in flash_blocks.h)
 #endif
 
 namespace {
 
 #if defined(__AVX512F__)
 constexpr int64_t QT = 16;  // query tokens a prompt task
-constexpr int64_t KB = 32;  // keys a flash block (two vectors of scores)
 constexpr int64_t QB = 4;   // decode queries whose accumulators stay in registers while one key is read
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+using flash::KB;
+using flash::NEG_INF;
 
 // What every task reads: the pool's addressing and each row's table.
 struct Pool {
@@ -135,47 +136,6 @@ void decode_task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t
 }
 
 // ---- prompt chunks: flash-style ---------------------------------------------------------------------------------
-// P[m][0, KB) = Q[m] . Kt[:, 0, KB) for queries [m0, m0 + MB); Kt is (D, KB)
-template <int D, int MB>
-inline void fl_scores(const float* Q, int64_t m0, const float* Kt, float* P) {
-  __m512 a0[MB], a1[MB];
-  for (int i = 0; i < MB; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const __m512 k0 = _mm512_loadu_ps(Kt + d * KB);
-    const __m512 k1 = _mm512_loadu_ps(Kt + d * KB + 16);
-    for (int i = 0; i < MB; ++i) {
-      const __m512 qb = _mm512_set1_ps(Q[(m0 + i) * D + d]);
-      a0[i] = _mm512_fmadd_ps(qb, k0, a0[i]);
-      a1[i] = _mm512_fmadd_ps(qb, k1, a1[i]);
-    }
-  }
-  for (int i = 0; i < MB; ++i) {
-    _mm512_storeu_ps(P + (m0 + i) * KB, a0[i]);
-    _mm512_storeu_ps(P + (m0 + i) * KB + 16, a1[i]);
-  }
-}
-
-// O[m] = O[m] * corr[m] + sum_j P[m][j] v_j for queries [m0, m0 + MB), keys j < nk at V[j]
-template <int NC, int MB>
-inline void fl_values(const float* P, int64_t m0, const float* corr, const float* const* V, int64_t nk, float* O) {
-  constexpr int D = 16 * NC;
-  __m512 acc[MB][NC];
-  for (int i = 0; i < MB; ++i) {
-    const __m512 c = _mm512_set1_ps(corr[m0 + i]);
-    for (int c2 = 0; c2 < NC; ++c2) acc[i][c2] = _mm512_mul_ps(_mm512_loadu_ps(O + (m0 + i) * D + 16 * c2), c);
-  }
-  for (int64_t j = 0; j < nk; ++j) {
-    __m512 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(V[j] + 16 * c);
-    for (int i = 0; i < MB; ++i) {
-      const __m512 pb = _mm512_set1_ps(P[(m0 + i) * KB + j]);
-      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_fmadd_ps(pb, vv[c], acc[i][c]);
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(O + (m0 + i) * D + 16 * c, acc[i][c]);
-}
-
 // bits j of [a, b) set, j < 32
 inline __mmask32 span_bits(int64_t a, int64_t b) {
   if (b <= a) return 0;
@@ -197,7 +157,6 @@ void flash_task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t 
   std::fill(mrow, mrow + M, NEG_INF);
   std::fill(l, l + M, 0.f);
   std::fill(O, O + M * D, 0.f);
-  const __m512 ninf = _mm512_set1_ps(NEG_INF);
   for (int64_t kb = lo; kb < hi; kb += KB) {
     const int64_t nk = std::min<int64_t>(KB, hi - kb);
     for (int64_t j = 0; j < KB; ++j) {  // pack the block's keys transposed (zeros past its end), note its values
@@ -210,32 +169,17 @@ void flash_task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t 
       }
     }
     int64_t m0 = 0;
-    for (; m0 + 8 <= M; m0 += 8) fl_scores<D, 8>(Q, m0, Kt, P.data());
-    for (; m0 < M; ++m0) fl_scores<D, 1>(Q, m0, Kt, P.data());
+    for (; m0 + 8 <= M; m0 += 8) flash::scores<D, 8>(Q, m0, Kt, P.data());
+    for (; m0 < M; ++m0) flash::scores<D, 1>(Q, m0, Kt, P.data());
     for (int64_t m = 0; m < M; ++m) {  // visibility from positions, online softmax; P becomes the weights
       float* pr = P.data() + m * KB;
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos[m] - window + 1) : 0;
       const __mmask32 keep = span_bits(std::max<int64_t>(first - kb, 0), std::min<int64_t>(pos[m] + 1 - kb, nk));
-      const __m512 s0 = _mm512_mask_blend_ps(static_cast<__mmask16>(keep), ninf, _mm512_loadu_ps(pr));
-      const __m512 s1 = _mm512_mask_blend_ps(static_cast<__mmask16>(keep >> 16), ninf, _mm512_loadu_ps(pr + 16));
-      const float mnew = std::max(mrow[m], std::max(_mm512_reduce_max_ps(s0), _mm512_reduce_max_ps(s1)));
-      if (mnew == NEG_INF) {  // nothing visible yet
-        std::fill(pr, pr + KB, 0.f);
-        corr[m] = 1.f;
-        continue;
-      }
-      const __m512 mv = _mm512_set1_ps(mnew);
-      const __m512 p0 = Sleef_expf16_u10(_mm512_sub_ps(s0, mv));
-      const __m512 p1 = Sleef_expf16_u10(_mm512_sub_ps(s1, mv));
-      _mm512_storeu_ps(pr, p0);
-      _mm512_storeu_ps(pr + 16, p1);
-      corr[m] = mrow[m] == NEG_INF ? 0.f : std::exp(mrow[m] - mnew);
-      l[m] = l[m] * corr[m] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-      mrow[m] = mnew;
+      flash::online_softmax(pr, keep, mrow[m], corr[m], l[m]);
     }
     m0 = 0;
-    for (; m0 + MBV <= M; m0 += MBV) fl_values<NC, MBV>(P.data(), m0, corr, V, nk, O);
-    for (; m0 < M; ++m0) fl_values<NC, 1>(P.data(), m0, corr, V, nk, O);
+    for (; m0 + MBV <= M; m0 += MBV) flash::values<NC, MBV>(P.data(), m0, corr, V, nk, O);
+    for (; m0 < M; ++m0) flash::values<NC, 1>(P.data(), m0, corr, V, nk, O);
   }
   for (int64_t m = 0; m < M; ++m) {
     const float inv = l[m] > 0.f ? 1.f / l[m] : 0.f;

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include "attention_args.h"
+#include "flash_blocks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -25,58 +26,15 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-extern "C" __m512 Sleef_expf16_u10(__m512);
 #endif
 
 namespace {
 
 constexpr int64_t QT = 16;  // query tokens a task
-constexpr int64_t KB = 32;  // keys a block (two vectors of scores)
 
 #if defined(__AVX512F__)
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-// P[m][0, KB) = Q[m] . Kt[:, 0, KB) for queries [m0, m0 + MB); Kt is (D, KB)
-template <int D, int MB>
-inline void scores(const float* Q, int64_t m0, const float* Kt, float* P) {
-  __m512 a0[MB], a1[MB];
-  for (int i = 0; i < MB; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const __m512 k0 = _mm512_loadu_ps(Kt + d * KB);
-    const __m512 k1 = _mm512_loadu_ps(Kt + d * KB + 16);
-    for (int i = 0; i < MB; ++i) {
-      const __m512 qb = _mm512_set1_ps(Q[(m0 + i) * D + d]);
-      a0[i] = _mm512_fmadd_ps(qb, k0, a0[i]);
-      a1[i] = _mm512_fmadd_ps(qb, k1, a1[i]);
-    }
-  }
-  for (int i = 0; i < MB; ++i) {
-    _mm512_storeu_ps(P + (m0 + i) * KB, a0[i]);
-    _mm512_storeu_ps(P + (m0 + i) * KB + 16, a1[i]);
-  }
-}
-
-// O[m] = O[m] * corr[m] + sum_j P[m][j] v_j for queries [m0, m0 + MB), keys j < nk
-template <int NCV, int MB>
-inline void values(const float* P, int64_t m0, const float* corr, const float* v, int64_t vstride, int64_t nk, float* O) {
-  constexpr int Dv = 16 * NCV;
-  __m512 acc[MB][NCV];
-  for (int i = 0; i < MB; ++i) {
-    const __m512 c = _mm512_set1_ps(corr[m0 + i]);
-    for (int c2 = 0; c2 < NCV; ++c2) acc[i][c2] = _mm512_mul_ps(_mm512_loadu_ps(O + (m0 + i) * Dv + 16 * c2), c);
-  }
-  for (int64_t j = 0; j < nk; ++j) {
-    const float* vr = v + j * vstride;
-    __m512 vv[NCV];
-    for (int c = 0; c < NCV; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
-    for (int i = 0; i < MB; ++i) {
-      const __m512 pb = _mm512_set1_ps(P[(m0 + i) * KB + j]);
-      for (int c = 0; c < NCV; ++c) acc[i][c] = _mm512_fmadd_ps(pb, vv[c], acc[i][c]);
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int c = 0; c < NCV; ++c) _mm512_storeu_ps(O + (m0 + i) * Dv + 16 * c, acc[i][c]);
-}
+using flash::KB;
+using flash::NEG_INF;
 
 // One task's queries Q (M, D), pre-scaled, against keys [lo, hi) of k/v: O (M, Dv) unnormalised, l (M) sums
 template <int D, int NCV>
@@ -85,19 +43,20 @@ void attend(const float* Q, int64_t M, const float* k, int64_t kstride, const fl
   constexpr int Dv = 16 * NCV;
   constexpr int MBV = NCV >= 8 ? 2 : (NCV >= 4 ? 4 : 8);  // value accumulators: at most 16 vectors
   alignas(64) float Kt[D * KB];
+  const float* V[KB];
   std::vector<float> P(M * KB), mrow(M, NEG_INF), corr(M);
   std::fill(O, O + M * Dv, 0.f);
   std::fill(l, l + M, 0.f);
   for (int64_t kb = lo; kb < hi; kb += KB) {
     const int64_t nk = std::min<int64_t>(KB, hi - kb);
-    for (int64_t j = 0; j < KB; ++j) {  // pack the block transposed, zeros past its end
+    for (int64_t j = 0; j < KB; ++j) {  // pack the block transposed, zeros past its end; note its values' rows
       const float* kr = k + (kb + j) * kstride;
       for (int d = 0; d < D; ++d) Kt[d * KB + j] = j < nk ? kr[d] : 0.f;
+      V[j] = v + (kb + j) * vstride;
     }
     int64_t m0 = 0;
-    for (; m0 + 8 <= M; m0 += 8) scores<D, 8>(Q, m0, Kt, P.data());
-    for (; m0 < M; ++m0) scores<D, 1>(Q, m0, Kt, P.data());
-    const __m512 ninf = _mm512_set1_ps(NEG_INF);
+    for (; m0 + 8 <= M; m0 += 8) flash::scores<D, 8>(Q, m0, Kt, P.data());
+    for (; m0 < M; ++m0) flash::scores<D, 1>(Q, m0, Kt, P.data());
     for (int64_t m = 0; m < M; ++m) {  // mask, online softmax; P becomes the block's weights
       float* pr = P.data() + m * KB;
       __mmask32 keep;  // the block's keys the query sees: the mask's bytes compared 32 at a time
@@ -109,28 +68,11 @@ void attend(const float* Q, int64_t M, const float* k, int64_t kstride, const fl
         std::copy(visible[m] + kb, visible[m] + kb + nk, tail);
         keep = _mm256_test_epi8_mask(_mm256_load_si256(reinterpret_cast<const __m256i*>(tail)), _mm256_set1_epi8(1));
       }
-      const __m512 s0 = _mm512_mask_blend_ps(static_cast<__mmask16>(keep), ninf, _mm512_loadu_ps(pr));
-      const __m512 s1 = _mm512_mask_blend_ps(static_cast<__mmask16>(keep >> 16), ninf, _mm512_loadu_ps(pr + 16));
-      const float mx = std::max(_mm512_reduce_max_ps(s0), _mm512_reduce_max_ps(s1));
-      const float mnew = std::max(mrow[m], mx);
-      if (mnew == NEG_INF) {  // nothing visible yet
-        std::fill(pr, pr + KB, 0.f);
-        corr[m] = 1.f;
-        continue;
-      }
-      const __m512 mv = _mm512_set1_ps(mnew);
-      const __m512 p0 = Sleef_expf16_u10(_mm512_sub_ps(s0, mv));
-      const __m512 p1 = Sleef_expf16_u10(_mm512_sub_ps(s1, mv));
-      _mm512_storeu_ps(pr, p0);
-      _mm512_storeu_ps(pr + 16, p1);
-      corr[m] = mrow[m] == NEG_INF ? 0.f : std::exp(mrow[m] - mnew);
-      l[m] = l[m] * corr[m] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-      mrow[m] = mnew;
+      flash::online_softmax(pr, keep, mrow[m], corr[m], l[m]);
     }
-    const float* vb = v + kb * vstride;
     m0 = 0;
-    for (; m0 + MBV <= M; m0 += MBV) values<NCV, MBV>(P.data(), m0, corr.data(), vb, vstride, nk, O);
-    for (; m0 < M; ++m0) values<NCV, 1>(P.data(), m0, corr.data(), vb, vstride, nk, O);
+    for (; m0 + MBV <= M; m0 += MBV) flash::values<NCV, MBV>(P.data(), m0, corr.data(), V, nk, O);
+    for (; m0 < M; ++m0) flash::values<NCV, 1>(P.data(), m0, corr.data(), V, nk, O);
   }
 }
 
