@@ -70,6 +70,23 @@ def test_rows_may_share_blocks_and_read_only_their_own_keys():
     )
 
 
+def test_rows_in_runs_of_consecutive_blocks():
+    """Rows whose blocks are consecutive ids (at their slot's home) or runs of them are read a run at a time:
+    the same attention as block by block, a run ending anywhere in a row."""
+    q, pool, tables, rows = step(64, 9, 3, tokens=(1, 1, 1, 33), starts=(300, 77, 150, 90))
+    nb = tables.shape[1]
+    tables[0] = torch.arange(nb) + 10  # one run
+    tables[1] = torch.cat([torch.arange(3) + 100, torch.arange(nb - 3) + 40])  # two runs, the break after block 3
+    tables[2] = torch.arange(nb).flip(0) + 60  # descending ids: no run longer than a block
+    tables[3] = torch.cat([torch.arange(5) + 150, torch.arange(nb - 5) + 5])
+    torch.testing.assert_close(
+        ck.paged_attention(q, pool, tables, rows, None, 0.125), reference(q, pool, tables, rows, 0, 0.125), atol=2e-6, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        ck.paged_attention(q, pool, tables, rows, 40, 0.125), reference(q, pool, tables, rows, 40, 0.125), atol=2e-6, rtol=1e-5
+    )
+
+
 def test_what_the_kernel_declines_or_refuses():
     q, pool, tables, rows = step(64, 9, 3)
     assert ck.paged_attention(q.double(), pool.double(), tables, rows, None, 0.125) is None  # not float32

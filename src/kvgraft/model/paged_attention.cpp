@@ -46,6 +46,14 @@ struct Pool {
   const float* row(int64_t r, int64_t h, int64_t p) const {
     return base + h * head_stride + tables[r * nb + p / bs] * block_stride + (p % bs) * (block_stride / bs);
   }
+  // how many of row r's positions from p (up to hi) lie in one stretch of memory: to the end of p's block, and
+  // on through every next block whose id follows (a row in consecutive blocks, as at its slot's home, is one)
+  int64_t run(int64_t r, int64_t p, int64_t hi) const {
+    const int64_t* t = tables + r * nb;
+    int64_t end = std::min(hi, (p / bs + 1) * bs);
+    while (end < hi && t[end / bs] == t[end / bs - 1] + 1) end = std::min(hi, end + bs);
+    return end - p;
+  }
 };
 
 // ---- decode: a few queries at one position against keys [lo, hi) ----------------------------------------------
@@ -98,8 +106,8 @@ void decode_task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t
   std::fill(O, O + M * D, 0.f);
   if (L <= 0) return;
   S.resize(M * L);
-  for (int64_t p = lo; p < hi;) {  // the keys block by block: consecutive rows inside a block
-    const int64_t n = std::min(pool.bs - p % pool.bs, hi - p);
+  for (int64_t p = lo; p < hi;) {  // the keys a stretch of consecutive blocks at a time
+    const int64_t n = pool.run(r, p, hi);
     const float* k = pool.row(r, h, p);
     for (int64_t m0 = 0; m0 < M; m0 += QB) dec_scores<NC>(Q, m0, std::min(QB, M - m0), k, n, S.data() + (p - lo), L);
     p += n;
@@ -128,7 +136,7 @@ void decode_task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t
     for (int64_t j = 0; j < L; ++j) sr[j] *= inv;
   }
   for (int64_t p = lo; p < hi;) {
-    const int64_t n = std::min(pool.bs - p % pool.bs, hi - p);
+    const int64_t n = pool.run(r, p, hi);
     const float* v = pool.row(r, pool.K + h, p);
     for (int64_t m0 = 0; m0 < M; m0 += QB) dec_values<NC>(S.data() + (p - lo), L, m0, std::min(QB, M - m0), v, n, O);
     p += n;
