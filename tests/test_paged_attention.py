@@ -34,11 +34,11 @@ def reference(q, pool, tables, rows, window, scale):
     return out
 
 
-def step(D, H, K, seed=0, tokens=(1, 1, 40, 1, 17, 3, 100, 1), starts=(5, 300, 0, 31, 64, 7, 20, 0)):
+def step(D, H, K, seed=0, tokens=(1, 1, 40, 1, 17, 3, 100, 1), starts=(5, 300, 0, 31, 64, 7, 20, 0), bs=16):
     """A pool of scattered blocks, rows of decode tokens and prompt chunks, and their queries as one q/k/v matmul
     leaves them (token-major, strided)."""
     g = torch.Generator().manual_seed(seed)
-    bs, blocks = 16, 200
+    blocks = 3200 // bs
     pool = torch.randn(2 * K, blocks, bs, D, generator=g)
     nb = max(-(-(s + t) // bs) for s, t in zip(starts, tokens)) + 2
     tables = torch.stack([torch.randperm(blocks, generator=g)[:nb] for _ in tokens])
@@ -85,6 +85,23 @@ def test_rows_in_runs_of_consecutive_blocks():
     torch.testing.assert_close(
         ck.paged_attention(q, pool, tables, rows, 40, 0.125), reference(q, pool, tables, rows, 40, 0.125), atol=2e-6, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("bs", [4, 8, 32, 48])
+def test_blocks_of_other_sizes(bs):
+    """Decode rows read their keys 16 at a time within a run of consecutive blocks: blocks smaller than 16 keys,
+    larger, and not a multiple of 16, scattered and in runs, with and without a window."""
+    q, pool, tables, rows = step(64, 9, 3, tokens=(1, 1, 1, 1, 25), starts=(300, 77, 150, 16, 90), bs=bs)
+    nb = tables.shape[1]
+    tables[0] = torch.arange(nb) + 3  # one run
+    tables[1] = torch.cat([torch.arange(2) + 50, torch.arange(nb - 2) + 9 + nb])  # two runs
+    for window in (0, 21):
+        torch.testing.assert_close(
+            ck.paged_attention(q, pool, tables, rows, window, 0.125),
+            reference(q, pool, tables, rows, window, 0.125),
+            atol=2e-6,
+            rtol=1e-5,
+        )
 
 
 def test_what_the_kernel_declines_or_refuses():

@@ -10,7 +10,9 @@
 //                          before the step (its first query's position); its keys [0, start + T) are in the pool
 //   window                 0: every earlier key visible; W: a query at p sees keys (p - W, p]
 // Query head h reads key head h / (H / K). A task is (row, key head, up to QT query tokens): a decode token's
-// H/K queries read their keys once for the scores, once for the sum (the scores of all keys kept); a prompt
+// H/K queries read their keys once for the scores (16 keys a batch, their dot products summed by one transposing
+// tree, the next batch's keys and this batch's values prefetched), once for the sum (the scores of all keys
+// kept); a prompt
 // chunk's queries run flash-style (KB keys at a time, packed transposed, an online softmax). Threads take tasks
 // dearest first (queries x keys) from a shared counter. The exponentials are torch's own vector exp (SLEEF).
 #include <torch/extension.h>
@@ -57,22 +59,59 @@ struct Pool {
 };
 
 // ---- decode: a few queries at one position against keys [lo, hi) ----------------------------------------------
-// S[m * L + s] = q_m . k_s for queries [m0, m0 + mb), keys [0, n) contiguous at k (stride D)
+// v[j] = the sum of a[j]'s 16 lanes, for 16 vectors at once (a transposing tree: 45 shuffles and adds for the 16
+// sums, where one horizontal sum a vector takes about 8 dependent ones). The sums' rounding order: lanes (i, i+2)
+// of each 128-bit quarter, then the quarter's two pairs, then quarters (0, 1) and (2, 3), then the halves.
+struct Sum16 {
+  __m512 l1[8];
+  // a[2i], a[2i+1] -> their lanes added in pairs, interleaved (unpack: [x0+x2, y0+y2, x1+x3, y1+y3] a quarter)
+  inline void pair(int i, __m512 x, __m512 y) {
+    l1[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  inline __m512 quad(int i) const {  // a[4i..4i+3]: each quarter holds its four vectors' sums over that quarter
+    const __m512d x = _mm512_castps_pd(l1[2 * i]), y = _mm512_castps_pd(l1[2 * i + 1]);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  inline __m512 sums() const {
+    const __m512 q0 = quad(0), q1 = quad(1), q2 = quad(2), q3 = quad(3);
+    const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(q0, q1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(q0, q1, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(q2, q3, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(q2, q3, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+};
+
+// q_m . k for one query's vectors qv and one key row kr (a vector of partial sums, lanes still to add)
+template <int NC>
+inline __m512 dot_lanes(const __m512* qv, const float* kr) {
+  __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+  for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
+  return acc;
+}
+
+// S[m * L + s] = q_m . k_s for queries [m0, m0 + mb), keys [0, n) contiguous at k (stride D): 16 keys at a time
+// (their 16 dot products summed by one Sum16), the last n % 16 one by one
 template <int NC>
 inline void dec_scores(const float* q, int64_t m0, int64_t mb, const float* k, int64_t n, float* S, int64_t L) {
   constexpr int D = 16 * NC;
   __m512 qv[QB][NC];
   for (int64_t i = 0; i < mb; ++i)
     for (int c = 0; c < NC; ++c) qv[i][c] = _mm512_loadu_ps(q + (m0 + i) * D + 16 * c);
-  for (int64_t s = 0; s < n; ++s) {
-    const float* kr = k + s * D;
-    __m512 kv[NC];
-    for (int c = 0; c < NC; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+  int64_t s = 0;
+  for (; s + 16 <= n; s += 16) {
+    const float* kb = k + s * D;
     for (int64_t i = 0; i < mb; ++i) {
-      __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);
-      for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[i][c], kv[c], acc);
-      S[(m0 + i) * L + s] = _mm512_reduce_add_ps(acc);
+      Sum16 t;
+      for (int j = 0; j < 8; ++j)
+        t.pair(j, dot_lanes<NC>(qv[i], kb + (2 * j) * D), dot_lanes<NC>(qv[i], kb + (2 * j + 1) * D));
+      _mm512_storeu_ps(S + (m0 + i) * L + s, t.sums());
     }
+  }
+  for (; s < n; ++s) {
+    const float* kr = k + s * D;
+    for (int64_t i = 0; i < mb; ++i) S[(m0 + i) * L + s] = _mm512_reduce_add_ps(dot_lanes<NC>(qv[i], kr));
   }
 }
 
@@ -96,6 +135,11 @@ inline void dec_values(const float* P, int64_t L, int64_t m0, int64_t mb, const 
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(A + (m0 + i) * D + 16 * c, av[i][c]);
 }
 
+// ask the memory for the n floats at x, a cache line at a time (no wait)
+inline void prefetch(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(x + i), _MM_HINT_T0);
+}
+
 // M pre-scaled queries Q (M, D) of row r, head h, all at one position, against its keys [lo, hi): O (M, D)
 // normalised. S: scratch of M * (hi - lo) scores.
 template <int NC>
@@ -106,11 +150,28 @@ void decode_task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t
   std::fill(O, O + M * D, 0.f);
   if (L <= 0) return;
   S.resize(M * L);
-  for (int64_t p = lo; p < hi;) {  // the keys a stretch of consecutive blocks at a time
-    const int64_t n = pool.run(r, p, hi);
-    const float* k = pool.row(r, h, p);
-    for (int64_t m0 = 0; m0 < M; m0 += QB) dec_scores<NC>(Q, m0, std::min(QB, M - m0), k, n, S.data() + (p - lo), L);
-    p += n;
+  // the keys a stretch of consecutive blocks at a time, 16 keys a batch; meanwhile the memory is asked for the
+  // next batch's keys and this batch's values (a row's keys are too short a stream for the CPU's own prefetcher:
+  // measured 1.3-1.5x faster decode rows with these)
+  int64_t n = pool.run(r, lo, hi);
+  const float* k = pool.row(r, h, lo);
+  prefetch(k, std::min<int64_t>(n, 16) * D);
+  for (int64_t p = lo; p < hi;) {
+    const float* v = pool.row(r, pool.K + h, p);
+    // the stretch after this one (its first 16 keys prefetched as this one's last batch runs)
+    const int64_t p2 = p + n, n2 = p2 < hi ? pool.run(r, p2, hi) : 0;
+    const float* k2 = p2 < hi ? pool.row(r, h, p2) : nullptr;
+    for (int64_t b = 0; b < n; b += 16) {
+      const int64_t nb = std::min<int64_t>(16, n - b);
+      prefetch(v + b * D, nb * D);
+      if (b + 16 < n)
+        prefetch(k + (b + 16) * D, std::min<int64_t>(16, n - b - 16) * D);
+      else if (k2 != nullptr)
+        prefetch(k2, std::min<int64_t>(16, n2) * D);
+      for (int64_t m0 = 0; m0 < M; m0 += QB)
+        dec_scores<NC>(Q, m0, std::min(QB, M - m0), k + b * D, nb, S.data() + (p + b - lo), L);
+    }
+    p = p2, n = n2, k = k2;
   }
   for (int64_t m = 0; m < M; ++m) {  // softmax in place (every key of the range is visible)
     float* sr = S.data() + m * L;
