@@ -30,6 +30,22 @@ def mirror_matches(cache: PagedKVCache) -> None:
             assert cache.slot_rings[gi][slot].tolist() == cache.ring_table(seq, gi)
 
 
+def reserved_matches(cache: PagedKVCache) -> None:
+    """``reserved`` (array ops) says a row needs nothing exactly when ``extend`` would allocate, copy and raise
+    nothing for it (token blocks, and with window rings the ring block its token writes), for one new token on a
+    sequence in one span; more tokens, or a split sequence, may answer False, never a wrong True."""
+    for seq in cache.sequences:
+        slot = np.array([cache.slot(seq)])
+        for n in (1, 2, 9):
+            fits = cache.length(seq) + n <= cache.max_seq_len
+            idle = fits and cache.blocks_needed(seq, n) == 0
+            idle = idle and not any(cache.ring_blocks_needed(seq, cache.length(seq), n).values())
+            got = bool(cache.reserved(slot, np.array([n]))[0])
+            assert not got or idle, (seq, n)  # never a wrong True
+            if n == 1 and not cache.slot_split[slot[0]]:
+                assert got == idle, (seq, n)
+
+
 @pytest.mark.parametrize("preset", ["llama-tiny", "ced-tiny"])
 def test_slot_arrays_follow_every_allocation(preset):
     cfg = get_preset(preset)
@@ -63,6 +79,7 @@ def test_slot_arrays_follow_every_allocation(preset):
                 cache.release(s)
             snaps.clear()
         mirror_matches(cache)
+        reserved_matches(cache)
     assert any(cache.slot_split) or preset == "ced-tiny"  # split spans were exercised on the full-attention model
 
 

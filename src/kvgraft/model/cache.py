@@ -515,9 +515,10 @@ class PagedKVCache:
     def reserved(self, slots: np.ndarray, new_tokens: np.ndarray) -> np.ndarray:
         """Per row (state ``slots``, adding ``new_tokens``): whether ``extend`` has nothing left to do, its
         blocks for the new tokens held and the block it writes first its own (no copy on write), checked with
-        array ops over the slot tables. Rows of a split sequence, and every row of a cache with window rings,
-        answer False (``extend`` decides for them)."""
-        if self.ring_groups or not self.block_bytes:
+        array ops over the slot tables; with window rings, also the ring block its one new token writes in each
+        ring group held and its own (the slot ring tables). Rows of a split sequence, and rows adding more than
+        one token to a cache with window rings, answer False (``extend`` decides for them)."""
+        if not self.block_bytes:
             return np.zeros(len(slots), dtype=bool)
         length = self.slot_lengths[slots]
         ends = length + new_tokens
@@ -525,6 +526,14 @@ class PagedKVCache:
         first = self.slot_tables[slots, np.minimum(length // self.block_size, self.slot_tables.shape[1] - 1)]
         ok &= first >= 0
         out: np.ndarray = ok & ~(self.blocks.rc[:, np.maximum(first, 0)] > 1).any(0)
+        if self.ring_groups:  # the ring block position `length` lands in (WindowRings.touched for one token)
+            wr = self.window_rings
+            assert wr.window is not None
+            k = np.minimum((length % wr.window) // wr.ring_block, wr.blocks_per_seq - 1)
+            out &= new_tokens == 1
+            for table, group in zip(self.slot_rings, self.ring_groups):
+                b = table[slots, k]
+                out &= (b >= 0) & (group.refcount[np.maximum(b, 0)] == 1)
         return out
 
     def slots_at_home(self, slots: np.ndarray) -> np.ndarray:
