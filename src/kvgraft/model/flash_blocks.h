@@ -19,6 +19,46 @@ namespace flash {
 constexpr int64_t KB = 32;  // keys a block (two vectors of scores)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// r[i][j] <- r[j][i]: a 16 x 16 block of floats transposed in registers
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// Kt (D, KB) <- the nk key rows Kr[0, nk) (D = 16 NC floats each) transposed, zeros past nk: 16 x 16 blocks
+// transposed in registers
+template <int NC>
+inline void pack_transposed(const float* const* Kr, int64_t nk, float* Kt) {
+  for (int64_t j0 = 0; j0 < KB; j0 += 16)
+    for (int c = 0; c < NC; ++c) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i) r[i] = j0 + i < nk ? _mm512_loadu_ps(Kr[j0 + i] + 16 * c) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(Kt + (16 * c + i) * KB + j0, r[i]);
+    }
+}
+
 // P[m][0, KB) = Q[m] . Kt[:, 0, KB) for queries [m0, m0 + MB) of Q (M, D); Kt is (D, KB)
 template <int D, int MB>
 inline void scores(const float* Q, int64_t m0, const float* Kt, float* P) {

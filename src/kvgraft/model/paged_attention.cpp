@@ -140,6 +140,16 @@ inline void prefetch(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(x + i), _MM_HINT_T0);
 }
 
+// ask the memory for the rows of head h (keys h < K, values h >= K) at row r's positions [p, e)
+template <int D>
+inline void prefetch_positions(const Pool& pool, int64_t r, int64_t h, int64_t p, int64_t e) {
+  while (p < e) {
+    const int64_t n = pool.run(r, p, e);
+    prefetch(pool.row(r, h, p), n * D);
+    p += n;
+  }
+}
+
 // M pre-scaled queries Q (M, D) of row r, head h, all at one position, against its keys [lo, hi): O (M, D)
 // normalised. S: scratch of M * (hi - lo) scores.
 template <int NC>
@@ -226,17 +236,21 @@ void flash_task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t 
   std::fill(mrow, mrow + M, NEG_INF);
   std::fill(l, l + M, 0.f);
   std::fill(O, O + M * D, 0.f);
+  const float* Kr[KB];
   for (int64_t kb = lo; kb < hi; kb += KB) {
     const int64_t nk = std::min<int64_t>(KB, hi - kb);
-    for (int64_t j = 0; j < KB; ++j) {  // pack the block's keys transposed (zeros past its end), note its values
-      if (j < nk) {
-        const float* kr = pool.row(r, h, kb + j);
-        for (int d = 0; d < D; ++d) Kt[d * KB + j] = kr[d];
-        V[j] = pool.row(r, pool.K + h, kb + j);
-      } else {
-        for (int d = 0; d < D; ++d) Kt[d * KB + j] = 0.f;
-      }
+    for (int64_t j = 0; j < nk;) {  // the block's key and value rows, a stretch of consecutive blocks at a time
+      const int64_t n = pool.run(r, kb + j, kb + nk);
+      const float *k0 = pool.row(r, h, kb + j), *v0 = pool.row(r, pool.K + h, kb + j);
+      for (int64_t i = 0; i < n; ++i) Kr[j + i] = k0 + i * D, V[j + i] = v0 + i * D;
+      j += n;
     }
+    if (kb + KB < hi) {  // the next block's keys and values asked for while this one is worked on
+      const int64_t e = std::min<int64_t>(hi, kb + 2 * KB);
+      prefetch_positions<D>(pool, r, h, kb + KB, e);
+      prefetch_positions<D>(pool, r, pool.K + h, kb + KB, e);
+    }
+    flash::pack_transposed<NC>(Kr, nk, Kt);
     int64_t m0 = 0;
     for (; m0 + 8 <= M; m0 += 8) flash::scores<D, 8>(Q, m0, Kt, P.data());
     for (; m0 < M; ++m0) flash::scores<D, 1>(Q, m0, Kt, P.data());

@@ -49,11 +49,12 @@ void attend(const float* Q, int64_t M, const float* k, int64_t kstride, const fl
   std::fill(l, l + M, 0.f);
   for (int64_t kb = lo; kb < hi; kb += KB) {
     const int64_t nk = std::min<int64_t>(KB, hi - kb);
-    for (int64_t j = 0; j < KB; ++j) {  // pack the block transposed, zeros past its end; note its values' rows
-      const float* kr = k + (kb + j) * kstride;
-      for (int d = 0; d < D; ++d) Kt[d * KB + j] = j < nk ? kr[d] : 0.f;
+    const float* Kr[KB];
+    for (int64_t j = 0; j < nk; ++j) {  // the block's key and value rows
+      Kr[j] = k + (kb + j) * kstride;
       V[j] = v + (kb + j) * vstride;
     }
+    flash::pack_transposed<D / 16>(Kr, nk, Kt);  // transposed, zeros past its end
     int64_t m0 = 0;
     for (; m0 + 8 <= M; m0 += 8) flash::scores<D, 8>(Q, m0, Kt, P.data());
     for (; m0 < M; ++m0) flash::scores<D, 1>(Q, m0, Kt, P.data());
