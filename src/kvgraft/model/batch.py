@@ -390,17 +390,8 @@ class BatchContext(StepContext):
         plan, c = self.plan, self.cache
         if plan.rows is None or layer not in c.head_major or not cpu_kernels.paged_attention_applies(q, c.paged[layer]):
             return None
-        write = True
-        if self.replay:
-            if self.write_from is None:
-                raise ValueError(
-                    f"layer {layer} stores paged KV: a replay over it needs write_from (the first layer "
-                    "whose KV it rebuilds; the layers below are read as the cache holds them)"
-                )
-            write = layer >= self.write_from  # below: the shared blocks already hold exactly these entries
+        table, write = self._rows_of(layer)
         pool = c.paged[layer]
-        unit = c.unit_of_paged[layer]
-        table = plan.row_tables[unit]
         H2, _, _, d = pool.shape
         N = plan.num_tokens
         if entries is not None and write:
@@ -416,14 +407,21 @@ class BatchContext(StepContext):
         plan, c = self.plan, self.cache
         if plan.rows is None or layer not in c.head_major or not self.whole_layers:
             return None
+        table, write = self._rows_of(layer)
+        return [cos, sin, c.paged[layer], self._row_slots(table), table, plan.rows], write
+
+    def _rows_of(self, layer: int) -> tuple[torch.Tensor, bool]:
+        """(the step rows' block tables of GQA ``layer``'s unit, whether the step writes its new entries there): a
+        replay writes from ``write_from`` on (below it the shared blocks already hold exactly these entries)."""
         write = True
         if self.replay:
             if self.write_from is None:
-                return None  # attend_rows raises the precise error
+                raise ValueError(
+                    f"layer {layer} stores paged KV: a replay over it needs write_from (the first layer "
+                    "whose KV it rebuilds; the layers below are read as the cache holds them)"
+                )
             write = layer >= self.write_from
-        unit = c.unit_of_paged[layer]
-        table = plan.row_tables[unit]
-        return [cos, sin, c.paged[layer], self._row_slots(table), table, plan.rows], write
+        return self.plan.row_tables[self.cache.unit_of_paged[layer]], write
 
     def _row_slots(self, table: torch.Tensor) -> torch.Tensor:
         """(N,) the pool row (block id x block size + offset) of every new token of the step, for the rows' tables
