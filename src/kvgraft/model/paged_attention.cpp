@@ -12,9 +12,9 @@
 // Query head h reads key head h / (H / K). A task is (row, key head, up to QT query tokens): a decode token's
 // H/K queries read their keys once for the scores (16 keys a batch, their dot products summed by one transposing
 // tree, the next batch's keys and this batch's values prefetched), once for the sum (the scores of all keys
-// kept); a prompt
-// chunk's queries run flash-style (KB keys at a time, packed transposed, an online softmax). Threads take tasks
-// dearest first (queries x keys) from a shared counter. The exponentials are torch's own vector exp (SLEEF).
+// kept); a prompt chunk's queries run flash-style (KB keys at a time, packed transposed in registers, the next
+// block prefetched, an online softmax). Threads take tasks dearest first (queries x keys) from a shared counter.
+// The exponentials are torch's own vector exp (SLEEF).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
