@@ -95,8 +95,8 @@ def add_adapter(model: Transformer, placement: Placement, cfg: AdapterConfig | N
         init_lora_weights=True if cfg.init == "default" else "gaussian",
     )
     meta = _meta(model, placement, modules, cfg)  # the base's weights fingerprinted before LoRA wraps them
-    peft_model = get_peft_model(AdapterHost(model), lora)
-    peft_model.kvgraft_meta = meta  # type: ignore[assignment]  # our record rides on the PeftModel
+    peft_model: Any = get_peft_model(AdapterHost(model), lora)  # Any: PEFT versions type it differently
+    peft_model.kvgraft_meta = meta  # our record rides on the PeftModel
     return peft_model
 
 
@@ -183,8 +183,8 @@ def load_adapter(model: Transformer, adapter_dir: str | Path, trainable: bool = 
 
     meta = read_meta(adapter_dir)
     check_base(meta, model, adapter_dir)
-    peft_model = PeftModel.from_pretrained(AdapterHost(model), str(adapter_dir), is_trainable=trainable)
-    peft_model.kvgraft_meta = meta  # type: ignore[assignment]  # our record rides on the PeftModel
+    peft_model: Any = PeftModel.from_pretrained(AdapterHost(model), str(adapter_dir), is_trainable=trainable)
+    peft_model.kvgraft_meta = meta  # our record rides on the PeftModel
     return peft_model
 
 

@@ -150,6 +150,29 @@ class StepContext:
         token-major, or None where this does not apply (the caller then goes group by group)."""
         return None
 
+    def ring_decode_applies(self, layer: int, gi: int, source: int | None, widths: tuple[int, int, int | None, int]) -> bool:
+        """Whether :meth:`ring_decode` runs group ``gi`` of window-ring ``layer`` (reading ``source``'s shared
+        entries, None: none) with widths (K, dk, d_c + d_rope or None, d_c)."""
+        return False
+
+    def ring_decode(
+        self,
+        layer: int,
+        gi: int,
+        entries: torch.Tensor,
+        q: torch.Tensor,
+        q_lat: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        source: int | None,
+        widths: tuple[int, int, int | None, int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decode rows of a causal encoder-decoder layer in one call: store ``entries`` (G, 1, E) in the rows' window
+        rings, attend the absorbed queries (``q`` (G, H, dk), ``q_lat`` (G, H, d_c + d_rope) or None, ``bias``
+        (G, H) or None) over each row's ring and ``source``'s shared entries it sees, under one softmax: (window
+        values (G, H, dv), latent sums (G, H, d_c), mass on the latents (G, H)). Only where
+        :meth:`ring_decode_applies`."""
+        raise NotImplementedError
+
     def compress(
         self, layer: int, gi: int, compressor: EntryWriter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> None:
@@ -254,6 +277,7 @@ class BatchContext(StepContext):
     split_lengths = True  # gathered rows at different lengths are cut by length (kvgraft.model.plan.length_split)
     paged = True  # CPU: a GQA layer attends every row in one kernel call through block tables (False: by group)
     whole_layers = True  # with paged: a Llama-family layer runs in one kernel call (cpu_kernels.gqa_layer)
+    ring_kernel = True  # CPU: a CED layer's decode rows read ring and latents in one call (cpu_kernels.ced_decode)
 
     def __init__(
         self,
@@ -399,6 +423,54 @@ class BatchContext(StepContext):
             cpu_kernels.index_copy_rows_(pool.view(H2, -1, d), self._row_slots(table), rows)
         y = cpu_kernels.paged_attention(q, pool, table, plan.rows, window, scale)
         return None if y is None else y.view(1, N, -1)
+
+    def ring_decode_applies(self, layer: int, gi: int, source: int | None, widths: tuple[int, int, int | None, int]) -> bool:
+        g, c = self.groups[gi], self.cache
+        if not self.ring_kernel or g.T != 1 or self.replay or layer not in c.rings or torch.is_grad_enabled():
+            return False
+        seg = None if source is None else c.segments[source]
+        return cpu_kernels.ced_decode_applies(c.rings[layer], seg, *widths)
+
+    def ring_decode(
+        self,
+        layer: int,
+        gi: int,
+        entries: torch.Tensor,
+        q: torch.Tensor,
+        q_lat: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        source: int | None,
+        widths: tuple[int, int, int | None, int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g, c = self.groups[gi], self.cache
+        rg = c.ring_group_of[layer]
+        rtab = g.rings[rg]  # (G, R / rb)
+        key = ("ring decode", gi, rg, source is None)  # the same for every layer of the ring group
+        place = self.scratch.get(key)
+        if place is None:
+            W, R, rb = c.window_rings.window, c.ring_len, c.ring_block
+            assert W is not None  # (a layer with a ring)
+            p = g.qpos[:, 0]  # each row's new token: it goes to ring slot p % W, over position p - W
+            slot = p % W
+            flat = rtab.gather(1, (slot // rb)[:, None])[:, 0] * rb + slot % rb
+            seen = torch.clamp(p + 1, max=R)  # the ring then holds positions (p - W, p]: slots [0, min(p + 1, R))
+            if source is None:
+                shared = torch.zeros_like(p)
+            else:  # entry n (first token n m) once that token left the window: n m <= p - W (kvgraft.model.ced)
+                m = c.layout.compress_rate
+                shared = torch.minimum(torch.div(p - W, m, rounding_mode="floor") + 1, (p + 1) // m).clamp(min=0)
+            place = self.scratch[key] = (flat, torch.stack([seen, shared], dim=1))
+        flat, counts = place
+        ring = c.rings[layer]
+        ring.view(-1, ring.shape[-1]).index_copy_(0, flat, entries.reshape(-1, entries.shape[-1]).to(ring.dtype))
+        seg = stab = None
+        if source is not None:
+            seg, stab = c.segments[source], g.tables[c.unit_of_segment[source]]
+        K, _, _, dc = widths
+        got = cpu_kernels.ced_decode(q, q_lat, bias, ring, rtab, seg, stab, counts, K, dc)
+        if got is None:
+            raise RuntimeError(f"layer {layer}: ced_decode declined what ring_decode_applies accepted")
+        return got
 
     def layer_step(self, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[list[torch.Tensor], bool] | None:
         """What a GQA layer's one-call form (:func:`kvgraft.model.cpu_kernels.gqa_layer`) reads of the step:

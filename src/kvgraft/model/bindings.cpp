@@ -1,4 +1,4 @@
-// The Python module of kvgraft's CPU kernels (kvgraft.model.cpu_kernels builds it from the six sources).
+// The Python module of kvgraft's CPU kernels (kvgraft.model.cpu_kernels builds it from the seven sources).
 #include <torch/extension.h>
 
 bool vectorized(int64_t D, int64_t Dv);
@@ -10,6 +10,10 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
 bool paged_vectorized(int64_t D);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& tables,
                               const torch::Tensor& rows, int64_t window, double scale);
+bool ced_supported(int64_t dk, int64_t dv, int64_t Dl, int64_t dc);
+std::vector<torch::Tensor> ced_decode(const torch::Tensor& qw, const torch::Tensor& ql, const torch::Tensor& bias,
+                                      const torch::Tensor& ring, const torch::Tensor& rtab, const torch::Tensor& seg,
+                                      const torch::Tensor& stab, const torch::Tensor& counts, int64_t K, int64_t dc);
 torch::Tensor gqa_layer(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                         const std::vector<torch::Tensor>& norms, double eps, const std::vector<torch::Tensor>& step,
                         int64_t H, int64_t K, int64_t window, bool write);
@@ -29,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "prefill attention over paged keys/values read in place, flash-style");
   m.def("paged_vectorized", &paged_vectorized, "whether paged_attention runs head width D");
   m.def("paged_attention", &paged_attention, "a whole step's attention over a paged GQA pool, rows of any length");
+  m.def("ced_supported", &ced_supported, "whether ced_decode runs widths (dk, dv, Dl, dc)");
+  m.def("ced_decode", &ced_decode, "a causal encoder-decoder layer's decode rows over their ring and shared latents");
   m.def("gqa_layer", &gqa_layer, "one Llama-family decoder layer of an engine step in one call");
   m.def("argmax_rows", &argmax_rows, "x.argmax(dim=-1) over a (rows, vocab) float32 matrix");
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass");

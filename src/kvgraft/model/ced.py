@@ -24,6 +24,7 @@ kvgraft's small, faithful version of DeepSeek-V4.1-Flash's attention layout (MIS
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -162,49 +163,92 @@ class CEDAttention(LatentAttention):
                 ctx.compress(self.layer, gi, self.compressor, g.take(x), g.take(cos), g.take(sin))
         q, entry = self._qkv(x, cos, sin)
         out = None
+        widths = (K, dk, self.dc + self.dr if self.source is not None else None, self.dc)
         for gi, g in ctx.each_group():
             qg = q if g.tok is None else g.take(q.transpose(1, 2)).transpose(1, 2)  # (G, H, T, dk)
-            win, kpos = ctx.kv(self.layer, gi, g.take(entry)).entries()  # (G, S, K (dk + dv))
-            G, S = win.shape[:2]
-            k = win[..., : K * dk].view(G, S, K, dk).transpose(1, 2)
-            v = win[..., K * dk :].view(G, S, K, self.dv).transpose(1, 2)
-            mask = ctx.window_mask(gi, kpos, self.window, "ring")
-            shared = None
-            if self.source is not None:
-                shared, first = ctx.segment(self.source, gi)
-                smask = ctx.scratch.get(("smask", gi, self.window))
-                if smask is None:
-                    smask = ctx.scratch[("smask", gi, self.window)] = shared_visible(first, g.qpos, self.window)
-                if self.topk:
-                    smask = self._select(g.take(x), qg, shared, smask, ctx)
-                    mask = torch.cat([mask, smask], dim=-1)
-                else:  # [window ; shared] visibility: the same for every layer of the step with this window
-                    joined = ctx.scratch.get(("joined mask", gi, self.window))
-                    if joined is None:
-                        joined = ctx.scratch[("joined mask", gi, self.window)] = torch.cat([mask, smask], dim=-1)
-                    mask = joined
-            absorbed = ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS and not torch.is_grad_enabled()
-            kv_b: Any = getattr(self, "kv_b_proj", None)  # a linear, or an adapter wrapper around one
-            loras = getattr(kv_b, "loras", {})
-            if g.adapter is not MIXED or not any(a in loras for a, _ in g.adapter_rows):
-                y = self.attend(qg, k, v, shared, mask, absorbed)  # (G, H, T, dv): one kv_b for every row
-            elif absorbed:  # rows of several adapters on kv_b: the base kv_b plus each row's low-rank delta
-                with ctx.base_weights():
-                    y = self.attend(qg, k, v, shared, mask, absorbed, kv_b_delta=kv_b.row_factors(ctx.row_adapters(gi)))
-            else:  # expanded: kv_b through the door, one adapter at a time
-                if shared is None:
-                    raise ConfigError(f"layer {self.layer}: adapters on kv_b, but the layer reads no shared entries")
-                y = qg.new_empty(G, self.num_heads, g.T, self.dv)
-                for _, rows in ctx.each_adapter(gi):
-                    if rows is None:
-                        raise ConfigError("a group of several adapters names each adapter's rows")
-                    sub = self.attend(qg[rows], k[rows], v[rows], shared[rows], mask[rows], absorbed)
-                    y.index_copy_(0, rows, sub.to(y.dtype))
-            y = self.o_proj(y.transpose(1, 2).reshape(G, g.T, self.num_heads * self.dv))
+            if not self.topk and ctx.ring_decode_applies(self.layer, gi, self.source, widths):
+                y = self._decode_rows(ctx, gi, qg, g.take(entry), widths)  # decode rows: ring and latents in one call
+            else:
+                y = self._attend_group(ctx, gi, qg, g.take(entry), g.take(x))
+            y = self.o_proj(y.transpose(1, 2).reshape(g.G, g.T, self.num_heads * self.dv))
             out = g.put(out if out is not None else x.new_empty(*x.shape[:2], y.shape[-1]), y)
         if out is None:
             raise ConfigError("a step context has at least one group")
         return out
+
+    def _kv_b_adapters(self, ctx: StepContext, gi: int) -> tuple[Any, bool]:
+        """(kv_b: a linear or an adapter wrapper around one, whether group ``gi`` holds rows of several adapters with
+        one on kv_b: then no one kv_b serves every row)."""
+        kv_b: Any = getattr(self, "kv_b_proj", None)
+        loras = getattr(kv_b, "loras", {})
+        g = ctx.groups[gi]
+        return kv_b, g.adapter is MIXED and any(a in loras for a, _ in g.adapter_rows)
+
+    def _decode_rows(
+        self, ctx: StepContext, gi: int, q: torch.Tensor, entry: torch.Tensor, widths: tuple[int, int, int | None, int]
+    ) -> torch.Tensor:
+        """(G, H, 1, dv): group ``gi``'s decode rows (queries (G, H, 1, dk), new window entries (G, 1, E)) through
+        the context's one call over each row's ring and shared entries (``StepContext.ring_decode``), W_UK and W_UV
+        applied here (with each row's adapter delta on kv_b where the group mixes adapters)."""
+        kv_b, mixed = self._kv_b_adapters(ctx, gi)
+        with ctx.base_weights() if mixed else contextlib.nullcontext():
+            delta = kv_b.row_factors(ctx.row_adapters(gi)) if mixed else None
+            qs, q_lat, bias = self.absorbed_queries(q, self.source is not None, delta)
+            yw, yl, mass = ctx.ring_decode(
+                self.layer,
+                gi,
+                entry,
+                qs[:, :, 0],
+                None if q_lat is None else q_lat[:, :, 0],
+                None if bias is None else bias[..., 0],
+                self.source,
+                widths,
+            )
+            if q_lat is None:
+                return yw[:, :, None]
+            return self.absorbed_values(yw[:, :, None], yl[:, :, None], mass[:, :, None, None], delta)
+
+    def _attend_group(self, ctx: StepContext, gi: int, qg: torch.Tensor, entry: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """(G, H, T, dv): group ``gi``'s queries (G, H, T, dk) over its window (new entries (G, T, E)) and the
+        shared entries it sees, read as tensors with a mask (prompt chunks, training, the indexer, no kernel)."""
+        K, dk = self.num_kv_heads, self.dn + self.dr
+        g = ctx.groups[gi]
+        win, kpos = ctx.kv(self.layer, gi, entry).entries()  # (G, S, K (dk + dv))
+        G, S = win.shape[:2]
+        k = win[..., : K * dk].view(G, S, K, dk).transpose(1, 2)
+        v = win[..., K * dk :].view(G, S, K, self.dv).transpose(1, 2)
+        mask = ctx.window_mask(gi, kpos, self.window, "ring")
+        shared = None
+        if self.source is not None:
+            shared, first = ctx.segment(self.source, gi)
+            smask = ctx.scratch.get(("smask", gi, self.window))
+            if smask is None:
+                smask = ctx.scratch[("smask", gi, self.window)] = shared_visible(first, g.qpos, self.window)
+            if self.topk:
+                smask = self._select(x, qg, shared, smask, ctx)
+                mask = torch.cat([mask, smask], dim=-1)
+            else:  # [window ; shared] visibility: the same for every layer of the step with this window
+                joined = ctx.scratch.get(("joined mask", gi, self.window))
+                if joined is None:
+                    joined = ctx.scratch[("joined mask", gi, self.window)] = torch.cat([mask, smask], dim=-1)
+                mask = joined
+        absorbed = ctx.cache is not None and g.T <= DECODE_MAX_NEW_TOKENS and not torch.is_grad_enabled()
+        kv_b, mixed = self._kv_b_adapters(ctx, gi)
+        if not mixed:
+            return self.attend(qg, k, v, shared, mask, absorbed)  # (G, H, T, dv): one kv_b for every row
+        if absorbed:  # rows of several adapters on kv_b: the base kv_b plus each row's low-rank delta
+            with ctx.base_weights():
+                return self.attend(qg, k, v, shared, mask, absorbed, kv_b_delta=kv_b.row_factors(ctx.row_adapters(gi)))
+        # expanded: kv_b through the door, one adapter at a time
+        if shared is None:
+            raise ConfigError(f"layer {self.layer}: adapters on kv_b, but the layer reads no shared entries")
+        y = qg.new_empty(G, self.num_heads, g.T, self.dv)
+        for _, rows in ctx.each_adapter(gi):
+            if rows is None:
+                raise ConfigError("a group of several adapters names each adapter's rows")
+            sub = self.attend(qg[rows], k[rows], v[rows], shared[rows], mask[rows], absorbed)
+            y.index_copy_(0, rows, sub.to(y.dtype))
+        return y
 
     # ---- the optional indexer -------------------------------------------------------------------
     def _select(

@@ -1,6 +1,7 @@
 """kvgraft's compiled CPU kernels, for float32 inference: decode-step and prefill attention over paged keys and
 values read in place (``decode_attention.cpp``, ``prefill_attention.cpp``), a whole step's rows over a paged pool
-through their block tables (``paged_attention.cpp``), a whole Llama-family decoder layer of a step in one call
+through their block tables (``paged_attention.cpp``), a causal encoder-decoder layer's decode rows over their window
+rings and shared latents (``ced_attention.cpp``), a whole Llama-family decoder layer of a step in one call
 (``decoder_layer.cpp``), and one-pass RMSNorm (a residual add with it), rotary embedding (also in place), SwiGLU's
 silu * up, the KV rows' write and the rows' argmax (``elementwise.cpp``). Built on first use by torch's C++
 extension loader into its cache (``TORCH_EXTENSIONS_DIR``). Each function returns None where its kernel cannot be
@@ -31,12 +32,15 @@ SOURCES = tuple(
         "decode_attention.cpp",
         "prefill_attention.cpp",
         "paged_attention.cpp",
+        "ced_attention.cpp",
         "elementwise.cpp",
         "decoder_layer.cpp",
         "bindings.cpp",
     )
 )
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("attention_args.h", "flash_blocks.h"))  # included by the sources
+HEADERS = tuple(
+    Path(__file__).with_name(n) for n in ("attention_args.h", "flash_blocks.h", "vec_blocks.h")
+)  # included by the sources
 log = logging.getLogger(__name__)
 
 # Instruction sets the build targets, by torch's own reading of this CPU: named, not -march=native, so a
@@ -86,6 +90,7 @@ def kernel() -> Any | None:
 
 
 _NO_INDEX = torch.empty(0, dtype=torch.long)
+_NO_FLOAT = torch.empty(0)
 
 
 def _inference_cpu_float(*tensors: torch.Tensor) -> bool:
@@ -201,6 +206,60 @@ def paged_attention_applies(q: torch.Tensor, pool: torch.Tensor) -> bool:
         return False
     mod = kernel()
     return mod is not None and bool(mod.paged_vectorized(q.shape[-1]))
+
+
+def ced_decode(
+    qw: torch.Tensor,  # (G, H, dk) pre-scaled queries for the window keys, any strides but the last
+    ql: torch.Tensor | None,  # (G, H, d_c + d_rope) pre-scaled queries for the shared entries; None: the layer reads none
+    bias: torch.Tensor | None,  # (G, H) added to every shared-entry score of a head, or None
+    ring: torch.Tensor,  # (ring blocks, rb, K dk + K dv) the layer's window ring pool, contiguous
+    ring_tables: torch.Tensor,  # (G, ring blocks a row) int64
+    seg: torch.Tensor | None,  # (blocks, entries a block, >= d_c + d_rope) the source layer's shared entries
+    seg_tables: torch.Tensor | None,  # (G, blocks a row) int64
+    counts: torch.Tensor,  # (G, 2) int64: ring slots [0, nw) and shared entries [0, nl) each row's query sees
+    num_kv_heads: int,
+    dc: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A causal encoder-decoder layer's decode rows (one new token each) over their window ring and shared latents,
+    read in place through their tables under one softmax (``ced_attention.cpp``): (window values (G, H, dv), latent
+    values (G, H, d_c), the weights' mass on the shared entries (G, H)), the absorbed form's inputs to W_UV. None
+    where the kernel does not apply (not float32 on the CPU, autograd, or no kernel)."""
+    widths = (qw.shape[-1], ql.shape[-1] if ql is not None else None, dc)
+    if not ced_decode_applies(ring, seg, num_kv_heads, *widths) or any(
+        t is not None and not _inference_cpu_float(t) for t in (qw, ql, bias)
+    ):
+        return None
+    mod = kernel()
+    assert mod is not None  # (ced_decode_applies built it)
+    none = _NO_FLOAT
+    yw, yl, mass = mod.ced_decode(
+        qw,
+        none if ql is None else ql,
+        none if bias is None else bias,
+        ring,
+        ring_tables,
+        none if seg is None else seg,
+        _NO_INDEX if seg_tables is None else seg_tables,
+        counts,
+        num_kv_heads,
+        dc,
+    )
+    return yw, yl, mass
+
+
+def ced_decode_applies(ring: torch.Tensor, seg: torch.Tensor | None, num_kv_heads: int, dk: int, dl: int | None, dc: int) -> bool:
+    """Whether :func:`ced_decode` runs over this ring pool (and shared segment, None: the layer reads none) with
+    query width ``dk``, latent query width ``dl`` (d_c + d_rope; None without a segment) and ``dc`` (builds the
+    kernel if needed)."""
+    pools = (ring,) if seg is None else (ring, seg)
+    if not _inference_cpu_float(*pools) or not all(t.is_contiguous() for t in pools):
+        return False
+    mod = kernel()
+    if mod is None:
+        return False
+    K, E = num_kv_heads, ring.shape[-1]
+    dv = (E - K * dk) // K
+    return bool(mod.ced_supported(dk, dv, 16 if dl is None else dl, 16 if dl is None else dc))
 
 
 def gqa_layer(

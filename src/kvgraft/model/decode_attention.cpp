@@ -10,6 +10,7 @@
 // for the scores of its H/K * T queries, its values once for their sum, and only between the first and
 // the last key any of its queries may see, so a row never pays for a longer row's keys. Scores and the
 // softmax are float32; a query that sees no key gets zeros.
+#include "vec_blocks.h"  // first: it sets the vector width of ATen's headers (the portable path's)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -52,14 +53,9 @@ void scores_block(const float* q, int64_t D, int64_t m0, int64_t mb, const float
     return;
   }
 #endif
-  for (int64_t s = 0; s < L; ++s) {
+  for (int64_t s = 0; s < L; ++s) {  // any width: ATen's Vectorized<float> at the build's width
     const float* kr = k + s * kstride;
-    for (int64_t i = 0; i < mb; ++i) {
-      const float* qr = q + (m0 + i) * D;
-      float acc = 0.f;
-      for (int64_t d = 0; d < D; ++d) acc += qr[d] * kr[d];
-      scores[(m0 + i) * L + s] = acc;
-    }
+    for (int64_t i = 0; i < mb; ++i) scores[(m0 + i) * L + s] = vecb::dot(q + (m0 + i) * D, kr, D);
   }
 }
 
@@ -92,8 +88,7 @@ void values_block(const float* p, int64_t L, int64_t m0, int64_t mb, const float
     const float* vr = v + s * vstride;
     for (int64_t i = 0; i < mb; ++i) {
       const float w = p[(m0 + i) * L + s];
-      float* a = acc + (m0 + i) * Dv;
-      for (int64_t d = 0; d < Dv; ++d) a[d] += w * vr[d];
+      if (w != 0.f) vecb::axpy(w, vr, acc + (m0 + i) * Dv, Dv);
     }
   }
 }
@@ -147,19 +142,20 @@ Runner pick(int64_t D, int64_t Dv) {
   return pick_v<0>(Dv);
 }
 
-bool vectorized_width(int64_t d) {
-#if defined(__AVX512F__)
-  return d == 32 || d == 64 || d == 128;
-#else
-  return false && d;
-#endif
-}
+bool vectorized_width(int64_t d) { return d == 32 || d == 64 || d == 128; }
 
 }  // namespace
 
-// Whether (D, Dv) run on the vector path (AVX-512 builds: key width 32/64/128/192, value width 32/64/128);
-// other widths run a scalar loop, slower than torch's batched matmuls.
-bool vectorized(int64_t D, int64_t Dv) { return (vectorized_width(D) || (D == 192 && vectorized_width(128))) && vectorized_width(Dv); }
+// Whether (D, Dv) run on a vector path: AVX-512 builds, key width 32/64/128/192 and value width 32/64/128 (the
+// tuned path; other widths there run the portable loop, slower than torch's batched matmuls); builds without
+// AVX-512, any widths (the portable loop on ATen's Vectorized<float>, AVX2 or plain C++).
+bool vectorized(int64_t D, int64_t Dv) {
+#if defined(__AVX512F__)
+  return (vectorized_width(D) || D == 192) && vectorized_width(Dv);
+#else
+  return D > 0 && Dv > 0;
+#endif
+}
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& mask, const torch::Tensor& index, double scale) {

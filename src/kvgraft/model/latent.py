@@ -171,25 +171,16 @@ class LatentAttention(nn.Module):
         the window scores under one softmax. Window heads are read per group (the query heads of a group
         side by side on the query axis), not repeated."""
         G, H, T, _ = q.shape
-        q = q * self.scale  # the softmax scale on the (small) query, not on the score matrix
+        q, q_lat, lat_bias = self.absorbed_queries(q, latents is not None, kv_b_delta)
         parts = []
         if k is not None and v is not None:
             K, S = k.shape[1], k.shape[2]
             parts.append(head_matmul(q.reshape(G, K, H // K * T, -1), k.transpose(-1, -2)).view(G, H, T, S))
-        if latents is not None:
-            w_uk, w_uv, bk, bv = self.split_kv_b()
-            q_nope, q_rope = torch.split(q, [self.dn, self.dr], dim=-1)
-            q_c = per_head(q_nope, w_uk)  # (G, H, T, dc)
-            if kv_b_delta is not None:  # + q_nope B_k A per row: (G, H, T, dn) (G, H, dn, r) (G, 1, r, dc)
-                A, B = kv_b_delta
-                B = B.view(G, H, self.dn + self.dv, -1)
-                b_k, b_v = B[:, :, : self.dn], B[:, :, self.dn :]
-                q_c = q_c + torch.matmul(torch.matmul(q_nope, b_k.to(q.dtype)), A[:, None].to(q.dtype))
-            q_lat = torch.cat([q_c, q_rope], dim=-1)  # (G, H, T, dc + dr)
+        if latents is not None and q_lat is not None:
             entry = latents[:, None, :, : self.dc + self.dr]
             s_lat = torch.matmul(q_lat.reshape(G, 1, H * T, -1), entry.transpose(-1, -2)).view(G, H, T, -1)
-            if bk is not None:  # the key bias adds q_nope . b_k to every latent logit of a head
-                s_lat = s_lat + torch.einsum("ghtn,hn->ght", q_nope, bk)[..., None]
+            if lat_bias is not None:  # the key bias adds q_nope . b_k to every latent logit of a head
+                s_lat = s_lat + lat_bias[..., None]
             parts.append(s_lat)
         scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         scores = scores.float().masked_fill_(~mask[:, None], float("-inf"))
@@ -199,17 +190,57 @@ class LatentAttention(nn.Module):
         if k is not None and v is not None:
             K, Sw = k.shape[1], k.shape[2]
             y = head_matmul(p[..., :Sw].reshape(G, K, H // K * T, Sw), v).view(G, H, T, self.dv)
-        if latents is not None:
-            p_lat = p[..., Sw:]
-            c = latents[:, None, :, : self.dc]
-            y_lat = torch.matmul(p_lat.reshape(G, 1, H * T, -1), c).view(G, H, T, self.dc)
-            y_l = per_head(y_lat, w_uv.transpose(-1, -2))
-            if kv_b_delta is not None:  # + y_lat A^T B_v^T per row
-                y_r = torch.matmul(y_lat, A[:, None].transpose(-1, -2).to(y_lat.dtype))  # (G, H, T, r)
-                y_l = y_l + torch.matmul(y_r, b_v.transpose(-1, -2).to(y_lat.dtype))
-            if bv is not None:  # the value bias, weighted by the mass on latents (all of it without a window)
-                y_l = y_l + p_lat.sum(-1, keepdim=True) * bv[None, :, None, :]
-            y = y_l if y is None else y + y_l
-        if y is None:
-            raise ConfigError("attend: give window keys, latents or both")
-        return y
+        if latents is None:
+            if y is None:
+                raise ConfigError("attend: give window keys, latents or both")
+            return y
+        p_lat = p[..., Sw:]
+        c = latents[:, None, :, : self.dc]
+        y_lat = torch.matmul(p_lat.reshape(G, 1, H * T, -1), c).view(G, H, T, self.dc)
+        return self.absorbed_values(y, y_lat, p_lat.sum(-1, keepdim=True), kv_b_delta)
+
+    def absorbed_queries(
+        self, q: torch.Tensor, latents: bool, kv_b_delta: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The absorbed form's queries, softmax scale applied: (q (G, H, T, dn + dr) for the window keys, q_lat
+        (G, H, T, dc + dr) for the latents (W_UK folded in, plus ``kv_b_delta``'s q_nope B_k A per row) and the key
+        bias's q_nope . b_k (G, H, T) added to every latent score of a head, or None; both None without ``latents``)."""
+        q = q * self.scale  # the softmax scale on the (small) query, not on the score matrix
+        if not latents:
+            return q, None, None
+        w_uk, _, bk, _ = self.split_kv_b()
+        q_nope, q_rope = torch.split(q, [self.dn, self.dr], dim=-1)
+        q_c = per_head(q_nope, w_uk)  # (G, H, T, dc)
+        if kv_b_delta is not None:  # + q_nope B_k A per row: (G, H, T, dn) (G, H, dn, r) (G, 1, r, dc)
+            A, b_k, _ = self._delta_parts(kv_b_delta, q.shape[0])
+            q_c = q_c + torch.matmul(torch.matmul(q_nope, b_k.to(q.dtype)), A[:, None].to(q.dtype))
+        bias = torch.einsum("ghtn,hn->ght", q_nope, bk) if bk is not None else None
+        return q, torch.cat([q_c, q_rope], dim=-1), bias
+
+    def absorbed_values(
+        self,
+        y_win: torch.Tensor | None,
+        y_lat: torch.Tensor,
+        mass: torch.Tensor,
+        kv_b_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """(G, H, T, dv): the window's weighted values ``y_win`` (or None) plus the latents' weighted sum ``y_lat``
+        (G, H, T, dc) through W_UV (and ``kv_b_delta``'s y_lat A^T B_v^T per row), with the value bias scaled by
+        ``mass`` (G, H, T, 1), the weights' sum on the latents."""
+        _, w_uv, _, bv = self.split_kv_b()
+        y_l = per_head(y_lat, w_uv.transpose(-1, -2))
+        if kv_b_delta is not None:  # + y_lat A^T B_v^T per row
+            A, _, b_v = self._delta_parts(kv_b_delta, y_lat.shape[0])
+            y_r = torch.matmul(y_lat, A[:, None].transpose(-1, -2).to(y_lat.dtype))  # (G, H, T, r)
+            y_l = y_l + torch.matmul(y_r, b_v.transpose(-1, -2).to(y_lat.dtype))
+        if bv is not None:  # the value bias, weighted by the mass on latents (all of it without a window)
+            y_l = y_l + mass * bv[None, :, None, :]
+        return y_l if y_win is None else y_win + y_l
+
+    def _delta_parts(
+        self, kv_b_delta: tuple[torch.Tensor, torch.Tensor], G: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-row LoRA factors of kv_b -> (A (G, r, dc), B_k (G, H, dn, r), B_v (G, H, dv, r))."""
+        A, B = kv_b_delta
+        B = B.view(G, self.num_heads, self.dn + self.dv, -1)
+        return A, B[:, :, : self.dn], B[:, :, self.dn :]

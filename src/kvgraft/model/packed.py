@@ -25,7 +25,17 @@ from torch import nn
 
 from kvgraft.errors import ConfigError
 
-_DTYPES = (torch.float32, torch.bfloat16)
+
+@functools.cache
+def packed_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN packs on this CPU: float32, and bfloat16 where the CPU has the instructions oneDNN's
+    bfloat16 path needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU it raises, so such weights run
+    ``F.linear``)."""
+    try:
+        bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        bf16 = False
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
 
 @functools.cache
@@ -78,8 +88,9 @@ class PackedLinear(nn.Linear):
     def pack(self) -> torch.Tensor:
         """(Re)make and return the packed copy of the current weight (a CPU float32 or bfloat16 weight)."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype not in _DTYPES:
-            raise ConfigError(f"only CPU float32/bfloat16 weights pack; this one is {w.dtype} on {w.device}")
+        if w.device.type != "cpu" or w.dtype not in packed_dtypes():
+            accepted = "/".join(str(d).removeprefix("torch.") for d in packed_dtypes())
+            raise ConfigError(f"only CPU {accepted} weights pack on this machine; this one is {w.dtype} on {w.device}")
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
         _PACKED[self] = (_source(w), packed)
         return packed
@@ -101,11 +112,12 @@ _FUSED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = weakref.WeakKeyD
 
 
 def _packed_path(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``x @ w.T`` may run on a packed weight: CPU, the weight's dtype (float32 or bfloat16), no gradient."""
+    """Whether ``x @ w.T`` may run on a packed weight: CPU, the weight's dtype (float32, or bfloat16 where this CPU
+    packs it: :func:`packed_dtypes`), no gradient."""
     return (
         x.device.type == "cpu"
         and x.dtype == w.dtype
-        and w.dtype in _DTYPES
+        and w.dtype in packed_dtypes()
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
     )
 
@@ -136,7 +148,7 @@ def packed_weight(*modules: nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
         return None
     mods = cast(tuple[PackedLinear, ...], modules)
     w = mods[0].weight
-    if w.device.type != "cpu" or w.dtype not in _DTYPES or (torch.is_grad_enabled() and w.requires_grad):
+    if w.device.type != "cpu" or w.dtype not in packed_dtypes() or (torch.is_grad_enabled() and w.requires_grad):
         return None
     if len(mods) == 1:
         entry = _PACKED.get(mods[0])
@@ -204,7 +216,7 @@ def pack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = PackedLinear
-            if module.weight.device.type == "cpu" and module.weight.dtype in _DTYPES:
+            if module.weight.device.type == "cpu" and module.weight.dtype in packed_dtypes():
                 PackedLinear.pack(module)  # type: ignore[arg-type]
             n += 1
     return n

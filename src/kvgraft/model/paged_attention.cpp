@@ -14,7 +14,10 @@
 // tree, the next batch's keys and this batch's values prefetched), once for the sum (the scores of all keys
 // kept); a prompt chunk's queries run flash-style (KB keys at a time, packed transposed in registers, the next
 // block prefetched, an online softmax). Threads take tasks dearest first (queries x keys) from a shared counter.
-// The exponentials are torch's own vector exp (SLEEF).
+// The exponentials are torch's own vector exp (SLEEF). That tuned form is AVX-512's; a build without AVX-512 (AVX2,
+// or none) runs a portable form on ATen's Vectorized<float> (vec_blocks.h): each task's scores key by key, a
+// softmax, then the weighted values.
+#include "vec_blocks.h"  // first: it sets the vector width of ATen's headers (the portable path's)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -31,12 +34,6 @@
 #endif
 
 namespace {
-
-#if defined(__AVX512F__)
-constexpr int64_t QT = 16;  // query tokens a prompt task
-constexpr int64_t QB = 4;   // decode queries whose accumulators stay in registers while one key is read
-using flash::KB;
-using flash::NEG_INF;
 
 // What every task reads: the pool's addressing and each row's table.
 struct Pool {
@@ -57,6 +54,34 @@ struct Pool {
     return end - p;
   }
 };
+
+struct Task {
+  int64_t row, t0, nt, head, cost;
+};
+
+// The tasks of a step: (row, up to QT of its tokens, key head), dearest first (queries x keys)
+constexpr int64_t QT = 16;  // query tokens a prompt task
+
+std::vector<Task> step_tasks(const int64_t* rows, int64_t nrows, int64_t window, int64_t K, int64_t R) {
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < nrows; ++r) {
+    const int64_t T = rows[r * 3 + 1], start = rows[r * 3 + 2];
+    for (int64_t t0 = 0; t0 < T; t0 += QT) {
+      const int64_t nt = std::min(QT, T - t0), last = start + t0 + nt;  // keys [lo, last) seen by the block
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, start + t0 - window + 1) : 0;
+      for (int64_t h = 0; h < K; ++h) tasks.push_back({r, t0, nt, h, R * nt * (last - lo) + 64});
+    }
+  }
+  // dearest first, each thread taking the next task as it finishes one (a cost estimate alone balanced badly:
+  // a decode task reads its keys from memory, a prompt task's are reused by 16 queries)
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t QB = 4;   // decode queries whose accumulators stay in registers while one key is read
+using flash::KB;
+using flash::NEG_INF;
 
 // ---- decode: a few queries at one position against keys [lo, hi) ----------------------------------------------
 // v[j] = the sum of a[j]'s 16 lanes, for 16 vectors at once (a transposing tree: 45 shuffles and adds for the 16
@@ -270,10 +295,6 @@ void flash_task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t 
   }
 }
 
-struct Task {
-  int64_t row, t0, nt, head, cost;
-};
-
 template <int NC>
 void run(const torch::Tensor& q, const Pool& pool, const int64_t* rows, int64_t nrows, int64_t window, float scale,
          float* out, int64_t H) {
@@ -281,18 +302,7 @@ void run(const torch::Tensor& q, const Pool& pool, const int64_t* rows, int64_t 
   const int64_t K = pool.K, R = H / K;
   const float* qp = q.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  std::vector<Task> tasks;
-  for (int64_t r = 0; r < nrows; ++r) {
-    const int64_t T = rows[r * 3 + 1], start = rows[r * 3 + 2];
-    for (int64_t t0 = 0; t0 < T; t0 += QT) {
-      const int64_t nt = std::min(QT, T - t0), last = start + t0 + nt;  // keys [lo, last) seen by the block
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, start + t0 - window + 1) : 0;
-      for (int64_t h = 0; h < K; ++h) tasks.push_back({r, t0, nt, h, R * nt * (last - lo) + 64});
-    }
-  }
-  // dearest first, each thread taking the next task as it finishes one (a cost estimate alone balanced badly:
-  // a decode task reads its keys from memory, a prompt task's are reused by 16 queries)
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const std::vector<Task> tasks = step_tasks(rows, nrows, window, K, R);
   const int64_t n = static_cast<int64_t>(tasks.size());
   const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   std::atomic<int64_t> next{0};
@@ -322,16 +332,83 @@ void run(const torch::Tensor& q, const Pool& pool, const int64_t* rows, int64_t 
       }
   });
 }
+#else
+// ---- portable: ATen's Vectorized<float> (AVX2 or plain C++), one plain task form --------------------------------
+// M pre-scaled queries Q (M, D) of row r, head h, query m at position pos[m], against keys [lo, hi): every score
+// (keys a query does not see: -inf), a softmax per query, the weighted values; O (M, D) normalised. Each key row is
+// read once for all M queries' scores, each value row once for their sums.
+void task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t M, const int64_t* pos, int64_t window,
+          int64_t lo, int64_t hi, int64_t D, std::vector<float>& S, float* O) {
+  const int64_t L = hi - lo;
+  S.resize(M * L);
+  for (int64_t p = lo; p < hi;) {
+    const int64_t n = pool.run(r, p, hi);
+    const float* k = pool.row(r, h, p);
+    for (int64_t s = 0; s < n; ++s)
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t kp = p + s;
+        const bool seen = kp <= pos[m] && (window == 0 || kp > pos[m] - window);
+        S[m * L + kp - lo] = seen ? vecb::dot(Q + m * D, k + s * D, D) : -std::numeric_limits<float>::infinity();
+      }
+    p += n;
+  }
+  for (int64_t m = 0; m < M; ++m) vecb::softmax(S.data() + m * L, L);
+  std::fill(O, O + M * D, 0.f);
+  for (int64_t p = lo; p < hi;) {
+    const int64_t n = pool.run(r, p, hi);
+    const float* v = pool.row(r, pool.K + h, p);
+    for (int64_t s = 0; s < n; ++s)
+      for (int64_t m = 0; m < M; ++m) {
+        const float w = S[m * L + p + s - lo];
+        if (w != 0.f) vecb::axpy(w, v + s * D, O + m * D, D);
+      }
+    p += n;
+  }
+}
+
+void run_portable(const torch::Tensor& q, const Pool& pool, const int64_t* rows, int64_t nrows, int64_t window,
+                  float scale, float* out, int64_t H, int64_t D) {
+  const int64_t K = pool.K, R = H / K;
+  const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const std::vector<Task> tasks = step_tasks(rows, nrows, window, K, R);
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nth, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Q(R * QT * D), O(R * QT * D), S;
+    std::vector<int64_t> pos(R * QT);
+    for (int64_t w = begin; w < end; ++w)
+      for (int64_t i = next++; i < n; i = next++) {
+        const Task& t = tasks[i];
+        const int64_t off = rows[t.row * 3], start = rows[t.row * 3 + 2], M = R * t.nt;
+        for (int64_t rr = 0; rr < R; ++rr)  // query m = rr * nt + j: head h R + rr, token t0 + j; scaled once
+          for (int64_t j = 0; j < t.nt; ++j) {
+            const float* src = qp + (off + t.t0 + j) * qs0 + (t.head * R + rr) * qs1;
+            float* dst = Q.data() + (rr * t.nt + j) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+            pos[rr * t.nt + j] = start + t.t0 + j;
+          }
+        const int64_t first = start + t.t0, hi = first + t.nt;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+        task(pool, t.row, t.head, Q.data(), M, pos.data(), window, lo, hi, D, S, O.data());
+        for (int64_t rr = 0; rr < R; ++rr)
+          for (int64_t j = 0; j < t.nt; ++j)
+            std::copy_n(O.data() + (rr * t.nt + j) * D, D, out + ((off + t.t0 + j) * H + t.head * R + rr) * D);
+      }
+  });
+}
 #endif
 
 }  // namespace
 
-// Whether paged_attention runs head width D: AVX-512 builds, D 32, 64 or 128.
+// Whether paged_attention runs head width D: AVX-512 builds D 32, 64 or 128 (the tuned path), others any D (the
+// portable path)
 bool paged_vectorized(int64_t D) {
 #if defined(__AVX512F__)
   return D == 32 || D == 64 || D == 128;
 #else
-  return false && D;
+  return D > 0;  // the portable path: any width
 #endif
 }
 
@@ -369,14 +446,16 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool,
   }
   TORCH_CHECK(covered == N, fn, ": the rows cover ", covered, " of the step's ", N, " queries");
   torch::Tensor out = torch::empty({N, H, D}, q.options());  // every query written once: the rows tile the step
-#if defined(__AVX512F__)
   const Pool pl{pool.data_ptr<float>(), pool.stride(0), pool.stride(1), bs, K2 / 2, tp, nb};
   const float sc = static_cast<float>(scale);
+#if defined(__AVX512F__)
   switch (D) {
     case 32: run<2>(qc, pl, rp, nrows, window, sc, out.data_ptr<float>(), H); break;
     case 64: run<4>(qc, pl, rp, nrows, window, sc, out.data_ptr<float>(), H); break;
     default: run<8>(qc, pl, rp, nrows, window, sc, out.data_ptr<float>(), H); break;
   }
+#else
+  run_portable(qc, pl, rp, nrows, window, sc, out.data_ptr<float>(), H, D);
 #endif
   return out;
 }

@@ -13,6 +13,7 @@
 // first and the last key any of its queries may see. The exponentials are torch's own vector exp (SLEEF, to
 // 1 ULP, exported by libtorch_cpu). Tasks are ordered so that a causal prompt's cheap and dear query blocks
 // alternate: each thread's contiguous share holds about half the work. A query that sees no key gets zeros.
+// Without AVX-512 the call is decode_attention's (its portable path: scores, softmax, values, per task).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -102,17 +103,25 @@ Attend pick(int64_t D, int64_t Dv) {
 
 }  // namespace
 
-// Whether prefill_attention runs (D, Dv): AVX-512 builds, widths 32, 64 or 128 (elsewhere torch's SDPA runs).
+bool vectorized(int64_t D, int64_t Dv);
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& mask, const torch::Tensor& index, double scale);
+
+// Whether prefill_attention runs (D, Dv): AVX-512 builds, widths 32, 64 or 128 (elsewhere at those builds torch's
+// SDPA runs); builds without AVX-512, whatever decode_attention's portable path runs (it answers for them).
 bool prefill_vectorized(int64_t D, int64_t Dv) {
 #if defined(__AVX512F__)
   return pick(D, Dv) != nullptr;
 #else
-  return false && D && Dv;
+  return vectorized(D, Dv);
 #endif
 }
 
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const torch::Tensor& mask, const torch::Tensor& index, double scale) {
+#if !defined(__AVX512F__)
+  return decode_attention(q, k, v, mask, index, scale);  // its portable path takes any number of queries a row
+#endif
   const AttentionArgs a("prefill_attention", q, k, v, mask, index, scale);
   TORCH_CHECK(prefill_vectorized(a.D, a.Dv), "prefill_attention: widths (", a.D, ", ", a.Dv, ") have no vector path");
 #if defined(__AVX512F__)
