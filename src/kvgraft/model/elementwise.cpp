@@ -6,6 +6,7 @@
 // build keeps the compiler from contracting them into fused multiply-adds);
 // rms_norm and add_rms_norm differ from kvgraft.model.norm.RMSNorm only in the order the sum of squares is
 // accumulated (the residual sum itself is exact as torch's).
+#include "vec_blocks.h"  // first: it sets the vector width of ATen's headers (silu_mul's path without AVX-512)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -81,6 +82,12 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
         const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
         const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, e));
         _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+      }
+#else
+      using vecb::Vec;  // ATen's Vectorized<float> at the build's width (AVX2 or plain C++): torch's formula and exp
+      for (; i + vecb::VL <= f; i += vecb::VL) {
+        const Vec x = Vec::loadu(g + i);
+        ((x / (Vec(1.f) + x.neg().exp())) * Vec::loadu(u + i)).store(o + i);
       }
 #endif
       for (; i < f; ++i) o[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
