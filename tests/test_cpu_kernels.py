@@ -362,3 +362,16 @@ def test_argmax_gives_torchs_indices():
         assert torch.equal(got, x.argmax(dim=-1)), V
     strided = torch.randn(4, 64, generator=g)[:, ::2]  # rows not contiguous: torch's op
     assert torch.equal(ck.argmax(strided), strided.argmax(dim=-1))
+
+
+def test_a_lock_left_by_an_interrupted_build_is_cleared_and_a_fresh_one_kept(tmp_path, caplog):
+    """torch's loader waits forever on its build folder's lock: one older than any build (a killed build's) is
+    removed with a warning; a recent one (a build running now in another process) is left alone."""
+    lock = tmp_path / "lock"
+    assert not ck.clear_stale_lock(tmp_path)  # none
+    lock.write_text("")
+    now = lock.stat().st_mtime
+    assert not ck.clear_stale_lock(tmp_path, now=now + 60) and lock.exists()
+    with caplog.at_level("WARNING", logger=ck.__name__):
+        assert ck.clear_stale_lock(tmp_path, now=now + ck.STALE_LOCK_S + 1)
+    assert not lock.exists() and "interrupted build" in caplog.text

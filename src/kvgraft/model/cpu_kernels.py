@@ -17,6 +17,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,25 @@ def build_flags() -> list[str]:
     return ["-O3", "-fopenmp", "-ffp-contract=off", *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
 
 
+# a build takes 1-5 minutes on 2 cores: a lock file this old was left by a build that was killed
+STALE_LOCK_S = 20 * 60
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove ``build_dir``'s ``lock`` if it is older than :data:`STALE_LOCK_S` (torch's loader waits on it forever:
+    a build interrupted by Ctrl-C or a kill leaves it behind); True when one was removed."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= STALE_LOCK_S:
+        return False  # another process may be building right now
+    log.warning("removing %s, left %.0f minutes ago by an interrupted build of kvgraft's CPU kernels", lock, age / 60)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.cache
 def _module(required: bool) -> Any | None:
     from torch.utils.cpp_extension import load
@@ -73,7 +93,13 @@ def _module(required: bool) -> Any | None:
     flags = build_flags()
     text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join([torch.__version__, *flags]).encode()
     name = f"kvgraft_cpu_kernels_{hashlib.sha256(text).hexdigest()[:12]}"
-    log.info("loading kvgraft's CPU kernels %s (built once per machine, ~45 s on 2 cores)", name)
+    log.info("loading kvgraft's CPU kernels %s (built once per machine, 1-5 minutes on 2 cores)", name)
+    try:  # (torch's own helper for the folder it builds in; private, so a torch without it just skips the check)
+        from torch.utils.cpp_extension import _get_build_directory
+
+        clear_stale_lock(Path(_get_build_directory(name, False)))
+    except (ImportError, OSError):
+        pass
     try:
         return load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=flags, verbose=False)
     except Exception as err:  # no compiler, no headers: torch's ops do the same work, slower
