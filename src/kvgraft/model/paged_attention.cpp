@@ -29,8 +29,8 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>  // (Sleef_expf16_u10, torch's vector exp: declared in flash_blocks.h)
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>  // (AVX-512: Sleef_expf16_u10, torch's vector exp, is declared in flash_blocks.h)
 #endif
 
 namespace {
@@ -334,13 +334,99 @@ void run(const torch::Tensor& q, const Pool& pool, const int64_t* rows, int64_t 
 }
 #else
 // ---- portable: ATen's Vectorized<float> (AVX2 or plain C++), one plain task form --------------------------------
+#if defined(__AVX2__) && defined(__FMA__)
+// AVX2 (eight floats a vector), for widths that are a multiple of 8: a key's dot products are summed 8 keys at a time
+// by one transposing tree (a horizontal sum each took about as long as the key's 8 products at width 64), and the
+// values' sums kept in registers over a batch of keys (not loaded and stored a key at a time).
+inline __m256 sum8(const __m256 a[8]) {  // lane j: the sum of a[j]'s 8 lanes
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// S[m * L + s] = Q_m . k_s for queries [0, M) and keys [0, n) contiguous at k (stride D)
+inline void scores8(const float* Q, int64_t M, int64_t D, const float* k, int64_t n, float* S, int64_t L) {
+  int64_t s = 0;
+  for (; s + 8 <= n; s += 8)
+    for (int64_t m = 0; m < M; ++m) {
+      const float* q = Q + m * D;
+      __m256 a[8];
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < D; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + c);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (s + j) * D + c), a[j]);
+      }
+      _mm256_storeu_ps(S + m * L + s, sum8(a));
+    }
+  for (; s < n; ++s)
+    for (int64_t m = 0; m < M; ++m) S[m * L + s] = vecb::dot(Q + m * D, k + s * D, D);
+}
+
+// O_m[c0, c0 + 8 NC) += sum_s P[m * L + s] v_s[c0, ...) for queries [0, M), values [0, n) contiguous at v (stride D):
+// 32 values a batch (they stay in the first-level cache while each query's NC accumulators run over them)
+template <int NC>
+inline void values8(const float* P, int64_t L, int64_t M, int64_t D, int64_t c0, const float* v, int64_t n, float* O) {
+  for (int64_t b = 0; b < n; b += 32) {
+    const int64_t e = std::min<int64_t>(n, b + 32);
+    for (int64_t m = 0; m < M; ++m) {
+      __m256 acc[NC];
+      float* o = O + m * D + c0;
+      for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(o + 8 * c);
+      for (int64_t s = b; s < e; ++s) {
+        const __m256 w = _mm256_set1_ps(P[m * L + s]);
+        const float* vr = v + s * D + c0;
+        for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+      }
+      for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
+    }
+  }
+}
+#endif
+
 // M pre-scaled queries Q (M, D) of row r, head h, query m at position pos[m], against keys [lo, hi): every score
 // (keys a query does not see: -inf), a softmax per query, the weighted values; O (M, D) normalised. Each key row is
-// read once for all M queries' scores, each value row once for their sums.
+// read once for all M queries' scores, each value row once for their sums (a batch of them, on AVX2).
 void task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t M, const int64_t* pos, int64_t window,
           int64_t lo, int64_t hi, int64_t D, std::vector<float>& S, float* O) {
   const int64_t L = hi - lo;
   S.resize(M * L);
+  std::fill(O, O + M * D, 0.f);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (int64_t p = lo; p < hi;) {
+      const int64_t n = pool.run(r, p, hi);
+      scores8(Q, M, D, pool.row(r, h, p), n, S.data() + (p - lo), L);
+      p += n;
+    }
+    for (int64_t m = 0; m < M; ++m) {  // the keys a query does not see (a prompt chunk's later keys, a window's edge)
+      const int64_t first = window > 0 ? std::max(lo, pos[m] - window + 1) : lo, last = std::min(hi, pos[m] + 1);
+      float* sm = S.data() + m * L;
+      std::fill(sm, sm + std::max<int64_t>(first - lo, 0), -std::numeric_limits<float>::infinity());
+      if (last < hi) std::fill(sm + (last - lo), sm + L, -std::numeric_limits<float>::infinity());
+      vecb::softmax(sm, L);
+    }
+    for (int64_t p = lo; p < hi;) {
+      const int64_t n = pool.run(r, p, hi);
+      const float* v = pool.row(r, pool.K + h, p);
+      for (int64_t c0 = 0; c0 < D; c0 += 64) {
+        const float* P = S.data() + (p - lo);
+        switch (std::min<int64_t>(64, D - c0) / 8) {
+          case 8: values8<8>(P, L, M, D, c0, v, n, O); break;
+          case 4: values8<4>(P, L, M, D, c0, v, n, O); break;
+          case 2: values8<2>(P, L, M, D, c0, v, n, O); break;
+          case 1: values8<1>(P, L, M, D, c0, v, n, O); break;
+          case 7: values8<7>(P, L, M, D, c0, v, n, O); break;
+          case 6: values8<6>(P, L, M, D, c0, v, n, O); break;
+          case 5: values8<5>(P, L, M, D, c0, v, n, O); break;
+          default: values8<3>(P, L, M, D, c0, v, n, O); break;
+        }
+      }
+      p += n;
+    }
+    return;
+  }
+#endif
   for (int64_t p = lo; p < hi;) {
     const int64_t n = pool.run(r, p, hi);
     const float* k = pool.row(r, h, p);
@@ -353,7 +439,6 @@ void task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t M, con
     p += n;
   }
   for (int64_t m = 0; m < M; ++m) vecb::softmax(S.data() + m * L, L);
-  std::fill(O, O + M * D, 0.f);
   for (int64_t p = lo; p < hi;) {
     const int64_t n = pool.run(r, p, hi);
     const float* v = pool.row(r, pool.K + h, p);
