@@ -78,6 +78,45 @@ std::vector<Task> step_tasks(const int64_t* rows, int64_t nrows, int64_t window,
   return tasks;
 }
 
+// Every task of a step through a worker (``make()`` gives each thread its own, with its scratch), threads taking
+// tasks dearest first from a shared counter: a task's queries gathered and scaled (query m = rr * nt + j: head
+// h R + rr, token t0 + j), its keys' range [lo, hi), then ``work(pool, row, head, Q, M, pos, lo, hi, D, O)`` and its
+// output rows written token-major.
+template <class Make>
+void run_tasks(const torch::Tensor& q, const Pool& pool, const int64_t* rows, int64_t nrows, int64_t window,
+               float scale, float* out, int64_t H, int64_t D, Make make) {
+  const int64_t K = pool.K, R = H / K;
+  const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const std::vector<Task> tasks = step_tasks(rows, nrows, window, K, R);
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nth, 1, [&](int64_t begin, int64_t end) {
+    auto work = make();
+    std::vector<float> Q(R * QT * D), O(R * QT * D);
+    std::vector<int64_t> pos(R * QT);
+    for (int64_t w = begin; w < end; ++w)
+      for (int64_t i = next++; i < n; i = next++) {
+        const Task& t = tasks[i];
+        const int64_t off = rows[t.row * 3], start = rows[t.row * 3 + 2], M = R * t.nt;
+        for (int64_t rr = 0; rr < R; ++rr)
+          for (int64_t j = 0; j < t.nt; ++j) {
+            const float* src = qp + (off + t.t0 + j) * qs0 + (t.head * R + rr) * qs1;
+            float* dst = Q.data() + (rr * t.nt + j) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+            pos[rr * t.nt + j] = start + t.t0 + j;
+          }
+        const int64_t first = start + t.t0, hi = first + t.nt;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+        work(t, Q.data(), M, pos.data(), lo, hi, O.data());
+        for (int64_t rr = 0; rr < R; ++rr)
+          for (int64_t j = 0; j < t.nt; ++j)
+            std::copy_n(O.data() + (rr * t.nt + j) * D, D, out + ((off + t.t0 + j) * H + t.head * R + rr) * D);
+      }
+  });
+}
+
 #if defined(__AVX512F__)
 constexpr int64_t QB = 4;   // decode queries whose accumulators stay in registers while one key is read
 using flash::KB;
@@ -298,38 +337,14 @@ void flash_task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t 
 template <int NC>
 void run(const torch::Tensor& q, const Pool& pool, const int64_t* rows, int64_t nrows, int64_t window, float scale,
          float* out, int64_t H) {
-  constexpr int D = 16 * NC;
-  const int64_t K = pool.K, R = H / K;
-  const float* qp = q.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const std::vector<Task> tasks = step_tasks(rows, nrows, window, K, R);
-  const int64_t n = static_cast<int64_t>(tasks.size());
-  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, nth, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Q(R * QT * D), O(R * QT * D), S, P, scratch;
-    std::vector<int64_t> pos(R * QT);
-    for (int64_t w = begin; w < end; ++w)
-      for (int64_t i = next++; i < n; i = next++) {
-        const Task& t = tasks[i];
-        const int64_t off = rows[t.row * 3], start = rows[t.row * 3 + 2], M = R * t.nt;
-        for (int64_t rr = 0; rr < R; ++rr)  // query m = rr * nt + j: head h R + rr, token t0 + j; scaled once
-          for (int64_t j = 0; j < t.nt; ++j) {
-            const float* src = qp + (off + t.t0 + j) * qs0 + (t.head * R + rr) * qs1;
-            float* dst = Q.data() + (rr * t.nt + j) * D;
-            for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
-            pos[rr * t.nt + j] = start + t.t0 + j;
-          }
-        const int64_t first = start + t.t0, hi = first + t.nt;
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-        if (t.nt == 1)
-          decode_task<NC>(pool, t.row, t.head, Q.data(), M, lo, hi, S, O.data());
-        else
-          flash_task<NC>(pool, t.row, t.head, Q.data(), M, pos.data(), window, lo, hi, P, scratch, O.data());
-        for (int64_t rr = 0; rr < R; ++rr)
-          for (int64_t j = 0; j < t.nt; ++j)
-            std::copy_n(O.data() + (rr * t.nt + j) * D, D, out + ((off + t.t0 + j) * H + t.head * R + rr) * D);
-      }
+  run_tasks(q, pool, rows, nrows, window, scale, out, H, 16 * NC, [&]() {
+    return [&pool, window, S = std::vector<float>(), P = std::vector<float>(), scratch = std::vector<float>()](
+               const Task& t, const float* Q, int64_t M, const int64_t* pos, int64_t lo, int64_t hi, float* O) mutable {
+      if (t.nt == 1)
+        decode_task<NC>(pool, t.row, t.head, Q, M, lo, hi, S, O);
+      else
+        flash_task<NC>(pool, t.row, t.head, Q, M, pos, window, lo, hi, P, scratch, O);
+    };
   });
 }
 #else
@@ -453,34 +468,11 @@ void task(const Pool& pool, int64_t r, int64_t h, const float* Q, int64_t M, con
 
 void run_portable(const torch::Tensor& q, const Pool& pool, const int64_t* rows, int64_t nrows, int64_t window,
                   float scale, float* out, int64_t H, int64_t D) {
-  const int64_t K = pool.K, R = H / K;
-  const float* qp = q.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const std::vector<Task> tasks = step_tasks(rows, nrows, window, K, R);
-  const int64_t n = static_cast<int64_t>(tasks.size());
-  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, nth, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Q(R * QT * D), O(R * QT * D), S;
-    std::vector<int64_t> pos(R * QT);
-    for (int64_t w = begin; w < end; ++w)
-      for (int64_t i = next++; i < n; i = next++) {
-        const Task& t = tasks[i];
-        const int64_t off = rows[t.row * 3], start = rows[t.row * 3 + 2], M = R * t.nt;
-        for (int64_t rr = 0; rr < R; ++rr)  // query m = rr * nt + j: head h R + rr, token t0 + j; scaled once
-          for (int64_t j = 0; j < t.nt; ++j) {
-            const float* src = qp + (off + t.t0 + j) * qs0 + (t.head * R + rr) * qs1;
-            float* dst = Q.data() + (rr * t.nt + j) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
-            pos[rr * t.nt + j] = start + t.t0 + j;
-          }
-        const int64_t first = start + t.t0, hi = first + t.nt;
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-        task(pool, t.row, t.head, Q.data(), M, pos.data(), window, lo, hi, D, S, O.data());
-        for (int64_t rr = 0; rr < R; ++rr)
-          for (int64_t j = 0; j < t.nt; ++j)
-            std::copy_n(O.data() + (rr * t.nt + j) * D, D, out + ((off + t.t0 + j) * H + t.head * R + rr) * D);
-      }
+  run_tasks(q, pool, rows, nrows, window, scale, out, H, D, [&]() {
+    return [&pool, window, D, S = std::vector<float>()](const Task& t, const float* Q, int64_t M, const int64_t* pos,
+                                                         int64_t lo, int64_t hi, float* O) mutable {
+      task(pool, t.row, t.head, Q, M, pos, window, lo, hi, D, S, O);
+    };
   });
 }
 #endif
