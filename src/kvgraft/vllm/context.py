@@ -41,6 +41,8 @@ class VllmStepContext(BatchContext):
     kvgraft's adapter layers (``MultiLoraLinear`` applies deltas inside one), but none of its paged-cache
     state: its constructor is not run, and every storage call is answered here."""
 
+    ring_kernel = False  # kvgraft's CED decode kernel reads kvgraft's rings and segments; these live in vLLM's blocks
+
     def __init__(
         self,
         layers: dict[tuple[int, str], CEDCacheLayer],
