@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,28 @@ def test_bf16_autocast_keeps_fp32_master_weights(tmp_path):
     m = _model()
     train(m, Patterned(), _cfg(max_steps=2, precision="bf16"), tmp_path)
     assert all(p.dtype == torch.float32 for p in m.parameters())
+
+
+@pytest.mark.parametrize("emulated", [True, False])
+def test_bf16_warns_where_the_cpu_would_emulate_it(tmp_path, monkeypatch, emulated):
+    """On a CPU whose oneDNN has no bfloat16 path (``packed_dtypes()`` without bfloat16: no AVX-512 BW/VL/DQ,
+    AVX-NE-CONVERT or AMX) bf16 autocast runs emulated, far slower than fp32: ``train`` says so once
+    and names fp32; where the CPU has the instructions, and in fp32, it says nothing. (The CPU's answer is
+    replaced here so both branches run on any machine.)"""
+    import kvgraft.train.loop as loop
+
+    dtypes = (torch.float32,) if emulated else (torch.float32, torch.bfloat16)
+    monkeypatch.setattr(loop, "packed_dtypes", lambda: dtypes)
+    assert loop.bf16_emulated("cpu") is emulated and loop.bf16_emulated("meta") is False
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train(_model(), Patterned(), _cfg(max_steps=1, precision="bf16"), tmp_path / "bf16")
+        train(_model(), Patterned(), _cfg(max_steps=1), tmp_path / "fp32")
+    said = [str(w.message) for w in seen if "precision 'bf16'" in str(w.message)]
+    if emulated:
+        assert len(said) == 1 and "far slower than fp32" in said[0] and "--precision fp32" in said[0]
+    else:
+        assert said == []
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from tqdm.auto import tqdm
 
 from kvgraft.atomic import atomic_write_text
 from kvgraft.errors import ConfigError
+from kvgraft.model.packed import packed_dtypes
 from kvgraft.train.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from kvgraft.train.config import TrainConfig
 from kvgraft.train.logging import RunLog
@@ -49,6 +51,27 @@ def autocast(precision: str, device: torch.device | str):
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+def bf16_emulated(device: torch.device | str) -> bool:
+    """Whether bf16 autocast would run emulated on ``device``: a CPU without the instructions oneDNN's bfloat16
+    path needs (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX), where bf16 matmuls fall back to ATen's reference loops:
+    a (2048 x 256) @ (256 x 688) linear's forward and backward took 0.73 s in bf16 against 0.02 s in fp32 on an
+    AVX2-only AMD EPYC at 2 threads (bench/RESULTS.md, session 30)."""
+    return torch.device(device).type == "cpu" and torch.bfloat16 not in packed_dtypes()
+
+
+def warn_if_bf16_emulated(precision: str, device: torch.device | str) -> None:
+    """One warning (Python's ``warnings``, once per call site) when ``precision`` 'bf16' would run emulated here."""
+    if precision == "bf16" and bf16_emulated(device):
+        warnings.warn(
+            "precision 'bf16' on a CPU without bfloat16 matrix instructions (oneDNN's bf16 path needs AVX-512 "
+            "BW/VL/DQ, AVX-NE-CONVERT or AMX): bf16 autocast runs emulated here, far slower than fp32 (a linear "
+            "layer's forward and backward ~35x on an AVX2-only CPU); "
+            "pass precision 'fp32' (--precision fp32) unless this run must match a bf16 run made elsewhere",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def make_accelerator() -> Accelerator:
@@ -221,6 +244,7 @@ def train(
     # Mixed precision is ours (torch.autocast), not Accelerate's: its process-wide state cannot change
     # between runs in one process (pretrain then heal, tests), and the fp32-master rule is explicit here.
     accelerator = o.accelerator or make_accelerator()
+    warn_if_bf16_emulated(cfg.precision, accelerator.device)
     optimizer = _optimizer(model, cfg, o.param_groups)
     step, tokens, elapsed_before, changed, latest = _resume(out_dir, cfg, model, optimizer, accelerator)
     if hasattr(model, "gradient_checkpointing"):
