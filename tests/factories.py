@@ -8,10 +8,19 @@ import threading
 import time
 from collections.abc import Iterator
 
+import pytest
 import torch
 
 from kvgraft.model.config import ModelConfig
 from kvgraft.model.transformer import Transformer
+from kvgraft.train.loop import bf16_emulated
+
+# Training tests on a CPU without bfloat16 matrix instructions: bf16 autocast runs emulated there, ~35x slower than
+# fp32 for a linear layer (kvgraft.train.loop.bf16_emulated), so such a test's bf16 run is marked slow (`make
+# test-slow`, which CI runs) and a test whose subject is not the precision trains in fp32 (FAST_PRECISION).
+BF16_EMULATED = bf16_emulated("cpu")
+FAST_PRECISION = "fp32" if BF16_EMULATED else "bf16"
+BF16 = pytest.param("bf16", marks=pytest.mark.slow) if BF16_EMULATED else "bf16"
 
 
 def sharp_model(cfg: ModelConfig, seed: int = 0) -> Transformer:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from factories import BF16
 from safetensors.torch import load_file
 
 from kvgraft.cli import main
@@ -26,30 +27,30 @@ def small_task(tmp_path_factory):
     return write_task("geometry", tmp_path_factory.mktemp("task") / "geometry", sizes={"train": 16, "validation": 8, "test": 8})
 
 
-def test_adapt_with_the_cache_is_the_same_run_as_without(tmp_path, small_task):
+@pytest.mark.parametrize("precision", ["fp32", BF16])
+def test_adapt_with_the_cache_is_the_same_run_as_without(tmp_path, small_task, precision):
     """Default placement on kvgraft-ced-8m (decoder half, the pivot's writers frozen: boundary 4), fp32 and
     bf16 autocast: every logged loss, every validation loss, the test loss and the adapter's weights equal,
     bit for bit (each cached row was computed in a batch of the same shape; no operation mixes rows)."""
     shared_cache(DEFAULT_MAX_MB << 20).clear()  # the process's cache: no entry from another test's runs
-    for precision in ("fp32", "bf16"):
-        runs = {}
-        for mode in ("off", "auto"):
-            cfg = AdaptConfig(**FAST, precision=precision, frozen_cache=mode)
-            runs[mode] = adapt("kvgraft-ced-8m", small_task, tmp_path / f"{precision}-{mode}", cfg)
-        off, on = runs["off"], runs["auto"]
-        assert off["frozen_prefix"] is None
-        fp = on["frozen_prefix"]
-        # training: 16 rows computed in epoch 1, 32 read in epochs 2-3; validation (8 rows, 5 evaluations
-        # at steps 1, 2, 3, 4, 6) computed once; the test loss is scored outside the cache
-        assert fp["boundary"] == 4 and (fp["misses"], fp["hits"]) == (16 + 8, 32 + 4 * 8)
-        assert fp["entries"] >= 24 and 0 < fp["bytes"] <= fp["max_bytes"]
-        assert fp["max_bytes"] == DEFAULT_MAX_MB << 20
-        assert on["train_curve"] == off["train_curve"] and len(set(loss for _, loss in on["train_curve"])) > 1
-        assert on["val_loss"] == off["val_loss"] and on["test_loss"] == off["test_loss"]
-        assert on["config"] == off["config"]  # the cache is no part of the run's configuration
-        wa = load_file(tmp_path / f"{precision}-off" / "adapter" / "adapter_model.safetensors")
-        wb = load_file(tmp_path / f"{precision}-auto" / "adapter" / "adapter_model.safetensors")
-        assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
+    runs = {}
+    for mode in ("off", "auto"):
+        cfg = AdaptConfig(**FAST, precision=precision, frozen_cache=mode)
+        runs[mode] = adapt("kvgraft-ced-8m", small_task, tmp_path / f"{precision}-{mode}", cfg)
+    off, on = runs["off"], runs["auto"]
+    assert off["frozen_prefix"] is None
+    fp = on["frozen_prefix"]
+    # training: 16 rows computed in epoch 1, 32 read in epochs 2-3; validation (8 rows, 5 evaluations
+    # at steps 1, 2, 3, 4, 6) computed once; the test loss is scored outside the cache
+    assert fp["boundary"] == 4 and (fp["misses"], fp["hits"]) == (16 + 8, 32 + 4 * 8)
+    assert fp["entries"] >= 24 and 0 < fp["bytes"] <= fp["max_bytes"]
+    assert fp["max_bytes"] == DEFAULT_MAX_MB << 20
+    assert on["train_curve"] == off["train_curve"] and len(set(loss for _, loss in on["train_curve"])) > 1
+    assert on["val_loss"] == off["val_loss"] and on["test_loss"] == off["test_loss"]
+    assert on["config"] == off["config"]  # the cache is no part of the run's configuration
+    wa = load_file(tmp_path / f"{precision}-off" / "adapter" / "adapter_model.safetensors")
+    wb = load_file(tmp_path / f"{precision}-auto" / "adapter" / "adapter_model.safetensors")
+    assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
 
 
 def test_the_cache_falls_back_with_a_note_or_is_refused_when_layer_0_trains(tmp_path, capsys):
@@ -93,11 +94,13 @@ def test_cli_run_says_what_the_cache_did(tmp_path, capsys):
     assert json.loads(lines[-2])["steps"] == 2 and lines[-1].startswith("sharing certificate: ")
 
 
-def test_the_placement_study_with_the_cache_gives_the_same_table(tmp_path, small_task):
-    """The study's default (bf16 autocast) with its runs through the cache and without: the same numbers;
-    the cache used by the runs that leave layer 0 frozen, not by all-linear."""
+@pytest.mark.parametrize("precision", ["fp32", BF16])
+def test_the_placement_study_with_the_cache_gives_the_same_table(tmp_path, small_task, precision):
+    """The study (bf16 autocast is its default; fp32 too) with its runs through the cache and without: the same
+    numbers; the cache used by the runs that leave layer 0 frozen, not by all-linear."""
     configs = ("decoder-half-r16+frozen-kv-writers", "all-linear-r16")
     kw = dict(seeds=1, steps=10, configs=configs, lr=2e-3, micro_batch_size=8, accuracy_examples=0, progress=False)
+    kw["precision"] = precision
     studies = {
         mode: placement_study("kvgraft-ced-8m", small_task, tmp_path / mode, StudyOptions(frozen_cache=mode, **kw))
         for mode in ("off", "auto")

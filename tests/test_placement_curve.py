@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from factories import FAST_PRECISION
 
 from kvgraft.cli import main
 from kvgraft.data.tasks import write_task
@@ -19,6 +20,7 @@ def small_task(tmp_path_factory):
 
 def test_curve_on_chosen_first_layers(tmp_path, small_task):
     kw = dict(seeds=1, steps=10, lr=2e-3, micro_batch_size=8, val_examples=4, test_examples=4, progress=False)
+    kw["precision"] = FAST_PRECISION  # (the curve's subject is not the precision: fp32 where bf16 is emulated)
     curve = placement_curve("kvgraft-ced-8m", small_task, tmp_path / "c", CurveOptions(first_layers=(7, 5), **kw))
     assert [r["first_layer"] for r in curve["rows"]] == [5, 7]  # sorted
     assert sorted(p.name for p in (tmp_path / "c" / "runs").iterdir()) == ["from5", "from7"]
