@@ -55,9 +55,9 @@ def autocast(precision: str, device: torch.device | str):
 
 def bf16_emulated(device: torch.device | str) -> bool:
     """Whether bf16 autocast would run emulated on ``device``: a CPU without the instructions oneDNN's bfloat16
-    path needs (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX), where bf16 matmuls fall back to ATen's reference loops:
+    path needs (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX), where torch runs bf16 matmuls without it (measured:
     a (2048 x 256) @ (256 x 688) linear's forward and backward took 0.73 s in bf16 against 0.02 s in fp32 on an
-    AVX2-only AMD EPYC at 2 threads (bench/RESULTS.md, session 30)."""
+    AVX2-only AMD EPYC at 2 threads; bench/RESULTS.md, session 30)."""
     return torch.device(device).type == "cpu" and torch.bfloat16 not in packed_dtypes()
 
 
